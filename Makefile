@@ -1,0 +1,29 @@
+# Two commands that set themselves up on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.molt-installed
+
+.PHONY: demo test test-slow bench install clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: the CPU wheel lies on disk here; unpinned it would pull a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/molt demo
+
+test: $(STAMP)
+	$(BIN)/pytest -q -x
+
+test-slow: $(STAMP)
+	$(BIN)/pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) .pytest_cache

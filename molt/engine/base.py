@@ -1,0 +1,60 @@
+"""The engine contract: token IDs in; sampled token IDs, behavior log-probabilities and policy versions out.
+
+Which distribution the behavior log-probability comes from (every engine must follow this, the trainer
+recomputes exactly this quantity):
+
+    logprob_i = log_softmax(logits_i / T)[token_i]        (T = the request's temperature; T = 0 -> T = 1)
+
+i.e. the full-vocabulary distribution after temperature and *before* top-k / top-p truncation. With
+top_k disabled and top_p = 1 this is exactly the distribution the token was sampled from. With truncation the
+sampling distribution is the renormalized truncated one; we still record the untruncated value because it is
+what the trainer can recompute from the policy alone, and the difference is a training-inference mismatch
+that importance correction (`molt.algo`) handles. Greedy requests (T = 0) record log_softmax(logits).
+
+Versions: every generated token carries the policy version of the weights that produced its logits.
+`pause()` stops scheduling new tokens but keeps in-flight requests; `update_weights(named_tensors, version)`
+loads weights while paused; `resume()` continues the retained requests, whose later tokens carry the new
+version. Generation never blocks the asyncio event loop.
+
+Output: the stop token (EOS or one of `stop_token_ids`) that ended a completion is included in
+`token_ids` with its log-probability, finish reason STOP. Hitting `max_tokens` or the context window
+gives LENGTH.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Protocol, runtime_checkable
+
+from molt.types import Completion, SamplingParams
+
+
+class EngineError(ValueError):
+    """A request the engine cannot serve (prompt longer than the context window, bad sampling params);
+    the capture server turns it into a 400."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    model_name: str  # name served on /v1/models
+    max_model_len: int  # context window in tokens (prompt + completion)
+    eos_token_ids: list[int]
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None = None,  # requests of one session may be routed to the same engine (prefix cache)
+        request_id: str | None = None,  # for abort(); cancelling the awaiting task aborts as well
+    ) -> Completion: ...
+
+    async def abort(self, request_id: str) -> None: ...  # finishes the request with FinishReason.ABORT
+
+    async def pause(self) -> None: ...
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    @property
+    def version(self) -> int: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,156 @@
+"""Tiny real Hugging Face checkpoints built locally, for tests and for users writing tests.
+
+Each builder writes a complete checkpoint directory (config, safetensors weights, generation config and a
+fast tokenizer with a chat template) that loads back through `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained`: the same loading path as a real model. No network, well under a second.
+
+- The tokenizer is a byte-level BPE trained with `tokenizers` on a small built-in corpus (so any text,
+  JSON included, round-trips), with ChatML special tokens `<|im_start|>`, `<|im_end|>` (EOS, as in SmolLM2
+  and Qwen) and `<|endoftext|>` (padding), and single-token (non-special) markers `<tool_call>`,
+  `</tool_call>`, `<think>`, `</think>` as in Qwen's vocabularies.
+- `CHATML_TOOLS_TEMPLATE` renders `tools` in a system block, assistant `tool_calls` as
+  `<tool_call>{json}</tool_call>` blocks and `tool` turns; `QWEN3_THINK_TEMPLATE` is the same but drops
+  `<think>...</think>` from assistant turns before the last user turn (so history is rewritten between
+  turns, which the capture server must detect as a `template_rewrite`).
+- Models: a dense Llama-style model (tied embeddings like SmolLM2) and a small Qwen2-MoE model (for routing
+  replay later). Weights are random but seeded.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MARKER_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
+
+_TEMPLATE_HEAD = r"""
+{%- set msgs = messages -%}
+{%- if tools %}<|im_start|>system
+{% if msgs and msgs[0].role == 'system' %}{{ msgs[0].content }}
+
+{% endif %}# Tools
+You may call one or more functions. Function signatures:
+<tools>
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}</tools>
+To call a function reply with <tool_call>{"name": NAME, "arguments": ARGS}</tool_call>.<|im_end|>
+{% elif msgs and msgs[0].role == 'system' %}<|im_start|>system
+{{ msgs[0].content }}<|im_end|>
+{% endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in msgs %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor -%}
+"""
+
+_TEMPLATE_BODY = r"""
+{%- for m in msgs -%}
+{%- if m.role == 'system' and loop.first -%}
+{%- elif m.role == 'assistant' -%}
+{%- set content = m.content if m.content is string else '' -%}
+{%- if DROP_THINK and loop.index0 < ns.last_user and '</think>' in content -%}
+{%- set content = content.split('</think>')[-1].lstrip('\n') -%}
+{%- endif -%}
+<|im_start|>assistant
+{{ content }}
+{%- if m.tool_calls -%}
+{%- for tc in m.tool_calls -%}
+{%- set f = tc.function if tc.function is defined else tc -%}
+{%- if content or not loop.first %}{{ '\n' }}{% endif -%}
+<tool_call>
+{"name": "{{ f.name }}", "arguments": {% if f.arguments is string %}{{ f.arguments }}{% else %}{{ f.arguments | tojson }}{% endif %}}
+</tool_call>
+{%- endfor -%}
+{%- endif -%}
+<|im_end|>
+{% elif m.role == 'tool' -%}
+<|im_start|>tool
+{{ m.content }}<|im_end|>
+{% else -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}
+"""
+
+CHATML_TOOLS_TEMPLATE = (_TEMPLATE_HEAD + _TEMPLATE_BODY.replace("DROP_THINK", "false")).strip()
+QWEN3_THINK_TEMPLATE = (_TEMPLATE_HEAD + _TEMPLATE_BODY.replace("DROP_THINK", "true")).strip()
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. What is 3 + 4? The answer is 7.",
+    "You are a helpful assistant. Use the calculator tool when arithmetic is needed.",
+    '{"name": "calculator", "arguments": {"expression": "12 * 7"}} {"result": 84}',
+    "system user assistant tool function arguments name type object properties required string",
+    "def add(a, b):\n    return a + b\nprint(add(2, 3))\n",
+    "Summary of the conversation so far: the user asked several sums and got answers.",
+    "0123456789 + - * / = ( ) [ ] { } < > , . : ; ! ? ' \" \n\t",
+]
+
+
+def build_tokenizer(vocab_size: int = 384, template: str = CHATML_TOOLS_TEMPLATE):
+    """A byte-level BPE `PreTrainedTokenizerFast` with ChatML specials and the given chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKER_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
+        unk_token=None, chat_template=template, model_max_length=512,
+    )
+
+
+def _save(model, tokenizer, path: Path) -> Path:
+    from transformers import GenerationConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    (path / "molt_tiny.json").write_text(json.dumps({"builder": "molt.testing"}))
+    return path
+
+
+def build_tiny_llama(path: str | Path, *, seed: int = 0, template: str = CHATML_TOOLS_TEMPLATE,
+                     hidden_size: int = 64, num_layers: int = 2, max_positions: int = 512) -> Path:
+    """Save a tiny dense Llama-style causal LM (tied embeddings, GQA) with its tokenizer to `path`."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tokenizer = build_tokenizer(template=template)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_positions, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return _save(model, tokenizer, Path(path))
+
+
+def build_tiny_moe(path: str | Path, *, seed: int = 0, template: str = CHATML_TOOLS_TEMPLATE) -> Path:
+    """Save a tiny Qwen2-MoE causal LM (4 experts, top-2 routing) with its tokenizer to `path`."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    tokenizer = build_tokenizer(template=template)
+    config = Qwen2MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, decoder_sparse_step=1,
+        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return _save(model, tokenizer, Path(path))

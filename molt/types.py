@@ -1,0 +1,198 @@
+"""Records that cross rooms: sampling parameters, engine completions, captured segments, trajectories, experiences.
+
+Every room may import this module; it imports nothing of molt and no torch/ray at module level (`import
+molt.agents` stays light). Records are slots dataclasses; lists are plain Python lists so that they pickle
+cheaply and print readably. Heavy per-token fields of an `Experience` move to Ray's object store with
+`offload()` and come back with `reload()` (ray is imported lazily there).
+
+Decisions:
+- Per-token fields of a `Segment` are aligned with `token_ids` (same length). On context tokens
+  (`action_mask == 0`) `behavior_logprobs` is 0.0 and `versions` is -1.
+- `SamplingParams.max_tokens is None` means "up to the context window" (the engine caps it).
+- `top_k <= 0` and `top_p == 1.0` disable those filters. `temperature == 0` means greedy.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token (EOS or `stop_token_ids`) was sampled; it is included in the output
+    LENGTH = "length"  # max_tokens or the context window was reached
+    ABORT = "abort"  # the request was aborted
+
+
+class RolloutStatus(str, enum.Enum):
+    OK = "ok"
+    AGENT_ERROR = "agent_error"  # the agent (or env) raised
+    TIMEOUT = "timeout"  # the rollout ran past its time limit
+    INVALID_REWARD = "invalid_reward"  # the agent returned no usable reward
+    ABORTED = "aborted"
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample one completion. Also the `ctx.sampling_params` agents see (public contract fields:
+    temperature, top_p, top_k, max_tokens, min_tokens)."""
+
+    max_tokens: int | None = 256  # max new tokens; None = up to the context window
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables
+    top_k: int = -1  # <= 0 disables
+    min_tokens: int = 0  # stop tokens are suppressed until this many tokens were generated
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens besides the model's EOS
+    seed: int | None = None  # per-request seed for reproducible sampling
+    top_logprobs: int = 0  # also return this many most likely alternatives per position
+
+    def validate(self) -> "SamplingParams":
+        """Raise ValueError naming the field on a bad value; return self."""
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 (got {self.max_tokens})")
+        if self.temperature is None or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0 (got {self.min_tokens})")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in [0, 20] (got {self.top_logprobs})")
+        return self
+
+    def copy(self, **changes: Any) -> "SamplingParams":
+        out = replace(self, **changes)
+        out.stop_token_ids = list(out.stop_token_ids)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+
+@dataclass(slots=True)
+class Completion:
+    """What an engine returns for one request: one behavior log-probability and one policy version per
+    generated token (see `molt.engine.base` for which distribution the log-probability is taken from)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+    # top_logprobs[i] = [(token_id, logprob), ...] most likely first; None unless asked for
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Segment:
+    """One token-exact context of a rollout. All per-token lists have len(token_ids)."""
+
+    token_ids: list[int]
+    action_mask: list[int]  # 1 on tokens the policy sampled
+    behavior_logprobs: list[float]  # log-prob of each sampled token when sampled; 0.0 on context tokens
+    versions: list[int]  # policy version that sampled each token; -1 on context tokens
+    break_reason: str = "start"  # why this segment began: start, compaction, template_rewrite, tools_changed, ...
+    temperature: float = 1.0  # temperature of its action tokens; capture seals the segment when it changes
+    routed_experts: Any = None  # optional MoE routing record for routing replay
+    images: Any = None  # optional multimodal inputs
+
+    @property
+    def num_actions(self) -> int:
+        return sum(self.action_mask)
+
+    def check(self) -> None:
+        n = len(self.token_ids)
+        assert len(self.action_mask) == n and len(self.behavior_logprobs) == n and len(self.versions) == n, (
+            "segment per-token fields must align with token_ids"
+        )
+
+
+@dataclass(slots=True)
+class Trajectory:
+    """One rollout: one or more segments sharing `rollout_id` and the terminal reward."""
+
+    rollout_id: str
+    group_id: str
+    segments: list[Segment] = field(default_factory=list)
+    reward: float = 0.0
+    score: float | None = None  # for filtering and dashboards; falls back to reward
+    info: dict[str, float] = field(default_factory=dict)
+    status: RolloutStatus = RolloutStatus.OK
+    error: str = ""  # human-readable reason when status is not OK
+    truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status is RolloutStatus.OK
+
+    @property
+    def effective_score(self) -> float:
+        return self.reward if self.score is None else self.score
+
+
+# Heavy per-token fields of an Experience; they travel through the object store, never through queues.
+PAYLOAD_FIELDS = ("token_ids", "action_mask", "behavior_logprobs", "versions", "advantages", "routed_experts", "images")
+
+
+@dataclass(slots=True)
+class Experience:
+    """One segment ready for training. Light fields stay on the record; `offload()` moves the payload (the
+    fields in PAYLOAD_FIELDS) into the local Ray object store and keeps only a reference."""
+
+    rollout_id: str
+    group_id: str
+    segment_index: int
+    reward: float
+    num_tokens: int
+    num_actions: int
+    min_version: int  # oldest policy version among its action tokens
+    temperature: float = 1.0
+    token_ids: list[int] | None = None
+    action_mask: list[int] | None = None
+    behavior_logprobs: list[float] | None = None
+    versions: list[int] | None = None
+    advantages: list[float] | None = None  # per token (0 on context); filled by the advantage estimator
+    routed_experts: Any = None
+    images: Any = None
+    payload_ref: Any = None  # ray.ObjectRef of the payload dict while offloaded
+
+    @classmethod
+    def from_segment(cls, traj: Trajectory, index: int) -> "Experience":
+        seg = traj.segments[index]
+        acted = [v for v, m in zip(seg.versions, seg.action_mask) if m]
+        return cls(
+            rollout_id=traj.rollout_id, group_id=traj.group_id, segment_index=index, reward=traj.reward,
+            num_tokens=len(seg.token_ids), num_actions=len(acted), min_version=min(acted, default=-1),
+            temperature=seg.temperature, token_ids=seg.token_ids, action_mask=seg.action_mask,
+            behavior_logprobs=seg.behavior_logprobs, versions=seg.versions,
+            routed_experts=seg.routed_experts, images=seg.images,
+        )
+
+    @property
+    def offloaded(self) -> bool:
+        return self.payload_ref is not None
+
+    def offload(self) -> "Experience":
+        """Put the payload into this node's object store and clear it from the record."""
+        import ray
+
+        assert not self.offloaded, "experience already offloaded"
+        self.payload_ref = ray.put({k: getattr(self, k) for k in PAYLOAD_FIELDS})
+        for k in PAYLOAD_FIELDS:
+            setattr(self, k, None)
+        return self
+
+    def reload(self) -> "Experience":
+        """Fetch the payload back (from whichever node holds it)."""
+        import ray
+
+        assert self.offloaded, "experience is not offloaded"
+        for k, v in ray.get(self.payload_ref).items():
+            setattr(self, k, v)
+        self.payload_ref = None
+        return self

@@ -1,0 +1,28 @@
+"""Shared fixtures: tiny real checkpoints built once per test session (no network)."""
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    from molt.testing.models import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_think_dir(tmp_path_factory):
+    from molt.testing.models import QWEN3_THINK_TEMPLATE, build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-think"), template=QWEN3_THINK_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory):
+    from molt.testing.models import build_tiny_moe
+
+    return build_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
