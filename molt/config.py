@@ -1,0 +1,347 @@
+"""Typed configuration of a Molt run: a YAML recipe plus dotted command-line overrides.
+
+Groups and flag names follow the public reference (`--actor.model_name_or_path`, `--rollout.n_samples_per_prompt`,
+`--algo.advantage.estimator`, ...). Each field's docstring becomes its `--help` line (tyro parses the
+dataclasses; no hand-written argparse). `load_config(argv)` reads `--config FILE.yaml` first, uses it as the
+defaults, applies the overrides, validates, and returns a `MoltConfig`.
+
+Decisions where the reference is silent:
+- `rollout.batch_size` is prompts per training step; each prompt is sampled `rollout.n_samples_per_prompt`
+  times, and one optimizer step consumes `train.batch_size` rollouts (0 = all rollouts of a step).
+- `train.max_staleness` counts policy versions; 0 is synchronous on-policy training.
+- New knobs of this project: `train.max_staleness`, `train.max_steps`, `rollout.engine`, `rollout.timeout_s`,
+  `rollout.max_turns`, `rollout.num_workers`, `rollout.max_failed_retries`, `eval.temperature`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+@dataclass
+class AdamConfig:
+    lr: float = 1e-6
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+
+@dataclass
+class ActorConfig:
+    model_name_or_path: str = "smollm2-135m-instruct"
+    """Policy model: a local HF checkpoint directory, a built-in alias, or a hub id."""
+    adam: AdamConfig = field(default_factory=AdamConfig)
+    max_norm: float = 1.0
+    """Gradient clipping norm (0 disables)."""
+    eps_clip_low_high: tuple[float, float] = (0.2, 0.28)
+    """PPO clip range (low, high) of the ratio around 1."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 for negative advantages (None disables)."""
+    policy_loss: str = "ppo"
+    """Policy loss by registered name (ppo, gspo, cispo, ...)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    gradient_checkpoint: bool = False
+    """Activation checkpointing of decoder blocks."""
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up steps."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of the trainer (bf16 mixed precision where supported)."""
+
+
+@dataclass
+class ModelRefConfig:
+    model_name_or_path: str | None = None
+    """Model for this role (None: the actor's model)."""
+
+
+@dataclass
+class TrainConfig:
+    agent_path: str = ""
+    """Agent file (.py exporting AgentRunner)."""
+    batch_size: int = 0
+    """Rollouts per optimizer step (0: every rollout of a training step in one optimizer step)."""
+    micro_batch_size: int = 0
+    """Sequences per micro-batch (0: split by max_tokens_per_gpu)."""
+    max_tokens_per_gpu: int = 4096
+    """Token budget of a micro-batch."""
+    async_queue_size: int = 2
+    """Completed groups buffered ahead of the trainer, in training steps."""
+    max_staleness: int = 1
+    """Max policy versions between the oldest token of a trained sample and the trainer (0: synchronous)."""
+    partial_rollout_enable: bool = False
+    """Keep requests alive across weight refits (requires importance correction)."""
+    max_steps: int = 10
+    """Training steps to run."""
+    seed: int = 42
+    """Global seed (data order, sampling seeds, init)."""
+    num_ranks: int = 1
+    """Trainer data-parallel ranks (FSDP2)."""
+    dump_trajectories_steps: int = 0
+    """Write a readable trajectory dump every N steps (0: never)."""
+
+
+@dataclass
+class RolloutConfig:
+    batch_size: int = 2
+    """Prompts per training step."""
+    n_samples_per_prompt: int = 8
+    """Rollouts per prompt (group size)."""
+    max_new_tokens: int = 48
+    """Max new tokens per model call."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k sampling (-1 disables)."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Inference engine: embedded transformers (CPU/one GPU) or vLLM (GPU)."""
+    num_workers: int = 1
+    """Rollout workers (each: an engine, a capture server, agent runners)."""
+    timeout_s: float = 300.0
+    """Time limit of one rollout."""
+    max_turns: int = 8
+    """Turn limit of an Env episode."""
+    max_failed_retries: int = 2
+    """Re-runs of failed rollouts within a group before the group is dropped."""
+
+
+@dataclass
+class AdvantageConfig:
+    estimator: str = "grpo"
+    """Advantage estimator by registered name (reinforce, reinforce_baseline, rloo, grpo, dr_grpo, gae)."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 1.0
+    """GAE lambda."""
+    is_correction_level: Literal["off", "token", "seq", "geo"] = "token"
+    """Importance correction level for the behavior/trainer mismatch."""
+    is_correction_mode: Literal["mask", "clip", "trunc"] = "trunc"
+    """What happens outside the band: mask the token, clip the weight, or truncate from above."""
+    is_correction_threshold: tuple[float, float] = (0.0, 2.0)
+    """Importance-ratio band (low, high)."""
+
+
+@dataclass
+class KLConfig:
+    init_coef: float = 0.0
+    """KL coefficient against the reference model (0: no reference model)."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator."""
+    use_loss: bool = True
+    """KL as a loss term (True) or as a token reward (False)."""
+
+
+@dataclass
+class AlgoConfig:
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    dynamic_filtering_enable: bool = False
+    """Drop degenerate groups (DAPO) and backfill."""
+    dynamic_filtering_range: tuple[float, float] = (0.0, 1.0)
+    """Keep groups whose mean score lies strictly inside this range."""
+
+
+@dataclass
+class VLLMConfig:
+    num_engines: int = 1
+    """vLLM engines."""
+    tensor_parallel_size: int = 1
+    """Tensor parallel size of each engine."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory for each engine."""
+
+
+@dataclass
+class FSDPConfig:
+    tp_size: int = 1
+    """Tensor-parallel size (DTensor)."""
+    ep_size: int = 1
+    """Expert-parallel size (GPU path)."""
+    cp_size: int = 1
+    """Context-parallel size (GPU path)."""
+    offload: bool = False
+    """Optimizer state CPU offload (GPU path)."""
+
+
+@dataclass
+class DataConfig:
+    prompt_dataset: str = ""
+    """Training prompts: a JSONL file (one row per prompt)."""
+    input_key: str = "prompt"
+    """Row key of the prompt (a string or OpenAI chat messages)."""
+    label_key: str = "label"
+    """Row key of the label given to the agent."""
+    tools_key: str = "tools"
+    """Row key of OpenAI tool schemas (optional)."""
+    max_len: int = 2048
+    """Max tokens of a rollout's context."""
+
+
+@dataclass
+class EvalConfig:
+    dataset: str = ""
+    """Held-out prompts (JSONL); empty disables evaluation."""
+    steps: int = 0
+    """Evaluate every N steps (0: only before and after training)."""
+    n_samples_per_prompt: int = 4
+    """Samples per eval prompt (pass@n, avg@n)."""
+    temperature: float = 1.0
+    """Eval sampling temperature."""
+    only: bool = False
+    """Evaluate and exit without training."""
+
+
+@dataclass
+class CkptConfig:
+    output_dir: str = "runs/molt"
+    """Run directory: config, metrics, dumps, checkpoints."""
+    save_steps: int = 0
+    """Checkpoint every N steps (0: never)."""
+    resume: bool = True
+    """Resume from the latest checkpoint in output_dir when there is one."""
+
+
+@dataclass
+class WandbConfig:
+    project: str = ""
+    """W&B project (empty: W&B off)."""
+
+
+@dataclass
+class LoggerConfig:
+    tensorboard_dir: str = ""
+    """TensorBoard directory (empty: <output_dir>/tb)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class RayConfig:
+    address: str = ""
+    """Existing Ray cluster address (empty: start a local instance)."""
+    num_cpus: int = 0
+    """Logical CPUs of a local instance (0: Ray's default)."""
+
+
+@dataclass
+class MoltConfig:
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: ModelRefConfig = field(default_factory=ModelRefConfig)
+    ref: ModelRefConfig = field(default_factory=ModelRefConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+def _positive(cfg: MoltConfig, *names: str) -> None:
+    for name in names:
+        if _get(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1 (got {_get(cfg, name)})")
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def validate(cfg: MoltConfig, *, check_files: bool = True) -> MoltConfig:
+    """Raise ValueError naming the field for anything that cannot run; return cfg."""
+    _positive(cfg, "rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
+              "train.max_steps", "train.num_ranks", "rollout.num_workers", "rollout.max_turns")
+    if cfg.train.max_staleness < 0:
+        raise ValueError(f"train.max_staleness must be >= 0 (got {cfg.train.max_staleness})")
+    if cfg.rollout.temperature < 0:
+        raise ValueError(f"rollout.temperature must be >= 0 (got {cfg.rollout.temperature})")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ValueError(f"rollout.top_p must be in (0, 1] (got {cfg.rollout.top_p})")
+    if cfg.actor.adam.lr <= 0:
+        raise ValueError(f"actor.adam.lr must be > 0 (got {cfg.actor.adam.lr})")
+    low, high = cfg.algo.advantage.is_correction_threshold
+    if not 0 <= low < high:
+        raise ValueError(f"algo.advantage.is_correction_threshold must satisfy 0 <= LOW < HIGH (got {low} {high})")
+    if cfg.train.partial_rollout_enable and cfg.algo.advantage.is_correction_level == "off":
+        raise ValueError("train.partial_rollout_enable needs importance correction: set "
+                         "algo.advantage.is_correction_level to token, seq or geo")
+    if cfg.algo.advantage.estimator == "gae" and not cfg.critic.model_name_or_path:
+        cfg.critic.model_name_or_path = cfg.actor.model_name_or_path
+    total = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    if cfg.train.batch_size and (total % cfg.train.batch_size or cfg.train.batch_size % cfg.rollout.n_samples_per_prompt):
+        raise ValueError(f"train.batch_size ({cfg.train.batch_size}) must divide rollout.batch_size * "
+                         f"rollout.n_samples_per_prompt ({total}) in whole groups of {cfg.rollout.n_samples_per_prompt}")
+    if check_files:
+        for name in ("train.agent_path", "data.prompt_dataset"):
+            value = _get(cfg, name)
+            if not value:
+                raise ValueError(f"{name} is required")
+            if not Path(value).is_file():
+                raise ValueError(f"{name}: no such file: {value}")
+        if cfg.eval.dataset and not Path(cfg.eval.dataset).is_file():
+            raise ValueError(f"eval.dataset: no such file: {cfg.eval.dataset}")
+    return cfg
+
+
+def _from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build a (nested) config dataclass from a YAML mapping; unknown keys are errors naming the field."""
+    kwargs: dict[str, Any] = {}
+    by_name = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in (data or {}).items():
+        if key not in by_name:
+            raise ValueError(f"unknown config field {prefix}{key} (known: {', '.join(sorted(by_name))})")
+        default = getattr(cls(), key)
+        if dataclasses.is_dataclass(default):
+            if not isinstance(value, dict):
+                raise ValueError(f"config field {prefix}{key} must be a mapping")
+            value = _from_dict(type(default), value, f"{prefix}{key}.")
+        elif isinstance(default, tuple):
+            value = tuple(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def to_dict(cfg: MoltConfig) -> dict[str, Any]:
+    def plain(v: Any) -> Any:
+        return list(v) if isinstance(v, tuple) else {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v
+    return plain(dataclasses.asdict(cfg))
+
+
+def load_config(argv: list[str] | None = None, *, check_files: bool = True, prog: str = "molt train") -> MoltConfig:
+    """`[--config recipe.yaml] [--group.field value ...]` -> validated MoltConfig."""
+    import tyro
+    import yaml
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    default = MoltConfig()
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ValueError("--config needs a YAML file")
+        path = Path(argv[i + 1])
+        if not path.is_file():
+            raise ValueError(f"--config: no such file: {path}")
+        default = _from_dict(MoltConfig, yaml.safe_load(path.read_text()) or {})
+        del argv[i : i + 2]
+    cfg = tyro.cli(MoltConfig, args=argv, default=default, use_underscores=True, prog=prog,
+                   description="Train a model on an agent's experience. Flags override the --config YAML recipe.")
+    return validate(cfg, check_files=check_files)
+
+
+def save_config(cfg: MoltConfig, path: str | Path) -> None:
+    import yaml
+
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
