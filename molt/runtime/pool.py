@@ -1,0 +1,239 @@
+"""The persistent rollout pool: single rollouts in flight, complete prompt groups out, bounded staleness.
+
+The pool dispatches one rollout at a time (a `RolloutTask`) through an async `run` function (in a real run a
+Ray call to a rollout worker), gathers finished rollouts into prompt groups of `n_samples`, and releases a
+group only when all of its samples succeeded. Training never waits for a global rollout round: the trainer
+takes `groups_per_step` complete groups while other groups stay in flight.
+
+Staleness. `max_staleness` (policy versions) bounds how old the oldest token of a trained sample may be:
+- dispatch is throttled: groups started (and not dropped) never exceed
+  `(version + max_staleness + 1) * groups_per_step`, so with 0 the next step's rollouts start only after the
+  refit (synchronous on-policy) and with k they may run k versions ahead;
+- at hand-out, a group whose oldest action token is older than `version - max_staleness` is dropped (counted
+  as `stale`) and its slot is backfilled. With multi-turn agents or partial rollout this can happen.
+
+Failures (one documented policy). A failed rollout (agent error, timeout, invalid reward) is counted under
+`failed/<status>` and re-run within its group with a fresh rollout id, up to `max_retries` re-runs per group;
+past that the group is dropped (`dropped/group_failed`) and its slot backfilled with a new prompt. Dynamic
+filtering (`group_filter`) drops complete groups by reason (`dropped/<reason>`), also backfilled. Nothing is
+silently lost: every drop and failure is in `counters`.
+
+Resume. Prompts come from a `PromptStream` in a seeded order; a trained group's key (epoch, index) goes into
+the ledger, and a resumed stream skips the keys already trained, so no prompt sample is trained twice or
+skipped.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable, Iterator
+
+from molt.types import Experience, RolloutStatus
+
+
+@dataclass(slots=True)
+class RolloutTask:
+    """One rollout to run: a dataset row and where its result belongs."""
+
+    row: dict[str, Any]
+    key: tuple[int, int]  # (epoch, prompt index): the ledger key of its group
+    group_id: str
+    rollout_id: str
+    sample_index: int
+    dispatch_version: int
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class RolloutOutcome:
+    """What a worker returns for one rollout: light fields plus offloaded experiences (one per segment)."""
+
+    rollout_id: str
+    group_id: str
+    status: RolloutStatus
+    reward: float = 0.0
+    score: float | None = None
+    error: str = ""
+    info: dict[str, float] = field(default_factory=dict)
+    truncated: bool = False
+    experiences: list[Experience] = field(default_factory=list)
+    break_reasons: list[str] = field(default_factory=list)
+    response_tokens: int = 0  # action tokens over all segments
+    sample_index: int = 0
+
+    @property
+    def effective_score(self) -> float:
+        return self.reward if self.score is None else self.score
+
+    @property
+    def min_version(self) -> int:
+        return min((e.min_version for e in self.experiences if e.num_actions), default=-1)
+
+
+@dataclass(slots=True)
+class Group:
+    key: tuple[int, int]
+    group_id: str
+    row: dict[str, Any]
+    outcomes: list[RolloutOutcome]
+
+    @property
+    def min_version(self) -> int:
+        versions = [o.min_version for o in self.outcomes if o.min_version >= 0]
+        return min(versions, default=-1)
+
+
+class PromptStream:
+    """Dataset rows in a seeded shuffled order, epoch after epoch, skipping ledger keys already trained."""
+
+    def __init__(self, rows: list[dict[str, Any]], seed: int, trained: Iterable[tuple[int, int]] = ()):
+        if not rows:
+            raise ValueError("the prompt dataset is empty")
+        self.rows, self.seed, self.trained = rows, seed, set(map(tuple, trained))
+
+    def __iter__(self) -> Iterator[tuple[tuple[int, int], dict[str, Any]]]:
+        epoch = 0
+        while True:
+            order = list(range(len(self.rows)))
+            random.Random(self.seed + epoch).shuffle(order)
+            for index in order:
+                if (epoch, index) not in self.trained:
+                    yield (epoch, index), self.rows[index]
+            epoch += 1
+
+
+GroupFilter = Callable[[list[Group]], tuple[list[Group], dict[str, int]]]
+
+
+class RolloutPool:
+    def __init__(
+        self,
+        prompts: PromptStream,
+        run: Callable[[RolloutTask], Awaitable[RolloutOutcome]],
+        *,
+        n_samples: int,
+        groups_per_step: int,
+        max_staleness: int,
+        max_retries: int = 2,
+        group_filter: GroupFilter | None = None,
+        seed: int = 0,
+    ):
+        self._prompts = iter(prompts)
+        self._run, self._filter = run, group_filter
+        self.n_samples, self.groups_per_step = n_samples, groups_per_step
+        self.max_staleness, self.max_retries = max_staleness, max_retries
+        self.version = 0
+        self.counters: Counter[str] = Counter()
+        self._seed = seed
+        self._started = 0  # groups dispatched
+        self._dropped = 0  # groups dropped (failed, filtered, stale): their budget slots are backfilled
+        self._ready: asyncio.Queue[Group] = asyncio.Queue()
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._dispatcher: asyncio.Task | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        assert self._dispatcher is None, "pool already started"
+        self._dispatcher = asyncio.create_task(self._dispatch_loop())
+
+    async def stop(self) -> None:
+        for task in [self._dispatcher, *self._tasks]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*[t for t in [self._dispatcher, *self._tasks] if t], return_exceptions=True)
+        self._dispatcher = None
+
+    def set_version(self, version: int) -> None:
+        """Called after each refit: lets dispatch run ahead up to the staleness bound again."""
+        self.version = version
+        self._wake.set()
+
+    # -- trainer side ---------------------------------------------------------------------------------------
+    async def next_step_groups(self) -> list[Group]:
+        """Wait for `groups_per_step` complete, kept, fresh-enough groups and hand them out."""
+        out: list[Group] = []
+        while len(out) < self.groups_per_step:
+            if self._dispatcher is not None and self._dispatcher.done():
+                self._dispatcher.result()  # surface a dispatcher crash instead of waiting forever
+            try:
+                group = await asyncio.wait_for(self._ready.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                continue
+            if 0 <= group.min_version < self.version - self.max_staleness:
+                self._drop("stale")
+                continue
+            out.append(group)
+        return out
+
+    # -- dispatch -------------------------------------------------------------------------------------------
+    def _budget(self) -> int:
+        return (self.version + self.max_staleness + 1) * self.groups_per_step
+
+    def _drop(self, reason: str, count: int = 1) -> None:
+        self.counters[f"dropped/{reason}"] += count
+        self._dropped += 1
+        self._wake.set()
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            while self._started - self._dropped >= self._budget():
+                self._wake.clear()
+                await self._wake.wait()
+            key, row = next(self._prompts)
+            self._started += 1
+            task = asyncio.create_task(self._run_group(key, row))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _task(self, key: tuple[int, int], row: dict, group_id: str, index: int, attempt: int) -> RolloutTask:
+        # Ids and seeds are deterministic so that a seeded run is reproducible.
+        rid = f"{group_id}-s{index}-a{attempt}"
+        seed = zlib.crc32(f"{self._seed}/{rid}".encode()) & 0x7FFFFFFF
+        return RolloutTask(row, key, group_id, rid, index, self.version, seed)
+
+    async def _run_group(self, key: tuple[int, int], row: dict[str, Any]) -> None:
+        group_id = f"e{key[0]}-p{key[1]}"
+        pending = {asyncio.create_task(self._run(self._task(key, row, group_id, i, 0))): i
+                   for i in range(self.n_samples)}
+        done: list[RolloutOutcome] = []
+        retries = 0
+        while pending:
+            finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in finished:
+                index = pending.pop(task)
+                outcome = self._outcome(task, group_id)
+                outcome.sample_index = index
+                if outcome.status is RolloutStatus.OK:
+                    done.append(outcome)
+                    continue
+                self.counters[f"failed/{outcome.status.value}"] += 1
+                if retries >= self.max_retries:
+                    for other in pending:
+                        other.cancel()
+                    self._drop("group_failed")
+                    return
+                retries += 1
+                retry = self._task(key, row, group_id, index, retries)
+                pending[asyncio.create_task(self._run(retry))] = index
+        group = Group(key, group_id, row, sorted(done, key=lambda o: o.sample_index))
+        if self._filter is not None:
+            kept, reasons = self._filter([group])
+            if not kept:
+                reason = next((r for r, n in reasons.items() if n), "filtered")
+                self._drop(reason)
+                return
+        self._ready.put_nowait(group)
+
+    @staticmethod
+    def _outcome(task: asyncio.Task, group_id: str) -> RolloutOutcome:
+        """A worker crash is a failed rollout, never a crashed pool."""
+        if task.cancelled():
+            return RolloutOutcome("", group_id, RolloutStatus.ABORTED, error="cancelled")
+        exc = task.exception()
+        if exc is not None:
+            return RolloutOutcome("", group_id, RolloutStatus.AGENT_ERROR, error=f"{type(exc).__name__}: {exc}")
+        return task.result()

@@ -1,0 +1,108 @@
+"""The rollout pool's scheduling policy, driven by an instant fake `run` (the real path is tested end to end)."""
+import asyncio
+
+import pytest
+
+from molt.runtime.pool import PromptStream, RolloutOutcome, RolloutPool
+from molt.types import Experience, RolloutStatus
+
+ROWS = [{"prompt": f"q{i}", "label": i} for i in range(10)]
+
+
+def ok(task, version=None, reward=1.0):
+    exp = Experience(task.rollout_id, task.group_id, 0, reward, 4, 2,
+                     task.dispatch_version if version is None else version)
+    return RolloutOutcome(task.rollout_id, task.group_id, RolloutStatus.OK, reward=reward, experiences=[exp])
+
+
+async def settle():
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def test_prompt_stream_is_seeded_and_skips_the_ledger():
+    def keys(stream, n):
+        return [key for (key, _row), _ in zip(stream, range(n))]
+
+    first = keys(PromptStream(ROWS, seed=1), 25)
+    assert first == keys(PromptStream(ROWS, seed=1), 25)
+    assert sorted(i for e, i in first[:10]) == list(range(10)) and first[10][0] == 1  # epoch after epoch
+    resumed = keys(PromptStream(ROWS, seed=1, trained=first[:7]), 18)
+    assert resumed == first[7:25]  # nothing trained twice, nothing skipped
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+async def test_dispatch_is_bounded_by_staleness(staleness):
+    started = []
+
+    async def run(task):
+        started.append(task)
+        return ok(task)
+
+    pool = RolloutPool(PromptStream(ROWS, 0), run, n_samples=3, groups_per_step=2, max_staleness=staleness)
+    pool.start()
+    await settle()
+    assert len({t.group_id for t in started}) == 2 * (staleness + 1)  # run ahead by exactly the bound
+    groups = await pool.next_step_groups()
+    assert len(groups) == 2 and all(len(g.outcomes) == 3 for g in groups)
+    assert [o.sample_index for o in groups[0].outcomes] == [0, 1, 2]
+    await settle()
+    assert len({t.group_id for t in started}) == 2 * (staleness + 1)  # taking groups frees no budget ...
+    pool.set_version(1)
+    await settle()
+    assert len({t.group_id for t in started}) == 2 * (staleness + 2)  # ... a refit does
+    await pool.stop()
+
+
+async def test_failures_are_retried_within_the_group_then_the_group_is_dropped():
+    calls = {}
+
+    async def run(task):
+        calls[task.group_id] = calls.get(task.group_id, 0) + 1
+        if task.row["label"] % 2 == 0 and task.sample_index == 1:  # even prompts always fail one sample
+            return RolloutOutcome(task.rollout_id, task.group_id, RolloutStatus.TIMEOUT, error="slow")
+        if task.row["label"] % 2 == 1 and task.sample_index == 0 and task.rollout_id.endswith("a0"):
+            raise RuntimeError("worker died")  # odd prompts fail once, then succeed on retry
+        return ok(task)
+
+    pool = RolloutPool(PromptStream(ROWS, 0), run, n_samples=2, groups_per_step=3, max_staleness=0,
+                       max_retries=1)
+    pool.start()
+    groups = await pool.next_step_groups()
+    await pool.stop()
+    assert all(g.row["label"] % 2 == 1 for g in groups)  # only complete groups come out
+    assert all(len(g.outcomes) == 2 and all(o.status is RolloutStatus.OK for o in g.outcomes) for g in groups)
+    dropped = pool.counters["dropped/group_failed"]
+    assert dropped >= 1 and pool.counters["failed/timeout"] == 2 * dropped  # first try + one retry each
+    assert pool.counters["failed/agent_error"] >= 3
+
+
+async def test_stale_groups_are_dropped_and_backfilled():
+    async def run(task):  # even prompts come back with version-0 tokens (e.g. a long multi-turn agent)
+        return ok(task, version=0 if task.row["label"] % 2 == 0 else task.dispatch_version)
+
+    # seed 4 orders prompts 8, 2, 0, 7, ...: three stale groups complete before the first fresh one
+    pool = RolloutPool(PromptStream(ROWS, 4), run, n_samples=2, groups_per_step=1, max_staleness=1)
+    pool.set_version(5)  # the trainer is far ahead: version-0 tokens are 5 versions old
+    pool.start()
+    groups = await pool.next_step_groups()
+    await pool.stop()
+    assert groups[0].row["label"] == 7 and groups[0].min_version == 5
+    assert pool.counters["dropped/stale"] == 3
+
+
+async def test_group_filter_drops_by_reason_and_backfills():
+    async def run(task):
+        return ok(task, reward=float(task.row["label"] < 5) if task.sample_index else 0.0)
+
+    def only_mixed(groups):
+        kept = [g for g in groups if len({o.reward for o in g.outcomes}) > 1]
+        return kept, {"all_equal": len(groups) - len(kept)}
+
+    pool = RolloutPool(PromptStream(ROWS, 0), run, n_samples=2, groups_per_step=3, max_staleness=0,
+                       group_filter=only_mixed)
+    pool.start()
+    groups = await pool.next_step_groups()
+    await pool.stop()
+    assert len(groups) == 3 and all(g.row["label"] < 5 for g in groups)
+    assert pool.counters["dropped/all_equal"] >= 1
