@@ -26,3 +26,15 @@ def tiny_moe_dir(tmp_path_factory):
     from molt.testing.models import build_tiny_moe
 
     return build_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray instance for the whole test session (starting one takes about 2 s)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,41 @@
+"""From a captured trajectory to offloaded experiences, and from experiences to data-parallel ranks.
+
+The producing worker turns each segment into an `Experience` and offloads its payload into its node's Ray
+object store (`Experience.offload`); the `RolloutOutcome` that travels back to the controller carries only
+light fields and object references. `assign_to_ranks` balances token counts over data-parallel ranks
+(longest first onto the least-loaded rank), so each rank `reload()`s only its own experiences.
+"""
+from __future__ import annotations
+
+import heapq
+
+from molt.runtime.pool import RolloutOutcome
+from molt.types import Experience, Trajectory
+
+
+def outcome_from_trajectory(traj: Trajectory, *, offload: bool = True) -> RolloutOutcome:
+    experiences = [Experience.from_segment(traj, i) for i in range(len(traj.segments))] if traj.ok else []
+    response_tokens = sum(e.num_actions for e in experiences)
+    if offload:
+        experiences = [e.offload() for e in experiences]
+    return RolloutOutcome(
+        rollout_id=traj.rollout_id, group_id=traj.group_id, status=traj.status, reward=traj.reward,
+        score=traj.score, error=traj.error, info=dict(traj.info), truncated=traj.truncated,
+        experiences=experiences, break_reasons=[s.break_reason for s in traj.segments],
+        response_tokens=response_tokens,
+    )
+
+
+def assign_to_ranks(experiences: list[Experience], n_ranks: int) -> list[list[Experience]]:
+    """Balanced token counts per rank (LPT). Every rank gets at least one experience when there are enough."""
+    if n_ranks < 1:
+        raise ValueError(f"n_ranks must be >= 1 (got {n_ranks})")
+    if len(experiences) < n_ranks:
+        raise ValueError(f"{len(experiences)} experiences cannot feed {n_ranks} data-parallel ranks")
+    heap = [(0, rank) for rank in range(n_ranks)]
+    out: list[list[Experience]] = [[] for _ in range(n_ranks)]
+    for exp in sorted(experiences, key=lambda e: e.num_tokens, reverse=True):
+        load, rank = heapq.heappop(heap)
+        out[rank].append(exp)
+        heapq.heappush(heap, (load + exp.num_tokens, rank))
+    return out

@@ -1,0 +1,119 @@
+"""Per-step metrics: computed from light rollout records, written to the console, a JSONL file and TensorBoard.
+
+Metric names follow the public reference where one exists (`rollout/reward_mean`, `group_reward_std`,
+`timing/generation`, `eval_<dataset>_pass<n>`, ...); everything else is slash-namespaced. One JSON object per
+step goes to `metrics.jsonl` with `step`; TensorBoard gets the same scalars; W&B when a project is configured.
+The console gets a tqdm progress bar and one readable line per step.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterable
+
+from molt.runtime.pool import Group
+
+
+def rollout_metrics(groups: Iterable[Group], version: int) -> dict[str, float]:
+    """Reward, group spread, length, truncation, segmentation and staleness of the groups of one step."""
+    groups = list(groups)
+    outcomes = [o for g in groups for o in g.outcomes]
+    if not outcomes:
+        return {}
+    rewards = [o.reward for o in outcomes]
+    stds = [statistics.pstdev([o.reward for o in g.outcomes]) for g in groups]
+    behind = [version - e.min_version for o in outcomes for e in o.experiences if e.num_actions]
+    breaks = Counter(r for o in outcomes for r in o.break_reasons)
+    out = {
+        "rollout/reward_mean": statistics.fmean(rewards),
+        "rollout/reward_std": statistics.pstdev(rewards),
+        "group_reward_std": statistics.fmean(stds),
+        "rollout/response_length_mean": statistics.fmean(o.response_tokens for o in outcomes),
+        "rollout/truncated_rate": statistics.fmean(float(o.truncated) for o in outcomes),
+        "rollout/segments_per_rollout": statistics.fmean(max(1, len(o.experiences)) for o in outcomes),
+        "rollout/staleness_mean": statistics.fmean(behind) if behind else 0.0,
+        "rollout/staleness_max": float(max(behind, default=0)),
+        "rollout/count": float(len(outcomes)),
+    }
+    out.update({f"rollout/break/{reason}": float(n) for reason, n in breaks.items()})
+    for key in sorted({k for o in outcomes for k in o.info}):
+        values = [float(o.info[key]) for o in outcomes if key in o.info]
+        out[f"rollout/info/{key}"] = statistics.fmean(values)
+    return out
+
+
+def pass_at_n(correct: list[list[bool]]) -> tuple[float, float]:
+    """(pass@n, avg@n) over prompts, each with n samples judged correct or not."""
+    if not correct:
+        return 0.0, 0.0
+    return (statistics.fmean(float(any(c)) for c in correct),
+            statistics.fmean(statistics.fmean(map(float, c)) for c in correct))
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+
+
+# (metric key, console label) for the one-line summary, in order; missing keys are skipped.
+_CONSOLE = [
+    ("rollout/reward_mean", "reward"), ("group_reward_std", "grp_std"), ("eval/accuracy", "eval_acc"),
+    ("rollout/response_length_mean", "len"), ("policy_loss", "loss"), ("actor_grad_norm", "gnorm"),
+    ("is_filter_ratio", "gate"), ("rollout/staleness_mean", "stale"), ("timing/generation", "gen_s"),
+    ("timing/policy_train", "train_s"), ("timing/broadcast", "refit_s"), ("timing/step_total", "step_s"),
+]
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | Path, total_steps: int, *, tensorboard_dir: str = "",
+                 wandb_project: str = "", config: dict[str, Any] | None = None, start_step: int = 0):
+        from tqdm.auto import tqdm
+
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self._tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(tensorboard_dir or str(self.run_dir / "tb"))
+        except ImportError:  # tensorboard is a dependency; tolerate a trimmed install
+            pass
+        self._wandb = None
+        if wandb_project:
+            import wandb
+
+            self._wandb = wandb.init(project=wandb_project, config=config, dir=str(self.run_dir))
+        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in clean.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+        line = " | ".join(f"{label} {_fmt(clean[key])}" for key, label in _CONSOLE if key in clean)
+        self._bar.write(f"step {step}: {line}")
+        if advance:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"no metrics.jsonl in {run_dir}")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
