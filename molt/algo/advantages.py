@@ -1,0 +1,357 @@
+"""Advantage estimators, selected by name from the `ESTIMATORS` registry.
+
+Input layout (`AdvantageBatch`): one row per *segment*, right-padded to [N, T] and aligned with the segment's
+`token_ids`. A rollout split into several segments has several rows that share its `rollout_id`, `group_id`
+and reward. The estimator returns per-token advantages [N, T] (0 off action tokens), which the runtime
+writes into `Experience.advantages`.
+
+Registered names:
+- `reinforce`: REINFORCE++. Token rewards are -kl_coef * kl on every action token plus the rollout reward on
+  its last action token; returns are discounted (gamma) over the rollout's action tokens, then whitened over
+  all action tokens of the batch.
+- `reinforce_baseline`: as `reinforce`, with the group mean reward subtracted from the terminal reward.
+- `rloo`: r - mean of the other rollouts of the group = n/(n-1) * (r - group mean).
+- `grpo`: (r - group mean) / (group std + std_eps).
+- `dr_grpo`: r - group mean (no std).
+- `gae`: generalized advantage estimation from critic values, gamma and lambda; returns = raw advantage +
+  value (the critic's target); advantages whitened.
+
+Decisions (the issue is silent on these):
+- Group statistics count each rollout once (deduplicated by rollout id) and the rollout's advantage goes to
+  every action token of all its segments (DESIGN.md, "Group advantages over segments").
+- A group of one gets advantage 0 from every group estimator (it carries no relative signal); all-equal
+  rewards give 0; the group std is the unbiased (Bessel) one. Rollouts with empty masks still count in their
+  group's statistics but receive no tokens.
+- Time for gamma/lambda runs over a rollout's action tokens only, across its segments in order
+  (`segment_index`); context tokens (prompts, tool outputs) take no time step and get advantage 0. The
+  terminal reward sits on the rollout's last action token, and GAE bootstraps with V = 0 after it.
+- Whitening ("global") is over all action tokens of the batch passed in: pass a whole training batch.
+- KL as a token reward is only meaningful for the token-level estimators (reinforce, reinforce_baseline,
+  gae); the group estimators raise ValueError when kl_coef > 0 (put KL in the loss instead, see `kl.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from molt.algo.ops import (
+    Registry,
+    as_mask,
+    check_shape,
+    detach_all,
+    discounted_reverse_cumsum,
+    masked_mean,
+    masked_whiten,
+)
+from molt.types import Experience
+
+ESTIMATORS = Registry("advantage estimator")
+
+
+def register_estimator(name: str) -> Callable:
+    """Decorator: `@register_estimator("name")` on `fn(batch: AdvantageBatch, params: AdvantageParams) ->
+    AdvantageResult` makes it selectable as `--algo.advantage.estimator name`."""
+    return ESTIMATORS.register(name)
+
+
+@dataclass(slots=True)
+class AdvantageParams:
+    gamma: float = 1.0  # discount over a rollout's action tokens (reinforce, reinforce_baseline, gae)
+    lam: float = 1.0  # GAE lambda
+    kl_coef: float = 0.0  # weight of the KL token reward (token-level estimators); 0 = off
+    whiten: bool = True  # global whitening over action tokens (reinforce, reinforce_baseline, gae)
+    std_eps: float = 1e-6  # grpo: (r - mean) / (std + std_eps)
+
+    def validate(self) -> AdvantageParams:
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1] (got {getattr(self, name)})")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0 (got {self.kl_coef})")
+        if self.std_eps <= 0:
+            raise ValueError(f"std_eps must be > 0 (got {self.std_eps})")
+        return self
+
+
+def _dense_ids(keys: list[str]) -> Tensor:
+    """String ids -> integers 0..K-1 in order of first appearance."""
+    index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    return torch.tensor([index[k] for k in keys], dtype=torch.long)
+
+
+@dataclass(slots=True)
+class AdvantageBatch:
+    """Segments of complete rollouts, one per row. Shapes: N rows, T padded length."""
+
+    rewards: Tensor  # [N] float: the rollout's reward, repeated on every segment row of that rollout
+    group_ids: Tensor  # [N] int: prompt group of the row's rollout (any integers)
+    rollout_ids: Tensor  # [N] int: rollout of the row; the segments of one rollout share it
+    action_mask: Tensor  # [N, T] bool or 0/1: tokens the policy sampled
+    segment_index: Tensor | None = None  # [N] int: order of the row within its rollout; None = row order
+    kl: Tensor | None = None  # [N, T] detached per-token KL vs the reference (reward placement, see kl.py)
+    values: Tensor | None = None  # [N, T] critic value of the state in which token t was sampled (gae)
+
+    def __post_init__(self) -> None:
+        self.action_mask = as_mask(self.action_mask)
+        n, t = self.action_mask.shape
+        for name in ("rewards", "group_ids", "rollout_ids", "segment_index"):
+            check_shape(name, getattr(self, name), (n,))
+        check_shape("kl", self.kl, (n, t))
+        check_shape("values", self.values, (n, t))
+        if not self.rewards.is_floating_point():
+            self.rewards = self.rewards.float()  # integer rewards would make integer advantages
+        if not torch.isfinite(self.rewards).all():
+            raise ValueError("rewards must be finite")
+
+    @classmethod
+    def from_experiences(cls, exps: Sequence[Experience], **tensors: Tensor) -> AdvantageBatch:
+        """Pad reloaded experiences into a batch (string ids become integers). `tensors` may give `kl` or
+        `values` in the same [N, T] layout."""
+        if any(e.action_mask is None for e in exps):
+            raise ValueError("exps: every experience must be reloaded (action_mask is None when offloaded)")
+        mask = torch.zeros(len(exps), max((len(e.action_mask) for e in exps), default=0), dtype=torch.bool)
+        for i, e in enumerate(exps):
+            mask[i, : len(e.action_mask)] = torch.tensor(e.action_mask, dtype=torch.bool)
+        return cls(
+            rewards=torch.tensor([float(e.reward) for e in exps]),
+            group_ids=_dense_ids([e.group_id for e in exps]),
+            rollout_ids=_dense_ids([e.rollout_id for e in exps]),
+            segment_index=torch.tensor([e.segment_index for e in exps], dtype=torch.long),
+            action_mask=mask,
+            **tensors,
+        )
+
+
+@dataclass(slots=True)
+class AdvantageResult:
+    advantages: Tensor  # [N, T], 0 off action tokens
+    returns: Tensor | None = (
+        None  # [N, T] unwhitened returns (gae: the critic's targets); None for group ones
+    )
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RolloutStats:
+    """Per-rollout view of a batch (R rollouts, G groups), each rollout counted once."""
+
+    row_rollout: Tensor  # [N] long: dense rollout index (0..R-1) of each row
+    reward: Tensor  # [R] float64: the rollout's reward
+    group: Tensor  # [R] long: dense group index (0..G-1) of each rollout
+    group_mean: Tensor  # [R] float64: mean reward of the rollout's group
+    group_std: Tensor  # [R] float64: unbiased std of the group's rewards; 0 for a group of one
+    group_size: Tensor  # [R] float64: number of rollouts in the group
+
+
+def _per_rollout(values: Tensor, row_rollout: Tensor, num: int, name: str) -> Tensor:
+    """Collapse a per-row value to one per rollout; ValueError when a rollout's rows disagree."""
+    v = values.double()
+    hi = torch.full((num,), -torch.inf, dtype=v.dtype, device=v.device).scatter_reduce(
+        0, row_rollout, v, "amax"
+    )
+    lo = torch.full((num,), torch.inf, dtype=v.dtype, device=v.device).scatter_reduce(
+        0, row_rollout, v, "amin"
+    )
+    if (hi != lo).any():
+        raise ValueError(f"{name} must be equal on all segment rows of a rollout")
+    return hi
+
+
+def rollout_stats(batch: AdvantageBatch) -> RolloutStats:
+    """Deduplicate rows by rollout id and compute group mean/std/size over rollouts."""
+    _, row_rollout = torch.unique(batch.rollout_ids, return_inverse=True)
+    num = int(row_rollout.max()) + 1 if row_rollout.numel() else 0
+    reward = _per_rollout(batch.rewards, row_rollout, num, "rewards")
+    _, row_group = torch.unique(batch.group_ids, return_inverse=True)
+    group = _per_rollout(row_group, row_rollout, num, "group_ids").long()
+    zeros = torch.zeros(int(group.max()) + 1 if num else 0, dtype=torch.float64, device=reward.device)
+    size = zeros.index_add(0, group, torch.ones_like(reward))
+    mean = zeros.index_add(0, group, reward) / size.clamp(min=1)
+    var = zeros.index_add(0, group, (reward - mean[group]) ** 2) / (size - 1).clamp(min=1)
+    return RolloutStats(row_rollout, reward, group, mean[group], var.sqrt()[group], size[group])
+
+
+def to_tokens(per_rollout: Tensor, stats: RolloutStats, batch: AdvantageBatch) -> Tensor:
+    """Give each rollout's value [R] to every action token of all its segments: [N, T] (0 elsewhere)."""
+    rows = per_rollout[stats.row_rollout].to(batch.rewards.dtype)[:, None]
+    return torch.where(batch.action_mask, rows, 0.0)
+
+
+@dataclass(slots=True)
+class ActionSequences:
+    """Each rollout's action tokens laid out as one sequence [R, L], its segments in order."""
+
+    rows: Tensor  # [M] row of each action token of the batch (M action tokens)
+    cols: Tensor  # [M] column of each action token
+    rollout: Tensor  # [M] rollout index of each action token
+    pos: Tensor  # [M] position of the token in its rollout's action sequence
+    length: Tensor  # [R] number of action tokens of each rollout
+
+    @classmethod
+    def build(cls, batch: AdvantageBatch, stats: RolloutStats) -> ActionSequences:
+        mask, row_r = batch.action_mask, stats.row_rollout
+        seg = (
+            batch.segment_index
+            if batch.segment_index is not None
+            else torch.arange(len(row_r), device=mask.device)
+        )
+        order = torch.argsort(seg, stable=True)
+        order = order[torch.argsort(row_r[order], stable=True)]  # by rollout, then by segment index
+        same = (row_r[order][1:] == row_r[order][:-1]) & (seg[order][1:] == seg[order][:-1])
+        if same.any():
+            raise ValueError("segment_index must be distinct among the rows of one rollout")
+        counts = mask.sum(1)
+        excl = counts[order].cumsum(0) - counts[order]  # action tokens before each row, in sorted order
+        num = len(stats.reward)
+        start = excl.new_zeros(num).scatter_reduce(0, row_r[order], excl, "amin", include_self=False)
+        row_offset = torch.empty_like(counts)
+        row_offset[order] = excl - start[row_r[order]]
+        rows, cols = mask.nonzero(as_tuple=True)
+        pos = row_offset[rows] + (mask.cumsum(1) - 1)[rows, cols]
+        length = counts.new_zeros(num).index_add(0, row_r, counts)
+        return cls(rows, cols, row_r[rows], pos, length)
+
+    def zeros(self) -> Tensor:
+        """[R, L] float64 zeros, L the longest rollout's action count."""
+        width = int(self.length.max()) if len(self.length) else 0
+        return torch.zeros(len(self.length), width, dtype=torch.float64, device=self.length.device)
+
+    def gather(self, x: Tensor) -> Tensor:
+        """[N, T] -> [R, L] float64, zero beyond each rollout's length."""
+        out = self.zeros()
+        out[self.rollout, self.pos] = x[self.rows, self.cols].double()
+        return out
+
+    def scatter(self, y: Tensor, like: Tensor) -> Tensor:
+        """[R, L] -> [N, T] shaped and typed like `like`, zero off action tokens."""
+        out = torch.zeros_like(like)
+        out[self.rows, self.cols] = y[self.rollout, self.pos].to(like.dtype)
+        return out
+
+    def token_rewards(self, terminal: Tensor, batch: AdvantageBatch, params: AdvantageParams) -> Tensor:
+        """[R, L]: -kl_coef * kl on every action token plus `terminal` [R] on each rollout's last one."""
+        rew = self.zeros()
+        if params.kl_coef > 0:
+            if batch.kl is None:
+                raise ValueError("kl: kl_coef > 0 needs the per-token KL in the batch")
+            rew = rew - params.kl_coef * self.gather(batch.kl)
+        has = (self.length > 0).nonzero(as_tuple=True)[0]
+        rew[has, self.length[has] - 1] += terminal[has]
+        return rew
+
+
+def _no_kl_reward(params: AdvantageParams, name: str) -> None:
+    if params.kl_coef > 0:
+        raise ValueError(
+            f"kl_coef: {name} takes no KL token reward; put KL in the loss (kl placement 'loss')"
+        )
+
+
+def _float_like(batch: AdvantageBatch) -> Tensor:
+    return torch.zeros(batch.action_mask.shape, dtype=batch.rewards.dtype, device=batch.action_mask.device)
+
+
+def _reinforce(batch: AdvantageBatch, params: AdvantageParams, baseline: bool) -> AdvantageResult:
+    stats = rollout_stats(batch)
+    seqs = ActionSequences.build(batch, stats)
+    terminal = stats.reward - stats.group_mean if baseline else stats.reward
+    returns = seqs.scatter(
+        discounted_reverse_cumsum(seqs.token_rewards(terminal, batch, params), params.gamma),
+        _float_like(batch),
+    )
+    adv = masked_whiten(returns, batch.action_mask) if params.whiten else returns
+    return AdvantageResult(adv, returns)
+
+
+@register_estimator("reinforce")
+def reinforce(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
+    """REINFORCE++: discounted token returns (KL penalty as token reward), globally whitened."""
+    return _reinforce(batch, params, baseline=False)
+
+
+@register_estimator("reinforce_baseline")
+def reinforce_baseline(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
+    """REINFORCE++-baseline: as reinforce, with the group mean subtracted from each rollout's reward."""
+    return _reinforce(batch, params, baseline=True)
+
+
+@register_estimator("gae")
+def gae(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
+    """GAE over each rollout's action sequence: delta_k = r_k + gamma V_{k+1} - V_k (V = 0 past the end),
+    A_k = sum_j (gamma lam)^j delta_{k+j}; returns = A + V (unwhitened); advantages whitened."""
+    if batch.values is None:
+        raise ValueError("values: the gae estimator needs critic values in the batch")
+    stats = rollout_stats(batch)
+    seqs = ActionSequences.build(batch, stats)
+    v = seqs.gather(batch.values)
+    v_next = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1)
+    delta = seqs.token_rewards(stats.reward, batch, params) + params.gamma * v_next - v
+    raw = discounted_reverse_cumsum(delta, params.gamma * params.lam)
+    like = _float_like(batch)
+    adv = seqs.scatter(raw, like)
+    returns = seqs.scatter(raw + v, like)
+    return AdvantageResult(masked_whiten(adv, batch.action_mask) if params.whiten else adv, returns)
+
+
+def _group_result(per_rollout: Tensor, stats: RolloutStats, batch: AdvantageBatch) -> AdvantageResult:
+    single = stats.group_size < 2
+    adv = torch.where(single, 0.0, per_rollout)  # a group of one has no baseline: advantage 0
+    return AdvantageResult(to_tokens(adv, stats, batch))
+
+
+@register_estimator("grpo")
+def grpo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
+    """(r - group mean) / (group std + std_eps), one value per rollout."""
+    _no_kl_reward(params, "grpo")
+    s = rollout_stats(batch)
+    return _group_result((s.reward - s.group_mean) / (s.group_std + params.std_eps), s, batch)
+
+
+@register_estimator("dr_grpo")
+def dr_grpo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
+    """Dr. GRPO: r - group mean, no std normalization."""
+    _no_kl_reward(params, "dr_grpo")
+    s = rollout_stats(batch)
+    return _group_result(s.reward - s.group_mean, s, batch)
+
+
+@register_estimator("rloo")
+def rloo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
+    """RLOO: r - mean of the other rollouts of the group = n / (n - 1) * (r - group mean)."""
+    _no_kl_reward(params, "rloo")
+    s = rollout_stats(batch)
+    return _group_result((s.reward - s.group_mean) * s.group_size / (s.group_size - 1).clamp(min=1), s, batch)
+
+
+def compute_advantages(
+    name: str, batch: AdvantageBatch, params: AdvantageParams | None = None
+) -> AdvantageResult:
+    """Run the estimator registered as `name` on `batch` and add common metrics:
+    "advantage/mean", "advantage/abs_mean" (over action tokens), "advantage/num_rollouts",
+    "advantage/degenerate_group_frac" (groups of one or with all-equal rewards)."""
+    params = (params or AdvantageParams()).validate()
+    result = ESTIMATORS.get_fn(name)(batch, params)
+    if result.advantages.shape != batch.action_mask.shape:
+        raise ValueError(
+            f"estimator {name!r} returned advantages of shape {tuple(result.advantages.shape)}, "
+            f"expected {tuple(batch.action_mask.shape)}"
+        )
+    stats = rollout_stats(batch)
+    degenerate = ((stats.group_size < 2) | (stats.group_std == 0)).double()
+    num_groups = int(stats.group.max()) + 1 if len(stats.group) else 0
+    per_group = degenerate.new_zeros(num_groups).scatter_reduce(0, stats.group, degenerate, "amax")
+    m = batch.action_mask
+    result.metrics = detach_all(
+        {
+            "advantage/mean": masked_mean(result.advantages, m),
+            "advantage/abs_mean": masked_mean(result.advantages.abs(), m),
+            "advantage/num_rollouts": float(len(stats.reward)),
+            "advantage/degenerate_group_frac": per_group.mean() if len(per_group) else torch.zeros(()),
+            **result.metrics,
+        }
+    )
+    return result

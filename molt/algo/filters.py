@@ -1,0 +1,82 @@
+"""Group filters applied before training: complete groups only, and DAPO dynamic filtering.
+
+A group is kept when it is complete and informative. Each dropped group is counted under the FIRST reason
+that applies, in this order:
+    incomplete    fewer than `group_size` distinct rollouts with status ok (failed rollouts do not count)
+    all_equal     every score equal (within `tol`): a group estimator would give it zero advantage
+    out_of_range  the mean score lies outside [low, high] (closed band; `score_range`)
+The score of a rollout is `Trajectory.effective_score` (its `score`, falling back to its reward). The runtime
+uses the counts to backfill: it dispatches that many new prompts and logs `rollout/dropped/<reason>`.
+
+Decision: a group with more than `group_size` ok rollouts is kept whole (e.g. after a retry); only missing
+rollouts make a group incomplete. Dynamic filtering off means drop_all_equal=False and score_range=None,
+which keeps every complete group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from molt.types import Trajectory
+
+REASONS = ("incomplete", "all_equal", "out_of_range")
+
+
+@dataclass(slots=True)
+class FilterResult:
+    kept: dict[str, list[Trajectory]]  # group_id -> its trajectories, in input order
+    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))  # reason -> groups
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _drop_reason(
+    group: Sequence[Trajectory],
+    group_size: int,
+    drop_all_equal: bool,
+    score_range: tuple[float, float] | None,
+    tol: float,
+) -> str | None:
+    ok = [t for t in group if t.ok]
+    if len({t.rollout_id for t in ok}) < group_size:
+        return "incomplete"
+    scores = [float(t.effective_score) for t in ok]
+    if drop_all_equal and max(scores) - min(scores) <= tol:
+        return "all_equal"
+    if score_range is not None and not score_range[0] <= sum(scores) / len(scores) <= score_range[1]:
+        return "out_of_range"
+    return None
+
+
+def filter_groups(
+    groups: Mapping[str, Sequence[Trajectory]],
+    group_size: int,
+    *,
+    drop_all_equal: bool = True,
+    score_range: tuple[float, float] | None = None,
+    tol: float = 1e-9,
+) -> FilterResult:
+    """Keep complete, informative groups.
+
+    groups: group_id -> the trajectories gathered for it; group_size: rollouts per prompt
+    (`--rollout.n_samples_per_prompt`); score_range: (low, high) for the group mean
+    (`--algo.dynamic_filtering_range`), None = no range test.
+    Returns FilterResult(kept, dropped counts by reason, metrics "filter/kept_groups",
+    "filter/dropped/<reason>", "filter/kept_frac"). Kept groups contain only their ok trajectories."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1 (got {group_size})")
+    if score_range is not None and not score_range[0] <= score_range[1]:
+        raise ValueError(f"score_range must be (low, high) with low <= high (got {score_range})")
+    result = FilterResult(kept={})
+    for gid, group in groups.items():
+        reason = _drop_reason(group, group_size, drop_all_equal, score_range, tol)
+        if reason is None:
+            result.kept[gid] = [t for t in group if t.ok]
+        else:
+            result.dropped[reason] += 1
+    result.metrics = {
+        "filter/kept_groups": float(len(result.kept)),
+        **{f"filter/dropped/{r}": float(n) for r, n in result.dropped.items()},
+        "filter/kept_frac": len(result.kept) / len(groups) if groups else 1.0,
+    }
+    return result

@@ -1,0 +1,100 @@
+"""Importance correction for the training-inference mismatch (and for tokens sampled by older policies).
+
+The per-token ratio is rho_t = exp(trainer_logprob_t - behavior_logprob_t): the trainer's recomputed
+probability of the sampled token over the probability recorded by the engine when it was sampled. A *level*
+turns it into the ratio the rule looks at, broadcast to every action token of the sequence:
+    token   rho_t
+    seq     prod_t rho_t over the sequence's action tokens
+    geo     (prod_t rho_t)^(1 / n), the geometric mean
+    off     no correction: weights are 1
+A *mode* turns that ratio into a weight with the band [low, high]:
+    mask    rho inside the band keeps weight rho, outside it gets 0 (rejected, yet still in the loss's
+            token count)
+    clip    clamp(rho, low, high)
+    trunc   min(rho, high), truncated importance sampling (one-sided; `low` is ignored)
+
+Known recipes: TIS = (token, trunc); IcePop = (token, mask) with a two-sided band such as [0.5, 5];
+seq-mask-tis = (geo, mask) (a whole sequence is gated by its geometric-mean ratio, e.g. band
+[1 - 1e-3, 1 + 1e-3] for a sequence trust region); MIS-style rejection = (seq, mask).
+
+Decisions: "retained" means the weight equals the level's ratio unchanged (inside the band; for trunc, not
+above `high`), so "is/retained_frac" is the consistency gate's pass rate for mask and the unclipped rate
+otherwise. Weights are detached, 1 off action tokens, and computed in log space (float64) so that a sequence
+product cannot overflow. A "sequence" is a row, or a `seq_ids` run when rows are packed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from molt.algo.ops import as_mask, check_shape, detach_all, masked_mean, seq_mean, seq_sum
+
+# level -> log of the ratio the rule looks at, per token: (log_r [N, T], mask, seq_ids) -> [N, T]
+LEVELS = {
+    "token": lambda log_r, mask, seq_ids: log_r,
+    "seq": seq_sum,
+    "geo": seq_mean,
+}
+
+
+def _mask(lr: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
+    inside = (lr >= lo) & (lr <= hi)
+    return torch.where(inside, lr.clamp(lo, hi).exp(), 0.0), inside  # clamp: no inf even where unused
+
+
+def _clip(lr: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
+    return lr.clamp(lo, hi).exp(), (lr >= lo) & (lr <= hi)
+
+
+def _trunc(lr: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
+    return lr.clamp(max=hi).exp(), lr <= hi
+
+
+# mode -> (weight, retained) from the level's log-ratio and the log band [lo, hi]
+MODES = {"mask": _mask, "clip": _clip, "trunc": _trunc}
+
+
+def importance_weights(
+    trainer_logprobs: Tensor,
+    behavior_logprobs: Tensor,
+    action_mask: Tensor,
+    level: str = "token",
+    mode: str = "mask",
+    low: float = 0.5,
+    high: float = 2.0,
+    seq_ids: Tensor | None = None,
+) -> tuple[Tensor, dict]:
+    """Per-token importance weights for the policy-gradient term.
+
+    trainer_logprobs: [N, T] the trainer's log-probabilities of the sampled tokens (any grad is dropped);
+    behavior_logprobs: [N, T] those recorded at sampling time (`Segment.behavior_logprobs`);
+    action_mask: [N, T]; seq_ids: optional [N, T] sequence ids for packed rows.
+    Returns (weights [N, T] detached, 1 off action tokens; metrics "is/retained_frac" (1 for an empty mask),
+    "is/logprob_gap" (mean |trainer - behavior| over action tokens), "is/weight_mean")."""
+    mask = as_mask(action_mask, trainer_logprobs)
+    check_shape("behavior_logprobs", behavior_logprobs, trainer_logprobs.shape)
+    if level != "off" and level not in LEVELS:
+        raise ValueError(f"level must be one of {['off', *LEVELS]} (got {level!r})")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)} (got {mode!r})")
+    if not 0.0 <= low <= high:
+        raise ValueError(f"low and high must satisfy 0 <= low <= high (got low={low}, high={high})")
+    log_r = torch.where(mask, trainer_logprobs.detach().double() - behavior_logprobs.double(), 0.0)
+    if level == "off":
+        weights, retained = torch.ones_like(log_r), torch.ones_like(mask)
+    else:
+        log_band = [math.log(b) if b > 0 else -math.inf for b in (low, high)]
+        weights, retained = MODES[mode](LEVELS[level](log_r, mask, seq_ids), *log_band)
+    weights = torch.where(mask, weights, 1.0)
+    # an empty mask retains everything; torch.where rather than `if mask.any()` avoids a device sync
+    retained_frac = torch.where(mask.sum() > 0, masked_mean(retained.double(), mask), 1.0)
+    return weights.to(trainer_logprobs.dtype), detach_all(
+        {
+            "is/retained_frac": retained_frac,
+            "is/logprob_gap": masked_mean(log_r.abs(), mask),
+            "is/weight_mean": masked_mean(weights, mask),
+        }
+    )

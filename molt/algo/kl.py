@@ -1,0 +1,83 @@
+"""KL estimators against a reference policy: k1, k2, k3 (Schulman's approximations), per token.
+
+With log_r = logprob - ref_logprob on a token sampled from the policy:
+    k1 = log_r                       unbiased for KL(pi || ref), can be negative, high variance
+    k2 = log_r^2 / 2                 biased, non-negative; its gradient is the reverse-KL gradient on-policy
+    k3 = exp(-log_r) - 1 + log_r     unbiased for KL(pi || ref), non-negative, low variance (GRPO's choice)
+
+Placement (`placement=`):
+- "reward": the KL enters the advantage as a token reward -kl_coef * kl (estimators reinforce,
+  reinforce_baseline, gae; `AdvantageBatch.kl`). The value is what matters there, so use k1 (default,
+  unbiased; REINFORCE++ and PPO-RLHF) or k3. The result is detached.
+- "loss": kl_coef * kl is added to the per-token loss (`policy_loss(kl=...)`), for group estimators (grpo).
+  The gradient is what matters there, so use k2 or k3. k1 is refused: the expected gradient of
+  log pi under samples from pi is zero, so a k1 loss adds noise and no KL pull.
+
+Decision: k3 clamps log_r to [-clamp, clamp] (default 20) before the exponential so that one token with a
+tiny reference probability cannot overflow the loss; the clamp stops that token's gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from molt.algo.ops import Registry, as_mask, check_shape, detach_all, masked_mean
+
+KL_ESTIMATORS = Registry("kl estimator")
+PLACEMENTS = {"loss": ("k2", "k3"), "reward": ("k1", "k2", "k3")}
+
+
+def register_kl(name: str) -> Callable:
+    """Decorator: `@register_kl("name")` on `fn(log_r: Tensor, clamp: float) -> Tensor` (elementwise)."""
+    return KL_ESTIMATORS.register(name)
+
+
+@register_kl("k1")
+def k1(log_r: Tensor, clamp: float) -> Tensor:
+    return log_r
+
+
+@register_kl("k2")
+def k2(log_r: Tensor, clamp: float) -> Tensor:
+    return 0.5 * log_r.square()
+
+
+@register_kl("k3")
+def k3(log_r: Tensor, clamp: float) -> Tensor:
+    log_r = log_r.clamp(-clamp, clamp)
+    return torch.expm1(-log_r) + log_r
+
+
+def kl_divergence(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    action_mask: Tensor,
+    estimator: str = "k3",
+    *,
+    placement: str = "loss",
+    clamp: float = 20.0,
+) -> tuple[Tensor, dict]:
+    """Per-token KL estimate of the policy against the reference.
+
+    logprobs: [N, T] the policy's log-probabilities of the sampled tokens (with grad for placement "loss").
+    ref_logprobs: [N, T] the reference model's log-probabilities of the same tokens.
+    action_mask: [N, T]; the result is 0 off action tokens.
+    Returns (kl [N, T], metrics {"kl/mean": mean over action tokens}). Detached for placement "reward"."""
+    mask = as_mask(action_mask, logprobs)
+    check_shape("ref_logprobs", ref_logprobs, logprobs.shape)
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {sorted(PLACEMENTS)} (got {placement!r})")
+    fn = KL_ESTIMATORS.get_fn(estimator)
+    if estimator in ("k1", "k2", "k3") and estimator not in PLACEMENTS[placement]:
+        raise ValueError(
+            f"estimator: {estimator} has zero expected gradient as a loss; use k2 or k3 for "
+            f"placement 'loss' (k1 belongs in the reward)"
+        )
+    log_r = torch.where(mask, logprobs - ref_logprobs, 0.0)
+    kl = torch.where(mask, fn(log_r, clamp), 0.0)
+    if placement == "reward":
+        kl = kl.detach()
+    return kl, detach_all({"kl/mean": masked_mean(kl, mask)})

@@ -1,0 +1,128 @@
+"""Small tensor helpers shared by the algorithm files: the named registry, masked reductions, whitening,
+per-sequence sums for packed rows, and the reverse discounted scan.
+
+Layout used throughout `molt.algo`: per-token tensors are [N, T], right-padded, aligned with a row's
+`token_ids` (entry t is about token t). `action_mask` [N, T] (bool or 0/1) is true on tokens the policy
+sampled. Values at masked-out positions may be anything, even inf or NaN: every function here selects with
+`torch.where` before arithmetic, so garbage in padding never reaches a result or a gradient.
+
+Decisions:
+- Reductions over an empty mask return 0 (not NaN); whitening of an empty or constant set returns zeros.
+- Statistics for whitening are computed in float64 and use the population variance (every action token is a
+  sample), then cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+F = TypeVar("F", bound=Callable)
+
+
+class Registry(dict):
+    """A name -> function dict filled by a decorator: `@REG.register("name")`. Looking up an unknown name
+    raises ValueError listing the known names."""
+
+    __slots__ = ("kind",)
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def register(self, name: str) -> Callable[[F], F]:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self.kind} name must be a non-empty string (got {name!r})")
+
+        def deco(fn: F) -> F:
+            if name in self:
+                raise ValueError(f"{self.kind} {name!r} is already registered (by {self[name].__qualname__})")
+            self[name] = fn
+            return fn
+
+        return deco
+
+    def get_fn(self, name: str) -> Callable:
+        if name not in self:
+            raise ValueError(f"unknown {self.kind} {name!r}; known: {sorted(self)}")
+        return self[name]
+
+
+def as_mask(action_mask: Tensor, like: Tensor | None = None, name: str = "action_mask") -> Tensor:
+    """Bool view of a [N, T] action mask; ValueError (naming `name`) when its shape differs from `like`."""
+    if action_mask.dim() != 2:
+        raise ValueError(f"{name} must be [N, T] (got shape {tuple(action_mask.shape)})")
+    if like is not None and like.shape != action_mask.shape:
+        raise ValueError(f"{name} shape {tuple(action_mask.shape)} != tensor shape {tuple(like.shape)}")
+    return action_mask.bool()
+
+
+def check_shape(name: str, x: Tensor | None, shape: torch.Size | tuple) -> None:
+    if x is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} (got {tuple(x.shape)})")
+
+
+def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    """Sum of x over true positions of mask (same shape). Scalar."""
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of x over true positions; 0 when the mask is empty. Scalar."""
+    return masked_sum(x, mask) / mask.sum().clamp(min=1)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / sqrt(var + eps) over the true positions of mask, zero elsewhere. Same shape as x.
+    Constant or empty inputs give zeros."""
+    x64 = torch.where(mask, x.double(), 0.0)
+    n = mask.sum().clamp(min=1)
+    mean = x64.sum() / n
+    var = torch.where(mask, (x64 - mean) ** 2, 0.0).sum() / n
+    out = (x64 - mean) * torch.rsqrt(var + eps)
+    return torch.where(mask, out, 0.0).to(x.dtype)
+
+
+def seq_sum(x: Tensor, mask: Tensor, seq_ids: Tensor | None = None) -> Tensor:
+    """Per-token broadcast of the sum of x over the action tokens of each token's sequence. [N, T] -> [N, T].
+
+    seq_ids: optional [N, T] integer tensor naming the sequence of every token when several sequences are
+    packed into one row (any integers; equal ids = same sequence, across rows too). None: one sequence per
+    row. Gradients flow to every action token of the sequence."""
+    xm = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    if seq_ids is None:
+        return xm.sum(dim=1, keepdim=True).expand_as(x)
+    check_shape("seq_ids", seq_ids, x.shape)
+    _, inv = torch.unique(seq_ids, return_inverse=True)
+    sums = torch.zeros(int(inv.max()) + 1 if inv.numel() else 0, dtype=x.dtype, device=x.device)
+    sums = sums.index_add(0, inv.reshape(-1), xm.reshape(-1))
+    return sums[inv]
+
+
+def seq_mean(x: Tensor, mask: Tensor, seq_ids: Tensor | None = None) -> Tensor:
+    """Per-token broadcast of the mean of x over each token's sequence (0 for sequences without actions)."""
+    count = seq_sum(mask.to(x.dtype), mask, seq_ids).clamp(min=1)
+    return seq_sum(x, mask, seq_ids) / count
+
+
+def discounted_reverse_cumsum(x: Tensor, gamma: float) -> Tensor:
+    """out[:, k] = sum_{j >= k} gamma^(j - k) x[:, j] along the last dim. [R, L] -> [R, L].
+
+    gamma == 1 uses one cumsum; otherwise a reverse scan over L vectorized over rows (a closed form with
+    gamma^-k would overflow for long sequences)."""
+    if gamma == 1.0:
+        return x.flip(-1).cumsum(-1).flip(-1)
+    out = torch.empty_like(x)
+    running = torch.zeros_like(x[:, 0])
+    for k in range(x.shape[-1] - 1, -1, -1):
+        running = x[:, k] + gamma * running
+        out[:, k] = running
+    return out
+
+
+def detach_all(metrics: dict) -> dict:
+    """Metric dicts hold floats or detached 0-d tensors; no device sync happens here (call float() to log)."""
+    return {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in metrics.items()}
