@@ -1,0 +1,222 @@
+"""The `molt` command.
+
+Each subcommand is one function registered with `@command(name, help, *arguments)`; a name with a space
+("model fetch") nests under a command group. The top level is plain argparse because `molt --help` must
+answer in well under a second: this module imports only the standard library and `molt.models` (itself
+stdlib-only at import time); torch, transformers, rich and the engines are imported inside the subcommand
+functions. Subcommands with a large typed configuration (`train`, later) parse their own arguments with tyro.
+
+Errors: a user mistake (`ValueError`, which includes `molt.engine.base.EngineError`) prints one line and exits
+with status 2, like argparse's own usage errors; a failed download/conversion exits with status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+
+from molt.models import DEFAULT_MODEL, ModelFetchError, resolve_model
+
+Handler = Callable[[argparse.Namespace], "int | None"]
+_COMMANDS: dict[str, tuple[str, tuple, Handler]] = {}
+
+
+def arg(*flags: str, **kwargs) -> tuple:
+    """One `add_argument` call, written next to the command that uses it."""
+    return flags, kwargs
+
+
+def command(name: str, help: str, *arguments: tuple) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        _COMMANDS[name] = (help, arguments, fn)
+        return fn
+
+    return register
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="molt", description="Molt: fully asynchronous agentic RL of language models.",
+    )
+    top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for name, (help_text, arguments, fn) in _COMMANDS.items():
+        *group, leaf = name.split()
+        subs = top
+        if group:  # e.g. "model fetch": one `molt model` parser holding the leaf commands
+            if group[0] not in groups:
+                g = top.add_parser(group[0], help=f"{group[0]} commands")
+                groups[group[0]] = g.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
+            subs = groups[group[0]]
+        p = subs.add_parser(leaf, help=help_text, description=help_text)
+        for flags, kwargs in arguments:
+            p.add_argument(*flags, **kwargs)
+        p.set_defaults(handler=fn)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Quiet transformers' per-load progress bars and warnings: our own output is the point. Environment
+    # variables (read when transformers is first imported) keep this free for `--help`; users may override.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        return args.handler(args) or 0
+    except ValueError as e:  # user mistakes: one clear line, no traceback
+        print(f"molt: error: {e}", file=sys.stderr)
+        return 2
+    except ModelFetchError as e:
+        print(f"molt: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+_MODEL_ARG = arg("--model", default=DEFAULT_MODEL,
+                 help=f"local checkpoint directory, alias or hub id (default: {DEFAULT_MODEL})")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be >= 0 (got {text})")
+    return value
+
+
+def _render_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token IDs of `prompt`: a user turn of the chat template (with the assistant header), or raw text."""
+    if chat:
+        if not tokenizer.chat_template:
+            raise ValueError("the model has no chat template; pass --no-chat to send the prompt as raw text")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        # the template wrote any BOS itself, so the tokenizer must not add another
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(prompt)
+
+
+def _load(model_ref: str):
+    """(checkpoint path, tokenizer) for a model reference; a bad reference fails before the heavy imports."""
+    path = resolve_model(model_ref)
+    from transformers import AutoTokenizer
+
+    return path, AutoTokenizer.from_pretrained(path)
+
+
+def _generate_all(path, prompts: list[list[int]], params, timings: dict | None = None) -> list:
+    """Completions of `prompts` (sent concurrently, so the engine batches them) from an embedded engine that
+    lives for this call only; `timings` receives the seconds spent loading and generating. The engine
+    rejects a prompt that leaves no room in the context window (EngineError)."""
+    import asyncio
+
+    from molt.engine.hf import HFEngine
+
+    t0 = time.perf_counter()
+    engine = HFEngine(str(path))
+    t1 = time.perf_counter()
+
+    async def run():
+        try:
+            return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        finally:
+            await engine.close()
+
+    completions = asyncio.run(run())
+    if timings is not None:
+        timings.update(load=t1 - t0, generate=time.perf_counter() - t1)
+    return completions
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+
+@command("model fetch", "resolve a model reference (an alias is fetched and converted once), print its path",
+         arg("name", help="alias (e.g. smollm2-135m-instruct), local directory or hub id"))
+def model_fetch(args: argparse.Namespace) -> None:
+    print(resolve_model(args.name))
+
+
+@command(
+    "generate", "sample one completion and print it with per-token log-probabilities",
+    _MODEL_ARG,
+    arg("--prompt", required=True, help="the user message (or raw text with --no-chat)"),
+    arg("--max-tokens", type=_positive_int, default=64, help="max new tokens (default: 64)"),
+    arg("--temperature", type=_non_negative_float, default=1.0, help="0 = greedy (default: 1.0)"),
+    arg("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default: 1.0)"),
+    arg("--seed", type=int, default=None, help="sampling seed for a reproducible completion"),
+    arg("--chat", action=argparse.BooleanOptionalAction, default=True,
+        help="render the prompt as a user turn with the chat template (default: on)"),
+)
+def generate(args: argparse.Namespace) -> None:
+    from molt.types import SamplingParams
+
+    # Validate before loading anything, so that a typo costs no model load.
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed).validate()
+    path, tokenizer = _load(args.model)
+    prompt_ids = _render_prompt(tokenizer, args.prompt, args.chat)
+    _print_completion(tokenizer, _generate_all(path, [prompt_ids], params)[0])
+
+
+def _print_completion(tokenizer, completion) -> None:
+    import math
+
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    print(tokenizer.decode(completion.token_ids, skip_special_tokens=True))  # verbatim: no wrap, no markup
+    table = Table(title=f"{len(completion.token_ids)} tokens, finish: {completion.finish_reason.value}, "
+                        f"sum logprob {sum(completion.logprobs):.3f}")
+    for col in ("#", "id", "token", "logprob", "prob", "version"):
+        table.add_column(col, justify="left" if col == "token" else "right")
+    for i, (tid, lp, v) in enumerate(zip(completion.token_ids, completion.logprobs, completion.versions)):
+        token = repr(tokenizer.decode([tid]))[1:-1]  # escapes make whitespace and newlines visible
+        table.add_row(str(i), str(tid), Text(token), f"{lp:.4f}", f"{math.exp(lp):.3f}", str(v))
+    Console().print(table)
+
+
+SMOKE_QUESTIONS = ["What is 3 + 4?", "What is 12 - 5?", "What is 6 * 7?", "What is 81 / 9?"]
+
+
+@command(
+    "demo", "run the demo (for now: an engine smoke test answering arithmetic questions concurrently)",
+    _MODEL_ARG,
+    arg("--max-tokens", type=_positive_int, default=48, help="max new tokens per answer (default: 48)"),
+)
+def demo(args: argparse.Namespace) -> None:
+    engine_smoke(args.model, max_tokens=args.max_tokens)
+
+
+def engine_smoke(model_ref: str = DEFAULT_MODEL, *, max_tokens: int = 48) -> list[str]:
+    """Resolve the model, answer SMOKE_QUESTIONS concurrently (greedy) with the embedded engine, print the
+    answers with timing, and return them. The demo command's body until the training recipe replaces it."""
+    from molt.types import SamplingParams
+
+    path, tokenizer = _load(model_ref)
+    prompts = [_render_prompt(tokenizer, q, chat=True) for q in SMOKE_QUESTIONS]
+    took: dict[str, float] = {}
+    completions = _generate_all(path, prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0), took)
+    answers = [tokenizer.decode(c.token_ids, skip_special_tokens=True).strip() for c in completions]
+    for q, a in zip(SMOKE_QUESTIONS, answers):
+        print(f"Q: {q}\nA: {a}\n")
+    n_tokens = sum(len(c.token_ids) for c in completions)
+    print(f"{path}: engine loaded in {took['load']:.1f} s; {len(prompts)} concurrent requests, {n_tokens} "
+          f"tokens in {took['generate']:.1f} s ({n_tokens / took['generate']:.1f} tokens/s)")
+    return answers
+
+
+if __name__ == "__main__":
+    sys.exit(main())
