@@ -69,6 +69,10 @@ class RolloutOutcome:
         return self.reward if self.score is None else self.score
 
     @property
+    def ok(self) -> bool:
+        return self.status is RolloutStatus.OK
+
+    @property
     def min_version(self) -> int:
         return min((e.min_version for e in self.experiences if e.num_actions), default=-1)
 

@@ -1,0 +1,317 @@
+"""`molt train`: the controller that wires workers, the rollout pool and the trainer group into one run.
+
+Per training step: take `rollout.batch_size` complete groups from the pool (which keeps rollouts in flight up
+to the staleness bound), compute group advantages from the light records, send each trainer rank its balanced
+share of experience references, run one optimizer step, stream the new weights to every worker through the
+object store, and bump the policy version (which lets the pool dispatch further). Evaluation runs before,
+every `eval.steps`, and after training; checkpoints every `ckpt.save_steps`.
+
+Run directory (`ckpt.output_dir`): `config.yaml`, `metrics.jsonl`, `ledger.jsonl` (one line per trained group:
+step, ledger key, rollout ids), `dumps/step_N.jsonl`, `checkpoints/step_N/`, `summary.json`, `curves.png`.
+Resume: the latest checkpoint restores trainer state (model, optimizer, schedule, RNG), the step and the
+ledger; the prompt stream skips trained keys, so no prompt sample is trained twice or skipped.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from molt.config import MoltConfig, save_config, to_dict
+from molt.runtime.experience import assign_to_ranks
+from molt.runtime.metrics import MetricsLogger, rollout_metrics
+from molt.runtime.pool import Group, PromptStream, RolloutPool, RolloutTask
+from molt.runtime.trainer_group import GROUP_ESTIMATORS, RANK_ESTIMATORS, TrainerGroup, rollout_advantages
+from molt.types import RolloutStatus, SamplingParams
+
+BUCKET_BYTES = 64 << 20
+
+
+def load_rows(path: str, input_key: str, label_key: str, tools_key: str) -> list[dict[str, Any]]:
+    """JSONL rows -> runner rows {"messages" | "prompt", "label", "tools"}; ValueError naming the line."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+        if input_key not in raw:
+            raise ValueError(f"{path}:{n}: no {input_key!r} key (data.input_key); keys: {sorted(raw)}")
+        prompt = raw[input_key]
+        row = {"messages": prompt} if isinstance(prompt, list) else {"prompt": str(prompt)}
+        row.update(label=raw.get(label_key), tools=raw.get(tools_key))
+        rows.append(row)
+    return rows
+
+
+def _threads(cfg: MoltConfig) -> tuple[int, int]:
+    """torch threads of (each worker, each trainer rank): share the cores when both run at once."""
+    cores = os.cpu_count() or 1
+    if cfg.train.max_staleness == 0:
+        return cores, cores  # generation and training alternate
+    return max(1, cores // 2), max(1, cores - cores // 2)
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    if path.is_file():
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+        path.write_text("".join(ln + "\n" for ln in lines))
+
+
+def _dynamic_filter(group_size: int, score_range: tuple[float, float]):
+    """DAPO filtering through `molt.algo.filter_groups`, adapted to the pool's groups."""
+    from molt.algo import filter_groups
+
+    def keep(groups: list[Group]) -> tuple[list[Group], dict[str, int]]:
+        result = filter_groups({g.group_id: g.outcomes for g in groups}, group_size, score_range=score_range)
+        return [g for g in groups if g.group_id in result.kept], result.dropped
+
+    return keep
+
+
+class Run:
+    def __init__(self, cfg: MoltConfig):
+        self.cfg = cfg
+        self.dir = Path(cfg.ckpt.output_dir)
+        self.version = 0
+        self.step = 0
+        self.generated_tokens = 0
+        self.ledger: list[tuple[int, int]] = []
+        self.evals: list[dict[str, float]] = []
+        self._inflight: list[int] = []
+
+    # ------------------------------------------------------------------------------------------ set-up
+    async def setup(self) -> None:
+        import ray
+
+        from molt.models import resolve_model
+        from molt.runtime.worker import RolloutWorker
+
+        cfg = self.cfg
+        if cfg.algo.advantage.estimator not in GROUP_ESTIMATORS + RANK_ESTIMATORS:
+            raise ValueError(f"algo.advantage.estimator {cfg.algo.advantage.estimator!r} is not supported by the "
+                             f"runtime yet (use one of {', '.join(GROUP_ESTIMATORS + RANK_ESTIMATORS)})")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.dir / "config.yaml")
+        self.model_path = str(resolve_model(cfg.actor.model_name_or_path))
+        d = cfg.data
+        self.rows = load_rows(d.prompt_dataset, d.input_key, d.label_key, d.tools_key)
+        self.eval_rows = load_rows(cfg.eval.dataset, d.input_key, d.label_key, d.tools_key) if cfg.eval.dataset else []
+        if not ray.is_initialized():
+            if cfg.ray.address:
+                ray.init(address=cfg.ray.address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, log_to_driver=False,
+                         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        worker_threads, trainer_threads = _threads(cfg)
+        runner_options = {"timeout": cfg.rollout.timeout_s, "max_turns": cfg.rollout.max_turns}
+        worker_cls = ray.remote(num_cpus=0, max_concurrency=10_000)(RolloutWorker)
+        self.workers = [worker_cls.remote(self.model_path, str(Path(cfg.train.agent_path).resolve()),
+                                          engine_kind=cfg.rollout.engine, torch_threads=worker_threads,
+                                          runner_options=runner_options)
+                        for _ in range(cfg.rollout.num_workers)]
+        self._inflight = [0] * len(self.workers)
+        self.trainer = TrainerGroup(cfg.train.num_ranks, torch_threads=trainer_threads,
+                                    estimator=cfg.algo.advantage.estimator,
+                                    advantage_params={"gamma": cfg.algo.advantage.gamma, "lam": cfg.algo.advantage.lam})
+        await asyncio.gather(*[w.start.remote() for w in self.workers], self.trainer.setup(self._actor_fields()))
+        self._resume()
+
+    def _actor_fields(self) -> dict[str, Any]:
+        cfg, a = self.cfg, self.cfg.actor
+        adv = cfg.algo.advantage
+        return dict(
+            model_name_or_path=self.model_path, lr=a.adam.lr, betas=tuple(a.adam.betas),
+            weight_decay=a.adam.weight_decay, lr_scheduler=a.lr_scheduler, lr_warmup_steps=a.lr_warmup_steps,
+            total_steps=cfg.train.max_steps, max_norm=a.max_norm, policy_loss=a.policy_loss,
+            eps_clip_low_high=tuple(a.eps_clip_low_high), dual_clip=a.dual_clip, entropy_coef=a.entropy_coef,
+            advantage_estimator=adv.estimator, kl_coef=cfg.algo.kl.init_coef, kl_estimator=cfg.algo.kl.estimator,
+            kl_use_loss=cfg.algo.kl.use_loss, is_correction_level=adv.is_correction_level,
+            is_correction_mode=adv.is_correction_mode, is_correction_threshold=tuple(adv.is_correction_threshold),
+            ref_model_name_or_path=cfg.ref.model_name_or_path or "",
+            micro_batch_size=cfg.train.micro_batch_size or None, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu,
+            gradient_checkpoint=a.gradient_checkpoint, param_dtype=a.dtype, tp_size=cfg.fsdp.tp_size,
+            offload=cfg.fsdp.offload, seed=cfg.train.seed,
+        )
+
+    def _resume(self) -> None:
+        ckpts = sorted((self.dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+        ckpts = [c for c in ckpts if (c / "state.json").is_file()]
+        self._resume_from = ckpts[-1] if ckpts and self.cfg.ckpt.resume else None
+
+    async def _load_checkpoint(self) -> None:
+        path = self._resume_from
+        state = json.loads((path / "state.json").read_text())
+        await self.trainer.same("load", str(path / "trainer"))
+        self.step = self.version = state["step"]
+        self.ledger = [tuple(k) for k in state["ledger"]]
+        self.generated_tokens = state["generated_tokens"]
+        for name in ("ledger.jsonl", "metrics.jsonl"):  # forget steps after the checkpoint: they are redone
+            _truncate_after(self.dir / name, self.step)
+        await self._refit()
+
+    async def _save_checkpoint(self, counters: dict[str, int]) -> None:
+        path = self.dir / "checkpoints" / f"step_{self.step}"
+        await self.trainer.same("save", str(path / "trainer"))
+        state = {"step": self.step, "ledger": self.ledger, "generated_tokens": self.generated_tokens,
+                 "counters": counters}
+        (path / "state.json").write_text(json.dumps(state))  # written last: marks the checkpoint complete
+
+    # ------------------------------------------------------------------------------------------ rollouts
+    def _params(self, *, eval: bool = False) -> SamplingParams:
+        r = self.cfg.rollout
+        temperature = self.cfg.eval.temperature if eval else r.temperature
+        return SamplingParams(max_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k)
+
+    async def _run_on_worker(self, task: RolloutTask, train: bool = True):
+        i = min(range(len(self.workers)), key=self._inflight.__getitem__)  # least-loaded worker
+        self._inflight[i] += 1
+        try:
+            return await self.workers[i].run.remote(task, self._params(eval=not train), train)
+        finally:
+            self._inflight[i] -= 1
+
+    async def evaluate(self) -> dict[str, float]:
+        """pass@n and avg@n on the eval set (correct = score or reward > 0; avg = mean score)."""
+        from molt.runtime.metrics import pass_at_n
+
+        n = self.cfg.eval.n_samples_per_prompt
+        tasks = [RolloutTask(row, (-1, p), f"eval-p{p}", f"eval-v{self.version}-p{p}-s{s}", s, self.version,
+                             seed=self.cfg.train.seed * 1000 + p * n + s)
+                 for p, row in enumerate(self.eval_rows) for s in range(n)]
+        t0 = time.perf_counter()
+        outcomes = await asyncio.gather(*[self._run_on_worker(t, train=False) for t in tasks])
+        correct: list[list[bool]] = [[] for _ in self.eval_rows]
+        failed = 0
+        for task, o in zip(tasks, outcomes):
+            ok = o.status is RolloutStatus.OK
+            correct[task.key[1]].append(ok and o.effective_score > 0)
+            failed += not ok
+            self.generated_tokens += o.response_tokens
+        pass_n, avg_n = pass_at_n(correct)
+        name = Path(self.cfg.eval.dataset).stem
+        out = {f"eval_{name}_pass{n}": pass_n, f"eval_{name}_avg{n}": avg_n, "eval/accuracy": avg_n,
+               "eval/failed": float(failed), "timing/eval": time.perf_counter() - t0}
+        self.evals.append({"step": self.step, "accuracy": avg_n, "pass": pass_n})
+        return out
+
+    # ------------------------------------------------------------------------------------------ training
+    async def _refit(self) -> float:
+        t0 = time.perf_counter()
+        refs = (await self.trainer.same("weight_refs", BUCKET_BYTES))[0]
+        partial = self.cfg.train.partial_rollout_enable
+        await asyncio.gather(*[w.update_weights.remote(refs, self.version, partial) for w in self.workers])
+        return time.perf_counter() - t0
+
+    async def _train_step(self, groups: list[Group]) -> dict[str, float]:
+        cfg = self.cfg
+        exps = [e for g in groups for o in g.outcomes for e in o.experiences]
+        advantages = None
+        if cfg.algo.advantage.estimator in GROUP_ESTIMATORS:
+            rows = [(o.rollout_id, g.group_id, o.reward) for g in groups for o in g.outcomes]
+            advantages = rollout_advantages(cfg.algo.advantage.estimator, rows)
+        shares = assign_to_ranks(exps, cfg.train.num_ranks)
+        results = await self.trainer.call("train_step", shares, [advantages] * len(shares))
+        return results[0]
+
+    async def train(self) -> dict[str, Any]:
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        if self._resume_from is not None:
+            await self._load_checkpoint()
+        logger = MetricsLogger(self.dir, cfg.train.max_steps, tensorboard_dir=cfg.logger.tensorboard_dir,
+                               wandb_project=cfg.logger.wandb.project, config=to_dict(cfg), start_step=self.step)
+        try:
+            if self.eval_rows and (self.step == 0 or cfg.eval.only):
+                logger.log(self.step, await self.evaluate(), advance=False)
+            if cfg.eval.only:
+                return self._summary(t_start)
+            await self._loop(logger)
+            if self.eval_rows and (not self.evals or self.evals[-1]["step"] != self.step):
+                logger.log(self.step, await self.evaluate(), advance=False)
+        finally:
+            logger.close()
+        return self._summary(t_start)
+
+    async def _loop(self, logger: MetricsLogger) -> None:
+        cfg = self.cfg
+        filt = None
+        if cfg.algo.dynamic_filtering_enable:
+            filt = _dynamic_filter(cfg.rollout.n_samples_per_prompt, tuple(cfg.algo.dynamic_filtering_range))
+        pool = RolloutPool(PromptStream(self.rows, cfg.train.seed, self.ledger), self._run_on_worker,
+                           n_samples=cfg.rollout.n_samples_per_prompt, groups_per_step=cfg.rollout.batch_size,
+                           max_staleness=cfg.train.max_staleness, max_retries=cfg.rollout.max_failed_retries,
+                           group_filter=filt, seed=cfg.train.seed)
+        pool.set_version(self.version)
+        pool.start()
+        try:
+            while self.step < cfg.train.max_steps:
+                t0 = time.perf_counter()
+                groups = await pool.next_step_groups()
+                t_gen = time.perf_counter() - t0
+                metrics = await self._train_step(groups)
+                t_train = time.perf_counter() - t0 - t_gen
+                trained_version = self.version
+                self.version += 1
+                self.step += 1
+                t_refit = await self._refit()
+                pool.set_version(self.version)
+                self._record(groups)
+                metrics.update(rollout_metrics(groups, trained_version))
+                metrics.update({f"rollout/{k}": float(v) for k, v in pool.counters.items()})
+                metrics.update({"timing/generation": t_gen, "timing/policy_train": t_train,
+                                "timing/broadcast": t_refit, "timing/step_total": time.perf_counter() - t0,
+                                "rollout/generated_tokens": float(self.generated_tokens), "version": self.version})
+                if cfg.train.dump_trajectories_steps and self.step % cfg.train.dump_trajectories_steps == 0:
+                    from molt.runtime.dump import dump_groups
+
+                    dump_groups(self.dir / "dumps" / f"step_{self.step}.jsonl", groups, self.model_path)
+                if self.eval_rows and cfg.eval.steps and self.step % cfg.eval.steps == 0:
+                    metrics.update(await self.evaluate())
+                if cfg.ckpt.save_steps and self.step % cfg.ckpt.save_steps == 0:
+                    await self._save_checkpoint(dict(pool.counters))
+                logger.log(self.step, metrics)
+        finally:
+            await pool.stop()
+
+    def _record(self, groups: list[Group]) -> None:
+        with open(self.dir / "ledger.jsonl", "a") as f:
+            for g in groups:
+                self.ledger.append(g.key)
+                self.generated_tokens += sum(o.response_tokens for o in g.outcomes)
+                f.write(json.dumps({"step": self.step, "key": list(g.key), "group_id": g.group_id,
+                                    "rollouts": [o.rollout_id for o in g.outcomes]}) + "\n")
+
+    def _summary(self, t_start: float) -> dict[str, Any]:
+        summary = {
+            "base_eval_accuracy": self.evals[0]["accuracy"] if self.evals else None,
+            "final_eval_accuracy": self.evals[-1]["accuracy"] if self.evals else None,
+            "steps": self.step, "generated_tokens": self.generated_tokens,
+            "seconds": round(time.perf_counter() - t_start, 1), "evals": self.evals,
+        }
+        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    async def close(self) -> None:
+        """Stop the workers' servers and release every actor (a later run in this process starts fresh)."""
+        import ray
+
+        workers = getattr(self, "workers", [])
+        await asyncio.gather(*[w.stop.remote() for w in workers], return_exceptions=True)
+        ranks = self.trainer.ranks if hasattr(self, "trainer") else []
+        for actor in [*workers, *ranks]:
+            ray.kill(actor)
+
+
+async def run_training(cfg: MoltConfig) -> dict[str, Any]:
+    run = Run(cfg)
+    try:
+        await run.setup()
+        return await run.train()
+    finally:
+        await run.close()

@@ -1,0 +1,135 @@
+"""A rollout worker: one inference engine, one capture server, and the agent runner, inside one Ray actor.
+
+`RolloutWorker` is a plain class (testable in-process); the runtime wraps it with `ray.remote` as an async
+actor, so the capture server (uvicorn), the agent coroutines and the Ray calls share one event loop while the
+engine generates on its own thread.
+
+Refit, the two modes of DESIGN.md:
+- partial rollout: `engine.pause()`, load, `engine.resume()`: requests in flight are kept and their later tokens
+  carry the new version;
+- otherwise generation waits at the refit boundary: `RefitGate` stops admitting new requests, lets the ones in
+  flight finish, then loads the weights; no single completion mixes versions (a multi-turn rollout still may,
+  across its model calls: every token keeps its version).
+Weights arrive as Ray object references of buckets `[(hf_name, tensor), ...]` that the trainer put into the
+object store; the worker fetches them one bucket at a time.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, Iterable
+
+from molt.engine.base import Engine
+from molt.runtime.experience import outcome_from_trajectory
+from molt.runtime.pool import RolloutOutcome, RolloutTask
+from molt.types import Completion, SamplingParams
+
+
+class RefitGate:
+    """An Engine wrapper that can hold new requests back and wait for the ones in flight (no partial rollout)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._open = asyncio.Event()
+        self._open.set()
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def __getattr__(self, name: str) -> Any:  # model_name, max_model_len, eos_token_ids, pause, ...
+        return getattr(self.engine, name)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
+                       request_id: str | None = None) -> Completion:
+        await self._open.wait()
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            return await self.engine.generate(prompt_ids, params, session_id, request_id)
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    async def drain(self) -> None:
+        self._open.clear()
+        await self._idle.wait()
+
+    def reopen(self) -> None:
+        self._open.set()
+
+
+class RolloutWorker:
+    def __init__(self, model_path: str, agent_path: str, *, engine_kind: str = "hf", torch_threads: int = 0,
+                 runner_options: dict[str, Any] | None = None, engine_options: dict[str, Any] | None = None):
+        self.model_path, self.agent_path, self.engine_kind = model_path, agent_path, engine_kind
+        self.torch_threads = torch_threads
+        self.runner_options = runner_options or {}
+        self.engine_options = engine_options or {}
+        self.engine: Any = None
+        self.server: Any = None
+        self.runner: Any = None
+
+    async def start(self) -> str:
+        """Build the engine, start the capture server, load the agent file; returns the server URL."""
+        import torch
+
+        from molt.agents import load_agent
+        from molt.capture.render import ChatRenderer
+        from molt.capture.server import CaptureServer
+
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if self.engine_kind == "vllm":
+            from molt.engine.vllm import VLLMEngine
+
+            engine = VLLMEngine(self.model_path, **self.engine_options)
+        else:
+            from molt.engine.hf import HFEngine
+
+            engine = HFEngine(self.model_path, **self.engine_options)
+        self.engine = RefitGate(engine)
+        self.server = CaptureServer(self.engine, ChatRenderer.from_pretrained(self.model_path))
+        await self.server.start()
+        self.runner = load_agent(self.agent_path)
+        for name, value in self.runner_options.items():
+            if hasattr(self.runner, name) and value is not None:
+                setattr(self.runner, name, value)  # e.g. timeout, max_turns: the runtime's limits win
+        return self.server.url
+
+    async def run(self, task: RolloutTask, params: SamplingParams, train: bool = True) -> RolloutOutcome:
+        """One rollout. For training its segments are offloaded into this node's object store; for evaluation
+        only the light fields come back."""
+        traj = await self.runner.run(task.row, sessions=self.server, rollout_id=task.rollout_id,
+                                     group_id=task.group_id, sampling_params=params.copy(seed=task.seed))
+        outcome = outcome_from_trajectory(traj, offload=train)
+        if not train:
+            outcome.experiences = []
+        outcome.sample_index = task.sample_index
+        return outcome
+
+    async def update_weights(self, bucket_refs: Iterable[Any], version: int, partial: bool) -> None:
+        """Load a new policy version. `bucket_refs`: object refs (or plain lists) of [(name, tensor), ...]."""
+        gate: RefitGate = self.engine
+        if not partial:
+            await gate.drain()
+        await gate.engine.pause()
+        try:
+            import ray
+
+            for ref in bucket_refs:
+                bucket = await ref if isinstance(ref, ray.ObjectRef) else ref  # one bucket in memory at a time
+                await gate.engine.update_weights(bucket, version)
+        finally:
+            await gate.engine.resume()
+            gate.reopen()
+
+    async def version(self) -> int:
+        return self.engine.engine.version
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
+        if self.engine is not None:
+            await self.engine.engine.close()
