@@ -16,11 +16,13 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from molt.models import DEFAULT_MODEL, ModelFetchError, resolve_model
 
 Handler = Callable[[argparse.Namespace], "int | None"]
 _COMMANDS: dict[str, tuple[str, tuple, Handler]] = {}
+_RAW: set[str] = set()  # commands that parse their own arguments (tyro): argparse hands them the rest
 
 
 def arg(*flags: str, **kwargs) -> tuple:
@@ -28,9 +30,11 @@ def arg(*flags: str, **kwargs) -> tuple:
     return flags, kwargs
 
 
-def command(name: str, help: str, *arguments: tuple) -> Callable[[Handler], Handler]:
+def command(name: str, help: str, *arguments: tuple, raw: bool = False) -> Callable[[Handler], Handler]:
     def register(fn: Handler) -> Handler:
         _COMMANDS[name] = (help, arguments, fn)
+        if raw:
+            _RAW.add(name)
         return fn
 
     return register
@@ -50,15 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
                 g = top.add_parser(group[0], help=f"{group[0]} commands")
                 groups[group[0]] = g.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
             subs = groups[group[0]]
-        p = subs.add_parser(leaf, help=help_text, description=help_text)
+        p = subs.add_parser(leaf, help=help_text, description=help_text, add_help=name not in _RAW)
         for flags, kwargs in arguments:
             p.add_argument(*flags, **kwargs)
-        p.set_defaults(handler=fn)
+        p.set_defaults(handler=fn, raw=name in _RAW)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.raw:
+        args.rest = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     # Quiet transformers' per-load progress bars and warnings: our own output is the point. Environment
     # variables (read when transformers is first imported) keep this free for `--help`; users may override.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -191,18 +200,69 @@ def _print_completion(tokenizer, completion) -> None:
 SMOKE_QUESTIONS = ["What is 3 + 4?", "What is 12 - 5?", "What is 6 * 7?", "What is 81 / 9?"]
 
 
-@command(
-    "demo", "run the demo (for now: an engine smoke test answering arithmetic questions concurrently)",
-    _MODEL_ARG,
-    arg("--max-tokens", type=_positive_int, default=48, help="max new tokens per answer (default: 48)"),
-)
+@command("train", "train a model on an agent's experience: [--config RECIPE.yaml] [--group.field VALUE ...] "
+                  "(`molt train --help` lists every field)", raw=True)
+def train(args: argparse.Namespace) -> None:
+    from molt.config import load_config
+
+    _train_and_report(load_config(args.rest))
+
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+@command("demo", "the main job on the embedded default: SmolLM2-135M-Instruct learns arithmetic with GRPO on "
+                 "this machine (recipes/math; extra flags override the recipe, e.g. --train.seed 1)", raw=True)
 def demo(args: argparse.Namespace) -> None:
+    from molt.config import load_config
+
+    recipe = RECIPES / "math" / "recipe.yaml"
+    if not recipe.is_file():
+        raise ValueError(f"the demo recipe {recipe} is missing: run `molt demo` from a source checkout")
+    os.chdir(RECIPES.parent)  # the recipe's paths are relative to the checkout
+    _train_and_report(load_config(["--config", str(recipe), *args.rest]))
+
+
+def _train_and_report(cfg) -> dict:
+    """Run training, draw the curves, print the summary table; returns the summary."""
+    import asyncio
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from molt.runtime.loop import run_training
+    from molt.runtime.plot import plot_run
+
+    summary = asyncio.run(run_training(cfg))
+    png = plot_run(cfg.ckpt.output_dir)
+    table = Table(title=f"molt run {cfg.ckpt.output_dir}")
+    for col in ("base eval accuracy", "final eval accuracy", "steps", "generated tokens", "seconds"):
+        table.add_column(col, justify="right")
+    fmt = lambda v: "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    table.add_row(*(fmt(summary[k]) for k in ("base_eval_accuracy", "final_eval_accuracy", "steps",
+                                              "generated_tokens", "seconds")))
+    Console().print(table)
+    print(f"summary: {Path(cfg.ckpt.output_dir) / 'summary.json'}; curves: {png}")
+    return summary
+
+
+@command("plot", "redraw the reward and accuracy curves of a run directory into RUN_DIR/curves.png",
+         arg("run_dir", help="a run directory (holds metrics.jsonl)"))
+def plot(args: argparse.Namespace) -> None:
+    from molt.runtime.plot import plot_run
+
+    print(plot_run(args.run_dir))
+
+
+@command("smoke", "engine smoke test: answer arithmetic questions concurrently with the embedded engine",
+         _MODEL_ARG, arg("--max-tokens", type=_positive_int, default=48, help="max new tokens per answer"))
+def smoke(args: argparse.Namespace) -> None:
     engine_smoke(args.model, max_tokens=args.max_tokens)
 
 
 def engine_smoke(model_ref: str = DEFAULT_MODEL, *, max_tokens: int = 48) -> list[str]:
     """Resolve the model, answer SMOKE_QUESTIONS concurrently (greedy) with the embedded engine, print the
-    answers with timing, and return them. The demo command's body until the training recipe replaces it."""
+    answers with timing, and return them (`molt smoke`)."""
     from molt.types import SamplingParams
 
     path, tokenizer = _load(model_ref)

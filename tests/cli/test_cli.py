@@ -1,4 +1,4 @@
-"""The `molt` command: fast help, generate/demo on a tiny model, and one-line errors with exit status 2."""
+"""The `molt` command: fast help, generate/smoke on a tiny model, and one-line errors with exit status 2."""
 from __future__ import annotations
 
 import os
@@ -85,8 +85,8 @@ def test_model_fetch_prints_path(tiny_llama_dir, capsys):
     assert capsys.readouterr().out.strip() == str(tiny_llama_dir.resolve())
 
 
-def test_demo_smoke_answers_every_question(tiny_llama_dir, capsys):
-    assert main(["demo", "--model", str(tiny_llama_dir), "--max-tokens", "3"]) == 0
+def test_smoke_answers_every_question(tiny_llama_dir, capsys):
+    assert main(["smoke", "--model", str(tiny_llama_dir), "--max-tokens", "3"]) == 0
     out = capsys.readouterr().out
     assert all(f"Q: {q}" in out for q in SMOKE_QUESTIONS) and "concurrent requests" in out
 
@@ -128,3 +128,16 @@ def test_errors_from_the_console_script_are_one_line():
     out = subprocess.run([str(MOLT), "generate", "--model", "no-such-model", "--prompt", "hi"],
                          check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "unknown model reference" in out.stderr
+
+
+def test_train_help_lists_reference_flags():
+    out = subprocess.run([sys.executable, "-m", "molt.cli", "train", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for flag in ("--actor.model_name_or_path", "--rollout.n_samples_per_prompt", "--algo.advantage.estimator",
+                 "--train.max_staleness", "--algo.advantage.is_correction_threshold"):
+        assert flag in out.stdout, flag
+
+
+def test_train_bad_config_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["train", "--rollout.n_samples_per_prompt", "0", "--train.agent_path", "x.py"]) == 2
+    assert "rollout.n_samples_per_prompt must be >= 1" in capsys.readouterr().err

@@ -55,6 +55,10 @@ def test_env_sync_trains_on_policy(tiny_llama_dir, tmp_path, ray_local):
     ledger = _read(out, "ledger.jsonl")
     assert len(ledger) == 6 and len({tuple(r["key"]) for r in ledger}) == 6
     assert (out / "config.yaml").is_file() and (out / "summary.json").is_file()
+    from molt.runtime.plot import plot_run
+
+    png = plot_run(out)
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_env_async_partial_rollout_mixes_versions_within_bound(tiny_llama_dir, tmp_path, ray_local):
