@@ -28,13 +28,13 @@ def tiny_moe_dir(tmp_path_factory):
     return build_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def ray_local():
-    """One local Ray instance for the whole test session (starting one takes about 2 s)."""
+    """A local Ray instance shared by the tests that need one (starting one takes seconds; Ray shuts it down
+    at exit). A test that needs its own cluster shuts this one down and the next user starts it again."""
     import ray
 
     if not ray.is_initialized():
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
                  configure_logging=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    yield ray
-    ray.shutdown()
+    return ray

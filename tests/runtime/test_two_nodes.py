@@ -1,0 +1,60 @@
+"""Experience storage across nodes: a two-node cluster simulated on this machine (`ray.cluster_utils.Cluster`).
+
+A worker on node A offloads segment payloads into node A's object store; a trainer rank on node B reloads them
+by reference. The payload is fetched from node A (its only location before the fetch), and the controller, which
+only passes records with references, never has the payload in its process.
+"""
+import numpy as np
+import pytest
+import ray
+
+from molt.runtime.experience import outcome_from_trajectory
+from molt.types import Segment, Trajectory
+
+
+@ray.remote(num_cpus=0, resources={"node_a": 1})
+class Producer:
+    def make(self, n_tokens: int, image_mb: int):
+        seg = Segment(list(range(n_tokens)), [1] * n_tokens, [-0.5] * n_tokens, [0] * n_tokens,
+                      images=np.ones(image_mb << 20, dtype=np.uint8))
+        return outcome_from_trajectory(Trajectory("r0", "g0", [seg], reward=1.0), offload=True)
+
+    def node(self):
+        return ray.get_runtime_context().get_node_id()
+
+
+@ray.remote(num_cpus=0, resources={"node_b": 1})
+class Rank:
+    def reload(self, experiences):
+        out = []
+        for e in experiences:
+            e.reload()
+            out.append((len(e.token_ids), int(e.images.sum()), e.behavior_logprobs[0]))
+        return out, ray.get_runtime_context().get_node_id()
+
+
+@pytest.fixture
+def two_nodes():
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()  # the session's local instance; this test needs its own cluster
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1}})
+    cluster.add_node(num_cpus=1, resources={"node_b": 1})
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_ranks_reload_payloads_from_the_producing_node(two_nodes):
+    producer, rank = Producer.remote(), Rank.remote()
+    outcome = ray.get(producer.make.remote(64, 2))
+    exp = outcome.experiences[0]
+    assert exp.offloaded and exp.token_ids is None and exp.images is None  # the record is light
+    node_a = ray.get(producer.node.remote())
+    locations = ray.experimental.get_object_locations([exp.payload_ref])[exp.payload_ref]
+    assert locations["node_ids"] == [node_a]  # the payload lives where it was produced
+    (got, node_b) = ray.get(rank.reload.remote([exp]))
+    assert node_b != node_a
+    assert got == [(64, 2 << 20, -0.5)]
