@@ -129,7 +129,7 @@ class RolloutPool:
         self._run, self._filter = run, group_filter
         self.n_samples, self.groups_per_step = n_samples, groups_per_step
         self.max_staleness, self.max_retries = max_staleness, max_retries
-        self.version = 0
+        self.version = self._base_version = 0
         self.counters: Counter[str] = Counter()
         self._seed = seed
         self._started = 0  # groups dispatched
@@ -142,6 +142,7 @@ class RolloutPool:
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
         assert self._dispatcher is None, "pool already started"
+        self._base_version = self.version  # a resumed run starts at its checkpoint's version
         self._dispatcher = asyncio.create_task(self._dispatch_loop())
 
     async def stop(self) -> None:
@@ -175,7 +176,7 @@ class RolloutPool:
 
     # -- dispatch -------------------------------------------------------------------------------------------
     def _budget(self) -> int:
-        return (self.version + self.max_staleness + 1) * self.groups_per_step
+        return (self.version - self._base_version + self.max_staleness + 1) * self.groups_per_step
 
     def _drop(self, reason: str, count: int = 1) -> None:
         self.counters[f"dropped/{reason}"] += count

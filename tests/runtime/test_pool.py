@@ -106,3 +106,18 @@ async def test_group_filter_drops_by_reason_and_backfills():
     await pool.stop()
     assert len(groups) == 3 and all(g.row["label"] < 5 for g in groups)
     assert pool.counters["dropped/all_equal"] >= 1
+
+
+async def test_a_resumed_pool_budgets_from_its_start_version():
+    started = []
+
+    async def run(task):
+        started.append(task.group_id)
+        return ok(task)
+
+    pool = RolloutPool(PromptStream(ROWS, 0), run, n_samples=1, groups_per_step=2, max_staleness=0)
+    pool.set_version(7)  # resumed from a checkpoint at step 7
+    pool.start()
+    await settle()
+    assert len(set(started)) == 2  # one step's groups, not (7 + 1) * 2
+    await pool.stop()
