@@ -110,13 +110,21 @@ class Run:
                          runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
         worker_threads, trainer_threads = _threads(cfg)
         runner_options = {"timeout": cfg.rollout.timeout_s, "max_turns": cfg.rollout.max_turns}
-        worker_cls = ray.remote(num_cpus=0, max_concurrency=10_000)(RolloutWorker)
+        engine_options: dict[str, Any] = {}
+        n_workers, gpus = cfg.rollout.num_workers, 0
+        if cfg.rollout.engine == "vllm":  # one worker per vLLM engine, holding its tensor-parallel GPUs
+            v = cfg.vllm
+            engine_options = {"tensor_parallel_size": v.tensor_parallel_size,
+                              "gpu_memory_utilization": v.gpu_memory_utilization}
+            n_workers, gpus = v.num_engines, v.tensor_parallel_size
+        worker_cls = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=10_000)(RolloutWorker)
         self.workers = [worker_cls.remote(self.model_path, str(Path(cfg.train.agent_path).resolve()),
                                           engine_kind=cfg.rollout.engine, torch_threads=worker_threads,
-                                          runner_options=runner_options)
-                        for _ in range(cfg.rollout.num_workers)]
+                                          runner_options=runner_options, engine_options=engine_options)
+                        for _ in range(n_workers)]
         self._inflight = [0] * len(self.workers)
         self.trainer = TrainerGroup(cfg.train.num_ranks, torch_threads=trainer_threads,
+                                    num_gpus_per_rank=1 if cfg.rollout.engine == "vllm" else 0,
                                     estimator=cfg.algo.advantage.estimator,
                                     advantage_params={"gamma": cfg.algo.advantage.gamma, "lam": cfg.algo.advantage.lam})
         await asyncio.gather(*[w.start.remote() for w in self.workers], self.trainer.setup(self._actor_fields()))

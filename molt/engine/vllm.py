@@ -1,0 +1,326 @@
+"""The GPU engine: vLLM's V1 `AsyncLLM` behind the `Engine` protocol (targets vLLM >= 0.10.2, public API only).
+
+vLLM is imported lazily: importing this module needs neither vLLM nor torch, and constructing `VLLMEngine`
+without vLLM (or without a GPU) raises an `EngineError` that says what to install.
+
+Behavior log-probability. vLLM runs with `logprobs_mode="processed_logprobs"` and `SamplingParams(logprobs=N)`:
+vLLM then reports log_softmax over the logits *after* its logits processors, temperature and top-k/top-p
+masking, i.e. the distribution the token was really drawn from. `molt.engine.base` fixes
+log_softmax(logits / T) over the full vocabulary before any truncation. No vLLM mode gives exactly that for
+every request ("raw_logprobs" is log_softmax(logits) without temperature; the "*_logits" modes return
+unnormalized values for the top-N only), so we take the closest one. Precisely, for the sampled token t:
+
+    vllm_logprob(t) = molt_logprob(t) - log(sum of softmax(logits / T) over the kept set K)
+
+where K is the vocabulary minus what top-k, top-p and the min_tokens suppression of stop tokens removed (Molt
+sets no penalties, bias, min_p or bad words). The two agree exactly when K is the whole vocabulary: top_k
+disabled, top_p = 1, and past min_tokens (or min_tokens = 0); also T must be 0 or >= 0.01 (vLLM raises smaller
+ones to 0.01). Greedy requests (T = 0) record log_softmax(logits) in both. Otherwise vLLM's value is larger by the log of the kept mass, a mismatch that importance correction
+sees like any other. `top_logprobs` come from the same (processed) distribution.
+
+Pause, refit and per-token versions, held at the Molt level rather than with vLLM's
+`pause_generation(mode="keep")` (recent releases only, vllm-project/vllm#32351): `pause()` cancels the task that streams each in-flight
+vLLM request (vLLM aborts the request) and holds new ones; the Molt request keeps the tokens, log-probs and
+versions it has seen. `resume()` submits each retained request again as a continuation: prompt + generated
+tokens as the prompt, max_tokens and min_tokens reduced by what was generated. Every vLLM request therefore
+runs entirely under one set of weights and all its tokens carry the version current when it was submitted,
+so the version boundary is exact (no race between vLLM's output stream and the refit), tokens after a refit
+are computed by the new weights over the whole sequence (one prefill per retained request, like
+`molt.engine.hf` and like vLLM's own keep mode with clear_cache), and weights only load while vLLM is idle.
+A seeded request is reproducible only without refits (a continuation reseeds with seed + tokens so far).
+
+Weights: `update_weights` ships each bucket of (HF name, tensor) to every worker with `collective_rpc` on a
+worker extension (`WorkerExtension`, installed with the `worker_extension_cls` engine arg) that calls
+`model.load_weights`, vLLM's own loader for HF checkpoints (it fuses q/k/v and gate/up, shards for tensor
+parallelism and casts to the engine dtype), then resets the prefix cache (cached blocks hold old-weight keys
+and values). Tensors travel as raw bytes, which vLLM's msgpack transport carries without pickling.
+Quantized engines (fp8, ...) are not supported by this path.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from molt.engine.base import EngineError
+from molt.types import Completion, FinishReason, SamplingParams
+
+MIN_VLLM = (0, 10, 2)  # "processed_logprobs" means after top-k/top-p from here on (vllm-project/vllm#22387)
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+# ------------------------------------------------------------------------------ pure helpers (tested on CPU)
+
+def sampling_kwargs(params: SamplingParams, max_new: int, stops: list[int], generated: int = 0) -> dict[str, Any]:
+    """Keyword arguments of `vllm.SamplingParams` for a request (or its continuation after `generated` tokens)."""
+    assert 0 <= generated < max_new, "a finished request is never continued"
+    seed = params.seed if params.seed is None or not generated else (params.seed + generated) % (1 << 63)
+    return {"temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,  # -1 disables in every vLLM version
+            "max_tokens": max_new - generated,  # vLLM rejects min_tokens > max_tokens; ours caps silently
+            "min_tokens": min(max(params.min_tokens - generated, 0), max_new - generated),
+            "stop_token_ids": list(stops), "seed": seed, "logprobs": params.top_logprobs, "detokenize": False}
+
+
+def finish_reason(reason: str | None) -> FinishReason:
+    """vLLM's `CompletionOutput.finish_reason` as ours."""
+    if reason not in _FINISH:
+        raise EngineError(f"vLLM ended the request with finish reason {reason!r}")
+    return _FINISH[reason]
+
+
+def read_output(out: Any, n_top: int) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
+    """Tokens, their log-probs and the `n_top` best alternatives from a vLLM `CompletionOutput`."""
+    tokens = list(out.token_ids)
+    if not tokens:
+        return [], [], []
+    assert out.logprobs is not None and len(out.logprobs) == len(tokens), "vLLM returned no per-token logprobs"
+    logprobs = [float(d[t].logprob) for d, t in zip(out.logprobs, tokens)]
+    tops: list[list[tuple[int, float]]] = []
+    if n_top:
+        for d, t in zip(out.logprobs, tokens):  # the sampled token is always in d, with its true rank
+            keep = [(i, float(lp.logprob)) for i, lp in d.items() if i != t or lp.rank is None or lp.rank <= n_top]
+            tops.append(sorted(keep, key=lambda kv: -kv[1])[:n_top])
+    return tokens, logprobs, tops
+
+
+def pack(named_tensors: Iterable[tuple[str, Any]]) -> list[tuple[str, str, list[int], bytes]]:
+    """(name, tensor) -> (name, dtype, shape, raw bytes): plain msgpack types, no pickling on the way."""
+    import torch
+
+    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape),
+             t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            for name, t in named_tensors]
+
+
+def unpack(packed: Iterable[tuple[str, str, list[int], bytes]]) -> Iterable[tuple[str, Any]]:
+    import torch
+
+    for name, dtype, shape, data in packed:
+        if not data:
+            yield name, torch.empty(shape, dtype=getattr(torch, dtype))
+            continue
+        with warnings.catch_warnings():  # read-only buffer: load_weights copies out of it, never writes
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(data, dtype=torch.uint8)
+        yield name, flat.view(getattr(torch, dtype)).reshape(shape)
+
+
+class WorkerExtension:
+    """Mixed into vLLM's GPU worker class (engine arg `worker_extension_cls`); called with `collective_rpc`."""
+
+    def molt_load_weights(self, packed: list) -> None:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        model.load_weights(weights=unpack(packed))
+
+
+# ------------------------------------------------------------------------------ the engine
+
+@dataclass(eq=False)
+class _Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_new: int  # max_tokens capped by the context window
+    stops: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish: FinishReason | None = None
+    aborted: bool = False
+    segments: int = 0  # vLLM requests submitted so far (one per refit crossed, plus one)
+    task: asyncio.Task | None = None  # streams the current vLLM request
+    last: Any = None  # latest CompletionOutput of the current vLLM request (cumulative)
+
+    def commit(self, out: Any, version: int) -> None:
+        """Append what one vLLM request generated, all of it produced by the weights of `version`."""
+        tokens, logprobs, tops = read_output(out, self.params.top_logprobs)
+        self.tokens += tokens
+        self.logprobs += logprobs
+        self.versions += [version] * len(tokens)
+        self.top += tops
+        if out.finish_reason is not None:
+            self.finish = finish_reason(out.finish_reason)
+
+    def completion(self) -> Completion:
+        return Completion(list(self.tokens), list(self.logprobs), list(self.versions), self.finish,
+                          top_logprobs=self.top if self.params.top_logprobs else None,
+                          prompt_tokens=len(self.prompt))
+
+
+def _import_vllm() -> tuple[Any, Any]:
+    """(the vllm module, AsyncLLM), or an EngineError that says what is missing."""
+    try:
+        import vllm
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError as e:
+        raise EngineError("VLLMEngine needs vLLM, which is not installed: `pip install molt[vllm]` (vLLM needs "
+                          "an NVIDIA GPU with CUDA; on a CPU machine use `--rollout.engine hf`)") from e
+    import torch
+    from packaging.version import Version
+
+    if Version(vllm.__version__).release < MIN_VLLM:
+        raise EngineError(f"VLLMEngine needs vLLM >= {'.'.join(map(str, MIN_VLLM))}, found {vllm.__version__}: "
+                          "`pip install -U molt[vllm]`")
+    if not torch.cuda.is_available():
+        raise EngineError("VLLMEngine needs a GPU and torch sees none; on a CPU machine use `--rollout.engine hf`")
+    return vllm, AsyncLLM
+
+
+def _eos_ids(model_path: str) -> list[int]:
+    """EOS ids the way `molt.engine.hf` reads them: generation_config first, then the model config."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    eos = AutoConfig.from_pretrained(model_path).eos_token_id if eos is None else eos
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+class VLLMEngine:
+    """`Engine` on vLLM's AsyncLLM. Extra keyword arguments go to `vllm.AsyncEngineArgs` unchanged."""
+
+    def __init__(self, model_path: str, *, model_name: str | None = None, dtype: str = "auto",
+                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
+                 seed: int = 0, enable_prefix_caching: bool = True, version: int = 0, **engine_args: Any):
+        vllm, AsyncLLM = _import_vllm()
+        self._vllm = vllm
+        self.model_name = model_name or Path(model_path).name
+        engine_args.setdefault("disable_log_stats", True)
+        args = vllm.AsyncEngineArgs(
+            model=model_path, served_model_name=self.model_name, dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len, seed=seed, enable_prefix_caching=enable_prefix_caching,
+            logprobs_mode="processed_logprobs", worker_extension_cls=f"{__name__}.WorkerExtension", **engine_args)
+        self._llm = AsyncLLM.from_engine_args(args)
+        self.max_model_len = int(self._llm.model_config.max_model_len)
+        self.vocab_size = int(self._llm.model_config.get_vocab_size())
+        self.eos_token_ids = _eos_ids(model_path)
+        self._version = version
+        self._active: dict[str, _Request] = {}
+        self._paused = self._closed = False
+        self._cond = asyncio.Condition()  # requests wait on it while paused
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._active)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
+                       request_id: str | None = None) -> Completion:
+        req = self._admit(list(prompt_ids), params, request_id)
+        self._active[req.id] = req
+        try:
+            while req.finish is None:
+                async with self._cond:  # held here while paused; abort() and close() wake us
+                    await self._cond.wait_for(lambda: req.aborted or not self._paused)
+                if req.aborted:
+                    req.finish = FinishReason.ABORT
+                    break
+                # no await between the check above and the task's creation: pause() sees every task
+                task = req.task = asyncio.create_task(self._stream(req))
+                await asyncio.wait([task])  # returns whether it finished or pause()/abort() cancelled it
+                req.task = None
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
+            return req.completion()
+        except asyncio.CancelledError:  # the caller gave up: cancelling the stream makes vLLM abort
+            if req.task is not None:
+                req.task.cancel()
+                await asyncio.wait([req.task])  # so that a pause() right after finds vLLM idle
+            raise
+        finally:
+            self._active.pop(req.id, None)
+
+    async def _stream(self, req: _Request) -> None:
+        """Run one vLLM request: the prompt plus everything generated so far, under the current weights."""
+        version, generated = self._version, len(req.tokens)
+        params = self._vllm.SamplingParams(**sampling_kwargs(req.params, req.max_new, req.stops, generated))
+        prompt = {"prompt_token_ids": req.prompt + req.tokens}  # a vllm.inputs.TokensPrompt
+        req.segments += 1
+        req.last = None
+        try:
+            async for output in self._llm.generate(prompt, params, request_id=f"{req.id}-{req.segments}"):
+                req.last = output.outputs[0]  # cumulative: all tokens of this vLLM request so far
+        except ValueError as e:  # vLLM's request validation
+            raise EngineError(f"vLLM rejected the request: {e}") from e
+        finally:
+            if req.last is not None:
+                req.commit(req.last, version)
+        assert req.finish is not None, "vLLM's stream ended before the request finished"
+
+    async def abort(self, request_id: str) -> None:
+        req = self._active.get(request_id)
+        if req is None:
+            return
+        req.aborted = True
+        if req.task is not None:
+            req.task.cancel()
+        async with self._cond:
+            self._cond.notify_all()
+
+    async def pause(self) -> None:
+        """Stop generating; returns once no vLLM request is running. Molt requests are kept (see module doc)."""
+        self._paused = True
+        tasks = [r.task for r in self._active.values() if r.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        """Load (HF parameter name, tensor) pairs into every worker; may be called several times (buckets)."""
+        if not self._paused:
+            raise EngineError("update_weights must be called while the engine is paused (await pause())")
+        packed = await asyncio.to_thread(pack, named_tensors)  # off the event loop: copies a whole bucket
+        await self._llm.collective_rpc("molt_load_weights", args=(packed,))
+        if await self._llm.reset_prefix_cache() is False:  # None on versions that do not report
+            warnings.warn("vLLM could not reset its prefix cache after a weight update", stacklevel=2)
+        self._version = version
+
+    async def resume(self) -> None:
+        async with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    async def close(self) -> None:
+        """Finish every request with ABORT and shut vLLM down."""
+        if self._closed:
+            return
+        self._closed = True
+        for req in list(self._active.values()):
+            await self.abort(req.id)
+        await asyncio.gather(*[r.task for r in self._active.values() if r.task is not None], return_exceptions=True)
+        self._llm.shutdown()
+
+    def _admit(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> _Request:
+        if self._closed:
+            raise EngineError("the engine is closed")
+        try:
+            params.validate()
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        if not prompt:
+            raise EngineError("the prompt is empty: at least one prompt token is required")
+        if len(prompt) >= self.max_model_len:
+            raise EngineError(f"the prompt has {len(prompt)} tokens but the context window (max_model_len) of "
+                              f"{self.model_name} is {self.max_model_len}: no room left to generate")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise EngineError(f"prompt token ids must be in [0, {self.vocab_size}) for {self.model_name}")
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._active:
+            raise EngineError(f"request id {rid!r} is already in use")
+        room = self.max_model_len - len(prompt)
+        return _Request(id=rid, prompt=prompt, params=params,
+                        max_new=room if params.max_tokens is None else min(params.max_tokens, room),
+                        stops=sorted(set(self.eos_token_ids) | set(params.stop_token_ids)))

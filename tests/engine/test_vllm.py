@@ -1,0 +1,352 @@
+"""The vLLM engine. On CPU: its pure helpers with hand-computed values, and its pause / refit / abort logic
+against a stand-in for `AsyncLLM` (vLLM has no CPU build). On a GPU with vLLM installed: against a plain
+transformers recomputation on a tiny real checkpoint (`scripts/gpu_check.sh`)."""
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from molt.engine import vllm as mv
+from molt.engine.base import Engine, EngineError
+from molt.types import FinishReason, SamplingParams
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_GPU = HAS_VLLM and torch.cuda.is_available()
+GPU_DTYPE = os.environ.get("MOLT_VLLM_TEST_DTYPE", "float32")  # bfloat16 if the installed vLLM lacks fp32
+ATOL = {"float32": 1e-3, "bfloat16": 5e-2}[GPU_DTYPE]  # engine vs an fp32 transformers forward on CPU
+
+
+def lp(logprob, rank):
+    return SimpleNamespace(logprob=logprob, rank=rank)  # shaped like vllm.logprobs.Logprob
+
+
+# ------------------------------------------------------------------------------ pure helpers
+
+def test_import_is_light_and_construction_says_what_to_install():
+    code = "import sys, molt.engine.vllm; assert 'vllm' not in sys.modules and 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    if not HAS_VLLM:
+        with pytest.raises(EngineError, match=r"pip install molt\[vllm\].*GPU"):
+            mv.VLLMEngine("/nonexistent")
+
+
+def test_sampling_kwargs_first_request_and_continuation():
+    p = SamplingParams(max_tokens=10, temperature=0.7, top_p=0.9, top_k=0, min_tokens=5, stop_token_ids=[7],
+                       seed=3, top_logprobs=2)
+    assert mv.sampling_kwargs(p, 10, [2, 7]) == {
+        "temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_tokens": 10, "min_tokens": 5,
+        "stop_token_ids": [2, 7], "seed": 3, "logprobs": 2, "detokenize": False}
+    after4 = mv.sampling_kwargs(p, 10, [2, 7], generated=4)  # continuation after a refit at token 4
+    assert (after4["max_tokens"], after4["min_tokens"], after4["seed"]) == (6, 1, 7)
+    after6 = mv.sampling_kwargs(p, 10, [2, 7], generated=6)
+    assert (after6["max_tokens"], after6["min_tokens"]) == (4, 0)
+    assert mv.sampling_kwargs(p.copy(top_k=5, seed=None), 10, [2], generated=3)["top_k"] == 5
+    assert mv.sampling_kwargs(p.copy(seed=None), 10, [2], generated=3)["seed"] is None
+    assert mv.sampling_kwargs(p.copy(min_tokens=50), 10, [2])["min_tokens"] == 10  # vLLM needs min <= max
+    assert mv.sampling_kwargs(p, 10, [2])["logprobs"] == 2
+    assert mv.sampling_kwargs(p.copy(top_logprobs=0), 10, [2])["logprobs"] == 0  # 0: the sampled token only
+    with pytest.raises(AssertionError):
+        mv.sampling_kwargs(p, 10, [2], generated=10)
+
+
+def test_finish_reason_mapping():
+    assert mv.finish_reason("stop") is FinishReason.STOP
+    assert mv.finish_reason("length") is FinishReason.LENGTH
+    assert mv.finish_reason("abort") is FinishReason.ABORT
+    with pytest.raises(EngineError, match="error"):
+        mv.finish_reason("error")
+    with pytest.raises(EngineError):
+        mv.finish_reason(None)
+
+
+def test_read_output_sampled_logprobs_and_top_alternatives():
+    # token 5 was sampled with rank 3 (outside the top 2, so vLLM sent 3 entries); token 9 was the best
+    out = SimpleNamespace(token_ids=[5, 9], logprobs=[
+        {5: lp(-1.5, 3), 9: lp(-0.2, 1), 4: lp(-0.9, 2)},
+        {9: lp(-0.1, 1), 4: lp(-2.5, 2)},
+    ])
+    tokens, logprobs, tops = mv.read_output(out, 2)
+    assert tokens == [5, 9] and logprobs == [-1.5, -0.1]
+    assert tops == [[(9, -0.2), (4, -0.9)], [(9, -0.1), (4, -2.5)]]
+    assert mv.read_output(out, 0)[2] == []
+    assert mv.read_output(SimpleNamespace(token_ids=[], logprobs=None), 2) == ([], [], [])
+
+
+def test_commit_versions_across_a_refit():
+    req = mv._Request(id="r", prompt=[1, 2], params=SamplingParams(max_tokens=8, top_logprobs=1), max_new=8,
+                      stops=[0])
+    # first vLLM request, cancelled by pause() after 3 tokens under version 4
+    req.commit(SimpleNamespace(token_ids=[11, 12, 13], finish_reason=None,
+                               logprobs=[{11: lp(-0.5, 1)}, {12: lp(-0.25, 1)}, {13: lp(-1.0, 1)}]), 4)
+    assert req.finish is None and req.versions == [4, 4, 4]
+    # its continuation under version 5 ends with the stop token, which stays in the output
+    req.commit(SimpleNamespace(token_ids=[14, 0], finish_reason="stop",
+                               logprobs=[{14: lp(-2.0, 1)}, {0: lp(-3.0, 2), 7: lp(-0.1, 1)}]), 5)
+    out = req.completion()
+    assert out.token_ids == [11, 12, 13, 14, 0] and out.versions == [4, 4, 4, 5, 5]
+    assert out.logprobs == [-0.5, -0.25, -1.0, -2.0, -3.0] and out.finish_reason is FinishReason.STOP
+    assert out.top_logprobs == [[(11, -0.5)], [(12, -0.25)], [(13, -1.0)], [(14, -2.0)], [(7, -0.1)]]
+    assert out.prompt_tokens == 2
+
+
+def test_pack_unpack_and_worker_extension_roundtrip():
+    tensors = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)), ("c", torch.tensor(7)),
+               ("d", torch.zeros(0, 2, dtype=torch.float16)), ("e", torch.arange(6).reshape(2, 3).t())]
+    packed = mv.pack(tensors)
+    assert all(type(x) is tuple and [type(v) for v in x] == [str, str, list, bytes] for x in packed)
+    loaded = {}
+    model = SimpleNamespace(load_weights=lambda weights: loaded.update(weights))
+    worker = type("Worker", (mv.WorkerExtension,), {})()
+    worker.model_runner = SimpleNamespace(get_model=lambda: model)
+    worker.molt_load_weights(packed)
+    assert list(loaded) == ["a", "b", "c", "d", "e"]
+    for name, t in tensors:
+        assert loaded[name].dtype == t.dtype and loaded[name].shape == t.shape and torch.equal(loaded[name], t)
+
+
+# ------------------------------------------------------------------------------ engine logic, stand-in AsyncLLM
+
+class FakeAsyncLLM:
+    """Stands in for vLLM's AsyncLLM: after token t comes t + 1, one token per event-loop turn, each with
+    log-prob minus the weight loaded last (so a test can tell which weights produced a token); loading goes
+    through the real `WorkerExtension`."""
+
+    def __init__(self, args):
+        self.args, self.weight, self.requests, self.cancelled, self.resets = args, 0.0, [], [], 0
+        self.model_config = SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 1000)
+        self.worker = type("Worker", (mv.WorkerExtension,), {})()
+        self.worker.model_runner = SimpleNamespace(model=SimpleNamespace(load_weights=self._load))
+
+    @classmethod
+    def from_engine_args(cls, args):
+        return cls(args)
+
+    def _load(self, weights):
+        for _, t in weights:
+            self.weight = float(t)
+
+    async def generate(self, prompt, params, request_id):
+        self.requests.append((request_id, list(prompt["prompt_token_ids"]), params))
+        tokens, logprobs, last = [], [], prompt["prompt_token_ids"][-1]
+        try:
+            while True:
+                await asyncio.sleep(0)
+                last += 1
+                tokens.append(last)
+                logprobs.append({last: lp(-self.weight, 1)})
+                stop = last in params["stop_token_ids"] and len(tokens) >= params["min_tokens"]
+                done = "stop" if stop else "length" if len(tokens) == params["max_tokens"] else None
+                yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(tokens), logprobs=list(logprobs),
+                                                               finish_reason=done)])
+                if done:
+                    return
+        except asyncio.CancelledError:
+            self.cancelled.append(request_id)
+            raise
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    async def reset_prefix_cache(self):
+        self.resets += 1
+        return True
+
+    def shutdown(self):
+        self.shut = True
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    """A VLLMEngine on the stand-in; the checkpoint directory only holds a config (EOS id 2)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 2}))
+    vllm = SimpleNamespace(AsyncEngineArgs=lambda **kw: kw, SamplingParams=lambda **kw: kw)
+    monkeypatch.setattr(mv, "_import_vllm", lambda: (vllm, FakeAsyncLLM))
+    return mv.VLLMEngine(str(tmp_path), model_name="tiny", tensor_parallel_size=2, max_num_seqs=8)
+
+
+async def until(predicate, turns=10_000):
+    for _ in range(turns):
+        if predicate():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not reached")
+
+
+async def test_construction_passes_engine_args(fake):
+    args = fake._llm.args
+    assert isinstance(fake, Engine) and fake.model_name == "tiny" and fake.eos_token_ids == [2]
+    assert fake.max_model_len == 64 and fake.vocab_size == 1000
+    assert args["logprobs_mode"] == "processed_logprobs" and args["tensor_parallel_size"] == 2
+    assert args["max_num_seqs"] == 8 and args["served_model_name"] == "tiny"
+    module, cls = args["worker_extension_cls"].rsplit(".", 1)
+    assert getattr(importlib.import_module(module), cls) is mv.WorkerExtension  # importable by vLLM's workers
+
+
+async def test_generate_stop_token_included(fake):
+    out = await fake.generate([10], SamplingParams(max_tokens=20, stop_token_ids=[15], top_logprobs=1))
+    assert out.token_ids == [11, 12, 13, 14, 15] and out.finish_reason is FinishReason.STOP
+    assert out.versions == [0] * 5 and out.logprobs == [0.0] * 5 and out.top_logprobs[0] == [(11, 0.0)]
+    assert fake._llm.requests[0][2]["stop_token_ids"] == [2, 15]
+    out = await fake.generate([10], SamplingParams(max_tokens=None, stop_token_ids=[15], min_tokens=6))
+    assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 63  # up to the context window
+
+
+async def test_refit_keeps_request_and_marks_versions(fake):
+    llm = fake._llm
+    task = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=30, seed=5), request_id="r"))
+    await until(lambda: "r" in fake._active and fake._active["r"].last is not None
+                and len(fake._active["r"].last.token_ids) >= 4)
+    await fake.pause()
+    k = len(fake._active["r"].tokens)  # what the cancelled vLLM request had streamed
+    assert k >= 4 and llm.cancelled == ["r-1"]
+    for _ in range(50):  # nothing is submitted while paused
+        await asyncio.sleep(0)
+    assert len(llm.requests) == 1 and not task.done()
+    await fake.update_weights([("w", torch.tensor(1.0))], version=1)  # two buckets
+    await fake.update_weights([("w", torch.tensor(2.0))], version=1)
+    assert fake.version == 1 and llm.resets == 2
+    await fake.resume()
+    out = await task
+    assert out.token_ids == list(range(11, 41)) and out.finish_reason is FinishReason.LENGTH
+    assert out.versions == [0] * k + [1] * (30 - k)
+    assert out.logprobs == [0.0] * k + [-2.0] * (30 - k)  # later tokens come from the new weights
+    rid, prompt, params = llm.requests[1]  # the continuation
+    assert rid == "r-2" and prompt == [10] + list(range(11, 11 + k))
+    assert params["max_tokens"] == 30 - k and params["seed"] == 5 + k
+    assert fake.num_requests == 0
+
+
+async def test_abort_while_paused_and_while_running(fake):
+    paused = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=40), request_id="a"))
+    await until(lambda: "a" in fake._active and fake._active["a"].last is not None)
+    await fake.pause()
+    await fake.abort("a")  # returns without a resume
+    out = await asyncio.wait_for(paused, 5)
+    assert out.finish_reason is FinishReason.ABORT and 0 < len(out.token_ids) < 40
+    assert out.token_ids == list(range(11, 11 + len(out.token_ids)))
+    await fake.resume()
+    running = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=40), request_id="b"))
+    await until(lambda: "b" in fake._active and fake._active["b"].last is not None)
+    await fake.abort("b")
+    out = await running
+    assert out.finish_reason is FinishReason.ABORT and "b-1" in fake._llm.cancelled
+    await fake.abort("unknown")  # a no-op
+
+
+async def test_cancelling_the_caller_aborts_the_vllm_request(fake):
+    task = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=40), request_id="c"))
+    await until(lambda: "c" in fake._active and fake._active["c"].last is not None)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert fake._llm.cancelled == ["c-1"] and fake.num_requests == 0
+
+
+async def test_bad_requests_raise_engine_error(fake):
+    with pytest.raises(EngineError, match="context window"):
+        await fake.generate(list(range(64)), SamplingParams())
+    with pytest.raises(EngineError, match="prompt token ids"):
+        await fake.generate([1000], SamplingParams())
+    with pytest.raises(EngineError, match="empty"):
+        await fake.generate([], SamplingParams())
+    with pytest.raises(EngineError, match="top_p"):
+        await fake.generate([1], SamplingParams(top_p=0.0))
+    with pytest.raises(EngineError, match="paused"):
+        await fake.update_weights([], 1)
+    task = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=40), request_id="d"))
+    await until(lambda: "d" in fake._active)
+    with pytest.raises(EngineError, match="already in use"):
+        await fake.generate([10], SamplingParams(), request_id="d")
+    await fake.close()
+    assert (await task).finish_reason is FinishReason.ABORT and fake._llm.shut
+    with pytest.raises(EngineError, match="closed"):
+        await fake.generate([10], SamplingParams())
+
+
+# ------------------------------------------------------------------------------ GPU: real vLLM, tiny checkpoint
+
+@torch.no_grad()
+def reference_logprobs(model, prompt, tokens, temperature, suppress=()):
+    """log_softmax(logits / T) by a plain forward pass; `suppress`: token ids masked first (what vLLM's
+    processed log-probs do during min_tokens, see the module docstring of molt.engine.vllm)."""
+    logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1].double()
+    logits[:, list(suppress)] = -float("inf")
+    return torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+
+
+def gathered(logp, tokens):
+    return logp.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs vLLM and a CUDA GPU (scripts/gpu_check.sh)")
+async def test_gpu_engine_against_transformers(tmp_path):
+    """fp32 engine vs fp32 transformers on CPU: log-probs within 1e-3 (bf16 ~5e-2, and then no exact greedy or
+    top-k comparisons), greedy equal to HF greedy, refit mid-request changes versions and the weights used."""
+    from transformers import AutoModelForCausalLM
+
+    from molt.testing.models import build_tiny_llama
+
+    # hidden 256 -> head_dim 64, a size every vLLM attention backend supports
+    path_a = build_tiny_llama(tmp_path / "a", seed=0, hidden_size=256)
+    path_b = build_tiny_llama(tmp_path / "b", seed=1, hidden_size=256)
+    model_a = AutoModelForCausalLM.from_pretrained(path_a, dtype=torch.float32).eval()
+    model_b = AutoModelForCausalLM.from_pretrained(path_b, dtype=torch.float32).eval()
+    eng = mv.VLLMEngine(str(path_a), dtype=GPU_DTYPE, gpu_memory_utilization=0.2, max_model_len=512,
+                        enforce_eager=True)
+    try:
+        assert eng.max_model_len == 512 and eng.eos_token_ids == [model_a.config.eos_token_id]
+        prompts = [[5 + i] + list(range(20, 20 + 7 * i)) for i in range(6)]
+        for temperature in (1.0, 0.7):
+            outs = await asyncio.gather(*[eng.generate(p, SamplingParams(
+                max_tokens=24, temperature=temperature, seed=i, top_logprobs=3)) for i, p in enumerate(prompts)])
+            for p, out in zip(prompts, outs):
+                assert out.versions == [0] * len(out.token_ids)
+                logp = reference_logprobs(model_a, p, out.token_ids, temperature)
+                assert torch.allclose(torch.tensor(out.logprobs).double(), gathered(logp, out.token_ids), atol=ATOL)
+                best = logp.topk(3, dim=-1)
+                got = torch.tensor([[v for _, v in row] for row in out.top_logprobs]).double()
+                assert torch.allclose(got, best.values, atol=ATOL)
+                if GPU_DTYPE == "float32":
+                    assert [[t for t, _ in row] for row in out.top_logprobs] == best.indices.tolist()
+                if out.finish_reason is FinishReason.STOP:
+                    assert out.token_ids[-1] in eng.eos_token_ids
+        # greedy (EOS held off by min_tokens on both sides) equals transformers' greedy
+        n = 32
+        greedy = await eng.generate(prompts[3], SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0))
+        hf = model_a.generate(torch.tensor([prompts[3]]), attention_mask=torch.ones(1, len(prompts[3]), dtype=torch.long),
+                              do_sample=False, max_new_tokens=n, min_new_tokens=n)[0, len(prompts[3]):].tolist()
+        assert greedy.token_ids == hf or GPU_DTYPE != "float32"
+        # a stop token ends the completion and is kept in it
+        stops = list(range(30, 230))
+        out = await eng.generate(prompts[0], SamplingParams(max_tokens=50, stop_token_ids=stops, seed=1))
+        assert out.finish_reason is FinishReason.STOP and out.token_ids[-1] in stops
+        with pytest.raises(EngineError, match="context window"):
+            await eng.generate(list(range(10, 10 + 512)), SamplingParams())
+        # partial rollout across a refit to model B; min_tokens keeps EOS away (and masked: see reference)
+        prompt, n = prompts[2], 400
+        task = asyncio.create_task(eng.generate(prompt, SamplingParams(max_tokens=n, min_tokens=n, seed=3),
+                                                request_id="long"))
+        await until(lambda: "long" in eng._active and eng._active["long"].last is not None
+                    and len(eng._active["long"].last.token_ids) >= 5, turns=1_000_000)
+        await eng.pause()
+        state = list(model_b.state_dict().items())
+        await eng.update_weights(state[: len(state) // 2], version=1)
+        await eng.update_weights(state[len(state) // 2:], version=1)
+        await eng.resume()
+        out = await task
+        k = out.versions.index(1)
+        assert 5 <= k < n and out.versions == [0] * k + [1] * (n - k) and len(out.token_ids) == n
+        eos = eng.eos_token_ids
+        ref_a = gathered(reference_logprobs(model_a, prompt, out.token_ids, 1.0, eos), out.token_ids)
+        ref_b = gathered(reference_logprobs(model_b, prompt, out.token_ids, 1.0, eos), out.token_ids)
+        got = torch.tensor(out.logprobs).double()
+        assert torch.allclose(got[:k], ref_a[:k], atol=ATOL) and torch.allclose(got[k:], ref_b[k:], atol=ATOL)
+        assert eng.version == 1
+    finally:
+        await eng.close()
