@@ -246,6 +246,22 @@ def _train_and_report(cfg) -> dict:
     return summary
 
 
+@command("serve", "serve a model through the capture server (OpenAI and Anthropic wires, captured segments)",
+         _MODEL_ARG, arg("--host", default="127.0.0.1", help="address to bind (default: loopback only)"),
+         arg("--port", type=int, default=8000, help="port to listen on (0: any free port)"))
+def serve(args: argparse.Namespace) -> int:
+    from molt.capture.serve import serve_main
+
+    return serve_main(args)
+
+
+@command("doctor", "check whether the model's chat template keeps multi-turn capture in one segment", _MODEL_ARG)
+def doctor(args: argparse.Namespace) -> int:
+    from molt.capture.doctor import doctor_main
+
+    return doctor_main(args)
+
+
 @command("plot", "redraw the reward and accuracy curves of a run directory into RUN_DIR/curves.png",
          arg("run_dir", help="a run directory (holds metrics.jsonl)"))
 def plot(args: argparse.Namespace) -> None:

@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny real checkpoints built once per test session (no network)."""
+"""Shared fixtures: tiny real checkpoints built once per test session (no network), their tokenizer, one real
+embedded engine, and a local Ray instance."""
+import asyncio
 import os
 
 import pytest
@@ -38,3 +40,20 @@ def ray_local():
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
                  configure_logging=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     return ray
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_engine(tiny_llama_dir):
+    """One real embedded engine for the whole session (its worker thread serves any event loop)."""
+    from molt.engine.hf import HFEngine
+
+    engine = HFEngine(str(tiny_llama_dir))
+    yield engine
+    asyncio.run(engine.close())

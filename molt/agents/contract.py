@@ -1,0 +1,125 @@
+"""The public agent contract (`Result`, `ChatContext`, `ChatAgent`, `Env`, `Runner`) and the Protocols through
+which runners reach the capture room (`SessionProvider`, `CaptureSession`, `Turn`).
+
+The Protocols are the room boundary: `molt.agents` never imports `molt.capture`; `molt.runtime` hands a
+runner an object that satisfies `SessionProvider` (the capture server does). Both runners use the same
+capture session: `ChatAgentRunner` gives the agent the session's URLs, `StepEnvRunner` calls `session.chat`
+in-process, so Env and SDK agents share one chat-rendering and token-capture path.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from molt.types import SamplingParams, Segment, Trajectory
+
+
+@dataclass
+class Result:
+    """What an agent or an environment step returns (fields and defaults of the public contract)."""
+
+    reward: Any = 0.0  # float, or a tensor/list whose first element is the reward; None is an error
+    observation: str = ""  # next-turn observation (Env, multi-turn)
+    terminated: bool = True  # the episode ended naturally (a plain Env is single-turn)
+    truncated: bool = False  # cut off by a limit
+    info: dict[str, Any] = field(default_factory=dict)  # scalar diagnostics (numbers or 1-element tensors)
+    score: Any = None  # for dynamic filtering and dashboards; falls back to reward
+    images: Any = None  # next-turn images (kept for compatibility; no engine here is multimodal yet)
+    sampling_params: SamplingParams | Mapping[str, Any] | None = None  # override for the following turns
+
+
+@dataclass
+class ChatContext:
+    """Everything a `ChatAgent` needs for one rollout (field names of the public contract)."""
+
+    messages: list[dict[str, Any]]  # the dataset row as OpenAI chat messages
+    tools: list[dict[str, Any]] | None  # OpenAI-format tool definitions, or None
+    prompt: str  # text of the last user turn
+    label: Any
+    images: Any
+    base_url: str  # http://host:port/s/{session_id}/v1, for AsyncOpenAI
+    session_url: str  # the same without /v1, for AsyncAnthropic (its SDK appends /v1/messages)
+    model_name: str
+    api_key: str
+    session_id: str
+    sampling_params: SamplingParams  # a copy: temperature, top_p, top_k, max_tokens (may be None), min_tokens
+    max_length: int  # context window in tokens (prompt + completion)
+
+
+class ChatAgent:
+    """An agent that drives its own loop through a stock SDK. A fresh instance per rollout."""
+
+    async def run(self, ctx: ChatContext) -> Result:
+        raise NotImplementedError
+
+
+class Env:
+    """A Gym-style environment; the framework generates. A fresh instance per episode, no constructor args."""
+
+    async def reset(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        """Gets {"observation": prompt, "label": label}; may return a state whose "observation" is the first input."""
+        return None
+
+    async def step(self, state: dict[str, Any]) -> Result:
+        """Gets exactly observation_text, action_text (special tokens kept), label, sampling_params (a copy)."""
+        raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------------------- room boundary
+@runtime_checkable
+class Turn(Protocol):
+    """One generated assistant turn as the in-process session returns it."""
+
+    message: dict[str, Any]  # the assistant chat message to append to continue the conversation
+    prompt_ids: list[int]  # the exact context the engine saw
+    action_ids: list[int]  # the sampled tokens kept (stop token included when one was sampled)
+    finish_reason: str  # "stop", "length" or "tool_calls"
+
+
+@runtime_checkable
+class CaptureSession(Protocol):
+    """One rollout's capture session. Its HTTP endpoints live under `base_url`; `chat`/`extend` are the same
+    capture path called in-process (no HTTP), used by `StepEnvRunner`."""
+
+    session_id: str
+    base_url: str
+    session_url: str
+    api_key: str
+    model_name: str
+    max_model_len: int
+    stats: dict[str, int]  # counters for dashboards (requests, cache_hits, malformed_tool_calls, ...)
+
+    async def chat(self, messages: list[dict[str, Any]], params: SamplingParams,
+                   tools: list[dict[str, Any]] | None = None) -> Turn: ...
+
+    async def extend(self, text: str, params: SamplingParams) -> Turn:
+        """Raw-text mode: append `text`'s tokens (no chat template) to the newest segment and generate."""
+        ...
+
+    def decode(self, token_ids: list[int]) -> str:  # special tokens kept
+        ...
+
+    async def close(self) -> list[Segment]:
+        """End the session (later requests get 404, in-flight ones are aborted); return its segments."""
+        ...
+
+
+@runtime_checkable
+class SessionProvider(Protocol):
+    """Opens capture sessions (the capture server of a rollout worker implements this)."""
+
+    async def open_session(self, rollout_id: str, sampling_params: SamplingParams) -> CaptureSession: ...
+
+
+class Runner:
+    """Runs one rollout of a dataset row and returns its `Trajectory`; never raises for agent mistakes.
+
+    `row`: {"messages": [...OpenAI messages] or "prompt": str, "label": Any, "tools": [...] | None,
+    "images": Any}. `run` is the entry point the runtime calls; `ChatAgentRunner` and `StepEnvRunner` are the two
+    implementations, and a custom Runner subclass may implement `run` itself.
+    """
+
+    async def run(self, row: Mapping[str, Any], *, sessions: SessionProvider, rollout_id: str,
+                  group_id: str = "", sampling_params: SamplingParams | None = None) -> Trajectory:
+        raise NotImplementedError

@@ -1,0 +1,165 @@
+"""The Anthropic Messages wire: request schema, conversion to a `ChatRequest`, response and SSE event stream.
+
+Supported: `system` (string or text blocks), `messages` with text, `tool_use` and `tool_result` blocks,
+`tools` (converted to OpenAI function definitions so the chat template sees one format), `tool_choice`
+(`{"type": "none"}` disables parsing; others are not enforced), `max_tokens`, `temperature`, `top_p`,
+`top_k`, `stop_sequences`, `stream`. `stop_reason` is `tool_use`, `stop_sequence`, `max_tokens` or
+`end_turn`; `usage` counts the real prompt and completion tokens.
+
+Decisions: `max_tokens` may be left out or null (the session default applies), since agents pass
+`ctx.sampling_params.max_tokens`, which may be None; temperature up to 2 is accepted (training may sample
+hotter than Anthropic allows). In a user turn, tool results become `tool` messages, followed by the turn's
+text blocks as one user message.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from molt.capture.render import canonical_tools
+from molt.capture.session import ChatRequest, Choice, Generation, Session, text_pieces
+from molt.capture.tools import tool_call
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextBlock(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_Model):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Model):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class Message(_Model):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(_Model):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class MessagesRequest(_Model):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    tools: list[Tool] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+SCHEMA = MessagesRequest
+
+
+def _text(content: str | list[TextBlock] | None) -> str:
+    return content if isinstance(content, str) else "".join(b.text for b in content or [])
+
+
+def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if req.system:
+        out.append({"role": "system", "content": _text(req.system)})
+    for m in req.messages:
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        text = "".join(b.text for b in m.content if isinstance(b, TextBlock))
+        if m.role == "assistant":
+            calls = [tool_call(b.id, b.name, b.input) for b in m.content if isinstance(b, ToolUseBlock)]
+            out.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+            continue
+        results = [b for b in m.content if isinstance(b, ToolResultBlock)]
+        out += [{"role": "tool", "content": _text(b.content), "tool_call_id": b.tool_use_id} for b in results]
+        if text or not results:
+            out.append({"role": "user", "content": text})
+    return out
+
+
+def to_chat(req: MessagesRequest, data: dict[str, Any], session: Session) -> ChatRequest:
+    d = session.defaults
+    params = d.copy(
+        max_tokens=req.max_tokens or d.max_tokens,
+        temperature=d.temperature if req.temperature is None else req.temperature,
+        top_p=d.top_p if req.top_p is None else req.top_p,
+        top_k=d.top_k if req.top_k is None else req.top_k,
+        top_logprobs=0,
+    )
+    tools = canonical_tools([{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
+                                                               **({"description": t.description} if t.description else {})}}
+                             for t in req.tools or []])
+    parse = bool(tools) and (req.tool_choice or {}).get("type") != "none"
+    return ChatRequest(_messages(req), tools, params, list(req.stop_sequences or []), 1, parse_tools=parse)
+
+
+def _stop_reason(ch: Choice) -> str:
+    return {"tool_calls": "tool_use", "length": "max_tokens"}.get(
+        ch.finish_reason, "stop_sequence" if ch.stop_sequence is not None else "end_turn")
+
+
+def _blocks(ch: Choice) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": ch.content}] if ch.content or not ch.tool_calls else []
+    for c in ch.tool_calls:
+        args = c["function"]["arguments"]
+        blocks.append({"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                       "input": args if isinstance(args, dict) else {}})
+    return blocks
+
+
+def response_body(gen: Generation, req: MessagesRequest, session: Session | None = None) -> dict[str, Any]:
+    ch = gen.choices[0]
+    return {"id": f"msg_{gen.id}", "type": "message", "role": "assistant", "model": req.model,
+            "content": _blocks(ch), "stop_reason": _stop_reason(ch), "stop_sequence": ch.stop_sequence,
+            "usage": {"input_tokens": len(gen.prompt_ids), "output_tokens": len(ch.action_ids)}}
+
+
+def _event(kind: str, data: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
+
+
+async def stream(gen: Generation, req: MessagesRequest, session: Session | None = None) -> AsyncIterator[bytes]:
+    """message_start, per block start / delta / stop, message_delta (stop reason, usage), message_stop."""
+    body = response_body(gen, req)
+    start = {**body, "content": [], "stop_reason": None, "stop_sequence": None,
+             "usage": {"input_tokens": body["usage"]["input_tokens"], "output_tokens": 0}}
+    yield _event("message_start", {"message": start})
+    for i, block in enumerate(body["content"]):
+        if block["type"] == "text":
+            yield _event("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
+            for piece in text_pieces(block["text"]):
+                yield _event("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": piece}})
+        else:
+            yield _event("content_block_start", {"index": i, "content_block": {**block, "input": {}}})
+            yield _event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta",
+                                                                        "partial_json": json.dumps(block["input"])}})
+        yield _event("content_block_stop", {"index": i})
+    yield _event("message_delta", {"delta": {"stop_reason": body["stop_reason"],
+                                             "stop_sequence": body["stop_sequence"]},
+                                   "usage": {"output_tokens": body["usage"]["output_tokens"]}})
+    yield _event("message_stop", {})

@@ -1,0 +1,107 @@
+"""`molt doctor --model REF`: will multi-turn capture of this model's chat template stay in one segment?
+
+Each check plays a short conversation through the capture path itself (`SegmentTracker`: the same rendering,
+prefix test and splice the server uses), with the assistant's replies standing in as sampled tokens, and
+reports whether every later turn continued the segment or which break it caused. Checks: a plain multi-turn
+chat, several messages appended at once, tool calls with tool results, reasoning (`<think>`) blocks in
+earlier replies, and whether `tools=[]` renders like no tools (capture treats them the same).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from molt.capture.render import ChatRenderer, canonical_messages, canonical_tools
+from molt.capture.segments import Action, SegmentTracker
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "3 + 4"}}}
+SYSTEM = {"role": "system", "content": "You are a careful assistant."}
+Q1, Q2 = {"role": "user", "content": "What is 3 + 4?"}, {"role": "user", "content": "And 5 + 6?"}
+
+# name -> (tools, [(messages appended before this turn, assistant reply of this turn)])
+CHECKS: dict[str, tuple[list | None, list[tuple[list[dict], dict]]]] = {
+    "plain multi-turn": (None, [([SYSTEM, Q1], {"role": "assistant", "content": "It is 7."}),
+                                ([Q2], {"role": "assistant", "content": "It is 11."})]),
+    "several messages at once": (None, [([Q1], {"role": "assistant", "content": "7."}),
+                                        ([Q2, {"role": "assistant", "content": "(an aside)"},
+                                          {"role": "user", "content": "Go on."}],
+                                         {"role": "assistant", "content": "11."})]),
+    "tool calls": (TOOLS, [([SYSTEM, Q1], {"role": "assistant", "content": "", "tool_calls": [CALL]}),
+                           ([{"role": "tool", "tool_call_id": "call_1", "content": "7"}],
+                            {"role": "assistant", "content": "It is 7."}),
+                           ([Q2], {"role": "assistant", "content": "It is 11."})]),
+    "reasoning blocks": (None, [([Q1], {"role": "assistant", "content": "<think>3 plus 4</think>It is 7."}),
+                                ([Q2], {"role": "assistant", "content": "<think>5 plus 6</think>It is 11."})]),
+}
+
+
+@dataclass
+class Finding:
+    check: str
+    ok: bool
+    detail: str
+
+
+def _eos_ids(tokenizer: Any, path: str | None) -> list[int]:
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if path is not None:
+        from transformers import GenerationConfig
+
+        try:
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
+        except OSError:  # no generation_config.json
+            eos = None
+        ids += [eos] if isinstance(eos, int) else list(eos or [])
+    return list(dict.fromkeys(ids))
+
+
+def play(renderer: ChatRenderer, eos_ids: list[int], tools: list | None, turns: list) -> list[str]:
+    """Break reasons of each turn after the first ("" = continued the segment)."""
+    tracker = SegmentTracker(renderer, eos_ids)
+    messages: list[dict] = []
+    reasons = []
+    for i, (appended, reply) in enumerate(turns):
+        messages = messages + canonical_messages(appended)
+        plan = tracker.plan(messages, canonical_tools(tools), 1.0)
+        if i:
+            reasons.append("" if plan.branch is not None else plan.break_reason)
+        text = renderer.render(messages + canonical_messages([reply]), canonical_tools(tools), False)
+        sampled = renderer.encode(text[len(plan.prompt_text):].split(renderer.decode([eos_ids[0]]))[0]) + eos_ids[:1]
+        tracker.commit(plan, [Action(sampled, [0.0] * len(sampled), [0] * len(sampled))], canonical_messages([reply]))
+        messages = messages + canonical_messages([reply])
+    return reasons
+
+
+def diagnose(renderer: ChatRenderer, eos_ids: list[int]) -> list[Finding]:
+    findings = []
+    for name, (tools, turns) in CHECKS.items():
+        try:
+            reasons = play(renderer, eos_ids, tools, turns)
+        except ValueError as e:  # the template rejected the conversation
+            findings.append(Finding(name, False, f"template error: {e}"))
+            continue
+        broken = [f"turn {i + 2}: {r}" for i, r in enumerate(reasons) if r]
+        findings.append(Finding(name, not broken, "one segment" if not broken else
+                                "new segment at " + ", ".join(broken)))
+    conversation = canonical_messages([SYSTEM, Q1])
+    same = renderer.render(conversation, [], True) == renderer.render(conversation, None, True)
+    findings.append(Finding("tools=[] vs no tools", same, "render the same" if same else
+                            "render differently (capture treats tools=[] as no tools)"))
+    return findings
+
+
+def doctor_main(args: Any) -> int:
+    """Entry point for `molt doctor` (args: model). Prints one line per check; returns 0 (it is a report)."""
+    from molt.models import resolve_model
+
+    path = str(resolve_model(args.model))
+    renderer = ChatRenderer.from_pretrained(path)
+    print(f"molt doctor: chat template of {args.model}")
+    for f in diagnose(renderer, _eos_ids(renderer.tokenizer, path)):
+        print(f"  [{'ok' if f.ok else '!!'}] {f.check}: {f.detail}")
+    print("A new segment costs nothing in correctness (each segment is token-exact), but its context is "
+          "re-encoded and trained separately; see DESIGN.md, 'Capture continuation rule'.")
+    return 0

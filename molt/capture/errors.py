@@ -1,0 +1,50 @@
+"""Client errors and their wire shapes.
+
+Every client mistake becomes a `WireError` with a 4xx status, answered in the shape the client's SDK parses:
+OpenAI `{"error": {"message", "type", "param", "code"}}`, Anthropic `{"type": "error", "error": {"type",
+"message"}}` (on `/messages`). Request bodies are parsed here rather than by FastAPI, so malformed JSON and
+schema mistakes are 400s with a readable message instead of FastAPI's 422.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    405: "invalid_request_error"}
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class WireError(Exception):
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def openai_body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def anthropic_body(self) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                           "message": self.message}}
+
+
+def parse_body(model: type[M], body: bytes) -> tuple[M, dict[str, Any]]:
+    """(validated model, the parsed JSON) of a request body; WireError(400) naming the problem otherwise. The
+    plain JSON is returned too because converting validated fields back to dicts costs more than reading them."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise WireError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise WireError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data), data
+    except ValidationError as e:
+        problems = e.errors(include_url=False)
+        where = ".".join(str(p) for p in problems[0]["loc"])
+        text = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in problems[:3])
+        raise WireError(400, f"invalid request: {text}", code="invalid_request", param=where or None) from None

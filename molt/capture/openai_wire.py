@@ -1,0 +1,167 @@
+"""The OpenAI Chat Completions wire: request schema, conversion to a `ChatRequest`, response and SSE stream.
+
+Supported: messages (system/developer/user/assistant/tool; text content parts; assistant `tool_calls`), `tools`
+and `tool_choice`, `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `stop`, `n`, `seed`,
+`logprobs` / `top_logprobs`, `stream` with `stream_options.include_usage`, and the vLLM-style extensions
+`top_k`, `min_tokens`. Unknown fields (penalties, `user`, ...) are ignored; fields left out take the session's
+sampling defaults (the rollout's). `tool_choice="none"` returns tool-call text as plain content; "required" or
+a named function are accepted but not enforced (there is no constrained decoding).
+
+Streaming: the engine returns whole completions, so a stream is emitted once the completion is ready: a role
+chunk, content deltas, tool-call deltas (id and name first, then the arguments), a finish chunk, the usage
+chunk when asked, and `[DONE]` - the sequence the official SDK assembles.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from molt.capture.render import canonical_messages, canonical_tools
+from molt.capture.session import ChatRequest, Choice, Generation, Session, text_pieces
+from molt.capture.tools import arguments_json
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Model):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Model):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Model):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=16)
+    seed: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+
+SCHEMA = ChatCompletionRequest
+
+
+def to_chat(req: ChatCompletionRequest, data: dict[str, Any], session: Session) -> ChatRequest:
+    """The request in wire-independent form; messages and tools are read from the validated JSON `data`."""
+    d = session.defaults
+    params = d.copy(
+        max_tokens=req.max_completion_tokens or req.max_tokens or d.max_tokens,
+        temperature=d.temperature if req.temperature is None else req.temperature,
+        top_p=d.top_p if req.top_p is None else req.top_p,
+        top_k=d.top_k if req.top_k is None else req.top_k,
+        min_tokens=d.min_tokens if req.min_tokens is None else req.min_tokens,
+        seed=d.seed if req.seed is None else req.seed,
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+    )
+    tools = canonical_tools(data.get("tools"))
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return ChatRequest(canonical_messages(data["messages"]), tools, params,
+                       stop, req.n, parse_tools=bool(tools) and req.tool_choice != "none")
+
+
+def _usage(gen: Generation) -> dict[str, int]:
+    prompt, completion = len(gen.prompt_ids), gen.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _logprobs(choice: Choice, session: Session) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = session.renderer.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    tops = choice.top_logprobs or [[] for _ in choice.action_ids]
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
+                        for t, lp, top in zip(choice.action_ids, choice.logprobs, tops)], "refusal": None}
+
+
+def _calls(choice: Choice) -> list[dict[str, Any]]:
+    return [{"id": c["id"], "type": "function",
+             "function": {"name": c["function"]["name"], "arguments": arguments_json(c)}} for c in choice.tool_calls]
+
+
+def response_body(gen: Generation, req: ChatCompletionRequest, session: Session) -> dict[str, Any]:
+    choices = []
+    for i, ch in enumerate(gen.choices):
+        message: dict[str, Any] = {"role": "assistant", "content": ch.content if ch.content or not ch.tool_calls
+                                   else None, "refusal": None}
+        if ch.tool_calls:
+            message["tool_calls"] = _calls(ch)
+        choices.append({"index": i, "message": message, "finish_reason": ch.finish_reason,
+                        "logprobs": _logprobs(ch, session) if req.logprobs else None})
+    return {"id": f"chatcmpl-{gen.id}", "object": "chat.completion", "created": gen.created, "model": req.model,
+            "choices": choices, "usage": _usage(gen), "system_fingerprint": None}
+
+
+async def stream(gen: Generation, req: ChatCompletionRequest, session: Session) -> AsyncIterator[bytes]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    head = {"id": f"chatcmpl-{gen.id}", "object": "chat.completion.chunk", "created": gen.created,
+            "model": req.model, "system_fingerprint": None}
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+        body = {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if include_usage:
+            body["usage"] = None
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    for i, ch in enumerate(gen.choices):
+        yield chunk(i, {"role": "assistant", "content": ""},
+                    logprobs=_logprobs(ch, session) if req.logprobs else None)
+        for piece in text_pieces(ch.content):
+            yield chunk(i, {"content": piece})
+        for j, call in enumerate(_calls(ch)):
+            yield chunk(i, {"tool_calls": [{"index": j, "id": call["id"], "type": "function",
+                                            "function": {"name": call["function"]["name"], "arguments": ""}}]})
+            yield chunk(i, {"tool_calls": [{"index": j, "function": {"arguments": call["function"]["arguments"]}}]})
+        yield chunk(i, {}, finish=ch.finish_reason)
+    if include_usage:
+        yield b"data: " + json.dumps({**head, "choices": [], "usage": _usage(gen)}).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"

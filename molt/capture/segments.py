@@ -1,0 +1,175 @@
+"""Segment tracking: the capture continuation rule (DESIGN.md) for one session.
+
+A session holds *branches*: segments still open to continuation, each remembering the canonical messages it
+was rendered from (ending with the recorded assistant reply), its tools and its sampling temperature. For a
+request with messages M:
+
+1. Pick the most recent branch whose messages M strictly extends (same tools, same temperature).
+2. Template check: with text_A = the rendered prompt of the branch's last request, text_B = the rendering of
+   the branch's messages (reply included, no generation prompt) and text_C = the rendering of M (with the
+   generation prompt), require text_B to start with text_A and text_C with text_B: appending messages must not
+   change how the earlier conversation renders (a template dropping earlier `<think>` blocks fails here).
+3. Splice: the reply's sampled tokens stand in for the template's rendering of the reply, up to its
+   end-of-turn token. The context tokens appended (mask 0) are the encoding of the template's text after the
+   reply's end-of-turn token (if the model sampled it; otherwise the end-of-turn token itself plus that text)
+   followed by text_C[len(text_B):]. Sampled tokens are never decoded and re-encoded.
+
+Otherwise a new segment starts from the rendering of M, and `break_reason` says why, relative to the branch
+used last: `start` (first request), `tools_changed`, `sampling_changed` (temperature), `template_rewrite` (M
+extends the messages but the rendering of the earlier part changed), `branch` (M re-asks from an earlier
+point of the same history, or one of the n>1 choices), `compaction` (the history was rewritten).
+
+Decisions:
+- Every branch stays open for the session's life, so an agent that interleaves two conversations in one
+  session (sub-agents) gets one segment per conversation, each continued correctly.
+- An action token is trained once: a `branch` segment created for choice i>0 of an n>1 request holds the
+  shared context with mask 0, so earlier actions are not duplicated.
+- top_p/top_k changes do not seal a segment: the recorded behavior log-probability is taken before
+  truncation (`molt.engine.base`), so the trainer recomputes it from the temperature alone.
+- Raw-text continuation (`plan_raw`, for Envs) appends the encoded text to the newest branch; that branch
+  can then no longer be continued by chat messages (its messages are unknown).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from molt.capture.render import ChatRenderer
+from molt.types import Segment
+
+
+@dataclass(eq=False)
+class _Branch:
+    segment: Segment
+    messages: list[dict[str, Any]] | None  # canonical, ending with the recorded reply; None after raw text
+    tools: list[dict[str, Any]] | None
+    prompt_text: str  # rendering (generation prompt included) of messages[:-1]: text_A
+    ended_turn: bool  # the reply's sampled tokens end with an end-of-turn (EOS) token
+
+
+@dataclass
+class Action:
+    """The kept part of one sampled completion."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+
+@dataclass
+class Plan:
+    """What a request will extend (or start) and the exact prompt to send to the engine."""
+
+    prompt_ids: list[int]
+    context_ids: list[int]  # tokens appended to the branch before the action (mask 0); the whole prompt if new
+    branch: _Branch | None  # continued branch, None for a new segment
+    break_reason: str
+    messages: list[dict[str, Any]] | None
+    tools: list[dict[str, Any]] | None
+    temperature: float
+    prompt_text: str = ""
+    rewrite: bool = field(default=False, repr=False)
+
+
+class SegmentTracker:
+    """The segments of one session. Not thread-safe: the session serializes `plan`/`commit`."""
+
+    def __init__(self, renderer: ChatRenderer, eos_token_ids: list[int]):
+        self.renderer = renderer
+        self.eos_ids = set(eos_token_ids)
+        self.eos_texts = [renderer.decode([i]) for i in eos_token_ids]
+        self.branches: list[_Branch] = []
+        self._last: _Branch | None = None  # branch used by the latest request
+        # branches by their first message: a request can only extend branches that start like it does, and a
+        # session of many conversations must not scan them all per request
+        self._by_start: dict[tuple[str, str], list[_Branch]] = {}
+
+    def segments(self) -> list[Segment]:
+        return [b.segment for b in self.branches]
+
+    def plan(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+             temperature: float) -> Plan:
+        text_c = self.renderer.render(messages, tools, add_generation_prompt=True)
+        rewrite = False
+        for branch in reversed(self._by_start.get(_start(messages), ())):
+            known = branch.messages
+            if (known is None or branch.tools != tools or branch.segment.temperature != temperature
+                    or len(messages) <= len(known) or messages[: len(known)] != known):
+                continue
+            context = self._continuation(branch, text_c)
+            if context is not None:
+                ids = self.renderer.encode(context)
+                return Plan(branch.segment.token_ids + ids, ids, branch, "", messages, tools, temperature, text_c)
+            rewrite = True
+            break
+        ids = self.renderer.encode(text_c)
+        reason = self._break_reason(messages, tools, temperature, rewrite)
+        return Plan(ids, ids, None, reason, messages, tools, temperature, text_c, rewrite)
+
+    def plan_raw(self, text: str) -> Plan:
+        if self._last is None:
+            raise ValueError("raw-text continuation needs an earlier turn in this session")
+        seg = self._last.segment
+        ids = self.renderer.encode(text)
+        return Plan(seg.token_ids + ids, ids, self._last, "", None, self._last.tools, seg.temperature)
+
+    def commit(self, plan: Plan, actions: list[Action], replies: list[dict[str, Any]] | None) -> None:
+        """Record the sampled choices of a planned request (choice 0 continues or starts; others branch)."""
+        for i, action in enumerate(actions):
+            ended = bool(action.token_ids) and action.token_ids[-1] in self.eos_ids
+            messages = None if plan.messages is None or replies is None else plan.messages + [replies[i]]
+            if i == 0 and plan.branch is not None:
+                branch = plan.branch
+                _extend(branch.segment, plan.context_ids, action)
+                branch.messages, branch.prompt_text, branch.ended_turn = messages, plan.prompt_text, ended
+            else:
+                segment = Segment([], [], [], [], break_reason=plan.break_reason if i == 0 else "branch",
+                                  temperature=plan.temperature)
+                _extend(segment, plan.prompt_ids, action)
+                branch = _Branch(segment, messages, plan.tools, plan.prompt_text, ended)
+                self.branches.append(branch)
+                if messages:
+                    self._by_start.setdefault(_start(messages), []).append(branch)
+            if i == 0:
+                self._last = branch
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _continuation(self, branch: _Branch, text_c: str) -> str | None:
+        """Text of the context tokens that continue `branch` towards text_c, or None if the template rewrote
+        the earlier conversation."""
+        text_b = self.renderer.render(branch.messages, branch.tools, add_generation_prompt=False)
+        if not (text_c.startswith(text_b) and text_b.startswith(branch.prompt_text)):
+            return None
+        reply = text_b[len(branch.prompt_text):]
+        end, eos = max((reply.rfind(e), e) for e in self.eos_texts) if self.eos_texts else (-1, "")
+        if end < 0:
+            return None  # the template does not close turns with an EOS token: no safe splice point
+        closer = reply[end + len(eos):] if branch.ended_turn else reply[end:]
+        return closer + text_c[len(text_b):]
+
+    def _break_reason(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      temperature: float, rewrite: bool) -> str:
+        last = self._last
+        if last is None:
+            return "start"
+        if rewrite:
+            return "template_rewrite"
+        if last.tools != tools:
+            return "tools_changed"
+        if last.segment.temperature != temperature:
+            return "sampling_changed"
+        if last.messages is not None and messages == last.messages[: len(messages)]:
+            return "branch"
+        return "compaction"
+
+
+def _start(messages: list[dict[str, Any]]) -> tuple[str, str]:
+    return (messages[0]["role"], str(messages[0]["content"])) if messages else ("", "")
+
+
+def _extend(segment: Segment, context: list[int], action: Action) -> None:
+    n = len(context)
+    segment.token_ids += context + action.token_ids
+    segment.action_mask += [0] * n + [1] * len(action.token_ids)
+    segment.behavior_logprobs += [0.0] * n + list(action.logprobs)
+    segment.versions += [-1] * n + list(action.versions)

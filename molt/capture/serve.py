@@ -1,0 +1,106 @@
+"""`molt serve --model REF [--host 127.0.0.1] [--port N]`: the engine and capture server as a standalone
+service, for debugging agents and for external harnesses.
+
+Routes added to the capture server's:
+- POST /sessions (body optional: {"rollout_id": str, "sampling_params": {...}}) -> {"session_id", "base_url",
+  "session_url", "api_key"}. Unauthenticated: the service binds to loopback by default.
+- GET /s/{session_id}/trajectory (the session's key) -> {"rollout_id", "reward", "segments": [{"token_ids",
+  "action_mask", "behavior_logprobs", "versions", "break_reason", "temperature", "text"}]}, `text` being the
+  decoded segment with special tokens.
+- POST /s/{session_id}/reward {"reward": float} (the session's key) sets the rollout's reward.
+Sessions live until the service stops. It prints its address when ready and stops cleanly on SIGINT/SIGTERM.
+
+This file and `doctor.py` are the CLI's wiring: they import `molt.models` and `molt.engine.hf` inside the
+functions, which the capture library itself never does.
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from molt.capture.errors import WireError, parse_body
+from molt.capture.server import CaptureServer
+from molt.types import SamplingParams
+
+
+class NewSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rollout_id: str = ""
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+
+
+class SetReward(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reward: float
+
+
+def add_service_routes(server: CaptureServer) -> None:
+    app = server.app
+
+    @app.post("/sessions")
+    async def new_session(request: Request) -> JSONResponse:
+        raw = await request.body()
+        spec = parse_body(NewSession, raw)[0] if raw.strip() else NewSession()
+        try:
+            params = SamplingParams.from_dict(spec.sampling_params).validate()
+        except (ValueError, TypeError) as e:
+            raise WireError(400, f"sampling_params: {e}", param="sampling_params") from None
+        session = await server.open_session(spec.rollout_id, params)
+        return JSONResponse({"session_id": session.session_id, "base_url": session.base_url,
+                             "session_url": session.session_url, "api_key": session.api_key})
+
+    @app.get("/s/{session_id}/trajectory")
+    async def trajectory(session_id: str, request: Request) -> JSONResponse:
+        session = server.session_for(session_id, request)
+        segments = [{"token_ids": s.token_ids, "action_mask": s.action_mask,
+                     "behavior_logprobs": s.behavior_logprobs, "versions": s.versions,
+                     "break_reason": s.break_reason, "temperature": s.temperature,
+                     "text": server.renderer.decode(s.token_ids)} for s in session.tracker.segments()]
+        return JSONResponse({"rollout_id": session.rollout_id, "reward": session.reward, "segments": segments})
+
+    @app.post("/s/{session_id}/reward")
+    async def reward(session_id: str, request: Request) -> JSONResponse:
+        session = server.session_for(session_id, request)
+        session.reward = parse_body(SetReward, await request.body())[0].reward
+        return JSONResponse({"session_id": session_id, "reward": session.reward})
+
+
+async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: Any = None,
+                ready: Any = print) -> None:
+    """Run the service until SIGINT/SIGTERM. `engine` defaults to an embedded HFEngine on `model` (a path)."""
+    from molt.capture.render import ChatRenderer
+
+    owned = engine is None
+    if owned:
+        from molt.engine.hf import HFEngine
+
+        engine = HFEngine(model)
+    server = CaptureServer(engine, ChatRenderer.from_pretrained(model), host=host, port=port)
+    add_service_routes(server)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.request_stop)
+    ready(f"molt serve: {engine.model_name} on {server.url}  (POST {server.url}/sessions to open a session)",
+          flush=True)
+    try:
+        await server.wait()
+        await server.stop()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if owned:
+            await engine.close()
+
+
+def serve_main(args: Any) -> int:
+    """Entry point for `molt serve` (args: model, host, port)."""
+    from molt.models import resolve_model
+
+    asyncio.run(serve(str(resolve_model(args.model)), args.host, args.port))
+    return 0

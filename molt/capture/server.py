@@ -1,0 +1,171 @@
+"""The capture server: one FastAPI app (served by uvicorn on 127.0.0.1) per rollout worker, many sessions.
+
+Routes, per session `s/{session_id}`: POST `/v1/chat/completions` (OpenAI), POST `/v1/messages` (Anthropic),
+GET `/v1/models`; and GET `/health`. Each session has its own random API key, accepted as
+`Authorization: Bearer KEY` (OpenAI SDK) or `x-api-key: KEY` (Anthropic SDK).
+
+Errors: client mistakes are 4xx in the caller's wire shape (`errors.py`): malformed JSON, schema violations,
+an unknown model name, a conversation the template rejects or that does not fit the context window -> 400;
+a wrong or missing key -> 401; an unknown or closed session -> 404. They never touch other sessions.
+
+`CaptureServer` implements `molt.agents.SessionProvider`; the runtime opens one session per rollout and closes
+it when the rollout ends (which returns the segments).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from molt.capture import anthropic_wire, openai_wire
+from molt.capture.errors import WireError, parse_body
+from molt.capture.render import ChatRenderer
+from molt.capture.session import ContextTooLong, Session, SessionClosed, cache_key
+from molt.capture.tools import get_tool_parser
+from molt.engine.base import Engine
+from molt.types import SamplingParams
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside our event loop: the host process owns signal handling."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class CaptureServer:
+    def __init__(self, engine: Engine, renderer: ChatRenderer, *, host: str = "127.0.0.1", port: int = 0,
+                 tool_parser: str = "hermes", served_names: tuple[str, ...] = ()):
+        self.engine, self.renderer = engine, renderer
+        self.host, self.port = host, port
+        self.parser = get_tool_parser(tool_parser)
+        self.model_names = {engine.model_name, *served_names}  # names a request may use for the model
+        self.sessions: dict[str, Session] = {}
+        self.app = FastAPI(title="molt capture", openapi_url=None, docs_url=None, redoc_url=None)
+        self.app.add_exception_handler(WireError, self._wire_error)
+        self.app.add_exception_handler(StarletteHTTPException, self._http_error)  # unknown routes, wrong methods
+        self._routes()
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------------------------- lifecycle
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host  # a wildcard bind is not an address
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        # agents pause between calls (tools, thinking) longer than uvicorn's 5 s default keep-alive; a
+        # connection the server closes just as the client reuses it fails the request
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=5, timeout_keep_alive=300)
+        self._server = _EmbeddedServer(config)
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start (e.g. the port is taken)
+                raise RuntimeError("the capture server stopped during start-up")
+            await asyncio.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+
+    def request_stop(self) -> None:
+        """Ask the server to stop (safe from a signal handler); `wait()` then returns."""
+        if self._server is not None:
+            self._server.should_exit = True
+
+    async def wait(self) -> None:
+        assert self._task is not None, "start() first"
+        await self._task
+
+    async def stop(self) -> None:
+        for session in list(self.sessions.values()):
+            await session.close()
+        if self._task is not None:
+            self.request_stop()
+            await self._task
+
+    # ------------------------------------------------------------------------------------- sessions
+    async def open_session(self, rollout_id: str = "", sampling_params: SamplingParams | None = None) -> Session:
+        session_id = secrets.token_hex(8)
+        session = Session(session_id=session_id, api_key=f"molt-{secrets.token_urlsafe(24)}", root_url=self.url,
+                          engine=self.engine, renderer=self.renderer, parser=self.parser,
+                          defaults=(sampling_params or SamplingParams()).copy(), rollout_id=rollout_id,
+                          on_close=lambda s: self.sessions.pop(s.session_id, None))
+        self.sessions[session_id] = session
+        return session
+
+    def session_for(self, session_id: str, request: Request) -> Session:
+        """The session named in the path, if the request carries its key (404 / 401 otherwise)."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise WireError(404, f"unknown or closed session {session_id!r}", code="session_not_found")
+        key = request.headers.get("x-api-key") or ""
+        auth = request.headers.get("authorization") or ""
+        if auth[:7].lower() == "bearer ":
+            key = key or auth[7:]
+        if not secrets.compare_digest(key.encode(), session.api_key.encode()):
+            raise WireError(401, "invalid API key for this session", code="invalid_api_key")
+        return session
+
+    # ------------------------------------------------------------------------------------- routes
+    def _routes(self) -> None:
+        app = self.app
+
+        @app.get("/health")
+        async def health() -> dict[str, Any]:
+            return {"status": "ok", "model": self.engine.model_name, "sessions": len(self.sessions)}
+
+        @app.get("/s/{session_id}/v1/models")
+        async def models(session_id: str, request: Request) -> JSONResponse:
+            self.session_for(session_id, request)
+            return JSONResponse({"object": "list", "data": [
+                {"id": name, "object": "model", "created": 0, "owned_by": "molt", "type": "model",
+                 "display_name": name, "created_at": "1970-01-01T00:00:00Z"} for name in sorted(self.model_names)]})
+
+        # plain Starlette routes for the two hot endpoints: no FastAPI dependency solving per request
+        async def chat_completions(request: Request) -> Response:
+            return await self._handle(request, "openai", openai_wire)
+
+        async def messages(request: Request) -> Response:
+            return await self._handle(request, "anthropic", anthropic_wire)
+
+        app.add_route("/s/{session_id}/v1/chat/completions", chat_completions, methods=["POST"])
+        app.add_route("/s/{session_id}/v1/messages", messages, methods=["POST"])
+
+    async def _handle(self, request: Request, wire: str, module: Any) -> Response:
+        """Shared by both wires: a wire module has SCHEMA, to_chat, response_body and stream."""
+        session = self.session_for(request.path_params["session_id"], request)
+        raw = await request.body()
+        req, data = parse_body(module.SCHEMA, raw)
+        if req.model not in self.model_names:
+            raise WireError(400, f"unknown model {req.model!r}; this server serves {sorted(self.model_names)}",
+                            code="model_not_found", param="model")
+        chat = module.to_chat(req, data, session)
+        key, lookup = cache_key(wire, raw, request.headers)
+        try:
+            gen = await session.complete(chat, key, lookup)
+        except SessionClosed as e:
+            raise WireError(404, str(e), code="session_closed") from None
+        except ValueError as e:  # RenderError, ContextTooLong, EngineError: the request cannot be served
+            code = "context_length_exceeded" if isinstance(e, ContextTooLong) else "invalid_request"
+            raise WireError(400, str(e), code=code) from None
+        if req.stream:
+            return StreamingResponse(module.stream(gen, req, session), media_type="text/event-stream")
+        return JSONResponse(module.response_body(gen, req, session))
+
+    @classmethod
+    async def _http_error(cls, request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return await cls._wire_error(request, WireError(error.status_code, f"{request.method} {request.url.path}: "
+                                                                           f"{error.detail}", code="not_found"))
+
+    @staticmethod
+    async def _wire_error(request: Request, error: WireError) -> JSONResponse:
+        anthropic = request.url.path.endswith("/v1/messages")
+        return JSONResponse(error.anthropic_body() if anthropic else error.openai_body(), status_code=error.status)

@@ -1,0 +1,236 @@
+"""One capture session (one rollout): wire-independent request handling, generation and recording.
+
+Both wires turn a request into a `ChatRequest` and get a `Generation` back; `StepEnvRunner` calls `chat` /
+`extend` in-process, so SDK agents and Envs share one rendering and capture path.
+
+Decisions:
+- Requests of one session are serialized (a lock around plan, generate, record): segments never interleave
+  half-recorded turns. Sub-agents sharing a session still get correct segments (one per conversation, see
+  `segments.py`); they just do not generate concurrently. Different sessions run fully concurrently.
+- Retries: the response to each request is cached under a hash of (wire, body). An identical body arriving
+  again is answered from the cache and recorded once, unless the request says it is a first attempt (the
+  official SDKs send `x-stainless-retry-count: 0`), so an agent that deliberately asks the same question twice
+  gets two samples. A retry that arrives while the original is still generating waits for it (the lock).
+- Stop strings (`stop`, `stop_sequences`) are applied after generation: the Engine contract has stop token ids
+  only. The kept tokens end with the token that completes the stop string (later tokens are discarded, never
+  recorded); the returned text ends before the stop string, as OpenAI and Anthropic do. The cost is tokens
+  generated past the stop, a throughput matter only.
+- n > 1: choices are generated concurrently (choice i uses seed + i when a seed is given); choice 0 continues
+  the segment, the others become `branch` segments.
+- A prompt that leaves no room in the context window is a client error (`ContextTooLong`, answered 400); a
+  max_tokens beyond the room left is capped by the engine (finish reason length).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from molt.capture.render import ChatRenderer, canonical_messages, canonical_tools
+from molt.capture.segments import Action, Plan, SegmentTracker
+from molt.capture.tools import Parsed, ToolParser
+from molt.engine.base import Engine
+from molt.types import Completion, FinishReason, SamplingParams, Segment
+
+
+class SessionClosed(Exception):
+    """The session ended (its rollout finished or timed out) while a request was using it."""
+
+
+class ContextTooLong(ValueError):
+    """The prompt leaves no room to generate in the model's context window."""
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict[str, Any]]  # canonical
+    tools: list[dict[str, Any]] | None  # canonical
+    params: SamplingParams  # resolved (session defaults overridden by the request)
+    stop: list[str] = field(default_factory=list)
+    n: int = 1
+    parse_tools: bool = True
+
+
+@dataclass
+class Choice:
+    action_ids: list[int]  # kept sampled tokens
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+    content: str  # reply text: special tokens skipped, cut before a stop string, tool-call blocks removed
+    tool_calls: list[dict[str, Any]]  # canonical
+    finish_reason: str  # "stop" | "length" | "tool_calls"
+    stop_sequence: str | None
+    message: dict[str, Any]  # the canonical assistant message recorded for this choice
+
+
+@dataclass
+class Generation:
+    id: str  # hex, the wires prefix it
+    created: int
+    prompt_ids: list[int]
+    choices: list[Choice]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.action_ids) for c in self.choices)
+
+
+@dataclass
+class Turn:
+    """What `chat`/`extend` return (satisfies `molt.agents.Turn`)."""
+
+    message: dict[str, Any]
+    prompt_ids: list[int]
+    action_ids: list[int]
+    finish_reason: str
+
+
+class Session:
+    """A rollout's session: URLs, key, sampling defaults, segments. Implements `molt.agents.CaptureSession`."""
+
+    def __init__(self, *, session_id: str, api_key: str, root_url: str, engine: Engine, renderer: ChatRenderer,
+                 parser: ToolParser, defaults: SamplingParams, rollout_id: str = "", cache_size: int = 16,
+                 on_close: Callable[[Session], None] | None = None):
+        self.session_id, self.api_key, self.rollout_id = session_id, api_key, rollout_id
+        self.session_url = f"{root_url}/s/{session_id}"
+        self.base_url = f"{self.session_url}/v1"
+        self.engine, self.renderer, self.parser = engine, renderer, parser
+        self.model_name, self.max_model_len = engine.model_name, engine.max_model_len
+        self.defaults = defaults
+        self.tracker = SegmentTracker(renderer, engine.eos_token_ids)
+        self.closed = False
+        self.reward: float | None = None  # set through `molt serve`'s POST /s/{id}/reward
+        self.stats = {"requests": 0, "cache_hits": 0, "malformed_tool_calls": 0}
+        self._lock = asyncio.Lock()
+        self._cache: OrderedDict[str, Generation] = OrderedDict()
+        self._cache_size = cache_size
+        self._inflight: set[str] = set()
+        self._count = 0
+        self._on_close = on_close
+
+    # ---------------------------------------------------------------------- molt.agents.CaptureSession
+    async def chat(self, messages: list[dict[str, Any]], params: SamplingParams,
+                   tools: list[dict[str, Any]] | None = None) -> Turn:
+        request = ChatRequest(canonical_messages(messages), canonical_tools(tools), params, parse_tools=bool(tools))
+        gen = await self.complete(request)
+        choice = gen.choices[0]
+        return Turn(choice.message, gen.prompt_ids, choice.action_ids, choice.finish_reason)
+
+    async def extend(self, text: str, params: SamplingParams) -> Turn:
+        async with self._lock:
+            self._check_open()
+            self.stats["requests"] += 1
+            plan = self.tracker.plan_raw(text)
+            gen = await self._generate(plan, ChatRequest([], None, params, parse_tools=False))
+        choice = gen.choices[0]
+        return Turn(choice.message, gen.prompt_ids, choice.action_ids, choice.finish_reason)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.renderer.decode(token_ids)
+
+    async def close(self) -> list[Segment]:
+        if not self.closed:
+            self.closed = True
+            for request_id in list(self._inflight):
+                await self.engine.abort(request_id)
+            if self._on_close is not None:
+                self._on_close(self)
+        return self.tracker.segments()
+
+    # ---------------------------------------------------------------------- the capture path
+    async def complete(self, request: ChatRequest, cache_key: str | None = None, lookup: bool = True) -> Generation:
+        """Answer one request: from the retry cache (when `lookup`), or plan -> generate -> record (and cache
+        under `cache_key`)."""
+        async with self._lock:
+            self._check_open()
+            self.stats["requests"] += 1
+            if lookup and cache_key is not None and cache_key in self._cache:
+                self.stats["cache_hits"] += 1
+                return self._cache[cache_key]
+            plan = self.tracker.plan(request.messages, request.tools, request.params.temperature)
+            gen = await self._generate(plan, request)
+            if cache_key is not None:
+                self._cache[cache_key] = gen
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+            return gen
+
+    async def _generate(self, plan: Plan, request: ChatRequest) -> Generation:
+        if len(plan.prompt_ids) >= self.max_model_len:
+            raise ContextTooLong(
+                f"this conversation is {len(plan.prompt_ids)} tokens but the context window of {self.model_name} "
+                f"is {self.max_model_len} tokens (prompt and completion); shorten the messages")
+        self._count += 1
+        ids = [f"{self.session_id}-{self._count}-{i}" for i in range(request.n)]
+        params = [request.params if request.params.seed is None else request.params.copy(seed=request.params.seed + i)
+                  for i in range(request.n)]
+        self._inflight.update(ids)
+        try:
+            completions = await asyncio.gather(*(
+                self.engine.generate(plan.prompt_ids, p, session_id=self.session_id, request_id=rid)
+                for p, rid in zip(params, ids)))
+        finally:
+            self._inflight.difference_update(ids)
+        if self.closed or any(c.finish_reason is FinishReason.ABORT for c in completions):
+            raise SessionClosed(f"session {self.session_id} was closed while generating")
+        choices = [self._choice(c, request) for c in completions]
+        actions = [Action(ch.action_ids, c.logprobs[: len(ch.action_ids)], c.versions[: len(ch.action_ids)])
+                   for ch, c in zip(choices, completions)]
+        self.tracker.commit(plan, actions, [ch.message for ch in choices])
+        return Generation(uuid.uuid4().hex[:24], int(time.time()), plan.prompt_ids, choices)
+
+    def _choice(self, completion: Completion, request: ChatRequest) -> Choice:
+        ids = completion.token_ids
+        finish = "length" if completion.finish_reason is FinishReason.LENGTH else "stop"
+        cut, stop = self._find_stop(ids, request.stop) if request.stop else (len(ids), None)
+        ids = ids[:cut]
+        text = self.renderer.decode(ids, skip_special_tokens=True)
+        if stop is not None:
+            finish, text = "stop", text[: text.find(stop)]
+        parsed = self.parser(text) if request.parse_tools else Parsed(text)
+        self.stats["malformed_tool_calls"] += parsed.malformed
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.calls:
+            finish, message["tool_calls"] = "tool_calls", parsed.calls
+        tops = completion.top_logprobs[:cut] if completion.top_logprobs else None
+        return Choice(ids, completion.logprobs[:cut], tops, parsed.content, parsed.calls, finish, stop, message)
+
+    def _find_stop(self, ids: list[int], stops: list[str]) -> tuple[int, str | None]:
+        """(number of tokens to keep, the stop string hit first) - the shortest prefix whose text holds a stop
+        string, by binary search over prefixes (text only grows with more tokens)."""
+        def first_stop(k: int) -> str | None:
+            text = self.renderer.decode(ids[:k], skip_special_tokens=True)
+            found = [(text.find(s), s) for s in stops if s and s in text]
+            return min(found)[1] if found else None
+
+        if first_stop(len(ids)) is None:
+            return len(ids), None
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if first_stop(mid) is not None else (mid + 1, hi)
+        return lo, first_stop(lo)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SessionClosed(f"session {self.session_id} is closed")
+
+
+def cache_key(wire: str, body: bytes, headers: Any) -> tuple[str, bool]:
+    """(retry-cache key of a request, whether it may be answered from the cache): not when the client marks
+    it as a first attempt."""
+    return hashlib.sha256(wire.encode() + b"\0" + body).hexdigest(), headers.get("x-stainless-retry-count") != "0"
+
+
+_PIECES = re.compile(r"\s*\S+\s*|\s+")
+
+
+def text_pieces(text: str) -> list[str]:
+    """Word-sized pieces of a reply, for stream deltas (the engine returns whole completions)."""
+    return _PIECES.findall(text)

@@ -1,0 +1,91 @@
+"""Tool-call parsers: generated text -> (content, tool calls). A registry, so models with other formats plug in.
+
+A parser gets the reply text (special tokens skipped) and returns `Parsed(content, calls, malformed)`. Calls
+are canonical (see `render.py`), with fresh ids. A call the parser cannot read (bad JSON, no name, a block
+that never closes) stays in `content` as text and is counted in `malformed`: the model's mistake is the
+agent's to see, never a server error.
+
+Built in: `hermes` (Hermes/Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, several per reply)
+and `none` (no parsing).
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Parsed:
+    content: str
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    malformed: int = 0
+
+
+ToolParser = Callable[[str], Parsed]
+_PARSERS: dict[str, ToolParser] = {}
+
+
+def register_tool_parser(name: str) -> Callable[[ToolParser], ToolParser]:
+    def add(parser: ToolParser) -> ToolParser:
+        _PARSERS[name] = parser
+        return parser
+    return add
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    if name not in _PARSERS:
+        raise ValueError(f"unknown tool parser {name!r}; registered: {sorted(_PARSERS)}")
+    return _PARSERS[name]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
+    """A canonical tool call (arguments a dict when they are valid JSON, else the raw string)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            pass
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def arguments_json(call: dict[str, Any]) -> str:
+    args = call["function"]["arguments"]
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+@register_tool_parser("none")
+def _no_parsing(text: str) -> Parsed:
+    return Parsed(text)
+
+
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+@register_tool_parser("hermes")
+def _hermes(text: str) -> Parsed:
+    calls, kept, pos = [], [], 0
+    for match in _HERMES.finditer(text):
+        try:
+            obj = json.loads(match.group(1))
+            name, args = obj["name"], obj.get("arguments", obj.get("parameters", {}))
+            if isinstance(args, str):
+                args = json.loads(args)
+            if not isinstance(name, str) or not isinstance(args, dict):
+                raise TypeError
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue  # malformed: the block stays in the content
+        kept.append(text[pos:match.start()])
+        pos = match.end()
+        calls.append(tool_call(new_call_id(), name, args))
+    malformed = text.count("<tool_call>") - len(calls)
+    if not calls:
+        return Parsed(text, [], malformed)
+    return Parsed(("".join(kept) + text[pos:]).strip(), calls, malformed)

@@ -1,0 +1,177 @@
+"""The OpenAI wire, end to end: the real AsyncOpenAI client against a live server on 127.0.0.1."""
+import pytest
+from openai import AsyncOpenAI
+
+from molt.testing.scripted import RecordingEngine, ScriptedEngine, live_capture_server
+from molt.types import SamplingParams
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate arithmetic.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n</tool_call>'
+
+
+def client(session, **kwargs):
+    return AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, **kwargs)
+
+
+def assert_exact(segment, records):
+    """Each engine call of the session is in the segment verbatim: its prompt as a prefix, its completion as
+    action tokens with the engine's log-probabilities and versions; nothing else is an action."""
+    segment.check()
+    for prompt, completion in records:
+        n, k = len(prompt), len(completion.token_ids)
+        assert segment.token_ids[:n] == prompt
+        assert segment.token_ids[n:n + k] == completion.token_ids
+        assert segment.action_mask[n:n + k] == [1] * k
+        assert segment.behavior_logprobs[n:n + k] == completion.logprobs
+        assert segment.versions[n:n + k] == completion.versions
+    prompt, last = records[-1]
+    assert segment.token_ids == prompt + last.token_ids
+    assert segment.num_actions == sum(len(c.token_ids) for _, c in records)
+
+
+async def test_single_turn_real_engine(hf_engine, tokenizer):
+    engine = RecordingEngine(hf_engine)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3 + 4?"}]
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session("r0", SamplingParams(max_tokens=12))
+        reply = await client(session).chat.completions.create(
+            model=session.model_name, messages=messages, logprobs=True, top_logprobs=2, seed=3)
+        (segment,) = await session.close()
+    ((session_id, prompt, completion),) = engine.records
+    assert session_id == session.session_id and segment.break_reason == "start"
+    assert prompt == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert_exact(segment, [(prompt, completion)])
+    choice = reply.choices[0]
+    assert choice.message.content == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    assert choice.finish_reason == ("stop" if completion.finish_reason.value == "stop" else "length")
+    assert [e.logprob for e in choice.logprobs.content] == pytest.approx(completion.logprobs)
+    assert all(len(e.top_logprobs) == 2 for e in choice.logprobs.content)
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), len(completion.token_ids))
+
+
+async def test_multi_turn_is_one_exact_segment(hf_engine, tokenizer):
+    """Three turns, the last one appending four messages at once (one of them an assistant turn the agent
+    wrote itself): one segment holding every engine call verbatim."""
+    engine = RecordingEngine(hf_engine)
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session("r1", SamplingParams(max_tokens=10, temperature=0.8))
+        api = client(session)
+        messages = [{"role": "user", "content": "Count to three."}]
+        for appended in ([{"role": "user", "content": "And then?"}],
+                         [{"role": "user", "content": "a"}, {"role": "assistant", "content": "written by the agent"},
+                          {"role": "user", "content": "b"}]):
+            reply = await api.chat.completions.create(model=session.model_name, messages=messages, max_tokens=4 + len(messages))
+            messages = messages + [reply.choices[0].message.model_dump(exclude_none=True)] + appended
+        await api.chat.completions.create(model=session.model_name, messages=messages)
+        segments = await session.close()
+    assert [s.break_reason for s in segments] == ["start"]
+    assert len(engine.records) == 3
+    assert_exact(segments[0], [(p, c) for _, p, c in engine.records])
+    # the agent-written assistant turn and the users' turns are context, rendered by the template
+    assert "written by the agent" in tokenizer.decode(segments[0].token_ids)
+
+
+async def test_unfinished_turn_is_closed_by_the_template(tokenizer):
+    """A reply cut by max_tokens has no end-of-turn token; the next turn's context supplies it."""
+    engine = ScriptedEngine(tokenizer, ["one two three four five six", "ok"])
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session()
+        api = client(session)
+        messages = [{"role": "user", "content": "hi"}]
+        first = await api.chat.completions.create(model="scripted", messages=messages, max_tokens=3)
+        assert first.choices[0].finish_reason == "length"
+        messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "go"}]
+        await api.chat.completions.create(model="scripted", messages=messages)
+        (segment,) = await session.close()
+    start, end = len(engine.calls[0]["prompt_ids"]) + 3, len(engine.calls[1]["prompt_ids"])
+    assert tokenizer.decode(segment.token_ids[start:end]) == (
+        "<|im_end|>\n<|im_start|>user\ngo<|im_end|>\n<|im_start|>assistant\n")
+    assert segment.action_mask[start - 3:end] == [1, 1, 1] + [0] * (end - start)
+
+
+async def test_streaming_with_usage(hf_engine, tokenizer):
+    engine = RecordingEngine(hf_engine)
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session("r2", SamplingParams(max_tokens=16))
+        stream = await client(session).chat.completions.create(
+            model=session.model_name, messages=[{"role": "user", "content": "Tell me a story."}], stream=True,
+            stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        (segment,) = await session.close()
+    ((_, prompt, completion),) = engine.records
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(completion.token_ids)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert_exact(segment, [(prompt, completion)])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_tool_call_round_trip(tokenizer, stream):
+    engine = ScriptedEngine(tokenizer, [CALL_TEXT, "The answer is 84."])
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session()
+        api = client(session)
+        messages = [{"role": "user", "content": "What is 12 * 7?"}]
+        if stream:
+            async with api.chat.completions.stream(model="scripted", messages=messages, tools=TOOLS) as events:
+                first = await events.get_final_completion()
+        else:
+            first = await api.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)
+        message = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls" and not message.content
+        (call,) = message.tool_calls
+        assert call.function.name == "calculator" and call.function.arguments == '{"expression": "12 * 7"}'
+        messages += [message, {"role": "tool", "tool_call_id": call.id, "content": "84"}]
+        final = await api.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)
+        assert final.choices[0].message.content == "The answer is 84."
+        (segment,) = await session.close()
+    call_ids = tokenizer.encode(CALL_TEXT, add_special_tokens=False) + [tokenizer.eos_token_id]
+    start = len(engine.calls[0]["prompt_ids"])
+    assert segment.token_ids[start:start + len(call_ids)] == call_ids  # sampled tokens kept, not re-rendered
+    assert "<|im_start|>tool\n84<|im_end|>" in tokenizer.decode(segment.token_ids)
+    assert engine.calls[1]["prompt_ids"] == segment.token_ids[:len(engine.calls[1]["prompt_ids"])]
+
+
+async def test_malformed_tool_json_is_text(tokenizer):
+    bad = '<tool_call>{"name": "calculator", "arguments": {oops</tool_call>'
+    engine = ScriptedEngine(tokenizer, [bad])
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session()
+        reply = await client(session).chat.completions.create(
+            model="scripted", messages=[{"role": "user", "content": "x"}], tools=TOOLS)
+        assert reply.choices[0].message.content == bad and reply.choices[0].message.tool_calls is None
+        assert reply.choices[0].finish_reason == "stop" and session.stats["malformed_tool_calls"] == 1
+
+
+async def test_stop_strings_n_and_seed(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["Hello world. STOP and more", "second sample"])
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session()
+        api = client(session)
+        messages = [{"role": "user", "content": "hi"}]
+        reply = await api.chat.completions.create(model="scripted", messages=messages, stop=["STOP", "zzz"], n=2,
+                                                  seed=5)
+        first, second = reply.choices
+        assert (first.message.content, first.finish_reason) == ("Hello world. ", "stop")
+        assert second.message.content == "second sample" and reply.usage.completion_tokens > 0
+        assert [c["params"].seed for c in engine.calls] == [5, 6]
+        # continue the conversation from the second choice: it extends that choice's branch segment
+        messages += [second.message, {"role": "user", "content": "more"}]
+        await api.chat.completions.create(model="scripted", messages=messages)
+        main, branch = await session.close()
+    kept = main.token_ids[len(engine.calls[0]["prompt_ids"]):]
+    assert tokenizer.decode(kept).endswith("STOP") and "more" not in tokenizer.decode(kept)
+    assert (main.break_reason, branch.break_reason) == ("start", "branch")
+    n_tokens = [len(tokenizer.encode(t, add_special_tokens=False)) + 1 for t in ("second sample", engine.replies[0])]
+    assert branch.num_actions == sum(n_tokens)  # its own choice and the continuation; the shared prompt is context
+    assert branch.token_ids[:len(engine.calls[2]["prompt_ids"])] == engine.calls[2]["prompt_ids"]
+
+
+async def test_models_endpoint(tokenizer):
+    async with live_capture_server(ScriptedEngine(tokenizer), tokenizer) as server:
+        session = await server.open_session()
+        models = await client(session).models.list()
+        assert [m.id for m in models.data] == ["scripted"]

@@ -1,0 +1,80 @@
+"""`molt serve` as a real process (sessions, trajectory, reward, clean stop on a signal) and `molt doctor`."""
+import asyncio
+import json
+import os
+import signal
+import sys
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from molt.capture.doctor import diagnose, doctor_main
+from molt.capture.render import ChatRenderer
+from molt.capture.serve import serve
+from molt.testing.scripted import ScriptedEngine
+
+
+async def test_serve_process(tiny_llama_dir, tokenizer):
+    """The CLI entry point in its own process with the real engine; SIGTERM stops it with status 0."""
+    code = ("import sys; from types import SimpleNamespace as N; from molt.capture.serve import serve_main; "
+            "sys.exit(serve_main(N(model=sys.argv[1], host='127.0.0.1', port=0)))")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, str(tiny_llama_dir), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+        assert "molt serve:" in line, line + (await proc.stderr.read()).decode()
+        url = line.split(" on ")[1].split()[0]
+        async with httpx.AsyncClient(base_url=url) as http:
+            created = (await http.post("/sessions", json={"rollout_id": "dbg", "sampling_params": {"max_tokens": 6}}))
+            session = created.json()
+            assert set(session) == {"session_id", "base_url", "session_url", "api_key"}
+            api = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"])
+            reply = await api.chat.completions.create(model=tiny_llama_dir.name,
+                                                      messages=[{"role": "user", "content": "hi"}])
+            auth = {"Authorization": f"Bearer {session['api_key']}"}
+            sid = session["session_id"]
+            assert (await http.post(f"/s/{sid}/reward", json={"reward": 0.5}, headers=auth)).status_code == 200
+            assert (await http.post(f"/s/{sid}/reward", json={"reward": "x"}, headers=auth)).status_code == 400
+            assert (await http.get(f"/s/{sid}/trajectory")).status_code == 401
+            got = (await http.get(f"/s/{sid}/trajectory", headers=auth)).json()
+        (segment,) = got["segments"]
+        assert got["reward"] == 0.5 and got["rollout_id"] == "dbg" and segment["break_reason"] == "start"
+        assert sum(segment["action_mask"]) == reply.usage.completion_tokens <= 6
+        assert segment["text"] == tokenizer.decode(segment["token_ids"])
+        assert json.dumps(segment) and len(segment["versions"]) == len(segment["token_ids"])
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+
+
+async def test_serve_in_process_stops_on_sigint(tiny_llama_dir, tokenizer):
+    lines = []
+    task = asyncio.create_task(serve(str(tiny_llama_dir), port=0, engine=ScriptedEngine(tokenizer, ["hi"]),
+                                     ready=lambda text, **_: lines.append(text)))
+    while not lines:
+        await asyncio.sleep(0.01)
+    url = lines[0].split(" on ")[1].split()[0]
+    async with httpx.AsyncClient(base_url=url) as http:
+        assert (await http.post("/sessions", content=b"")).status_code == 200  # an empty body is allowed
+        bad = await http.post("/sessions", json={"sampling_params": {"temperature": -1}})
+        assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"]
+    os.kill(os.getpid(), signal.SIGINT)
+    await asyncio.wait_for(task, 10)  # returns normally: no KeyboardInterrupt, the server is down
+    with pytest.raises(httpx.ConnectError):
+        async with httpx.AsyncClient() as http:
+            await http.get(f"{url}/health")
+
+
+def test_doctor(tokenizer, think_tokenizer, capsys, tiny_llama_dir):
+    eos = [tokenizer.eos_token_id]
+    assert all(f.ok for f in diagnose(ChatRenderer(tokenizer), eos))
+    think = {f.check: f for f in diagnose(ChatRenderer(think_tokenizer), eos)}
+    assert not think["reasoning blocks"].ok and "template_rewrite" in think["reasoning blocks"].detail
+    assert think["tool calls"].ok and think["tools=[] vs no tools"].ok
+    assert doctor_main(SimpleNamespace(model=str(tiny_llama_dir))) == 0
+    assert "[ok] plain multi-turn: one segment" in capsys.readouterr().out
