@@ -147,7 +147,7 @@ class AlgoConfig:
     dynamic_filtering_enable: bool = False
     """Drop degenerate groups (DAPO) and backfill."""
     dynamic_filtering_range: tuple[float, float] = (0.0, 1.0)
-    """Keep groups whose mean score lies strictly inside this range."""
+    """Keep groups whose mean score lies in this closed band (all-equal groups are always dropped)."""
 
 
 @dataclass
