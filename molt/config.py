@@ -208,6 +208,8 @@ class CkptConfig:
     """Checkpoint every N steps (0: never)."""
     resume: bool = True
     """Resume from the latest checkpoint in output_dir when there is one."""
+    export_hf: bool = True
+    """Export the final policy as a Hugging Face checkpoint into <output_dir>/policy."""
 
 
 @dataclass

@@ -18,7 +18,8 @@ def _tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def dump_groups(path: Path, groups: list[Group], model_path: str) -> None:
+def dump_groups(path: Path, groups: list[Group], model_path: str, advantages: dict[str, float] | None = None) -> None:
+    """`advantages`: the per-rollout advantage of a group estimator (token-level estimators: omitted)."""
     import ray
 
     tok = _tokenizer(model_path)
@@ -33,7 +34,8 @@ def dump_groups(path: Path, groups: list[Group], model_path: str) -> None:
                     f.write(json.dumps({
                         "group_id": g.group_id, "rollout_id": o.rollout_id, "segment": e.segment_index,
                         "break_reason": o.break_reasons[e.segment_index] if o.break_reasons else "start",
-                        "reward": o.reward, "text": tok.decode(ids),
+                        "reward": o.reward, "advantage": (advantages or {}).get(o.rollout_id),
+                        "text": tok.decode(ids),
                         "action_text": tok.decode([t for t, m in zip(ids, mask) if m]),
                         "token_ids": ids, "action_mask": mask, "behavior_logprobs": payload["behavior_logprobs"],
                         "versions": payload["versions"],

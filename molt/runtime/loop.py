@@ -7,7 +7,8 @@ object store, and bump the policy version (which lets the pool dispatch further)
 every `eval.steps`, and after training; checkpoints every `ckpt.save_steps`.
 
 Run directory (`ckpt.output_dir`): `config.yaml`, `metrics.jsonl`, `ledger.jsonl` (one line per trained group:
-step, ledger key, rollout ids), `dumps/step_N.jsonl`, `checkpoints/step_N/`, `summary.json`, `curves.png`.
+step, ledger key, rollout ids), `dumps/step_N.jsonl`, `checkpoints/step_N/`, `policy/` (the final policy as a Hugging Face checkpoint),
+`summary.json`, `curves.png`.
 Resume: the latest checkpoint restores trainer state (model, optimizer, schedule, RNG), the step and the
 ledger; the prompt stream skips trained keys, so no prompt sample is trained twice or skipped.
 """
@@ -225,6 +226,7 @@ class Run:
             advantages = rollout_advantages(cfg.algo.advantage.estimator, rows)
         shares = assign_to_ranks(exps, cfg.train.num_ranks)
         results = await self.trainer.call("train_step", shares, [advantages] * len(shares))
+        self._advantages = advantages
         return results[0]
 
     async def train(self) -> dict[str, Any]:
@@ -242,6 +244,8 @@ class Run:
             await self._loop(logger)
             if self.eval_rows and (not self.evals or self.evals[-1]["step"] != self.step):
                 logger.log(self.step, await self.evaluate(), advance=False)
+            if cfg.ckpt.export_hf:
+                await self.trainer.same("export_hf", str(self.dir / "policy"))
         finally:
             logger.close()
         return self._summary(t_start)
@@ -278,7 +282,8 @@ class Run:
                 if cfg.train.dump_trajectories_steps and self.step % cfg.train.dump_trajectories_steps == 0:
                     from molt.runtime.dump import dump_groups
 
-                    dump_groups(self.dir / "dumps" / f"step_{self.step}.jsonl", groups, self.model_path)
+                    dump_groups(self.dir / "dumps" / f"step_{self.step}.jsonl", groups, self.model_path,
+                                self._advantages)
                 if self.eval_rows and cfg.eval.steps and self.step % cfg.eval.steps == 0:
                     metrics.update(await self.evaluate())
                 if cfg.ckpt.save_steps and self.step % cfg.ckpt.save_steps == 0:

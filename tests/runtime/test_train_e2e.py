@@ -34,6 +34,13 @@ def _read(out, name):
     return [json.loads(line) for line in (Path(out) / name).read_text().splitlines()]
 
 
+def _by_group(rows):
+    groups = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r)
+    return groups
+
+
 def _dumped_versions(out):
     return {int(p.stem.split("_")[1]): [r["versions"] for r in _read(out, f"dumps/{p.name}")]
             for p in (Path(out) / "dumps").glob("step_*.jsonl")}
@@ -52,6 +59,9 @@ def test_env_sync_trains_on_policy(tiny_llama_dir, tmp_path, ray_local):
     assert all(m["rollout/segments_per_rollout"] == 1 for m in metrics)
     for step, segments in _dumped_versions(out).items():  # step s trains tokens of version s - 1 only
         assert {v for seg in segments for v in seg if v >= 0} == {step - 1}
+    dump = _read(out, "dumps/step_1.jsonl")
+    for rollouts in _by_group(dump).values():  # grpo: advantages are centred within each group
+        assert abs(sum(r["advantage"] for r in rollouts)) < 1e-5
     ledger = _read(out, "ledger.jsonl")
     assert len(ledger) == 6 and len({tuple(r["key"]) for r in ledger}) == 6
     assert (out / "config.yaml").is_file() and (out / "summary.json").is_file()
@@ -59,6 +69,9 @@ def test_env_sync_trains_on_policy(tiny_llama_dir, tmp_path, ray_local):
 
     png = plot_run(out)
     assert png.read_bytes()[:4] == b"\x89PNG"
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out / "policy").config.vocab_size > 0  # the final policy
 
 
 def test_env_async_partial_rollout_mixes_versions_within_bound(tiny_llama_dir, tmp_path, ray_local):
@@ -93,3 +106,13 @@ def test_faults_are_counted_and_the_run_completes(tiny_llama_dir, tmp_path, ray_
     last = metrics[-1]
     assert len(metrics) == 3
     assert last.get("rollout/failed/agent_error", 0) > 0 and last.get("rollout/failed/timeout", 0) > 0
+
+
+def test_eval_only_mode(tiny_llama_dir, tmp_path, ray_local):
+    out = tmp_path / "run"
+    cfg = _cfg(tiny_llama_dir, out, eval__only=True, eval__n_samples_per_prompt=2,
+               eval__dataset=str(DATA / "single_test.jsonl"))
+    summary = asyncio.run(run_training(cfg))
+    assert summary["steps"] == 0 and summary["base_eval_accuracy"] is not None
+    (row,) = _read(out, "metrics.jsonl")
+    assert row["step"] == 0 and "eval_single_test_pass2" in row and "eval_single_test_avg2" in row
