@@ -238,7 +238,7 @@ def _train_and_report(cfg) -> dict:
     table = Table(title=f"molt run {cfg.ckpt.output_dir}")
     for col in ("base eval accuracy", "final eval accuracy", "steps", "generated tokens", "seconds"):
         table.add_column(col, justify="right")
-    fmt = lambda v: "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    fmt = lambda v: "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
     table.add_row(*(fmt(summary[k]) for k in ("base_eval_accuracy", "final_eval_accuracy", "steps",
                                               "generated_tokens", "seconds")))
     Console().print(table)

@@ -46,7 +46,7 @@ class SamplingParams:
     seed: int | None = None  # per-request seed for reproducible sampling
     top_logprobs: int = 0  # also return this many most likely alternatives per position
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         """Raise ValueError naming the field on a bad value; return self."""
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 (got {self.max_tokens})")
@@ -60,13 +60,13 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be in [0, 20] (got {self.top_logprobs})")
         return self
 
-    def copy(self, **changes: Any) -> "SamplingParams":
+    def copy(self, **changes: Any) -> SamplingParams:
         out = replace(self, **changes)
         out.stop_token_ids = list(out.stop_token_ids)
         return out
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -162,7 +162,7 @@ class Experience:
     payload_ref: Any = None  # ray.ObjectRef of the payload dict while offloaded
 
     @classmethod
-    def from_segment(cls, traj: Trajectory, index: int) -> "Experience":
+    def from_segment(cls, traj: Trajectory, index: int) -> Experience:
         seg = traj.segments[index]
         acted = [v for v, m in zip(seg.versions, seg.action_mask) if m]
         return cls(
@@ -177,7 +177,7 @@ class Experience:
     def offloaded(self) -> bool:
         return self.payload_ref is not None
 
-    def offload(self) -> "Experience":
+    def offload(self) -> Experience:
         """Put the payload into this node's object store and clear it from the record."""
         import ray
 
@@ -187,7 +187,7 @@ class Experience:
             setattr(self, k, None)
         return self
 
-    def reload(self) -> "Experience":
+    def reload(self) -> Experience:
         """Fetch the payload back (from whichever node holds it)."""
         import ray
 

@@ -22,7 +22,8 @@ gives LENGTH.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Protocol, runtime_checkable
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
 
 from molt.types import Completion, SamplingParams
 

@@ -11,8 +11,9 @@ import json
 import math
 import statistics
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from molt.runtime.pool import Group
 

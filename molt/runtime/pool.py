@@ -28,8 +28,9 @@ import asyncio
 import random
 import zlib
 from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterable, Iterator
+from typing import Any
 
 from molt.types import Experience, RolloutStatus
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from molt.engine.base import Engine
 from molt.runtime.experience import outcome_from_trajectory
