@@ -1,0 +1,161 @@
+"""The policy trainer: one `train_step(experiences)` per optimizer window, log-prob passes for the runtime, and
+the weights out (refit stream, Hugging Face export).
+
+One step, per DESIGN.md "Loss normalization":
+1. plan micro-batches; ONE all-reduce gives the window's action-token count (and the longest schedule);
+2. per micro-batch: recompute log-probs (chunked, `logprobs.py`) and entropy, importance weights against the
+   behavior log-probs (`molt.algo.importance_weights`), KL against the reference when `kl_use_loss`, the
+   registered policy loss, `window_normalize` with the global count, backward;
+3. clip the gradient norm, AdamW step, schedule step.
+
+Decisions:
+- The proximal ("old") policy of the PPO ratio is, by default, the current weights before this step
+  (`old = logprobs.detach()`, ratio 1, pure importance-weighted policy gradient): with one optimizer step per
+  window that *is* the policy before the update, and the training-inference / staleness mismatch is handled by
+  the importance weights against the recorded behavior log-probs. For several optimizer steps on one batch,
+  compute `compute_logprobs(batch)` once and pass it as `old_logprobs` to each `train_step`.
+- The reference model exists only when `kl_coef > 0`. With a group estimator (rloo, grpo, dr_grpo) and KL in
+  the reward (`kl_use_loss=False`) the KL would be ignored: we warn.
+- Metric names: molt.algo's slash names (token-weighted means over the window and all ranks), plus the
+  reference names users know: policy_loss, actor_grad_norm, actor_lr, policy_clip_ratio, is_filter_ratio,
+  logprobs_diff, and actor_tokens_per_s, timing/policy_train.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+
+from molt.algo import (
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    PolicyLossParams,
+    importance_weights,
+    kl_divergence,
+    policy_loss,
+    window_normalize,
+)
+from molt.trainer import parallel
+from molt.trainer.base import ShardedModelTrainer
+from molt.trainer.config import GROUP_ESTIMATORS, ActorConfig
+from molt.trainer.logprobs import CausalLMLogProbs
+from molt.trainer.optim import build_optimizer
+from molt.types import Experience
+
+ALIASES = {"policy/clip_frac": "policy_clip_ratio", "is/logprob_gap": "logprobs_diff"}
+
+
+class Actor(ShardedModelTrainer):
+    """Build on every rank with the same config: `Actor(ActorConfig(model_name_or_path=...))` or
+    `Actor.from_pretrained(path, lr=..., ...)`. Under torchrun it joins the process group from the environment."""
+
+    def __init__(self, cfg: ActorConfig):
+        POLICY_LOSSES.get_fn(cfg.policy_loss)  # fail before loading anything: ValueError listing the known names
+        KL_ESTIMATORS.get_fn(cfg.kl_estimator)
+        super().__init__(cfg)
+        self.lm = self.load_lm(cfg.model_name_or_path)
+        self.model = self.wrap(CausalLMLogProbs(self.lm, cfg.logprob_chunk_size), self.lm, trainable=True)
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg,
+                                                         foreach=False if cfg.tp_size > 1 else None)
+        self.loss_params = PolicyLossParams(
+            eps_low=cfg.eps_clip_low_high[0], eps_high=cfg.eps_clip_low_high[1], dual_clip=cfg.dual_clip,
+            entropy_coef=cfg.entropy_coef, kl_coef=cfg.kl_coef if cfg.kl_use_loss else 0.0).validate()
+        self.ref = None
+        if cfg.needs_reference:
+            if not cfg.kl_use_loss and cfg.advantage_estimator in GROUP_ESTIMATORS:
+                warnings.warn(f"kl_coef={cfg.kl_coef} with kl_use_loss=False: the group estimator "
+                              f"{cfg.advantage_estimator!r} ignores a KL placed in the reward; set kl_use_loss=True")
+            ref_lm = self.load_lm(cfg.ref_model_name_or_path or cfg.model_name_or_path)
+            self.ref = self.wrap(CausalLMLogProbs(ref_lm, cfg.logprob_chunk_size), ref_lm, trainable=False)
+
+    @classmethod
+    def from_pretrained(cls, model_name_or_path: str, **kwargs) -> Actor:
+        return cls(ActorConfig(model_name_or_path=str(model_name_or_path), **kwargs))
+
+    # ---- training ----------------------------------------------------------------------------------------
+    def train_step(self, experiences: list[Experience], old_logprobs: list[list[float]] | None = None
+                   ) -> dict[str, float]:
+        """One optimizer step on this rank's share of the window (every rank calls it, possibly with a different
+        number of experiences, possibly none). Experiences need `advantages`. Returns window metrics."""
+        t0 = time.perf_counter()
+        self.model.train()
+        plan, n_passes, global_count = self.schedule(experiences)
+        sums: dict[str, float] = defaultdict(float)
+        tokens, window_loss = 0, 0.0
+        dp = parallel.dp_size(self.mesh)
+        for _, mb in self.micro_batches(experiences, plan, n_passes, extra={"old_logprobs": old_logprobs}):
+            with self.autocast():
+                lp, ent = self.model(mb.input_ids, mb.attention_mask, mb.action_mask, mb.temperature, True)
+            old = mb.extra.get("old_logprobs", lp.detach())
+            mask = mb.action_mask
+            weights, metrics = importance_weights(
+                old, mb.behavior_logprobs, mask, self.cfg.is_correction_level, self.cfg.is_correction_mode,
+                *self.cfg.is_correction_threshold)
+            kl = None
+            if self.ref is not None and self.cfg.kl_use_loss:
+                with torch.no_grad(), self.autocast():
+                    ref_lp, _ = self.ref(mb.input_ids, mb.attention_mask, mask, mb.temperature)
+                kl, kl_metrics = kl_divergence(lp, ref_lp, mask, self.cfg.kl_estimator, placement="loss")
+                metrics.update(kl_metrics)
+            tok_loss, pl_metrics = policy_loss(self.cfg.policy_loss, lp, old, mb.advantages, mask,
+                                               params=self.loss_params, is_weights=weights, entropy=ent, kl=kl)
+            loss, _ = window_normalize(tok_loss, mask, global_count, dp_size=dp)
+            if mb.ghost:
+                loss = loss * 0.0
+            loss.backward()
+            n = mb.num_actions
+            window_loss += float(loss.detach()) / dp  # this rank's share of the window loss
+            tokens += n
+            for k, v in {**metrics, **pl_metrics}.items():
+                sums[k] += float(v) * n
+        step_metrics = self.optimizer_step()
+        out = self.reduce_metrics(sums, tokens, {"policy_loss": window_loss})
+        for src, dst in ALIASES.items():
+            if src in out:
+                out[dst] = out[src]
+        if "is/retained_frac" in out:
+            out["is_filter_ratio"] = 1.0 - out["is/retained_frac"]
+        elapsed = time.perf_counter() - t0
+        local_tokens = float(sum(len(e.token_ids) for e in experiences))
+        out.update({"actor_grad_norm": step_metrics["grad_norm"], "actor_lr": step_metrics["lr"],
+                    "actor_grad_clip_coef": step_metrics["clip_coef"], "actor_tokens_per_s": local_tokens / elapsed,
+                    "actor_window_tokens": float(global_count), "timing/policy_train": elapsed})
+        return out
+
+    # ---- log-prob passes ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_logprobs(self, experiences: list[Experience], reference: bool = False) -> list[list[float]]:
+        """Per-token log-probs of each experience's action tokens (0.0 elsewhere) under the policy, or under the
+        reference model. Collective: every rank calls it with its own experiences."""
+        model = self.ref if reference else self.model
+        if model is None:
+            raise ValueError("reference: no reference model (kl_coef is 0)")
+        model.eval()
+        plan, n_passes, _ = self.schedule(experiences)
+        out: list[list[float]] = [[] for _ in experiences]
+        for idx, mb in self.micro_batches(experiences, plan, n_passes, need_advantages=False):
+            with self.autocast():
+                lp, _ = model(mb.input_ids, mb.attention_mask, mb.action_mask, mb.temperature)
+            for row, i in enumerate(idx):
+                out[i] = lp[row, :len(experiences[i].token_ids)].tolist()
+        return out
+
+    # ---- weights out -------------------------------------------------------------------------------------
+    def iter_weights(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None,
+                     device: str | torch.device = "cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full parameters in Hugging Face names, bucket by bucket (collective: all ranks iterate).
+        See `molt.trainer.weights.iter_weight_buckets` (tied embeddings appear once, as the input embedding)."""
+        from molt.trainer.weights import iter_weight_buckets
+
+        return iter_weight_buckets(self.lm, bucket_bytes, dtype=dtype, device=device)
+
+    def export_hf(self, path: str, dtype: torch.dtype | None = None, bucket_bytes: int = 1 << 30) -> None:
+        """Write a Hugging Face checkpoint (safetensors shards + config + tokenizer) that `from_pretrained` and
+        vLLM load. Collective; rank 0 writes."""
+        from molt.trainer.weights import export_hf
+
+        export_hf(self.lm, path, tokenizer_from=self.cfg.model_name_or_path, dtype=dtype,
+                  bucket_bytes=bucket_bytes, write=self.rank == 0)

@@ -1,0 +1,160 @@
+"""What actor and critic share: joining the process group, loading and sharding a Hugging Face model, the
+per-window micro-batch schedule (with its single all-reduce), and optimizer-step bookkeeping.
+
+Decisions:
+- Every rank loads the full checkpoint on CPU with `from_pretrained` and then shards it (FSDP2 keeps only the
+  local shard on the device). Meta-device initialization with sharded loading is the path for models that do
+  not fit one host's memory; it is not needed at this project's scale.
+- Ranks may hold different numbers of micro-batches (length-aware assignment gives them different token
+  counts), but FSDP2's collectives need every rank to run the same number of forward/backward passes. The one
+  all-reduce of a window sums a vector [action tokens, n_micro(rank 0), ..., n_micro(rank D-1)], which gives the
+  global denominator and the longest schedule at once; ranks that run out pad with ghost micro-batches.
+- Tensor-parallel ranks of one data-parallel group must receive the same experiences (they split the model,
+  not the data); counts are reduced over the "dp" dimension only.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from molt.trainer import parallel
+from molt.trainer.batching import MicroBatch, collate, ghost_batch, plan_micro_batches
+from molt.trainer.config import ActorConfig
+from molt.types import Experience
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ShardedModelTrainer:
+    """Holds the device, process group, mesh and config; subclasses set `self.model` (an nn.Module whose
+    `forward(input_ids, attention_mask, action_mask, temperature, ...)` works on a MicroBatch)."""
+
+    def __init__(self, cfg: ActorConfig):
+        self.cfg = cfg.validate()
+        self.device = parallel.resolve_device(cfg.device)
+        if cfg.offload and self.device.type != "cuda":
+            raise ValueError("offload: optimizer-state CPU offload is a CUDA option (the CPU path has nothing to offload)")
+        self.rank, self.world = parallel.init_distributed(self.device)
+        self.mesh = parallel.build_mesh(self.device, self.world, cfg.tp_size)
+        if cfg.tp_size > 1 and self.mesh is None:
+            raise ValueError("tp_size > 1 needs a process group with at least tp_size ranks")
+        if cfg.param_dtype == "auto":
+            self.param_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.param_dtype = DTYPES[cfg.param_dtype]
+        torch.manual_seed(cfg.seed)
+        self.step = 0  # optimizer steps taken
+        self.pad_id = 0
+
+    # ---- models ----------------------------------------------------------------------------------------
+    def load_lm(self, path: str, auto_class=None) -> nn.Module:
+        """`from_pretrained` in fp32 on CPU (the master weights; compute dtype comes from mixed precision)."""
+        from transformers import AutoModelForCausalLM
+
+        lm = (auto_class or AutoModelForCausalLM).from_pretrained(
+            path, dtype=torch.float32, attn_implementation=self.cfg.attn_implementation)
+        lm.config.use_cache = False
+        pad = lm.config.pad_token_id if lm.config.pad_token_id is not None else lm.config.eos_token_id
+        self.pad_id = int(pad[0] if isinstance(pad, (list, tuple)) else (pad or 0))
+        return lm
+
+    def wrap(self, module: nn.Module, lm: nn.Module, *, trainable: bool) -> nn.Module:
+        """Tensor-parallel split (tp_size > 1), then FSDP2 over "dp"; a single process only moves to device."""
+        if not trainable:
+            module.requires_grad_(False).eval()
+        elif self.cfg.gradient_checkpoint:
+            # non-reentrant: works under FSDP2's hooks and with inputs that do not require grad
+            # (transformers renamed the method in 5.x; the old name remains as a deprecated alias)
+            enable = getattr(lm, "activation_checkpointing_enable", None) or lm.gradient_checkpointing_enable
+            enable({"use_reentrant": False})
+        if self.mesh is None:
+            return module.to(self.device)
+        if self.cfg.tp_size > 1:
+            parallel.apply_tensor_parallel(lm, self.mesh["tp"])
+        parallel.shard(module, parallel.decoder_layers(lm), self.mesh, param_dtype=self.param_dtype,
+                       offload=self.cfg.offload and trainable)
+        return module
+
+    def autocast(self):
+        """Single-process low-precision compute (FSDP2 applies its MixedPrecisionPolicy itself)."""
+        if self.mesh is None and self.param_dtype != torch.float32:
+            return torch.autocast(self.device.type, dtype=self.param_dtype)
+        return contextlib.nullcontext()
+
+    # ---- one window's schedule ---------------------------------------------------------------------------
+    def schedule(self, experiences: list[Experience]) -> tuple[list[list[int]], int, torch.Tensor]:
+        """(micro-batch plan, number of passes every rank runs, global action-token count) via ONE all-reduce."""
+        for e in experiences:
+            if e.token_ids is None:
+                raise ValueError(f"experience {e.rollout_id}/{e.segment_index} is offloaded: reload() it first")
+        plan = plan_micro_batches([len(e.token_ids) for e in experiences], self.cfg.micro_batch_size,
+                                  self.cfg.max_tokens_per_gpu)
+        dp = parallel.dp_size(self.mesh)
+        stats = torch.zeros(1 + dp, dtype=torch.float64, device=self._comm_device())
+        stats[0] = float(sum(sum(e.action_mask) for e in experiences))
+        stats[1 + (self.mesh["dp"].get_local_rank() if self.mesh is not None else 0)] = len(plan)
+        parallel.all_reduce_sum(stats, self.mesh)
+        n_passes = int(stats[1:].max())
+        if n_passes == 0:
+            raise ValueError("experiences: the window is empty on every rank")
+        return plan, n_passes, stats[0].to(torch.int64)
+
+    def micro_batches(self, experiences: list[Experience], plan: list[list[int]], n_passes: int, *,
+                      extra: dict[str, list[list[float]] | None] | None = None,
+                      need_advantages: bool = True) -> Iterator[tuple[list[int], MicroBatch]]:
+        """Collate the planned micro-batches one at a time, then ghosts until `n_passes`. `extra`: named
+        per-token lists aligned with `experiences` (None values are dropped)."""
+        extra = {k: v for k, v in (extra or {}).items() if v is not None}
+        for k, v in extra.items():
+            if len(v) != len(experiences):
+                raise ValueError(f"{k}: {len(v)} rows for {len(experiences)} experiences")
+        for k in range(n_passes):
+            if k >= len(plan):
+                yield [], ghost_batch(self.pad_id, self.device, extra)
+                continue
+            idx = plan[k]
+            yield idx, collate([experiences[i] for i in idx], self.pad_id, self.device,
+                               extra={n: [v[i] for i in idx] for n, v in extra.items()},
+                               need_advantages=need_advantages)
+
+    def _comm_device(self) -> torch.device:
+        return self.device  # gloo reduces CPU tensors, NCCL device tensors: the compute device fits both
+
+    def reduce_metrics(self, sums: dict[str, float], weight: float, totals: dict[str, float]) -> dict[str, float]:
+        """One all-reduce for all window metrics: `sums[k]` (metric * tokens summed over micro-batches) become
+        token-weighted means over all ranks; `totals[k]` become plain sums over ranks."""
+        keys = sorted(sums) + sorted(totals)
+        vals = [sums[k] for k in sorted(sums)] + [totals[k] for k in sorted(totals)] + [weight]
+        vec = parallel.all_reduce_sum(torch.tensor(vals, dtype=torch.float64, device=self._comm_device()), self.mesh)
+        vec = vec.tolist()
+        denom = max(vec[-1], 1.0)
+        return {k: v / denom if k in sums else v for k, v in zip(keys, vec[:-1])}
+
+    # ---- optimizer step ----------------------------------------------------------------------------------
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip (DTensor-aware), step the optimizer and the schedule; returns grad norm and the lr used."""
+        lr = self.scheduler.get_last_lr()[0]
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        norm = parallel.clip_grad_norm(params, self.cfg.max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        return {"grad_norm": norm, "lr": lr, "clip_coef": min(1.0, self.cfg.max_norm / (norm + 1e-6))
+                if self.cfg.max_norm > 0 else 1.0}
+
+    # ---- checkpoints -------------------------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        """DCP checkpoint of model, optimizer, schedule, step and RNG state (every rank calls it)."""
+        from molt.trainer.checkpoint import save_checkpoint
+
+        save_checkpoint(path, self)
+
+    def load(self, path: str) -> None:
+        """Resume from `save(path)` (every rank calls it, after constructing with the same config)."""
+        from molt.trainer.checkpoint import load_checkpoint
+
+        load_checkpoint(path, self)

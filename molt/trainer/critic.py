@@ -1,0 +1,92 @@
+"""The critic for `gae`: a Hugging Face backbone (`AutoModel`, no LM head) with a scalar value head, sharded
+and optimized like the actor (same config fields: lr, max_norm, micro-batching, FSDP2).
+
+Layout: `values[t]` is the value of the state in which token t was sampled, i.e. the head applied to the
+hidden state at t-1 (the same shift as the log-probs), 0 off action tokens (`molt.algo` "values" field).
+Decision: the value head starts at zero (weight and bias), so the first advantages are plain discounted
+returns rather than the noise of a random projection.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+from torch import Tensor, nn
+
+from molt.algo import value_loss, window_normalize
+from molt.trainer import parallel
+from molt.trainer.base import ShardedModelTrainer
+from molt.trainer.config import ActorConfig
+from molt.trainer.optim import build_optimizer
+from molt.types import Experience
+
+
+class ValueModel(nn.Module):
+    def __init__(self, backbone: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(backbone.config.hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, action_mask: Tensor, temperature=None) -> Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        v = self.value_head(hidden).squeeze(-1).float()
+        out = torch.zeros_like(v)
+        out[:, 1:] = v[:, :-1]  # the state before token t is summarized at position t-1
+        return torch.where(action_mask.bool(), out, 0.0)
+
+
+class Critic(ShardedModelTrainer):
+    """`Critic(ActorConfig(model_name_or_path=...))` (the critic's checkpoint, `--critic.model_name_or_path`)."""
+
+    def __init__(self, cfg: ActorConfig, value_clip: float | None = 0.2):
+        from transformers import AutoModel
+
+        super().__init__(cfg)
+        self.value_clip = value_clip
+        backbone = self.load_lm(cfg.model_name_or_path, AutoModel)
+        self.model = self.wrap(ValueModel(backbone), backbone, trainable=True)
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg,
+                                                         foreach=False if cfg.tp_size > 1 else None)
+
+    @torch.no_grad()
+    def compute_values(self, experiences: list[Experience]) -> list[list[float]]:
+        """Per-token values of each experience (0.0 off action tokens). Collective."""
+        self.model.eval()
+        plan, n_passes, _ = self.schedule(experiences)
+        out: list[list[float]] = [[] for _ in experiences]
+        for idx, mb in self.micro_batches(experiences, plan, n_passes, need_advantages=False):
+            with self.autocast():
+                v = self.model(mb.input_ids, mb.attention_mask, mb.action_mask)
+            for row, i in enumerate(idx):
+                out[i] = v[row, :len(experiences[i].token_ids)].tolist()
+        return out
+
+    def train_step(self, experiences: list[Experience], returns: list[list[float]],
+                   old_values: list[list[float]]) -> dict[str, float]:
+        """One optimizer step of the clipped value loss, window-normalized like the policy loss. Collective."""
+        t0 = time.perf_counter()
+        self.model.train()
+        plan, n_passes, global_count = self.schedule(experiences)
+        dp = parallel.dp_size(self.mesh)
+        sums: dict[str, float] = defaultdict(float)
+        tokens, window_loss = 0, 0.0
+        extra = {"returns": returns, "old_values": old_values}
+        for _, mb in self.micro_batches(experiences, plan, n_passes, extra=extra, need_advantages=False):
+            with self.autocast():
+                values = self.model(mb.input_ids, mb.attention_mask, mb.action_mask)
+            tok, metrics = value_loss(values, mb.extra["old_values"], mb.extra["returns"], mb.action_mask,
+                                      self.value_clip)
+            loss, _ = window_normalize(tok, mb.action_mask, global_count, dp_size=dp)
+            (loss * 0.0 if mb.ghost else loss).backward()
+            window_loss += float(loss.detach()) / dp
+            tokens += mb.num_actions
+            for k, v in metrics.items():
+                sums[k] += float(v) * mb.num_actions
+        step = self.optimizer_step()
+        out = self.reduce_metrics(sums, tokens, {"critic_loss": window_loss})
+        out.update({"critic_grad_norm": step["grad_norm"], "critic_lr": step["lr"],
+                    "timing/critic_train": time.perf_counter() - t0})
+        return out

@@ -1,0 +1,159 @@
+"""Process groups, device meshes, FSDP2 sharding, tensor parallelism and DTensor-aware gradient clipping.
+
+Layout: the world is a mesh ("dp", "tp") of shape (world // tp_size, tp_size) (1-D ("dp",) when tp_size is 1).
+FSDP2 (`fully_shard`) shards every decoder block and then the root over "dp"; with tp_size > 1 the blocks'
+linear layers are first split over "tp" with DTensor (`parallelize_module`), following the model family's
+own `base_model_tp_plan` from its transformers config, so FSDP2 composes with it into 2-D DTensors.
+A single process without a process group (world size 1) shards nothing: the plain module trains as is.
+Verified on CPU with gloo: FSDP2 over 2 ranks, and TP composed with FSDP2 on a (dp=1, tp=2) mesh, both equal to
+a single process (tests/trainer/test_distributed.py); a (2, 2) mesh needs 4 processes, which this 2-core
+machine runs too slowly for a test, but it is the same code path with a larger "dp" dimension.
+
+Decisions:
+- Gradients must be the *sum* over data-parallel ranks (each rank's loss is already divided by the global
+  token count of the window), while FSDP2 averages; `dp_loss_scale` multiplies the loss by the dp size,
+  which works on every backend (gloo has no PREMUL_SUM).
+- Only the "colwise"/"rowwise" styles of a tp plan are supported (dense attention and MLPs). Packed or
+  grouped expert weights (MoE "packed_colwise", "moe_tp_experts") are refused: expert parallelism is a later
+  GPU-path option (`--fsdp.ep_size`, all-to-all token dispatch), as is context parallelism (`--fsdp.cp_size`,
+  ring attention over a "cp" mesh dimension via `torch.distributed.tensor.experimental.context_parallel`,
+  which needs SDPA kernels that only exist on CUDA).
+- Gradient norm: the sum of squares of the local gradient shards is all-reduced per device mesh, over that
+  mesh's dimensions only (one all-reduce for plain FSDP2). Under TP, root and norm weights live on the "dp"
+  sub-mesh and are copies across "tp"; reducing them over "dp" alone counts them once. A shard replicated on a
+  dimension of its own mesh is divided by its number of copies.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """Join the process group that torchrun (or a caller) set up through the environment; (rank, world).
+    No process group is created for a single process."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def build_mesh(device: torch.device, world: int, tp_size: int):
+    """A ("dp",) or ("dp", "tp") DeviceMesh over the world; None for a single process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world % tp_size:
+        raise ValueError(f"tp_size {tp_size} must divide the world size {world}")
+    if world == 1:
+        return None
+    if tp_size == 1:
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    return init_device_mesh(device.type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+
+
+def decoder_layers(lm: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a HF model: modules whose class is in its `_no_split_modules`."""
+    names = set(getattr(lm, "_no_split_modules", None) or ())
+    layers = [m for m in lm.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(lm).__name__} declares no decoder block classes (_no_split_modules)")
+    return layers
+
+
+def apply_tensor_parallel(lm: nn.Module, tp_mesh) -> None:
+    """Split the decoder's linear layers over `tp_mesh` following `config.base_model_tp_plan`."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = getattr(lm.config, "base_model_tp_plan", None) or {}
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    decoder = lm.get_decoder()
+    tp = tp_mesh.size()
+    cfg = lm.config
+    for heads in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(cfg, heads, tp) % tp:
+            raise ValueError(f"tp_size {tp} must divide {heads} ({getattr(cfg, heads)})")
+    resolved = {}
+    for name, module in decoder.named_modules():
+        for pattern, style in plan.items():
+            if name and fnmatch.fnmatchcase(name, pattern):
+                if style not in styles:
+                    raise ValueError(f"tp_size > 1: style {style!r} of {pattern!r} is not supported on this "
+                                     "path (dense colwise/rowwise only; experts need expert parallelism)")
+                resolved[name] = styles[style]()
+    if not resolved:
+        raise ValueError(f"tp_size > 1: {type(lm).__name__} has no tensor-parallel plan")
+    parallelize_module(decoder, tp_mesh, resolved)
+
+
+def shard(model: nn.Module, layers: list[nn.Module], mesh, *, param_dtype: torch.dtype, offload: bool) -> None:
+    """FSDP2: `fully_shard` each decoder block, then the root `model`, over the mesh's "dp" dimension."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    kwargs = {"mesh": mesh["dp"], "mp_policy": mp, "offload_policy": offload_policy}
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def dp_group(mesh):
+    return None if mesh is None else mesh["dp"].get_group()
+
+
+def dp_size(mesh) -> int:
+    return 1 if mesh is None else mesh["dp"].size()
+
+
+def all_reduce_sum(t: torch.Tensor, mesh) -> torch.Tensor:
+    """In-place sum over the data-parallel group (a no-op for a single process)."""
+    if mesh is not None:
+        dist.all_reduce(t, group=dp_group(mesh))
+    return t
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
+    """Total L2 norm of all gradients (plain tensors or DTensors on any meshes); scales them to at most
+    `max_norm` when max_norm > 0. Returns the norm before clipping."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    per_mesh: dict = {}  # mesh -> local sum of squares; a mesh's shards are reduced over that mesh only
+    for g in grads:
+        mesh = g.device_mesh if isinstance(g, DTensor) else None
+        if mesh is None:
+            sq = g.double().square().sum()
+        else:  # divide what is replicated on some mesh dimension by its copies so it counts once
+            copies = math.prod(mesh.size(i) for i, pl in enumerate(g.placements) if isinstance(pl, Replicate))
+            sq = g.to_local().double().square().sum() / copies
+        per_mesh[mesh] = per_mesh.get(mesh, 0.0) + sq
+    total = 0.0
+    for mesh, sq in per_mesh.items():
+        if mesh is not None:
+            if dist.get_backend() == "nccl":  # offloaded gradients sit on CPU; NCCL reduces device tensors only
+                sq = sq.cuda()
+            for dim in range(mesh.ndim):  # a sum over every dimension is the sum over the whole mesh
+                dist.all_reduce(sq, group=mesh.get_group(dim))
+        total += float(sq)
+    norm = math.sqrt(total)
+    if max_norm > 0 and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+    return norm
