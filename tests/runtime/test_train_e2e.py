@@ -77,7 +77,7 @@ def test_env_sync_trains_on_policy(tiny_llama_dir, tmp_path, ray_local):
 def test_env_async_partial_rollout_mixes_versions_within_bound(tiny_llama_dir, tmp_path, ray_local):
     out = tmp_path / "run"
     asyncio.run(run_training(_cfg(tiny_llama_dir, out, train__max_staleness=2, train__partial_rollout_enable=True,
-                                  train__max_steps=5)))
+                                  train__max_steps=5, algo__dynamic_filtering_enable=True)))
     metrics = _read(out, "metrics.jsonl")
     assert max(m["rollout/staleness_max"] for m in metrics) <= 2
     dumped = _dumped_versions(out)
@@ -89,10 +89,13 @@ def test_env_async_partial_rollout_mixes_versions_within_bound(tiny_llama_dir, t
 
 
 @pytest.mark.parametrize("agent", ["sdk_agent.py", "anthropic_agent.py"])
-def test_chat_agent_sdk_paths_train(tiny_llama_dir, tmp_path, ray_local, agent):
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_chat_agent_sdk_paths_train(tiny_llama_dir, tmp_path, ray_local, agent, staleness):
     out = tmp_path / "run"
-    summary = asyncio.run(run_training(_cfg(tiny_llama_dir, out, agent, train__max_staleness=1, train__max_steps=2)))
+    summary = asyncio.run(run_training(_cfg(tiny_llama_dir, out, agent, train__max_staleness=staleness,
+                                            train__partial_rollout_enable=staleness > 0, train__max_steps=2)))
     assert summary["steps"] == 2
+    assert max(m["rollout/staleness_max"] for m in _read(out, "metrics.jsonl")) <= staleness
     rows = _read(out, "dumps/step_2.jsonl")
     assert rows and all(sum(r["action_mask"]) > 0 for r in rows)
     assert all("<|im_start|>assistant" in r["text"] for r in rows)  # rendered through the chat template
