@@ -201,7 +201,6 @@ class Run:
             ok = o.status is RolloutStatus.OK
             correct[task.key[1]].append(ok and o.effective_score > 0)
             failed += not ok
-            self.generated_tokens += o.response_tokens
         pass_n, avg_n = pass_at_n(correct)
         name = Path(self.cfg.eval.dataset).stem
         out = {f"eval_{name}_pass{n}": pass_n, f"eval_{name}_avg{n}": avg_n, "eval/accuracy": avg_n,
