@@ -25,7 +25,8 @@ from molt.config import MoltConfig, save_config, to_dict
 from molt.runtime.experience import assign_to_ranks
 from molt.runtime.metrics import MetricsLogger, rollout_metrics
 from molt.runtime.pool import Group, PromptStream, RolloutPool, RolloutTask
-from molt.runtime.trainer_group import GROUP_ESTIMATORS, RANK_ESTIMATORS, TrainerGroup, rollout_advantages
+from molt.runtime.trainer_group import RANK_ESTIMATORS, TrainerGroup, rollout_advantages
+from molt.trainer.config import GROUP_ESTIMATORS
 from molt.types import RolloutStatus, SamplingParams
 
 BUCKET_BYTES = 64 << 20

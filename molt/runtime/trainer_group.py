@@ -4,7 +4,7 @@ Every call is collective: `TrainerGroup` calls the same method on every rank and
 receives only the light records of its own experiences (balanced by `assign_to_ranks`) and `reload()`s their
 payloads from the object store itself: the controller never holds a batch's payloads.
 
-Advantages. Group estimators (grpo, rloo, dr_grpo) depend on rewards only: the controller computes one value
+Advantages. Group estimators (`molt.trainer.config.GROUP_ESTIMATORS`: grpo, rloo, dr_grpo) depend on rewards only: the controller computes one value
 per rollout from the light records (`rollout_advantages`) and each rank spreads it over the action tokens of its
 segments. Token-level estimators (reinforce, reinforce_baseline) are computed on each rank over its own share
 of the window; their global whitening is therefore per rank (exact with one rank). GAE needs the critic, which
@@ -18,7 +18,6 @@ from typing import Any
 
 from molt.types import Experience
 
-GROUP_ESTIMATORS = ("grpo", "rloo", "dr_grpo")
 RANK_ESTIMATORS = ("reinforce", "reinforce_baseline")
 
 
