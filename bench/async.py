@@ -49,8 +49,8 @@ def time_updates(steps: int, latency: float) -> list[tuple[str, float, float, fl
         cfg.ckpt.output_dir = str(tmp / f"run-s{staleness}")
         summary = asyncio.run(run_training(validate(cfg)))
         train_s = np.mean([m["timing/policy_train"] for m in read_metrics(cfg.ckpt.output_dir)])
-        rows.append((f"staleness {staleness}" + (" (sync)" if staleness == 0 else ""), summary["seconds"],
-                     summary["seconds"] / steps, float(train_s)))
+        rows.append((f"staleness {staleness}" + (" (sync)" if staleness == 0 else ""), summary["train_seconds"],
+                     summary["train_seconds"] / steps, float(train_s)))
     ray.shutdown()
     return rows
 
