@@ -95,7 +95,8 @@ async def test_16_concurrent_requests_match_solo_runs(tiny_llama_dir):
         if 8 <= i < 15:
             await progress(engine, "q15", 3)
         temperature = 1.0 if i % 4 == 3 else 0.0
-        params = SamplingParams(max_tokens=5 + 2 * i, temperature=temperature)
+        n = 5 + 2 * i  # sampled requests could draw EOS early: min_tokens keeps their length fixed
+        params = SamplingParams(max_tokens=n, min_tokens=n if temperature else 0, temperature=temperature)
         return await engine.generate(PROMPTS[i], params, request_id=f"q{i}")
 
     outs = await asyncio.gather(*[one(i) for i in range(16)])
