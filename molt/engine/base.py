@@ -33,6 +33,26 @@ class EngineError(ValueError):
     the capture server turns it into a 400."""
 
 
+def check_request(prompt: list[int], params: SamplingParams, *, max_model_len: int, vocab_size: int,
+                  model_name: str) -> int:
+    """Validate one request the same way in every engine; returns how many new tokens it may generate
+    (max_tokens capped by the room left in the context window). EngineError names the problem."""
+    try:
+        params.validate()
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+    if not prompt:
+        raise EngineError("the prompt is empty: at least one prompt token is required")
+    if len(prompt) >= max_model_len:
+        raise EngineError(f"the prompt has {len(prompt)} tokens but the context window (max_model_len) of "
+                          f"{model_name} is {max_model_len}: no room left to generate")
+    for what, ids in (("prompt", prompt), ("stop", params.stop_token_ids)):
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            raise EngineError(f"{what} token ids must be in [0, {vocab_size}) for {model_name}")
+    room = max_model_len - len(prompt)
+    return room if params.max_tokens is None else min(params.max_tokens, room)
+
+
 @runtime_checkable
 class Engine(Protocol):
     model_name: str  # name served on /v1/models

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from molt.engine.base import EngineError
+from molt.engine.base import EngineError, check_request
 from molt.types import Completion, FinishReason, SamplingParams
 
 
@@ -206,25 +206,14 @@ class HFEngine:
     # ---------------------------------------------------------------- helpers (caller side)
 
     def _make_request(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> _Request:
-        try:
-            params.validate()
-        except ValueError as e:
-            raise EngineError(str(e)) from None
-        if not prompt:
-            raise EngineError("the prompt is empty: at least one prompt token is required")
-        if len(prompt) >= self.max_model_len:
-            raise EngineError(f"the prompt has {len(prompt)} tokens but the context window (max_model_len) of "
-                              f"{self.model_name} is {self.max_model_len}: no room left to generate")
-        for what, ids in (("prompt", prompt), ("stop", params.stop_token_ids)):
-            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
-                raise EngineError(f"{what} token ids must be in [0, {self.vocab_size}) for {self.model_name}")
-        room = self.max_model_len - len(prompt)
+        max_new = check_request(prompt, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                                model_name=self.model_name)
         generator = torch.Generator(self.device)
         generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
         loop = asyncio.get_running_loop()
         return _Request(
             id=request_id or uuid.uuid4().hex, prompt=prompt, params=params,
-            max_new=room if params.max_tokens is None else min(params.max_tokens, room),
+            max_new=max_new,
             stops=sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), generator=generator,
             loop=loop, future=loop.create_future())
 

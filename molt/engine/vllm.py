@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from molt.engine.base import EngineError
+from molt.engine.base import EngineError, check_request
 from molt.types import Completion, FinishReason, SamplingParams
 
 MIN_VLLM = (0, 10, 2)  # "processed_logprobs" means after top-k/top-p from here on (vllm-project/vllm#22387)
@@ -306,21 +306,10 @@ class VLLMEngine:
     def _admit(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> _Request:
         if self._closed:
             raise EngineError("the engine is closed")
-        try:
-            params.validate()
-        except ValueError as e:
-            raise EngineError(str(e)) from None
-        if not prompt:
-            raise EngineError("the prompt is empty: at least one prompt token is required")
-        if len(prompt) >= self.max_model_len:
-            raise EngineError(f"the prompt has {len(prompt)} tokens but the context window (max_model_len) of "
-                              f"{self.model_name} is {self.max_model_len}: no room left to generate")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise EngineError(f"prompt token ids must be in [0, {self.vocab_size}) for {self.model_name}")
+        max_new = check_request(prompt, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                                model_name=self.model_name)
         rid = request_id or uuid.uuid4().hex
         if rid in self._active:
             raise EngineError(f"request id {rid!r} is already in use")
-        room = self.max_model_len - len(prompt)
-        return _Request(id=rid, prompt=prompt, params=params,
-                        max_new=room if params.max_tokens is None else min(params.max_tokens, room),
+        return _Request(id=rid, prompt=prompt, params=params, max_new=max_new,
                         stops=sorted(set(self.eos_token_ids) | set(params.stop_token_ids)))
