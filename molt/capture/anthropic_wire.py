@@ -2,7 +2,7 @@
 
 Supported: `system` (string or text blocks), `messages` with text, `tool_use` and `tool_result` blocks,
 `tools` (converted to OpenAI function definitions so the chat template sees one format), `tool_choice`
-(`{"type": "none"}` disables parsing; others are not enforced), `max_tokens`, `temperature`, `top_p`,
+(`none` disables parsing; `any` and `tool` force a call, see `molt.capture.session`), `max_tokens`, `temperature`, `top_p`,
 `top_k`, `stop_sequences`, `stream`. `stop_reason` is `tool_use`, `stop_sequence`, `max_tokens` or
 `end_turn`; `usage` counts the real prompt and completion tokens.
 
@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from molt.capture.errors import WireError
 from molt.capture.render import canonical_tools
 from molt.capture.session import ChatRequest, Choice, Generation, Session, text_pieces
 from molt.capture.tools import tool_call
@@ -114,8 +115,14 @@ def to_chat(req: MessagesRequest, data: dict[str, Any], session: Session) -> Cha
     tools = canonical_tools([{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
                                                                **({"description": t.description} if t.description else {})}}
                              for t in req.tools or []])
-    parse = bool(tools) and (req.tool_choice or {}).get("type") != "none"
-    return ChatRequest(_messages(req), tools, params, list(req.stop_sequences or []), 1, parse_tools=parse)
+    kind = (req.tool_choice or {}).get("type", "auto")
+    choice = {"auto": "auto", "none": "none", "any": "required", "tool": "function"}.get(kind)
+    name = (req.tool_choice or {}).get("name")
+    if choice is None or (choice == "function" and not isinstance(name, str)):
+        raise WireError(400, 'tool_choice.type must be "auto", "any", "none" or "tool" (with a name)',
+                        param="tool_choice")
+    return ChatRequest(_messages(req), tools, params, list(req.stop_sequences or []), 1,
+                       parse_tools=bool(tools) and choice != "none", tool_choice=choice, tool_name=name)
 
 
 def _stop_reason(ch: Choice) -> str:

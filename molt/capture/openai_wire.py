@@ -5,7 +5,8 @@ and `tool_choice`, `max_tokens` / `max_completion_tokens`, `temperature`, `top_p
 `logprobs` / `top_logprobs`, `stream` with `stream_options.include_usage`, and the vLLM-style extensions
 `top_k`, `min_tokens`. Unknown fields (penalties, `user`, ...) are ignored; fields left out take the session's
 sampling defaults (the rollout's). `tool_choice="none"` returns tool-call text as plain content; "required" or
-a named function are accepted but not enforced (there is no constrained decoding).
+a named function (`{"type": "function", "function": {"name": ...}}`) prefill the reply with the call opening
+(see `molt.capture.session`), so the reply is a call unless the model breaks the format.
 
 Streaming: the engine returns whole completions, so a stream is emitted once the completion is ready: a role
 chunk, content deltas, tool-call deltas (id and name first, then the arguments), a finish chunk, the usage
@@ -19,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from molt.capture.errors import WireError
 from molt.capture.render import canonical_messages, canonical_tools
 from molt.capture.session import ChatRequest, Choice, Generation, Session, text_pieces
 from molt.capture.tools import arguments_json
@@ -104,8 +106,15 @@ def to_chat(req: ChatCompletionRequest, data: dict[str, Any], session: Session) 
     )
     tools = canonical_tools(data.get("tools"))
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    choice, name = req.tool_choice or "auto", None
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise WireError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+                            '"function": {"name": ...}}', code="invalid_request", param="tool_choice")
+        choice = "function"
     return ChatRequest(canonical_messages(data["messages"]), tools, params,
-                       stop, req.n, parse_tools=bool(tools) and req.tool_choice != "none")
+                       stop, req.n, parse_tools=bool(tools) and choice != "none", tool_choice=choice, tool_name=name)
 
 
 def _usage(gen: Generation) -> dict[str, int]:

@@ -17,12 +17,16 @@ Decisions:
   generated past the stop, a throughput matter only.
 - n > 1: choices are generated concurrently (choice i uses seed + i when a seed is given); choice 0 continues
   the segment, the others become `branch` segments.
+- `tool_choice` "required" or a named function is honoured by prefilling the reply with the tool parser's call
+  opening (`molt.capture.tools`); those tokens are recorded as context (mask 0), the model's continuation as
+  the action, and the text parsed is opening + continuation.
 - A prompt that leaves no room in the context window is a client error (`ContextTooLong`, answered 400); a
   max_tokens beyond the room left is capped by the engine (finish reason length).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import re
 import time
@@ -34,7 +38,7 @@ from typing import Any
 
 from molt.capture.render import ChatRenderer, canonical_messages, canonical_tools
 from molt.capture.segments import Action, Plan, SegmentTracker
-from molt.capture.tools import Parsed, ToolParser
+from molt.capture.tools import Parsed, ToolParser, call_opening
 from molt.engine.base import Engine
 from molt.types import Completion, FinishReason, SamplingParams, Segment
 
@@ -55,6 +59,8 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
     n: int = 1
     parse_tools: bool = True
+    tool_choice: str = "auto"  # "auto" | "none" | "required" (some tool) | "function" (the one in tool_name)
+    tool_name: str | None = None
 
 
 @dataclass
@@ -162,6 +168,11 @@ class Session:
             return gen
 
     async def _generate(self, plan: Plan, request: ChatRequest) -> Generation:
+        opening = self._call_opening(request)
+        if opening:  # forced tool call: the opening is context the model continues from (mask 0)
+            forced = self.renderer.encode(opening)
+            plan = dataclasses.replace(plan, prompt_ids=plan.prompt_ids + forced,
+                                       context_ids=plan.context_ids + forced)
         if len(plan.prompt_ids) >= self.max_model_len:
             raise ContextTooLong(
                 f"this conversation is {len(plan.prompt_ids)} tokens but the context window of {self.model_name} "
@@ -179,18 +190,34 @@ class Session:
             self._inflight.difference_update(ids)
         if self.closed or any(c.finish_reason is FinishReason.ABORT for c in completions):
             raise SessionClosed(f"session {self.session_id} was closed while generating")
-        choices = [self._choice(c, request) for c in completions]
+        choices = [self._choice(c, request, opening) for c in completions]
         actions = [Action(ch.action_ids, c.logprobs[: len(ch.action_ids)], c.versions[: len(ch.action_ids)])
                    for ch, c in zip(choices, completions)]
         self.tracker.commit(plan, actions, [ch.message for ch in choices])
         return Generation(uuid.uuid4().hex[:24], int(time.time()), plan.prompt_ids, choices)
 
-    def _choice(self, completion: Completion, request: ChatRequest) -> Choice:
+    def _call_opening(self, request: ChatRequest) -> str:
+        """The forced start of the reply for tool_choice "required" / "function" ("" otherwise); ValueError
+        (answered 400) for a choice that cannot be honoured."""
+        if request.tool_choice in ("auto", "none"):
+            return ""
+        names = [t["function"]["name"] for t in request.tools or []]
+        if not names:
+            raise ValueError(f"tool_choice {request.tool_choice!r} needs at least one tool in `tools`")
+        name = request.tool_name if request.tool_choice == "function" else None
+        if request.tool_choice == "function" and name not in names:
+            raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools {names}")
+        opening = call_opening(self.parser, name)
+        if opening is None:
+            raise ValueError(f"tool_choice {request.tool_choice!r}: this server's tool parser cannot force a call")
+        return opening
+
+    def _choice(self, completion: Completion, request: ChatRequest, opening: str = "") -> Choice:
         ids = completion.token_ids
         finish = "length" if completion.finish_reason is FinishReason.LENGTH else "stop"
         cut, stop = self._find_stop(ids, request.stop) if request.stop else (len(ids), None)
         ids = ids[:cut]
-        text = self.renderer.decode(ids, skip_special_tokens=True)
+        text = opening + self.renderer.decode(ids, skip_special_tokens=True)
         if stop is not None:
             finish, text = "stop", text[: text.find(stop)]
         parsed = self.parser(text) if request.parse_tools else Parsed(text)

@@ -7,6 +7,12 @@ agent's to see, never a server error.
 
 Built in: `hermes` (Hermes/Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, several per reply)
 and `none` (no parsing).
+
+Forcing a call (`tool_choice` "required" / a named function on the OpenAI wire, `any` / `tool` on the
+Anthropic one): without constrained decoding, the session prefills the reply with the parser's call opening
+(`call_opening`: for hermes `<tool_call>\n`, or up to `"arguments": ` for a named function) as context tokens
+(mask 0, never trained) and the model continues from there; the text parsed is opening + generated text. A
+model that then writes no valid call gets its text back as content, counted as malformed, like any other.
 """
 from __future__ import annotations
 
@@ -29,11 +35,21 @@ ToolParser = Callable[[str], Parsed]
 _PARSERS: dict[str, ToolParser] = {}
 
 
-def register_tool_parser(name: str) -> Callable[[ToolParser], ToolParser]:
+def register_tool_parser(name: str, opening: Callable[[str | None], str] | None = None
+                         ) -> Callable[[ToolParser], ToolParser]:
+    """opening(tool name or None) -> the text that starts a call (to any tool when None), used to force calls;
+    a parser registered without one cannot force them."""
     def add(parser: ToolParser) -> ToolParser:
+        parser.opening = opening  # type: ignore[attr-defined]
         _PARSERS[name] = parser
         return parser
     return add
+
+
+def call_opening(parser: ToolParser, name: str | None) -> str | None:
+    """The text that forces `parser`'s call format (a call to `name`, or to any tool); None if it cannot."""
+    opening = getattr(parser, "opening", None)
+    return None if opening is None else opening(name)
 
 
 def get_tool_parser(name: str) -> ToolParser:
@@ -69,7 +85,12 @@ def _no_parsing(text: str) -> Parsed:
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
-@register_tool_parser("hermes")
+def _hermes_opening(name: str | None) -> str:
+    # the exact prefix Qwen/Hermes templates render before a call (`{"name": ..., "arguments": ...}`)
+    return "<tool_call>\n" if name is None else f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": '
+
+
+@register_tool_parser("hermes", opening=_hermes_opening)
 def _hermes(text: str) -> Parsed:
     calls, kept, pos = [], [], 0
     for match in _HERMES.finditer(text):

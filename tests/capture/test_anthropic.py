@@ -76,6 +76,22 @@ async def test_tool_use_round_trip(tokenizer, stream):
     assert "<|im_start|>tool\n84<|im_end|>" in tokenizer.decode(segment.token_ids)
 
 
+async def test_tool_choice_tool_forces_the_named_call(tokenizer):
+    opening = '<tool_call>\n{"name": "calculator", "arguments": '
+    call = CALL_TEXT[CALL_TEXT.index("<tool_call>"):]
+    engine = ScriptedEngine(tokenizer, [call[len(opening):]])
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session()
+        reply = await client(session).messages.create(
+            model="scripted", max_tokens=64, messages=[{"role": "user", "content": "What is 12 * 7?"}], tools=TOOLS,
+            tool_choice={"type": "tool", "name": "calculator"})
+        assert reply.stop_reason == "tool_use"
+        (use,) = reply.content
+        assert (use.name, use.input) == ("calculator", {"expression": "12 * 7"})
+        forced = tokenizer.encode(opening, add_special_tokens=False)
+        assert engine.calls[0]["prompt_ids"][-len(forced):] == forced
+
+
 async def test_stop_sequence_and_max_tokens(tokenizer):
     engine = ScriptedEngine(tokenizer, ["alpha beta END gamma", "one two three four five"])
     async with live_capture_server(engine, tokenizer) as server:

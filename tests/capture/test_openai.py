@@ -135,6 +135,53 @@ async def test_tool_call_round_trip(tokenizer, stream):
     assert engine.calls[1]["prompt_ids"] == segment.token_ids[:len(engine.calls[1]["prompt_ids"])]
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "calculator"}}])
+async def test_tool_choice_forces_a_call_through_the_opening(tokenizer, choice):
+    """The forced opening is context (mask 0) before the model's continuation; the parsed call joins both; the
+    next turn continues the same segment."""
+    named = isinstance(choice, dict)
+    opening = '<tool_call>\n{"name": "calculator", "arguments": ' if named else "<tool_call>\n"
+    rest = CALL_TEXT[len(opening):]
+    engine = ScriptedEngine(tokenizer, [rest, "It is 84."])
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session()
+        api = client(session)
+        messages = [{"role": "user", "content": "What is 12 * 7?"}]
+        first = await api.chat.completions.create(model="scripted", messages=messages, tools=TOOLS, tool_choice=choice)
+        (call,) = first.choices[0].message.tool_calls
+        assert first.choices[0].finish_reason == "tool_calls"
+        assert (call.function.name, call.function.arguments) == ("calculator", '{"expression": "12 * 7"}')
+        messages += [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "84"}]
+        await api.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)
+        (segment,) = await session.close()
+    forced = tokenizer.encode(opening, add_special_tokens=False)
+    prompt = engine.calls[0]["prompt_ids"]
+    assert prompt[-len(forced):] == forced  # the model continued from the opening
+    n, k = len(prompt), len(tokenizer.encode(rest, add_special_tokens=False)) + 1
+    assert segment.token_ids[:n] == prompt and segment.action_mask[n - len(forced):n] == [0] * len(forced)
+    assert segment.action_mask[n:n + k] == [1] * k  # only the continuation is an action
+    assert engine.calls[1]["prompt_ids"] == segment.token_ids[:len(engine.calls[1]["prompt_ids"])]
+
+
+@pytest.mark.parametrize("choice, match", [
+    ({"type": "function", "function": {"name": "search"}}, "not among the tools"),
+    ("required", "needs at least one tool"),
+    ({"type": "custom"}, "tool_choice must be"),
+])
+async def test_tool_choice_that_cannot_be_honoured_is_a_400(tokenizer, choice, match):
+    import openai
+
+    engine = ScriptedEngine(tokenizer, ["x"])
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session()
+        tools = None if choice == "required" else TOOLS
+        with pytest.raises(openai.BadRequestError, match=match):
+            await client(session, max_retries=0).chat.completions.create(
+                model="scripted", messages=[{"role": "user", "content": "x"}], tool_choice=choice,
+                **({"tools": tools} if tools else {}))
+    assert engine.calls == []
+
+
 async def test_malformed_tool_json_is_text(tokenizer):
     bad = '<tool_call>{"name": "calculator", "arguments": {oops</tool_call>'
     engine = ScriptedEngine(tokenizer, [bad])
