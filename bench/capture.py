@@ -9,8 +9,9 @@ each after a seeded random think time of up to `--think` seconds, the same in bo
 do not arrive in lockstep; without it the direct path's perfectly aligned arrivals batch better than any real
 agents would, which measures the engine's scheduler, not the server).
 "direct" awaits `engine.generate` on the same rendered prompt ids; "capture" posts the OpenAI request over
-HTTP (httpx, keep-alive) to a session of a capture server in the same process and event loop, as agents run
-in a rollout worker. Direct and capture rounds alternate (the machine is shared) and the median over rounds
+HTTP (one keep-alive httpx client per session, as each agent has its own SDK client) to a session of a
+capture server in the same process and event loop, as agents run in a rollout worker. The engine runs in its
+own process (`molt.engine.process`, the runtime's default; `--in-process` for a thread of this one). Direct and capture rounds alternate (the machine is shared) and the median over rounds
 of the mean request latency is reported, plus the server's part of a capture request: its latency minus the
 time the same request spent inside `engine.generate`. Throughput: a `ScriptedEngine` (no model work) behind the server in
 its own process, 64 sessions each running multi-turn conversations over one keep-alive connection from a
@@ -83,43 +84,49 @@ async def _direct(engine, renderer, concurrency, requests, think, params) -> lis
     return await _workers(concurrency, requests, think, one)
 
 
-async def _captured(server, http, concurrency, requests, think, params) -> list[float]:
+async def _captured(server, concurrency, requests, think, params) -> list[float]:
+    """Each session has its own keep-alive HTTP client, as each agent builds its own `AsyncOpenAI` (one shared
+    client with a pool of 64 connections spends more time scanning its pool than the server spends on a
+    request: httpx checks every pooled connection's socket per request)."""
     sessions = [await server.open_session(f"bench-{w}", params) for w in range(concurrency)]
+    clients = [httpx.AsyncClient(timeout=600) for _ in sessions]
 
     async def one(w: int, i: int) -> None:
         s = sessions[w]
-        r = await http.post(f"{s.base_url}/chat/completions", headers={"Authorization": f"Bearer {s.api_key}"},
-                            json={"model": s.model_name, "messages": _messages(w, i)})
+        r = await clients[w].post(f"{s.base_url}/chat/completions", headers={"Authorization": f"Bearer {s.api_key}"},
+                                  json={"model": s.model_name, "messages": _messages(w, i)})
         assert r.status_code == 200, r.text
     try:
         return await _workers(concurrency, requests, think, one)
     finally:
-        for s in sessions:
+        for s, c in zip(sessions, clients):
+            await c.aclose()
             await s.close()
 
 
-async def latency(model: str, requests: int, max_tokens: int, rounds: int, think: float) -> list[dict]:
+async def latency(model: str, requests: int, max_tokens: int, rounds: int, think: float,
+                  in_process: bool = False) -> list[dict]:
     from molt.engine.hf import HFEngine
+    from molt.engine.process import EngineProcess
 
-    engine = _Timed(HFEngine(model))
+    engine = _Timed(HFEngine(model) if in_process else EngineProcess("molt.engine.hf:HFEngine", model, torch_threads=1))
     renderer = ChatRenderer.from_pretrained(model)
     server = CaptureServer(engine, renderer)
     await server.start()
     params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens)
     rows = []
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as http:
-        await _direct(engine, renderer, 4, 1, 0.0, params)  # warm-up
-        for concurrency in (1, 32):
-            direct, captured, server_part = [], [], []
-            for _ in range(rounds):
-                direct.append(statistics.mean(await _direct(engine, renderer, concurrency, requests, think, params)))
-                engine.seconds = engine.calls = 0
-                latencies = await _captured(server, http, concurrency, requests, think, params)
-                captured.append(statistics.mean(latencies))
-                server_part.append(captured[-1] - engine.seconds / engine.calls)
-            d, c, o = statistics.median(direct), statistics.median(captured), statistics.median(server_part)
-            rows.append({"sessions": concurrency, "direct_ms": d * 1e3, "capture_ms": c * 1e3, "added": (c - d) / d,
-                         "server_ms": o * 1e3, "server_share": o / c})
+    await _direct(engine, renderer, 4, 1, 0.0, params)  # warm-up
+    for concurrency in (1, 32):
+        direct, captured, server_part = [], [], []
+        for _ in range(rounds):
+            direct.append(statistics.mean(await _direct(engine, renderer, concurrency, requests, think, params)))
+            engine.seconds = engine.calls = 0
+            latencies = await _captured(server, concurrency, requests, think, params)
+            captured.append(statistics.mean(latencies))
+            server_part.append(captured[-1] - engine.seconds / engine.calls)
+        d, c, o = statistics.median(direct), statistics.median(captured), statistics.median(server_part)
+        rows.append({"sessions": concurrency, "direct_ms": d * 1e3, "capture_ms": c * 1e3, "added": (c - d) / d,
+                     "server_ms": o * 1e3, "server_share": o / c})
     await server.stop()
     await engine.close()
     return rows
@@ -203,6 +210,8 @@ def main() -> None:
     ap.add_argument("--scripted-rounds", type=int, default=12, help="4-turn conversations per session (64 sessions)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for this process (the engine thread and the server share the GIL)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run the HF engine as a thread of this process (default: its own process, as workers do)")
     ap.add_argument("--append", help="append the result table to this markdown file")
     args = ap.parse_args()
     if args.switch_interval is not None:
@@ -212,7 +221,7 @@ def main() -> None:
         from molt.testing.models import build_tiny_llama
 
         model = str(build_tiny_llama(Path(tempfile.mkdtemp()) / "tiny-llama"))
-    rows = asyncio.run(latency(model, args.requests, args.max_tokens, args.rounds, args.think))
+    rows = asyncio.run(latency(model, args.requests, args.max_tokens, args.rounds, args.think, args.in_process))
     rps, capacity = throughput(model, 64, args.scripted_rounds)
     header = ("| sessions | direct engine (ms/request) | through capture (ms/request) | added | server part of a "
               "capture request (ms) |")

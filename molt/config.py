@@ -78,6 +78,9 @@ class TrainConfig:
     """Max policy versions between the oldest token of a trained sample and the trainer (0: synchronous)."""
     partial_rollout_enable: bool = False
     """Keep requests alive across weight refits (requires importance correction)."""
+    weight_sync: Literal["auto", "object_store", "collective"] = "auto"
+    """How refit moves weights: through the Ray object store, or broadcast by trainer rank 0 over a dedicated
+    group (NCCL on GPU, gloo on CPU). auto: collective with vLLM engines, the object store otherwise."""
     max_steps: int = 10
     """Training steps to run."""
     seed: int = 42
@@ -104,6 +107,8 @@ class RolloutConfig:
     """Top-k sampling (-1 disables)."""
     engine: Literal["hf", "vllm"] = "hf"
     """Inference engine: embedded transformers (CPU/one GPU) or vLLM (GPU)."""
+    engine_process: bool = True
+    """Run the embedded (hf) engine in a process of its own, apart from the capture server and the agents."""
     num_workers: int = 1
     """Rollout workers (each: an engine, a capture server, agent runners)."""
     timeout_s: float = 300.0

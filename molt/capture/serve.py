@@ -72,14 +72,17 @@ def add_service_routes(server: CaptureServer) -> None:
 
 async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: Any = None,
                 ready: Any = print) -> None:
-    """Run the service until SIGINT/SIGTERM. `engine` defaults to an embedded HFEngine on `model` (a path)."""
+    """Run the service until SIGINT/SIGTERM. `engine` defaults to an HFEngine on `model` (a path) in a process
+    of its own (`molt.engine.process`), leaving one core to the server."""
     from molt.capture.render import ChatRenderer
 
     owned = engine is None
     if owned:
-        from molt.engine.hf import HFEngine
+        import os
 
-        engine = HFEngine(model)
+        from molt.engine.process import EngineProcess
+
+        engine = EngineProcess("molt.engine.hf:HFEngine", model, torch_threads=max(1, (os.cpu_count() or 2) - 1))
     server = CaptureServer(engine, ChatRenderer.from_pretrained(model), host=host, port=port)
     add_service_routes(server)
     await server.start()

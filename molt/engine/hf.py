@@ -28,7 +28,8 @@ per-request `torch.Generator` (seeded by `SamplingParams.seed`): one uniform num
 the float64 CDF of the (truncated) distribution. A seeded request therefore reproduces no matter which other
 requests share its batch (up to float differences of the batched matmuls).
 
-Refit: `update_weights` copies tensors into the model in place while the worker is paused. The retained
+Refit: `update_weights` copies tensors into the model in place while the worker is paused (`receive_weights`,
+the collective path of `molt.engine.weight_group`, ends in the same call). The retained
 requests' KV caches hold old-weight keys/values, so the next step prefills them again (prompt + generated tokens)
 with the new weights: later tokens are exactly what the new policy computes over the whole sequence.
 
@@ -50,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from molt.engine.base import EngineError, check_request
+from molt.engine.weight_group import InProcessWeightReceiver
 from molt.types import Completion, FinishReason, SamplingParams
 
 
@@ -92,7 +94,7 @@ def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return F.pad(t, pad)
 
 
-class HFEngine:
+class HFEngine(InProcessWeightReceiver):
     """Embedded engine on a transformers causal LM. See the module docstring for the batching design."""
 
     def __init__(self, model_path: str, *, model_name: str | None = None, dtype: str = "float32",

@@ -33,7 +33,10 @@ Weights: `update_weights` ships each bucket of (HF name, tensor) to every worker
 worker extension (`WorkerExtension`, installed with the `worker_extension_cls` engine arg) that calls
 `model.load_weights`, vLLM's own loader for HF checkpoints (it fuses q/k/v and gate/up, shards for tensor
 parallelism and casts to the engine dtype), then resets the prefix cache (cached blocks hold old-weight keys
-and values). Tensors travel as raw bytes, which vLLM's msgpack transport carries without pickling.
+and values). Tensors travel as raw bytes, which vLLM's msgpack transport carries without pickling. The GPU
+path skips that hop: `join_weight_group` / `receive_weights` put every vLLM worker into the trainer's refit group
+(`molt.engine.weight_group`, NCCL) and each receives the buckets straight into GPU memory, then loads them the
+same way.
 Quantized engines (fp8, ...) are not supported by this path.
 """
 from __future__ import annotations
@@ -113,10 +116,25 @@ def unpack(packed: Iterable[tuple[str, str, list[int], bytes]]) -> Iterable[tupl
 class WorkerExtension:
     """Mixed into vLLM's GPU worker class (engine arg `worker_extension_cls`); called with `collective_rpc`."""
 
-    def molt_load_weights(self, packed: list) -> None:
+    def _molt_model(self) -> Any:
         runner = self.model_runner  # type: ignore[attr-defined]
-        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-        model.load_weights(weights=unpack(packed))
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    def molt_load_weights(self, packed: list) -> None:
+        self._molt_model().load_weights(weights=unpack(packed))
+
+    def molt_join_weight_group(self, address: str, rank_offset: int, world: int) -> None:
+        """Join the refit group of `molt.engine.weight_group` as rank `rank_offset` + this worker's rank."""
+        import torch
+
+        from molt.engine.weight_group import WeightGroup
+
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        self.molt_weight_group = WeightGroup(address, rank, world, torch.device("cuda", torch.cuda.current_device()))
+
+    def molt_receive_weights(self, plan: list) -> None:
+        """Receive one planned bucket over the refit group (NCCL, GPU to GPU) and load it."""
+        self._molt_model().load_weights(weights=self.molt_weight_group.receive(plan))
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -201,6 +219,7 @@ class VLLMEngine:
             max_model_len=max_model_len, seed=seed, enable_prefix_caching=enable_prefix_caching,
             logprobs_mode="processed_logprobs", worker_extension_cls=f"{__name__}.WorkerExtension", **engine_args)
         self._llm = AsyncLLM.from_engine_args(args)
+        self.weight_group_size = tensor_parallel_size  # one refit-group rank per worker process
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
         self.eos_token_ids = _eos_ids(model_path)
@@ -284,9 +303,25 @@ class VLLMEngine:
             raise EngineError("update_weights must be called while the engine is paused (await pause())")
         packed = await asyncio.to_thread(pack, named_tensors)  # off the event loop: copies a whole bucket
         await self._llm.collective_rpc("molt_load_weights", args=(packed,))
+        await self._loaded(version)
+
+    async def _loaded(self, version: int) -> None:
+        """After a bucket: cached prefix blocks hold old-weight keys and values."""
         if await self._llm.reset_prefix_cache() is False:  # None on versions that do not report
             warnings.warn("vLLM could not reset its prefix cache after a weight update", stacklevel=2)
         self._version = version
+
+    async def join_weight_group(self, address: str, rank: int, world: int) -> None:
+        """Every vLLM worker joins the refit group (ranks rank .. rank + tensor_parallel_size - 1)."""
+        await self._llm.collective_rpc("molt_join_weight_group", args=(address, rank, world))
+
+    async def receive_weights(self, plan: list, version: int) -> None:
+        """The collective refit: each worker receives every planned bucket from the trainer and loads it."""
+        if not self._paused:
+            raise EngineError("receive_weights must be called while the engine is paused (await pause())")
+        for bucket in plan:
+            await self._llm.collective_rpc("molt_receive_weights", args=(bucket,))
+        await self._loaded(version)
 
     async def resume(self) -> None:
         async with self._cond:

@@ -25,7 +25,7 @@ from molt.config import MoltConfig, save_config, to_dict
 from molt.runtime.experience import assign_to_ranks
 from molt.runtime.metrics import MetricsLogger, rollout_metrics
 from molt.runtime.pool import Group, PromptStream, RolloutPool, RolloutTask
-from molt.runtime.trainer_group import RANK_ESTIMATORS, TrainerGroup, rollout_advantages
+from molt.runtime.trainer_group import RANK_ESTIMATORS, TrainerGroup, rollout_advantages, terminal_rewards
 from molt.trainer.config import GROUP_ESTIMATORS
 from molt.types import RolloutStatus, SamplingParams
 
@@ -113,7 +113,7 @@ class Run:
                          runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
         worker_threads, trainer_threads = _threads(cfg)
         runner_options = {"timeout": cfg.rollout.timeout_s, "max_turns": cfg.rollout.max_turns}
-        engine_options: dict[str, Any] = {}
+        engine_options: dict[str, Any] = {"process": cfg.rollout.engine_process}
         n_workers, gpus = cfg.rollout.num_workers, 0
         if cfg.rollout.engine == "vllm":  # one worker per vLLM engine, holding its tensor-parallel GPUs
             v = cfg.vllm
@@ -130,8 +130,24 @@ class Run:
                                     num_gpus_per_rank=1 if cfg.rollout.engine == "vllm" else 0,
                                     estimator=cfg.algo.advantage.estimator,
                                     advantage_params={"gamma": cfg.algo.advantage.gamma, "lam": cfg.algo.advantage.lam})
-        await asyncio.gather(*[w.start.remote() for w in self.workers], self.trainer.setup(self._actor_fields()))
+        critic_path = str(resolve_model(cfg.critic.model_name_or_path)) if cfg.algo.advantage.estimator == "gae" else None
+        await asyncio.gather(*[w.start.remote() for w in self.workers],
+                             self.trainer.setup(self._actor_fields(), critic_path))
+        sync = cfg.train.weight_sync
+        self._weight_plan = None
+        if sync == "collective" or (sync == "auto" and cfg.rollout.engine == "vllm"):
+            await self._join_weight_group()
         self._resume()
+
+    async def _join_weight_group(self) -> None:
+        """Trainer rank 0 (the sender, rank 0) and every engine process form the refit group."""
+        rank0 = self.trainer.ranks[0]
+        address = await rank0.master_address.remote()
+        sizes = await asyncio.gather(*[w.weight_group_size.remote() for w in self.workers])
+        world, offsets = 1 + sum(sizes), [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        await asyncio.gather(self.trainer.same("join_weight_group", address, world),
+                             *[w.join_weight_group.remote(address, o, world) for w, o in zip(self.workers, offsets)])
+        self._weight_plan = await rank0.weight_plan.remote(BUCKET_BYTES)
 
     def _actor_fields(self) -> dict[str, Any]:
         cfg, a = self.cfg, self.cfg.actor
@@ -213,20 +229,28 @@ class Run:
     # ------------------------------------------------------------------------------------------ training
     async def _refit(self) -> float:
         t0 = time.perf_counter()
-        refs = (await self.trainer.same("weight_refs", BUCKET_BYTES))[0]
         partial = self.cfg.train.partial_rollout_enable
-        await asyncio.gather(*[w.update_weights.remote(refs, self.version, partial) for w in self.workers])
+        if self._weight_plan is not None:  # collective: the receives must be posted while rank 0 sends
+            await asyncio.gather(self.trainer.same("broadcast_weights", BUCKET_BYTES),
+                                 *[w.receive_weights.remote(self._weight_plan, self.version, partial)
+                                   for w in self.workers])
+        else:
+            refs = (await self.trainer.same("weight_refs", BUCKET_BYTES))[0]
+            await asyncio.gather(*[w.update_weights.remote(refs, self.version, partial) for w in self.workers])
         return time.perf_counter() - t0
 
     async def _train_step(self, groups: list[Group]) -> dict[str, float]:
         cfg = self.cfg
         exps = [e for g in groups for o in g.outcomes for e in o.experiences]
-        advantages = None
-        if cfg.algo.advantage.estimator in GROUP_ESTIMATORS:
-            rows = [(o.rollout_id, g.group_id, o.reward) for g in groups for o in g.outcomes]
-            advantages = rollout_advantages(cfg.algo.advantage.estimator, rows)
+        estimator = cfg.algo.advantage.estimator
+        rows = [(o.rollout_id, g.group_id, o.reward) for g in groups for o in g.outcomes]
+        advantages = rewards = None
+        if estimator in GROUP_ESTIMATORS:
+            advantages = rollout_advantages(estimator, rows)
+        else:
+            rewards = terminal_rewards(estimator, rows)
         shares = assign_to_ranks(exps, cfg.train.num_ranks)
-        results = await self.trainer.call("train_step", shares, [advantages] * len(shares))
+        results = await self.trainer.call("train_step", shares, [advantages] * len(shares), [rewards] * len(shares))
         self._advantages = advantages
         return results[0]
 

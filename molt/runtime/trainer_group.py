@@ -4,11 +4,18 @@ Every call is collective: `TrainerGroup` calls the same method on every rank and
 receives only the light records of its own experiences (balanced by `assign_to_ranks`) and `reload()`s their
 payloads from the object store itself: the controller never holds a batch's payloads.
 
-Advantages. Group estimators (`molt.trainer.config.GROUP_ESTIMATORS`: grpo, rloo, dr_grpo) depend on rewards only: the controller computes one value
-per rollout from the light records (`rollout_advantages`) and each rank spreads it over the action tokens of its
-segments. Token-level estimators (reinforce, reinforce_baseline) are computed on each rank over its own share
-of the window; their global whitening is therefore per rank (exact with one rank). GAE needs the critic, which
-the runtime does not wire yet: it is refused at start-up.
+Advantages. Group estimators (`molt.trainer.config.GROUP_ESTIMATORS`: grpo, rloo, dr_grpo) depend on rewards
+only: the controller computes one value per rollout from the light records (`rollout_advantages`) and each rank
+spreads it over the action tokens of its segments. Token-level estimators (reinforce, reinforce_baseline, gae)
+need per-token data (KL, critic values) and run on each rank over its own segments, split so the result equals
+one computation over the whole window:
+- what crosses rollouts comes from the controller: the per-rollout terminal reward, for reinforce_baseline
+  already minus its group's mean (a group's rollouts may land on different ranks);
+- everything within a rollout is local: `assign_to_ranks` keeps a rollout's segments on one rank;
+- the global whitening over all action tokens of the window is one all-reduce of (sum, sum of squares, count).
+GAE uses a critic (`molt.trainer.Critic`, `--critic.model_name_or_path`, default the actor's checkpoint) built
+next to the actor on every rank with the actor's optimizer settings: values before the step, then one critic
+step on the GAE returns after the policy step; its state is saved and restored with the actor's.
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ from typing import Any
 
 from molt.types import Experience
 
-RANK_ESTIMATORS = ("reinforce", "reinforce_baseline")
+RANK_ESTIMATORS = ("reinforce", "reinforce_baseline", "gae")
 
 
 def rollout_advantages(estimator: str, rollouts: list[tuple[str, str, float]], params: Any = None) -> dict[str, float]:
@@ -38,12 +45,21 @@ def rollout_advantages(estimator: str, rollouts: list[tuple[str, str, float]], p
     return {rid: float(a) for (rid, _, _), a in zip(rollouts, adv)}
 
 
+def terminal_rewards(estimator: str, rollouts: list[tuple[str, str, float]]) -> dict[str, float]:
+    """{rollout_id: reward a rank-level estimator starts from}: reinforce_baseline's group mean is subtracted
+    here, where whole groups are known."""
+    if estimator == "reinforce_baseline":
+        return rollout_advantages("dr_grpo", rollouts)  # r - group mean
+    return {rid: r for rid, _, r in rollouts}
+
+
 class TrainerRank:
     def __init__(self, rank: int, world: int, torch_threads: int = 0, estimator: str = "grpo",
                  advantage_params: dict[str, Any] | None = None):
         self.rank, self.world, self.torch_threads, self.estimator = rank, world, torch_threads, estimator
         self.advantage_params = advantage_params or {}
         self.actor: Any = None
+        self.critic: Any = None
 
     def master_address(self) -> str:
         """Called on rank 0: its node's address and a free port for the process group rendezvous."""
@@ -51,19 +67,23 @@ class TrainerRank:
 
         return f"{ray.util.get_node_ip_address()}:{_free_port()}"
 
-    def setup(self, master: str, actor_fields: dict[str, Any]) -> None:
+    def setup(self, master: str, actor_fields: dict[str, Any], critic_path: str | None = None) -> None:
         addr, port = master.rsplit(":", 1)
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0", MASTER_ADDR=addr,
                           MASTER_PORT=port)
         import torch
 
-        from molt.trainer import Actor, ActorConfig
+        from molt.trainer import Actor, ActorConfig, Critic
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         self.actor = Actor(ActorConfig(**actor_fields))
+        if self.estimator == "gae":
+            self.critic = Critic(ActorConfig(**{**actor_fields, "model_name_or_path": critic_path}))
 
-    def train_step(self, experiences: list[Experience], advantages: dict[str, float] | None) -> dict[str, float]:
+    def train_step(self, experiences: list[Experience], advantages: dict[str, float] | None,
+                   rewards: dict[str, float] | None = None) -> dict[str, float]:
+        """advantages: per rollout (group estimators); else rewards: terminal reward per rollout (rank-level)."""
         for exp in experiences:
             if exp.offloaded:
                 exp.reload()
@@ -71,17 +91,68 @@ class TrainerRank:
             for exp in experiences:
                 a = advantages[exp.rollout_id]
                 exp.advantages = [a if m else 0.0 for m in exp.action_mask]
-        elif experiences:
-            self._rank_advantages(experiences)
-        return self.actor.train_step(experiences)
+            return self.actor.train_step(experiences)
+        values, returns = self._rank_advantages(experiences, rewards or {})  # collective: every rank calls
+        metrics = self.actor.train_step(experiences)
+        if self.critic is not None:
+            metrics.update(self.critic.train_step(experiences, returns, values))
+        return metrics
 
-    def _rank_advantages(self, experiences: list[Experience]) -> None:
+    def advantages(self, experiences: list[Experience], rewards: dict[str, float]) -> list[list[float]]:
+        """What `train_step` trains a rank-level estimator's experiences with (collective; for inspection)."""
+        for exp in experiences:
+            if exp.offloaded:
+                exp.reload()
+        self._rank_advantages(experiences, rewards)
+        return [exp.advantages for exp in experiences]
+
+    def _rank_advantages(self, experiences: list[Experience], rewards: dict[str, float]
+                         ) -> tuple[list[list[float]], list[list[float]]]:
+        """Token-level estimator on this rank's rollouts, unwhitened, then whitened over the whole window.
+        Returns the critic's (values, returns) for gae."""
+        import torch
+
         from molt.algo import AdvantageBatch, AdvantageParams, compute_advantages
 
-        batch = AdvantageBatch.from_experiences(experiences)
-        adv = compute_advantages(self.estimator, batch, AdvantageParams(**self.advantage_params)).advantages
-        for row, exp in enumerate(experiences):
-            exp.advantages = adv[row, : exp.num_tokens].tolist()
+        values = self.critic.compute_values(experiences) if self.critic is not None else []
+        params = AdvantageParams(**{**self.advantage_params, "whiten": False})
+        estimator = "reinforce" if self.estimator == "reinforce_baseline" else self.estimator  # rewards baselined
+        adv = mask = None
+        returns: list[list[float]] = []
+        if experiences:
+            extra = {"values": _pad(values, max(e.num_tokens for e in experiences))} if values else {}
+            batch = AdvantageBatch.from_experiences(experiences, **extra)
+            batch.rewards = torch.tensor([rewards.get(e.rollout_id, float(e.reward)) for e in experiences])
+            result = compute_advantages(estimator, batch, params)
+            adv, mask = result.advantages.double(), batch.action_mask
+            if result.returns is not None:
+                returns = [result.returns[i, : e.num_tokens].tolist() for i, e in enumerate(experiences)]
+        if self.advantage_params.get("whiten", True):
+            adv = self._whiten(adv, mask)
+        for i, exp in enumerate(experiences):
+            exp.advantages = adv[i, : exp.num_tokens].tolist()
+        return values, returns
+
+    def _whiten(self, adv: Any, mask: Any) -> Any:
+        """(adv - mean) / std over the action tokens of every rank (one all-reduce of three numbers)."""
+        import torch
+        import torch.distributed as dist
+
+        stats = torch.zeros(3, dtype=torch.float64)
+        if adv is not None:
+            picked = adv[mask]
+            stats = torch.stack([picked.sum(), (picked ** 2).sum(), torch.tensor(float(picked.numel()))])
+        if dist.is_initialized():
+            device = self.actor.device
+            stats = stats.to(device)
+            dist.all_reduce(stats)
+            stats = stats.cpu()
+        if adv is None:
+            return None
+        total, squares, count = stats.tolist()
+        mean = total / max(count, 1.0)
+        var = max(squares / max(count, 1.0) - mean * mean, 0.0)
+        return torch.where(mask, (adv - mean) / (var + 1e-8) ** 0.5, 0.0)  # as molt.algo's masked_whiten
 
     def weight_refs(self, bucket_bytes: int) -> list[Any]:
         """Stream full weights bucket by bucket into the object store (collective; rank 0 puts)."""
@@ -93,17 +164,47 @@ class TrainerRank:
                 refs.append(ray.put(bucket))
         return refs
 
+    def weight_plan(self, bucket_bytes: int) -> list[list[tuple]]:
+        return self.actor.weight_plan(bucket_bytes)
+
+    def join_weight_group(self, address: str, world: int) -> None:
+        """Rank 0 becomes rank 0 (the sender) of the collective refit group; other ranks take no part."""
+        from molt.engine.weight_group import WeightGroup
+
+        if self.rank == 0:
+            self.weight_group = WeightGroup(address, 0, world, self.actor.device)
+
+    def broadcast_weights(self, bucket_bytes: int) -> None:
+        """Stream full weights bucket by bucket over the refit group (collective over the trainer: every rank
+        gathers, rank 0 sends)."""
+        for bucket in self.actor.iter_weights(bucket_bytes, device=self.actor.device):
+            if self.rank == 0:
+                self.weight_group.send(bucket)
+
     def save(self, path: str) -> None:
         self.actor.save(path)
+        if self.critic is not None:
+            self.critic.save(path + "-critic")
 
     def load(self, path: str) -> None:
         self.actor.load(path)
+        if self.critic is not None:
+            self.critic.load(path + "-critic")
 
     def export_hf(self, path: str) -> None:
         self.actor.export_hf(path)
 
     def step(self) -> int:
         return self.actor.step
+
+
+def _pad(rows: list[list[float]], length: int) -> Any:
+    import torch
+
+    out = torch.zeros(len(rows), length)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row)
+    return out
 
 
 def _free_port() -> int:
@@ -122,9 +223,9 @@ class TrainerGroup:
         cls = ray.remote(num_cpus=0, num_gpus=num_gpus_per_rank)(TrainerRank)
         self.ranks = [cls.remote(r, world, torch_threads, estimator, advantage_params) for r in range(world)]
 
-    async def setup(self, actor_fields: dict[str, Any]) -> None:
+    async def setup(self, actor_fields: dict[str, Any], critic_path: str | None = None) -> None:
         master = await self.ranks[0].master_address.remote()
-        await self.same("setup", master, actor_fields)
+        await self.same("setup", master, actor_fields, critic_path)
 
     async def call(self, method: str, *per_rank_args: list[Any], **kwargs: Any) -> list[Any]:
         refs = [getattr(rank, method).remote(*(a[i] for a in per_rank_args), **kwargs)

@@ -10,8 +10,9 @@ Refit, the two modes of DESIGN.md:
 - otherwise generation waits at the refit boundary: `RefitGate` stops admitting new requests, lets the ones in
   flight finish, then loads the weights; no single completion mixes versions (a multi-turn rollout still may,
   across its model calls: every token keeps its version).
-Weights arrive as Ray object references of buckets `[(hf_name, tensor), ...]` that the trainer put into the
-object store; the worker fetches them one bucket at a time.
+Weights arrive either as Ray object references of buckets `[(hf_name, tensor), ...]` that the trainer put into
+the object store (the worker fetches them one bucket at a time), or over the collective refit group of
+`molt.engine.weight_group` (trainer rank 0 broadcasts each bucket; NCCL on GPU, gloo on CPU).
 """
 from __future__ import annotations
 
@@ -87,9 +88,16 @@ class RolloutWorker:
 
             engine = VLLMEngine(self.model_path, **self.engine_options)
         else:
-            from molt.engine.hf import HFEngine
+            options = dict(self.engine_options)
+            if options.pop("process", True):  # the default: see molt.engine.process
+                from molt.engine.process import EngineProcess
 
-            engine = HFEngine(self.model_path, **self.engine_options)
+                engine = EngineProcess("molt.engine.hf:HFEngine", self.model_path, torch_threads=self.torch_threads,
+                                       **options)
+            else:
+                from molt.engine.hf import HFEngine
+
+                engine = HFEngine(self.model_path, **options)
         self.engine = RefitGate(engine)
         self.server = CaptureServer(self.engine, ChatRenderer.from_pretrained(self.model_path))
         await self.server.start()
@@ -112,19 +120,42 @@ class RolloutWorker:
 
     async def update_weights(self, bucket_refs: Iterable[Any], version: int, partial: bool) -> None:
         """Load a new policy version. `bucket_refs`: object refs (or plain lists) of [(name, tensor), ...]."""
+        import ray
+
+        async def load(engine: Any) -> None:
+            for ref in bucket_refs:
+                bucket = await ref if isinstance(ref, ray.ObjectRef) else ref  # one bucket in memory at a time
+                await engine.update_weights(bucket, version)
+        await self._refit(load, partial)
+
+    async def weight_group_size(self) -> int:
+        return int(getattr(self.engine.engine, "weight_group_size", 1))
+
+    async def join_weight_group(self, address: str, rank: int, world: int) -> None:
+        """Join the collective refit group (`molt.engine.weight_group`) as ranks rank .. rank + size - 1."""
+        await self.engine.engine.join_weight_group(address, rank, world)
+
+    async def receive_weights(self, plan: list, version: int, partial: bool) -> None:
+        """Load a new policy version broadcast by trainer rank 0 over the refit group, bucket by bucket."""
+        async def load(engine: Any) -> None:
+            await engine.receive_weights(plan, version)
+        await self._refit(load, partial)
+
+    async def _refit(self, load: Any, partial: bool) -> None:
+        """The refit boundary of the module docstring around `load(engine)`."""
         gate: RefitGate = self.engine
         if not partial:
             await gate.drain()
         await gate.engine.pause()
         try:
-            import ray
-
-            for ref in bucket_refs:
-                bucket = await ref if isinstance(ref, ray.ObjectRef) else ref  # one bucket in memory at a time
-                await gate.engine.update_weights(bucket, version)
+            await load(gate.engine)
         finally:
             await gate.engine.resume()
             gate.reopen()
+
+    async def weight_sums(self) -> dict[str, float]:
+        """{HF name: float64 sum} of an embedded engine's weights: a cheap fingerprint to check a refit."""
+        return await self.engine.engine.weight_sums()
 
     async def version(self) -> int:
         return self.engine.engine.version

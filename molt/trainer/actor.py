@@ -152,6 +152,12 @@ class Actor(ShardedModelTrainer):
 
         return iter_weight_buckets(self.lm, bucket_bytes, dtype=dtype, device=device)
 
+    def weight_plan(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None) -> list[list[tuple]]:
+        """The buckets of `iter_weights` as (HF name, shape, dtype name), for receivers of a collective refit."""
+        from molt.trainer.weights import plan_weight_buckets
+
+        return plan_weight_buckets(self.lm, bucket_bytes, dtype=dtype)
+
     def export_hf(self, path: str, dtype: torch.dtype | None = None, bucket_bytes: int = 1 << 30) -> None:
         """Write a Hugging Face checkpoint (safetensors shards + config + tokenizer) that `from_pretrained` and
         vLLM load. Collective; rank 0 writes."""

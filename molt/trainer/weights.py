@@ -27,32 +27,52 @@ import torch
 from torch import nn
 
 
+def _unique_weights(lm: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, stored tensor) in state-dict order, a tied parameter once (under its first name)."""
+    seen: set[int] = set()
+    for name, t in lm.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield name, t
+
+
+def plan_weight_buckets(lm: nn.Module, bucket_bytes: int = 256 << 20, *, dtype: torch.dtype | None = None
+                        ) -> list[list[tuple[str, tuple[int, ...], str]]]:
+    """The buckets `iter_weight_buckets` yields, as (HF name, full shape, dtype name) without gathering anything:
+    what a receiver needs to allocate before a collective refit. Local, not collective."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1 (got {bucket_bytes})")
+    plan: list[list[tuple[str, tuple[int, ...], str]]] = []
+    size = 0
+    for name, t in _unique_weights(lm):
+        out = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        nbytes = t.numel() * out.itemsize  # a DTensor reports its global shape and numel
+        if not plan or (plan[-1] and size + nbytes > bucket_bytes):
+            plan.append([])
+            size = 0
+        plan[-1].append((name, tuple(t.shape), str(out).removeprefix("torch.")))
+        size += nbytes
+    return plan
+
+
 def iter_weight_buckets(lm: nn.Module, bucket_bytes: int = 256 << 20, *, dtype: torch.dtype | None = None,
                         device: str | torch.device = "cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of (HF name, full tensor) whose sizes sum to at most `bucket_bytes` (a larger tensor gets a
-    bucket of its own). dtype: cast floating-point tensors (None keeps the stored dtype)."""
+    bucket of its own), bucketed as `plan_weight_buckets` says. dtype: cast floating-point tensors (None keeps
+    the stored dtype)."""
     from torch.distributed.tensor import DTensor
 
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1 (got {bucket_bytes})")
-    seen: set[int] = set()
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
+    plan = plan_weight_buckets(lm, bucket_bytes, dtype=dtype)
+    tensors = dict(_unique_weights(lm))
     with torch.no_grad():
-        for name, t in lm.state_dict(keep_vars=True).items():
-            if id(t) in seen:  # tied: the same parameter under a second name
-                continue
-            seen.add(id(t))
-            full = t.full_tensor() if isinstance(t, DTensor) else t
-            full = full.detach().to(device, dtype=dtype if dtype is not None and full.is_floating_point() else None)
-            nbytes = full.numel() * full.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, full))
-            size += nbytes
-    if bucket:
-        yield bucket
+        for entries in plan:
+            bucket = []
+            for name, _, _ in entries:
+                t = tensors[name]
+                full = t.full_tensor() if isinstance(t, DTensor) else t
+                cast = dtype if dtype is not None and full.is_floating_point() else None
+                bucket.append((name, full.detach().to(device, dtype=cast)))
+            yield bucket
 
 
 def export_hf(lm: nn.Module, path: str | Path, *, tokenizer_from: str | None = None,

@@ -41,3 +41,13 @@ def test_assignment_balances_tokens():
     assert sorted(loads) == [170, 175] and sum(len(r) for r in ranks) == 8
     with pytest.raises(ValueError, match="cannot feed"):
         assign_to_ranks(exps[:1], 2)
+
+
+def test_assignment_keeps_a_rollouts_segments_together():
+    sizes = {"a": [60, 40], "b": [30], "c": [50, 20, 10], "d": [25]}
+    exps = [Experience(r, "g", i, 0.0, n, 1, 0) for r, ns in sizes.items() for i, n in enumerate(ns)]
+    ranks = assign_to_ranks(exps, 2)
+    homes = {e.rollout_id: {i for i, rank in enumerate(ranks) if e in rank} for e in exps}
+    assert all(len(h) == 1 for h in homes.values())
+    # LPT over rollouts (100, 80, 30, 25): {a, d} = 125 and {c, b} = 110
+    assert sorted(sum(e.num_tokens for e in r) for r in ranks) == [110, 125]

@@ -38,6 +38,15 @@ def test_stream_equals_state_dict_and_reproduces_logits(trained):
         assert torch.allclose(fresh(ids).logits, trained.lm(ids).logits, atol=1e-6)
 
 
+def test_plan_describes_the_stream_without_gathering(trained):
+    plan = trained.weight_plan(bucket_bytes=40_000)
+    buckets = list(trained.iter_weights(bucket_bytes=40_000))
+    assert plan == [[(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in b] for b in buckets]
+    half = trained.weight_plan(bucket_bytes=40_000, dtype=torch.bfloat16)
+    assert {d for b in half for _, _, d in b} == {"bfloat16"}
+    assert len(half) < len(plan)  # half the bytes: fewer buckets
+
+
 def test_export_loads_and_generates_same_greedy_text(trained, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,0 +1,221 @@
+"""An engine in a child process: `EngineProcess("molt.engine.hf:HFEngine", path, ...)` is an `Engine` whose
+model runs in a spawned process, so the decode loop and the capture server (HTTP, rendering, the agents'
+coroutines) no longer share one GIL. vLLM's `AsyncLLM` is built the same way (its EngineCore is a process);
+this gives the embedded engine that property.
+
+Why. With the engine as a thread of the rollout worker, every request's HTTP parsing, chat rendering and
+JSON encoding competes with the decode loop's Python for the GIL; on the 2-core development machine this made
+requests through the capture server much slower than direct engine calls at 32 concurrent sessions
+(docs/benchmarks.md). In a process of its own the engine keeps a core while the server works on the other.
+
+Wire. One `multiprocessing` pipe (spawn context). The parent sends ("generate", id, prompt, params),
+("abort", id) and ("call", id, method, args); the child answers ("ok", id, result) or ("error", id, exception)
+from its own event loop, where the real engine runs exactly as in-process. A reader thread in the parent
+resolves the waiting futures. Tensors sent with `update_weights` travel through shared memory (torch registers
+its tensor reductions with multiprocessing's pickler), so a refit costs one copy, not a pickle of the bytes.
+The collective refit (`join_weight_group` / `receive_weights`) is forwarded: the child joins the group.
+
+Decisions: `torch_threads` sets the child's intra-op threads (a spawned process does not inherit the
+parent's setting). The child is a daemon (it dies with its parent); if it exits, every waiting request fails with an
+EngineError naming the exit code. `close()` closes the engine in the child, then the child itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import itertools
+import multiprocessing as mp
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from molt.engine.base import EngineError
+from molt.types import Completion, SamplingParams
+
+_FORWARDED = ("pause", "resume", "update_weights", "join_weight_group", "receive_weights", "weight_sums")
+
+
+class EngineProcess:
+    def __init__(self, factory: str, *args: Any, torch_threads: int = 0, start_timeout: float = 600.0, **kwargs: Any):
+        import torch.multiprocessing  # noqa: F401 - registers shared-memory tensor pickling for the pipe
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_child_main, args=(child, factory, args, kwargs, torch_threads), daemon=True,
+                                 name=f"molt-engine-{factory.rsplit(':', 1)[-1]}")
+        self._proc.start()
+        child.close()
+        if not self._conn.poll(start_timeout):
+            self._proc.kill()
+            raise EngineError(f"the engine process did not start within {start_timeout:.0f} s")
+        kind, _, info = self._conn.recv()
+        if kind == "error":
+            self._proc.join(timeout=10)
+            raise info
+        self.model_name: str = info["model_name"]
+        self.max_model_len: int = info["max_model_len"]
+        self.eos_token_ids: list[int] = info["eos_token_ids"]
+        self.vocab_size: int = info["vocab_size"]
+        self.weight_group_size: int = info["weight_group_size"]
+        self._version: int = info["version"]
+        self._ids = itertools.count()
+        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self._reader = threading.Thread(target=self._read, name="molt-engine-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._waiting)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
+                       request_id: str | None = None) -> Completion:
+        request_id = request_id or f"p{next(self._ids)}"
+        try:
+            return await self._request("generate", request_id, list(prompt_ids), params)
+        except asyncio.CancelledError:
+            self._send(("abort", None, request_id))
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        self._send(("abort", None, request_id))
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        await self._call("update_weights", list(named_tensors), version)
+        self._version = version
+
+    async def receive_weights(self, plan: list, version: int) -> None:
+        await self._call("receive_weights", plan, version)
+        self._version = version
+
+    def __getattr__(self, name: str) -> Any:  # pause, resume, join_weight_group, weight_sums
+        if name not in _FORWARDED:
+            raise AttributeError(name)
+        return lambda *args: self._call(name, *args)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            if self._proc.is_alive():
+                await self._call("close")
+        finally:
+            self._closed = True
+            self._send(("exit", None, None))
+            await asyncio.to_thread(self._proc.join, 30)
+            if self._proc.is_alive():
+                self._proc.kill()
+
+    # ---------------------------------------------------------------- parent side plumbing
+    async def _call(self, method: str, *args: Any) -> Any:
+        return await self._request("call", method, *args)
+
+    async def _request(self, kind: str, *payload: Any) -> Any:
+        if self._closed:
+            raise EngineError("the engine is closed")
+        loop = asyncio.get_running_loop()
+        key = next(self._ids)
+        future = loop.create_future()
+        self._waiting[key] = (loop, future)
+        try:
+            self._send((kind, key, payload))
+            return await future
+        finally:
+            self._waiting.pop(key, None)
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+            except (BrokenPipeError, OSError) as e:
+                if message[0] not in ("abort", "exit"):
+                    raise EngineError(f"the engine process is gone (exit code {self._proc.exitcode})") from e
+
+    def _read(self) -> None:
+        while True:
+            try:
+                kind, key, value = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            entry = self._waiting.get(key)
+            if entry is not None:
+                loop, future = entry
+                loop.call_soon_threadsafe(_settle, future, kind, value)
+        error = EngineError(f"the engine process exited (exit code {self._proc.exitcode})")
+        for loop, future in list(self._waiting.values()):
+            loop.call_soon_threadsafe(_settle, future, "error", error)
+
+
+def _settle(future: asyncio.Future, kind: str, value: Any) -> None:
+    if not future.done():
+        future.set_exception(value) if kind == "error" else future.set_result(value)
+
+
+# -------------------------------------------------------------------- child side
+def _child_main(conn: Any, factory: str, args: tuple, kwargs: dict, torch_threads: int) -> None:
+    import signal
+
+    import torch
+    import torch.multiprocessing  # noqa: F401 - the same tensor pickling on this side
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole group: the parent decides
+
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+
+    asyncio.run(_serve(conn, factory, args, kwargs))
+
+
+async def _serve(conn: Any, factory: str, args: tuple, kwargs: dict) -> None:
+    module, name = factory.split(":")
+    try:
+        engine = getattr(importlib.import_module(module), name)(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the parent re-raises it
+        conn.send(("error", None, e if _picklable(e) else EngineError(repr(e))))
+        return
+    conn.send(("ok", None, {
+        "model_name": engine.model_name, "max_model_len": engine.max_model_len,
+        "eos_token_ids": list(engine.eos_token_ids), "vocab_size": getattr(engine, "vocab_size", 0),
+        "weight_group_size": getattr(engine, "weight_group_size", 1), "version": engine.version}))
+    loop = asyncio.get_running_loop()
+    requests: dict[str, asyncio.Task] = {}
+
+    def reply(kind: str, key: Any, value: Any) -> None:
+        conn.send((kind, key, value if kind == "ok" or _picklable(value) else EngineError(repr(value))))
+
+    async def run(key: Any, coro: Any) -> None:
+        try:
+            reply("ok", key, await coro)
+        except Exception as e:  # noqa: BLE001 - every failure goes back to the waiting caller
+            reply("error", key, e)
+
+    while True:
+        kind, key, payload = await loop.run_in_executor(None, conn.recv)
+        if kind == "exit":
+            break
+        if kind == "generate":
+            request_id, prompt, params = payload
+            task = loop.create_task(run(key, engine.generate(prompt, params, request_id=request_id)))
+            requests[request_id] = task
+            task.add_done_callback(lambda _, rid=request_id: requests.pop(rid, None))
+        elif kind == "abort":
+            if payload in requests:
+                await engine.abort(payload)
+        elif kind == "call":
+            method, *args = payload
+            loop.create_task(run(key, getattr(engine, method)(*args)))
+
+
+def _picklable(value: Any) -> bool:
+    import pickle
+
+    try:
+        pickle.dumps(value)
+        return True
+    except Exception:  # noqa: BLE001
+        return False

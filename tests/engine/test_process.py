@@ -1,0 +1,66 @@
+"""`EngineProcess`: the HF engine in a child process behaves like the in-process one."""
+import asyncio
+
+import pytest
+import torch
+
+from molt.engine.base import EngineError
+from molt.engine.process import EngineProcess
+from molt.types import FinishReason, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def proc_engine(tiny_llama_dir):
+    engine = EngineProcess("molt.engine.hf:HFEngine", str(tiny_llama_dir))
+    yield engine
+    asyncio.run(engine.close())
+
+
+def test_same_tokens_and_logprobs_as_in_process(proc_engine, hf_engine):
+    prompt = [5, 17, 42, 9]
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=11, top_logprobs=2)
+
+    async def both():
+        return await proc_engine.generate(prompt, params), await hf_engine.generate(prompt, params)
+    remote, local = asyncio.run(both())
+    assert remote.token_ids == local.token_ids and remote.versions == local.versions
+    assert remote.logprobs == pytest.approx(local.logprobs, abs=1e-5)
+    assert remote.top_logprobs is not None and len(remote.top_logprobs) == len(remote.token_ids)
+    assert proc_engine.model_name == hf_engine.model_name and proc_engine.eos_token_ids == hf_engine.eos_token_ids
+
+
+def test_errors_cancel_and_refit_cross_the_process(proc_engine, tiny_llama_dir):
+    async def main():
+        with pytest.raises(EngineError, match="context window"):
+            await proc_engine.generate([1] * (proc_engine.max_model_len + 1), SamplingParams(max_tokens=4))
+        long = asyncio.create_task(proc_engine.generate([3, 4], SamplingParams(max_tokens=400, min_tokens=400)))
+        await asyncio.sleep(0.3)
+        long.cancel()  # aborts in the child; the engine keeps serving
+        with pytest.raises(asyncio.CancelledError):
+            await long
+        many = await asyncio.gather(*[proc_engine.generate([7, i + 1], SamplingParams(max_tokens=5, min_tokens=5))
+                                      for i in range(8)])
+        assert all(len(c.token_ids) == 5 and c.finish_reason is FinishReason.LENGTH for c in many)
+        before = await proc_engine.weight_sums()
+        name = "model.layers.0.mlp.up_proj.weight"
+        new = torch.full(tuple(_shape(tiny_llama_dir, name)), 0.5)
+        await proc_engine.pause()
+        await proc_engine.update_weights([(name, new)], version=3)
+        await proc_engine.resume()
+        after = await proc_engine.weight_sums()
+        done = await proc_engine.generate([7, 8], SamplingParams(max_tokens=3))
+        return before[name], after[name], float(new.double().sum()), done
+    before, after, expected, done = asyncio.run(main())
+    assert after == expected != before
+    assert proc_engine.version == 3 and set(done.versions) == {3}
+
+
+def test_a_failing_start_raises_in_the_parent(tmp_path):
+    with pytest.raises(Exception, match="not-a-model|does not appear|Can't load|Incorrect path|not found|No such"):
+        EngineProcess("molt.engine.hf:HFEngine", str(tmp_path / "not-a-model"))
+
+
+def _shape(model_dir, name):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).state_dict()[name].shape
