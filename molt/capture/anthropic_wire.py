@@ -19,9 +19,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from molt.capture.errors import WireError
+from molt.capture.errors import WireError, client_error
 from molt.capture.render import canonical_tools
-from molt.capture.session import ChatRequest, Choice, Generation, Session, text_pieces
+from molt.capture.session import ChatRequest, Choice, Generation, Session, SessionClosed, text_pieces
+from molt.capture.streaming import LiveReply
 from molt.capture.tools import tool_call
 
 
@@ -150,16 +151,31 @@ def _event(kind: str, data: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
 
 
-async def stream(gen: Generation, req: MessagesRequest, session: Session | None = None) -> AsyncIterator[bytes]:
-    """message_start, per block start / delta / stop, message_delta (stop reason, usage), message_stop."""
-    body = response_body(gen, req)
-    start = {**body, "content": [], "stop_reason": None, "stop_sequence": None,
-             "usage": {"input_tokens": body["usage"]["input_tokens"], "output_tokens": 0}}
+async def stream(live: LiveReply, req: MessagesRequest, session: Session | None = None) -> AsyncIterator[bytes]:
+    """message_start; the text block's deltas while the engine samples (streaming.py), then the rest of it;
+    tool_use blocks; message_delta (stop reason, usage); message_stop. A failure after the first byte ends the
+    stream with an error event."""
+    start = {"id": f"msg_{live.id}", "type": "message", "role": "assistant", "model": req.model, "content": [],
+             "stop_reason": None, "stop_sequence": None,
+             "usage": {"input_tokens": live.prompt_tokens, "output_tokens": 0}}
     yield _event("message_start", {"message": start})
+    text_open = False
+    async for piece in live.deltas():
+        if not text_open:
+            yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+            text_open = True
+        yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": piece}})
+    try:
+        gen = await live.result()
+    except (SessionClosed, ValueError) as e:
+        yield _event("error", {"error": client_error(e).anthropic_body()["error"]})
+        return
+    body = response_body(gen, req)
     for i, block in enumerate(body["content"]):
         if block["type"] == "text":
-            yield _event("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
-            for piece in text_pieces(block["text"]):
+            if not text_open:
+                yield _event("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
+            for piece in text_pieces(live.rest(gen.choices[0])):
                 yield _event("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": piece}})
         else:
             yield _event("content_block_start", {"index": i, "content_block": {**block, "input": {}}})

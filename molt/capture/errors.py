@@ -32,6 +32,17 @@ class WireError(Exception):
                                            "message": self.message}}
 
 
+def client_error(error: Exception) -> WireError:
+    """The 4xx for a request that cannot be served: a closed session (404); a RenderError, ContextTooLong or
+    EngineError (400)."""
+    from molt.capture.session import ContextTooLong, SessionClosed
+
+    if isinstance(error, SessionClosed):
+        return WireError(404, str(error), code="session_closed")
+    code = "context_length_exceeded" if isinstance(error, ContextTooLong) else "invalid_request"
+    return WireError(400, str(error), code=code)
+
+
 def parse_body(model: type[M], body: bytes) -> tuple[M, dict[str, Any]]:
     """(validated model, the parsed JSON) of a request body; WireError(400) naming the problem otherwise. The
     plain JSON is returned too because converting validated fields back to dicts costs more than reading them."""

@@ -8,9 +8,9 @@ sampling defaults (the rollout's). `tool_choice="none"` returns tool-call text a
 a named function (`{"type": "function", "function": {"name": ...}}`) prefill the reply with the call opening
 (see `molt.capture.session`), so the reply is a call unless the model breaks the format.
 
-Streaming: the engine returns whole completions, so a stream is emitted once the completion is ready: a role
-chunk, content deltas, tool-call deltas (id and name first, then the arguments), a finish chunk, the usage
-chunk when asked, and `[DONE]` - the sequence the official SDK assembles.
+Streaming: content deltas go out as the engine samples (`molt.capture.streaming`), then tool-call deltas (id
+and name first, then the arguments), a finish chunk, the usage chunk when asked, and `[DONE]` - the sequence
+the official SDK assembles into the same message a non-streaming request returns.
 """
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from molt.capture.errors import WireError
+from molt.capture.errors import WireError, client_error
 from molt.capture.render import canonical_messages, canonical_tools
-from molt.capture.session import ChatRequest, Choice, Generation, Session, text_pieces
+from molt.capture.session import ChatRequest, Choice, Generation, Session, SessionClosed, text_pieces
+from molt.capture.streaming import LiveReply
 from molt.capture.tools import arguments_json
 
 
@@ -150,9 +151,12 @@ def response_body(gen: Generation, req: ChatCompletionRequest, session: Session)
             "choices": choices, "usage": _usage(gen), "system_fingerprint": None}
 
 
-async def stream(gen: Generation, req: ChatCompletionRequest, session: Session) -> AsyncIterator[bytes]:
+async def stream(live: LiveReply, req: ChatCompletionRequest, session: Session) -> AsyncIterator[bytes]:
+    """Role chunk, content deltas while the engine samples (streaming.py), then the rest of the content,
+    tool-call deltas (id and name first, then the arguments), the finish chunk (with the logprobs when asked),
+    the usage chunk when asked, `[DONE]`. A failure after the first byte ends the stream with an error event."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    head = {"id": f"chatcmpl-{gen.id}", "object": "chat.completion.chunk", "created": gen.created,
+    head = {"id": f"chatcmpl-{live.id}", "object": "chat.completion.chunk", "created": live.created,
             "model": req.model, "system_fingerprint": None}
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
@@ -161,16 +165,24 @@ async def stream(gen: Generation, req: ChatCompletionRequest, session: Session) 
             body["usage"] = None
         return b"data: " + json.dumps(body).encode() + b"\n\n"
 
+    yield chunk(0, {"role": "assistant", "content": ""})
+    async for piece in live.deltas():
+        yield chunk(0, {"content": piece})
+    try:
+        gen = await live.result()
+    except (SessionClosed, ValueError) as e:
+        yield b"data: " + json.dumps(client_error(e).openai_body()).encode() + b"\n\n"
+        return
     for i, ch in enumerate(gen.choices):
-        yield chunk(i, {"role": "assistant", "content": ""},
-                    logprobs=_logprobs(ch, session) if req.logprobs else None)
-        for piece in text_pieces(ch.content):
+        if i:
+            yield chunk(i, {"role": "assistant", "content": ""})
+        for piece in text_pieces(live.rest(ch) if i == 0 else ch.content):
             yield chunk(i, {"content": piece})
         for j, call in enumerate(_calls(ch)):
             yield chunk(i, {"tool_calls": [{"index": j, "id": call["id"], "type": "function",
                                             "function": {"name": call["function"]["name"], "arguments": ""}}]})
             yield chunk(i, {"tool_calls": [{"index": j, "function": {"arguments": call["function"]["arguments"]}}]})
-        yield chunk(i, {}, finish=ch.finish_reason)
+        yield chunk(i, {}, finish=ch.finish_reason, logprobs=_logprobs(ch, session) if req.logprobs else None)
     if include_usage:
         yield b"data: " + json.dumps({**head, "choices": [], "usage": _usage(gen)}).encode() + b"\n\n"
     yield b"data: [DONE]\n\n"

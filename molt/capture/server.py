@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import secrets
 from typing import Any
 
@@ -24,12 +25,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from molt.capture import anthropic_wire, openai_wire
-from molt.capture.errors import WireError, parse_body
+from molt.capture.errors import WireError, client_error, parse_body
 from molt.capture.render import ChatRenderer
-from molt.capture.session import ContextTooLong, Session, SessionClosed, cache_key
+from molt.capture.session import Session, SessionClosed, cache_key
+from molt.capture.streaming import LiveReply
 from molt.capture.tools import get_tool_parser
 from molt.engine.base import Engine
 from molt.types import SamplingParams
+
+
+# FastAPI >= 0.165 records OpenTelemetry spans, metrics and logs for every request by default: work on the
+# capture hot path that nobody reads (older releases have no such argument)
+_NO_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}
+                 if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -48,7 +56,7 @@ class CaptureServer:
         self.parser = get_tool_parser(tool_parser)
         self.model_names = {engine.model_name, *served_names}  # names a request may use for the model
         self.sessions: dict[str, Session] = {}
-        self.app = FastAPI(title="molt capture", openapi_url=None, docs_url=None, redoc_url=None)
+        self.app = FastAPI(title="molt capture", openapi_url=None, docs_url=None, redoc_url=None, **_NO_TELEMETRY)
         self.app.add_exception_handler(WireError, self._wire_error)
         self.app.add_exception_handler(StarletteHTTPException, self._http_error)  # unknown routes, wrong methods
         self._routes()
@@ -150,14 +158,13 @@ class CaptureServer:
         chat = module.to_chat(req, data, session)
         key, lookup = cache_key(wire, raw, request.headers)
         try:
+            if req.stream:  # tokens go out as they are sampled (streaming.py); errors before the first byte
+                live = LiveReply(session, chat, key, lookup)
+                await live.begin()
+                return StreamingResponse(module.stream(live, req, session), media_type="text/event-stream")
             gen = await session.complete(chat, key, lookup)
-        except SessionClosed as e:
-            raise WireError(404, str(e), code="session_closed") from None
-        except ValueError as e:  # RenderError, ContextTooLong, EngineError: the request cannot be served
-            code = "context_length_exceeded" if isinstance(e, ContextTooLong) else "invalid_request"
-            raise WireError(400, str(e), code=code) from None
-        if req.stream:
-            return StreamingResponse(module.stream(gen, req, session), media_type="text/event-stream")
+        except (SessionClosed, ValueError) as e:
+            raise client_error(e) from None
         return JSONResponse(module.response_body(gen, req, session))
 
     @classmethod

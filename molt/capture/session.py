@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import inspect
 import re
 import time
 import uuid
@@ -108,6 +109,7 @@ class Session:
         self.base_url = f"{self.session_url}/v1"
         self.engine, self.renderer, self.parser = engine, renderer, parser
         self.model_name, self.max_model_len = engine.model_name, engine.max_model_len
+        self.can_stream = "on_tokens" in inspect.signature(engine.generate).parameters  # see streaming.py
         self.defaults = defaults
         self.tracker = SegmentTracker(renderer, engine.eos_token_ids)
         self.closed = False
@@ -150,9 +152,11 @@ class Session:
         return self.tracker.segments()
 
     # ---------------------------------------------------------------------- the capture path
-    async def complete(self, request: ChatRequest, cache_key: str | None = None, lookup: bool = True) -> Generation:
+    async def complete(self, request: ChatRequest, cache_key: str | None = None, lookup: bool = True,
+                       listener: Any = None) -> Generation:
         """Answer one request: from the retry cache (when `lookup`), or plan -> generate -> record (and cache
-        under `cache_key`)."""
+        under `cache_key`). `listener` (a `streaming.LiveReply`, n == 1 only) hears the planned prompt and
+        the sampled tokens as they come."""
         async with self._lock:
             self._check_open()
             self.stats["requests"] += 1
@@ -160,14 +164,14 @@ class Session:
                 self.stats["cache_hits"] += 1
                 return self._cache[cache_key]
             plan = self.tracker.plan(request.messages, request.tools, request.params.temperature)
-            gen = await self._generate(plan, request)
+            gen = await self._generate(plan, request, listener)
             if cache_key is not None:
                 self._cache[cache_key] = gen
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
             return gen
 
-    async def _generate(self, plan: Plan, request: ChatRequest) -> Generation:
+    async def _generate(self, plan: Plan, request: ChatRequest, listener: Any = None) -> Generation:
         opening = self._call_opening(request)
         if opening:  # forced tool call: the opening is context the model continues from (mask 0)
             forced = self.renderer.encode(opening)
@@ -182,9 +186,13 @@ class Session:
         params = [request.params if request.params.seed is None else request.params.copy(seed=request.params.seed + i)
                   for i in range(request.n)]
         self._inflight.update(ids)
+        stream: dict[str, Any] = {}
+        if listener is not None:
+            listener.started(plan.prompt_ids)
+            stream["on_tokens"] = listener.tokens
         try:
             completions = await asyncio.gather(*(
-                self.engine.generate(plan.prompt_ids, p, session_id=self.session_id, request_id=rid)
+                self.engine.generate(plan.prompt_ids, p, session_id=self.session_id, request_id=rid, **stream)
                 for p, rid in zip(params, ids)))
         finally:
             self._inflight.difference_update(ids)

@@ -109,4 +109,6 @@ def _hermes(text: str) -> Parsed:
     malformed = text.count("<tool_call>") - len(calls)
     if not calls:
         return Parsed(text, [], malformed)
-    return Parsed(("".join(kept) + text[pos:]).strip(), calls, malformed)
+    # rstrip only: the newline before a call goes, leading text stays as generated (a streamed reply has
+    # sent it already, see streaming.py)
+    return Parsed(("".join(kept) + text[pos:]).rstrip(), calls, malformed)

@@ -16,13 +16,17 @@ Versions: every generated token carries the policy version of the weights that p
 loads weights while paused; `resume()` continues the retained requests, whose later tokens carry the new
 version. Generation never blocks the asyncio event loop.
 
+Streaming: `on_tokens`, when given, is called on the caller's event loop with each batch of newly sampled
+token ids, in order, before `generate` returns the whole completion (the capture server streams replies from
+it). Engines may batch tokens; the completion stays the record.
+
 Output: the stop token (EOS or one of `stop_token_ids`) that ended a completion is included in
 `token_ids` with its log-probability, finish reason STOP. Hitting `max_tokens` or the context window
 gives LENGTH.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from molt.types import Completion, SamplingParams
@@ -65,6 +69,8 @@ class Engine(Protocol):
         params: SamplingParams,
         session_id: str | None = None,  # requests of one session may be routed to the same engine (prefix cache)
         request_id: str | None = None,  # for abort(); cancelling the awaiting task aborts as well
+        *,
+        on_tokens: Callable[[list[int]], None] | None = None,  # new token ids as they are sampled
     ) -> Completion: ...
 
     async def abort(self, request_id: str) -> None: ...  # finishes the request with FinishReason.ABORT

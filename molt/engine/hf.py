@@ -65,6 +65,7 @@ class _Request:
     generator: torch.Generator
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    on_tokens: Any = None  # called on `loop` with each new token id (streaming)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -152,8 +153,9 @@ class HFEngine(InProcessWeightReceiver):
         return len(self._active)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None) -> Completion:
+                       request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
         req = self._make_request(list(prompt_ids), params, request_id)
+        req.on_tokens = on_tokens
         with self._cv:
             if self._closed:
                 raise EngineError("the engine is closed")
@@ -355,6 +357,8 @@ class HFEngine(InProcessWeightReceiver):
             req.tokens.append(token)
             req.logprobs.append(logprob)
             req.versions.append(version)
+            if req.on_tokens is not None:
+                req.loop.call_soon_threadsafe(req.on_tokens, [token])
             if req.params.top_logprobs:
                 req.top.append(top[: req.params.top_logprobs])
             if token in req.stops:

@@ -14,6 +14,7 @@ from its own event loop, where the real engine runs exactly as in-process. A rea
 resolves the waiting futures. Tensors sent with `update_weights` travel through shared memory (torch registers
 its tensor reductions with multiprocessing's pickler), so a refit costs one copy, not a pickle of the bytes.
 The collective refit (`join_weight_group` / `receive_weights`) is forwarded: the child joins the group.
+Streaming: a request with `on_tokens` gets ("tokens", id, ids) messages before its answer.
 
 Decisions: `torch_threads` sets the child's intra-op threads (a spawned process does not inherit the
 parent's setting). The child is a daemon (it dies with its parent); if it exits, every waiting request fails with an
@@ -59,7 +60,7 @@ class EngineProcess:
         self.weight_group_size: int = info["weight_group_size"]
         self._version: int = info["version"]
         self._ids = itertools.count()
-        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future, Any]] = {}
         self._send_lock = threading.Lock()
         self._closed = False
         self._reader = threading.Thread(target=self._read, name="molt-engine-reader", daemon=True)
@@ -74,10 +75,11 @@ class EngineProcess:
         return len(self._waiting)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None) -> Completion:
+                       request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
         request_id = request_id or f"p{next(self._ids)}"
         try:
-            return await self._request("generate", request_id, list(prompt_ids), params)
+            return await self._request("generate", request_id, list(prompt_ids), params, on_tokens is not None,
+                                       on_tokens=on_tokens)
         except asyncio.CancelledError:
             self._send(("abort", None, request_id))
             raise
@@ -115,13 +117,13 @@ class EngineProcess:
     async def _call(self, method: str, *args: Any) -> Any:
         return await self._request("call", method, *args)
 
-    async def _request(self, kind: str, *payload: Any) -> Any:
+    async def _request(self, kind: str, *payload: Any, on_tokens: Any = None) -> Any:
         if self._closed:
             raise EngineError("the engine is closed")
         loop = asyncio.get_running_loop()
         key = next(self._ids)
         future = loop.create_future()
-        self._waiting[key] = (loop, future)
+        self._waiting[key] = (loop, future, on_tokens)
         try:
             self._send((kind, key, payload))
             return await future
@@ -143,11 +145,16 @@ class EngineProcess:
             except (EOFError, OSError):
                 break
             entry = self._waiting.get(key)
-            if entry is not None:
-                loop, future = entry
+            if entry is None:
+                continue
+            loop, future, on_tokens = entry
+            if kind == "tokens":
+                if on_tokens is not None:
+                    loop.call_soon_threadsafe(on_tokens, value)
+            else:
                 loop.call_soon_threadsafe(_settle, future, kind, value)
         error = EngineError(f"the engine process exited (exit code {self._proc.exitcode})")
-        for loop, future in list(self._waiting.values()):
+        for loop, future, _ in list(self._waiting.values()):
             loop.call_soon_threadsafe(_settle, future, "error", error)
 
 
@@ -195,12 +202,17 @@ async def _serve(conn: Any, factory: str, args: tuple, kwargs: dict) -> None:
             reply("error", key, e)
 
     while True:
-        kind, key, payload = await loop.run_in_executor(None, conn.recv)
+        try:
+            kind, key, payload = await loop.run_in_executor(None, conn.recv)
+        except (EOFError, OSError):  # the parent died without closing us (e.g. its actor was killed)
+            kind = "exit"
         if kind == "exit":
             break
         if kind == "generate":
-            request_id, prompt, params = payload
-            task = loop.create_task(run(key, engine.generate(prompt, params, request_id=request_id)))
+            request_id, prompt, params, stream = payload
+            on_tokens = (lambda ids, key=key: conn.send(("tokens", key, ids))) if stream else None
+            task = loop.create_task(run(key, engine.generate(prompt, params, request_id=request_id,
+                                                             on_tokens=on_tokens)))
             requests[request_id] = task
             task.add_done_callback(lambda _, rid=request_id: requests.pop(rid, None))
         elif kind == "abort":

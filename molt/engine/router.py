@@ -38,13 +38,14 @@ class Router:
         return min(range(len(self.engines)), key=self._load.__getitem__)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None) -> Completion:
+                       request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
         index = self.pick(session_id)
         request_id = request_id or uuid.uuid4().hex
         self._owner[request_id] = index
         self._load[index] += 1
         try:
-            return await self.engines[index].generate(prompt_ids, params, session_id, request_id)
+            stream = {"on_tokens": on_tokens} if on_tokens is not None else {}  # engines without streaming work too
+            return await self.engines[index].generate(prompt_ids, params, session_id, request_id, **stream)
         finally:
             self._load[index] -= 1
             self._owner.pop(request_id, None)

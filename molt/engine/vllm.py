@@ -155,6 +155,7 @@ class _Request:
     segments: int = 0  # vLLM requests submitted so far (one per refit crossed, plus one)
     task: asyncio.Task | None = None  # streams the current vLLM request
     last: Any = None  # latest CompletionOutput of the current vLLM request (cumulative)
+    on_tokens: Any = None  # streaming callback (new token ids)
 
     def commit(self, out: Any, version: int) -> None:
         """Append what one vLLM request generated, all of it produced by the weights of `version`."""
@@ -237,8 +238,9 @@ class VLLMEngine:
         return len(self._active)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None) -> Completion:
+                       request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
         req = self._admit(list(prompt_ids), params, request_id)
+        req.on_tokens = on_tokens
         self._active[req.id] = req
         try:
             while req.finish is None:
@@ -271,7 +273,10 @@ class VLLMEngine:
         req.last = None
         try:
             async for output in self._llm.generate(prompt, params, request_id=f"{req.id}-{req.segments}"):
+                sent = len(req.last.token_ids) if req.last is not None else 0
                 req.last = output.outputs[0]  # cumulative: all tokens of this vLLM request so far
+                if req.on_tokens is not None and len(req.last.token_ids) > sent:
+                    req.on_tokens(list(req.last.token_ids[sent:]))
         except ValueError as e:  # vLLM's request validation
             raise EngineError(f"vLLM rejected the request: {e}") from e
         finally:

@@ -42,12 +42,13 @@ class RefitGate:
         return getattr(self.engine, name)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None) -> Completion:
+                       request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
         await self._open.wait()
         self._inflight += 1
         self._idle.clear()
         try:
-            return await self.engine.generate(prompt_ids, params, session_id, request_id)
+            stream = {"on_tokens": on_tokens} if on_tokens is not None else {}
+            return await self.engine.generate(prompt_ids, params, session_id, request_id, **stream)
         finally:
             self._inflight -= 1
             if self._inflight == 0:

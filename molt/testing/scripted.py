@@ -5,7 +5,8 @@ Each `generate` replies with the next scripted text (cycling), or with `reply(pr
 function is given, tokenized by a real tokenizer and followed by the first EOS id (unless the text is marked
 `no_eos=True` or max_tokens cuts it: finish reason LENGTH). Log-probabilities are fake but deterministic
 (-0.01 * (position + 1)); versions are the engine's current version. Every call is recorded in `calls`
-(prompt ids, params, session id) so tests can check exactly what the engine saw. Tests only: the real
+(prompt ids, params, session id) so tests can check exactly what the engine saw. With `on_tokens` the reply is
+streamed one token at a time, `token_delay` seconds apart. Tests only: the real
 demonstrations use `molt.engine.hf.HFEngine`.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from molt.types import Completion, FinishReason, SamplingParams
 class ScriptedEngine:
     def __init__(self, tokenizer: Any, replies: Sequence[str] | Callable[[list[int], SamplingParams], str] = ("ok",),
                  *, model_name: str = "scripted", max_model_len: int = 512, delay: float = 0.0,
-                 no_eos: bool = False, version: int = 0):
+                 no_eos: bool = False, version: int = 0, token_delay: float = 0.0):
         self.tokenizer = tokenizer
         self.replies = replies
         self.model_name = model_name
@@ -30,6 +31,7 @@ class ScriptedEngine:
         self.eos_token_ids = [tokenizer.eos_token_id]
         self.delay = delay  # seconds each generate takes (to test timeouts and retries)
         self.no_eos = no_eos
+        self.token_delay = token_delay  # seconds between streamed tokens (with on_tokens)
         self.calls: list[dict[str, Any]] = []
         self._version = version
         self._encoded: dict[str, list[int]] = {}
@@ -46,7 +48,7 @@ class ScriptedEngine:
         return self.replies[(len(self.calls) - 1) % len(self.replies)]
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None) -> Completion:
+                       request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
         if len(prompt_ids) >= self.max_model_len:
             raise EngineError(f"prompt of {len(prompt_ids)} tokens does not fit the window of {self.max_model_len}")
         self.calls.append({"prompt_ids": list(prompt_ids), "params": params, "session_id": session_id})
@@ -67,6 +69,9 @@ class ScriptedEngine:
                 pass
             finally:
                 self._waiting.pop(request_id or "", None)
+        for token in ids if on_tokens is not None else ():
+            on_tokens([token])
+            await asyncio.sleep(self.token_delay)
         if request_id is not None and request_id in self._aborted:
             finish = FinishReason.ABORT
         logprobs = [-0.01 * (i + 1) for i in range(len(ids))]
@@ -104,8 +109,10 @@ class RecordingEngine:
         return getattr(self.inner, name)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None) -> Completion:
-        completion = await self.inner.generate(prompt_ids, params, session_id=session_id, request_id=request_id)
+                       request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
+        stream = {"on_tokens": on_tokens} if on_tokens is not None else {}
+        completion = await self.inner.generate(prompt_ids, params, session_id=session_id, request_id=request_id,
+                                               **stream)
         self.records.append((session_id, list(prompt_ids), completion))
         return completion
 

@@ -64,3 +64,15 @@ def _shape(model_dir, name):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir).state_dict()[name].shape
+
+
+@pytest.mark.parametrize("which", ["process", "thread"])
+def test_on_tokens_streams_every_token_in_order(proc_engine, hf_engine, which):
+    engine = proc_engine if which == "process" else hf_engine
+    seen = []
+
+    async def main():
+        return await engine.generate([4, 8, 15], SamplingParams(max_tokens=12, min_tokens=12, seed=1),
+                                     on_tokens=seen.append)
+    completion = asyncio.run(main())
+    assert [t for batch in seen for t in batch] == completion.token_ids and len(seen) == 12

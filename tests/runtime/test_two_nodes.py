@@ -58,3 +58,32 @@ def test_ranks_reload_payloads_from_the_producing_node(two_nodes):
     (got, node_b) = ray.get(rank.reload.remote([exp]))
     assert node_b != node_a
     assert got == [(64, 2 << 20, -0.5)]
+
+
+def test_a_run_joins_an_existing_cluster_by_address(two_nodes, tiny_llama_dir, tmp_path):
+    """`--ray.address`: the run connects to the running two-node cluster (no local instance of its own) and
+    trains on it."""
+    import asyncio
+    import json
+
+    from test_train_e2e import _cfg
+
+    from molt.runtime.loop import Run
+
+    ray.shutdown()  # as in a fresh `molt train` process: only the address is known
+    cfg = _cfg(tiny_llama_dir, tmp_path / "run", train__max_steps=1, rollout__num_workers=2)
+    cfg.ray.address = two_nodes.address
+
+    async def main():
+        run = Run(cfg)
+        try:
+            await run.setup()
+            nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            gcs = ray.get_runtime_context().gcs_address
+            return await run.train(), nodes, gcs
+        finally:
+            await run.close()
+    summary, nodes, gcs = asyncio.run(main())
+    assert summary["steps"] == 1 and len(nodes) == 2 and gcs == two_nodes.address
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
+    json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -1,0 +1,112 @@
+"""Incremental streaming of a reply: text deltas while the engine samples, then the recorded result.
+
+`LiveReply` runs `Session.complete` as a task and listens to it: the session reports the prompt once planned
+and the engine reports each batch of sampled token ids (`on_tokens`). The wires turn `deltas()` into SSE
+content deltas as they come and, once the reply is recorded, send the rest (`rest(choice)`), the tool calls,
+the finish reason and usage from the same `Generation` a non-streaming request returns, so a streamed reply
+assembles to exactly the recorded one.
+
+What may be sent early. Only text that is certainly part of the final content: the decoded tokens so far,
+held back from the first position where it could still change:
+- a stop string, complete (the content ends before it) or possibly starting at the end of the text;
+- a tool-call block, started or possibly starting (the parser's call opening, e.g. `<tool_call>`): calls are
+  sent as tool-call deltas at the end and their text is not content;
+- trailing whitespace (removed before a tool call, and merged into punctuation by tokenizers that clean up
+  spaces) and a trailing incomplete character (an unfinished byte sequence decodes to U+FFFD).
+Everything held back goes out with the end of the stream. Replies that cannot stream (n > 1, a forced tool
+call, a parser without a known opening, an answer from the retry cache, an engine without `on_tokens`) are
+sent whole at the end, as before. If the final content ever failed to start with what was sent (a tokenizer
+whose decode is not prefix-stable), nothing more is sent and the session counts `stream_mismatch`.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from molt.capture.tools import call_opening
+
+if TYPE_CHECKING:
+    from molt.capture.session import ChatRequest, Choice, Generation, Session
+
+
+class LiveReply:
+    def __init__(self, session: Session, request: ChatRequest, cache_key: str | None, lookup: bool):
+        self.session, self.request = session, request
+        self.id = uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.prompt_tokens = 0
+        self.sent = ""  # text already sent as deltas
+        opening = call_opening(session.parser, None) if request.parse_tools else ""
+        self._marker = (opening or "").strip() if request.parse_tools else ""
+        live = (request.n == 1 and request.tool_choice in ("auto", "none") and session.can_stream
+                and (self._marker or not request.parse_tools))
+        self._queue: asyncio.Queue[list[int]] = asyncio.Queue()
+        self._begun = asyncio.Event()
+        self.task = asyncio.create_task(session.complete(request, cache_key, lookup, listener=self if live else None))
+
+    # ------------------------------------------------------------------ listener (called by the session)
+    def started(self, prompt_ids: list[int]) -> None:
+        self.prompt_tokens = len(prompt_ids)
+
+    def tokens(self, ids: list[int]) -> None:
+        self._queue.put_nowait(ids)
+        self._begun.set()
+
+    # ------------------------------------------------------------------ the wires' side
+    async def begin(self) -> None:
+        """Wait for the first tokens or the end; raises what the request raised (a client error is thus
+        answered with its 4xx before any byte of the stream is sent)."""
+        waiter = asyncio.ensure_future(self._begun.wait())
+        await asyncio.wait({waiter, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if self.task.done():
+            gen = self.task.result()
+            self.prompt_tokens = len(gen.prompt_ids)
+
+    async def deltas(self) -> AsyncIterator[str]:
+        ids: list[int] = []
+        while not (self.task.done() and self._queue.empty()):
+            getter = asyncio.ensure_future(self._queue.get())
+            await asyncio.wait({getter, self.task}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                continue
+            ids += getter.result()
+            while not self._queue.empty():
+                ids += self._queue.get_nowait()
+            safe = self._safe(self.session.renderer.decode(ids, skip_special_tokens=True))
+            if len(safe) > len(self.sent):
+                piece, self.sent = safe[len(self.sent):], safe
+                yield piece
+
+    async def result(self) -> Generation:
+        return await self.task
+
+    def rest(self, choice: Choice) -> str:
+        """The part of the final content not sent yet."""
+        if choice.content.startswith(self.sent):
+            return choice.content[len(self.sent):]
+        self.session.stats["stream_mismatch"] = self.session.stats.get("stream_mismatch", 0) + 1
+        return ""
+
+    def _safe(self, text: str) -> str:
+        cut = len(text.rstrip("\ufffd"))
+        holds = [s for s in self.request.stop if s] + ([self._marker] if self._marker else [])
+        for s in holds:
+            found = text.find(s)
+            if found >= 0:
+                cut = min(cut, found)
+            cut = min(cut, len(text) - _partial(text, s))
+        return text[:cut].rstrip()
+
+
+def _partial(text: str, s: str) -> int:
+    """Length of the longest proper prefix of `s` that `text` ends with."""
+    for k in range(min(len(s) - 1, len(text)), 0, -1):
+        if text.endswith(s[:k]):
+            return k
+    return 0
+

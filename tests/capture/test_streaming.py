@@ -1,0 +1,100 @@
+"""Incremental streaming: deltas leave while the engine samples, and assemble to the recorded reply."""
+import time
+
+import pytest
+from anthropic import AsyncAnthropic
+from openai import AsyncOpenAI
+
+from molt.testing.scripted import ScriptedEngine, live_capture_server
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {
+    "expression": {"type": "string"}}}}}]
+DELAY = 0.04  # seconds between streamed tokens
+
+
+async def _openai_stream(session, **kwargs):
+    api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key)
+    t0, pieces = time.perf_counter(), []
+    stream = await api.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "go"}],
+                                               stream=True, **kwargs)
+    calls = {}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            if choice.delta.content:
+                pieces.append((time.perf_counter() - t0, choice.delta.content))
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+    return pieces, time.perf_counter() - t0, calls
+
+
+async def test_openai_deltas_arrive_while_generating(tokenizer):
+    reply = "one two three four five six seven eight nine ten eleven twelve"
+    engine = ScriptedEngine(tokenizer, [reply], token_delay=DELAY)
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session()
+        pieces, total, _ = await _openai_stream(session)
+        (segment,) = await session.close()
+    n_tokens = len(tokenizer.encode(reply, add_special_tokens=False))
+    assert total > n_tokens * DELAY * 0.9
+    assert pieces[0][0] < total / 2 and len(pieces) > 3  # the first words left long before the end
+    assert "".join(p for _, p in pieces) == reply
+    assert segment.num_actions == n_tokens + 1  # EOS included, recorded once
+
+
+@pytest.mark.parametrize("reply, kwargs, content, call", [
+    ("Hello world. STOP and more", {"stop": ["STOP"]}, "Hello world. ", None),
+    ("Sure, the words: ab ST ab STOP x", {"stop": ["STOP"]}, "Sure, the words: ab ST ab ", None),
+    ('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>',
+     {"tools": TOOLS}, "Let me compute.", ("calculator", '{"expression": "1+2"}')),
+    ("  spaced , reply", {}, "  spaced , reply", None),
+])
+async def test_openai_streamed_reply_equals_the_recorded_one(tokenizer, reply, kwargs, content, call):
+    engine = ScriptedEngine(tokenizer, [reply], token_delay=0.002)
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session()
+        pieces, _, calls = await _openai_stream(session, **kwargs)
+        api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key)
+        plain = await api.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "again"}],
+                                                  **kwargs)
+        assert session.stats.get("stream_mismatch", 0) == 0
+    streamed = "".join(p for _, p in pieces)
+    assert streamed == content == (plain.choices[0].message.content or "")
+    assert "<tool_call>" not in streamed and "STOP" not in streamed
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == ([call] if call else [])
+
+
+async def test_anthropic_text_block_streams_then_tool_use(tokenizer):
+    reply = ('I will use the calculator for this one.\n<tool_call>\n{"name": "calculator", "arguments": '
+             '{"expression": "12 * 7"}}\n</tool_call>')
+    engine = ScriptedEngine(tokenizer, [reply], token_delay=DELAY)
+    tools = [{"name": "calculator", "input_schema": {"type": "object", "properties": {}}}]
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session()
+        api = AsyncAnthropic(base_url=session.session_url, api_key=session.api_key)
+        t0, first = time.perf_counter(), None
+        async with api.messages.stream(model="scripted", max_tokens=200, tools=tools,
+                                       messages=[{"role": "user", "content": "12 * 7?"}]) as stream:
+            async for event in stream:
+                if event.type == "text" and first is None:
+                    first = time.perf_counter() - t0
+            message = await stream.get_final_message()
+        total = time.perf_counter() - t0
+    assert first is not None and first < total / 2
+    text, use = message.content
+    assert text.text == "I will use the calculator for this one."
+    assert (use.name, use.input, message.stop_reason) == ("calculator", {"expression": "12 * 7"}, "tool_use")
+    assert message.usage.input_tokens > 0 and message.usage.output_tokens > 10
+
+
+async def test_a_client_error_is_answered_before_the_stream_starts(tokenizer):
+    import openai
+
+    engine = ScriptedEngine(tokenizer, ["x"], max_model_len=64)
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session()
+        api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="context window"):
+            await api.chat.completions.create(model="scripted", stream=True,
+                                              messages=[{"role": "user", "content": "word " * 200}])

@@ -1,0 +1,34 @@
+"""Per-step metrics reach every configured sink: JSONL, TensorBoard, and W&B (offline) when installed."""
+import pytest
+
+from molt.runtime.metrics import MetricsLogger, read_metrics
+
+
+def test_jsonl_and_tensorboard_hold_each_step(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(tmp_path, 2, tensorboard_dir=str(tmp_path / "tb"))
+    logger.log(1, {"rollout/reward_mean": 0.25, "timing/step_total": 3.0, "skipped": float("nan"), "text": "x"})
+    logger.log(2, {"rollout/reward_mean": 0.5, "timing/step_total": 2.5})
+    logger.close()
+    rows = read_metrics(tmp_path)
+    assert rows == [{"step": 1, "rollout/reward_mean": 0.25, "timing/step_total": 3.0},
+                    {"step": 2, "rollout/reward_mean": 0.5, "timing/step_total": 2.5}]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("rollout/reward_mean")] == [(1, 0.25), (2, 0.5)]
+
+
+def test_wandb_offline_run_gets_the_config_and_the_steps(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = MetricsLogger(tmp_path, 2, wandb_project="molt-test", config={"actor": {"lr": 1e-5}})
+    run = logger._wandb
+    logger.log(1, {"rollout/reward_mean": 0.25})
+    logger.log(2, {"rollout/reward_mean": 0.75})
+    assert run.config["actor"] == {"lr": 1e-5}
+    assert run.summary["rollout/reward_mean"] == 0.75 and run.summary["_step"] == 2
+    logger.close()
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # what `wandb sync` uploads later
+    assert len(read_metrics(tmp_path)) == 2
