@@ -98,3 +98,17 @@ async def test_a_client_error_is_answered_before_the_stream_starts(tokenizer):
         with pytest.raises(openai.BadRequestError, match="context window"):
             await api.chat.completions.create(model="scripted", stream=True,
                                               messages=[{"role": "user", "content": "word " * 200}])
+
+
+async def test_streamed_logprobs_assemble_in_the_sdk(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["a few words here"], token_delay=0.002)
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session()
+        api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key)
+        async with api.chat.completions.stream(model="scripted", messages=[{"role": "user", "content": "go"}],
+                                               logprobs=True, top_logprobs=1) as stream:
+            final = await stream.get_final_completion()
+    entries = final.choices[0].logprobs.content
+    n = len(tokenizer.encode("a few words here", add_special_tokens=False)) + 1  # + EOS
+    assert [round(e.logprob, 6) for e in entries] == [round(-0.01 * (i + 1), 6) for i in range(n)]
+    assert final.choices[0].message.content == "a few words here"
