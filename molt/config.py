@@ -288,6 +288,9 @@ def validate(cfg: MoltConfig, *, check_files: bool = True) -> MoltConfig:
     if cfg.algo.advantage.estimator == "gae" and not cfg.critic.model_name_or_path:
         cfg.critic.model_name_or_path = cfg.actor.model_name_or_path
     total = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    if cfg.train.num_ranks > total:
+        raise ValueError(f"train.num_ranks ({cfg.train.num_ranks}) exceeds the rollouts of a step "
+                         f"(rollout.batch_size x n_samples_per_prompt = {total}): every rank needs a rollout")
     if cfg.train.batch_size and (total % cfg.train.batch_size or cfg.train.batch_size % cfg.rollout.n_samples_per_prompt):
         raise ValueError(f"train.batch_size ({cfg.train.batch_size}) must divide rollout.batch_size * "
                          f"rollout.n_samples_per_prompt ({total}) in whole groups of {cfg.rollout.n_samples_per_prompt}")

@@ -171,7 +171,11 @@ async def stream(live: LiveReply, req: MessagesRequest, session: Session | None 
         yield _event("error", {"error": client_error(e).anthropic_body()["error"]})
         return
     body = response_body(gen, req)
-    for i, block in enumerate(body["content"]):
+    shift = 0
+    if text_open and (not body["content"] or body["content"][0]["type"] != "text"):
+        yield _event("content_block_stop", {"index": 0})  # only after a stream mismatch: keep the order valid
+        shift = 1
+    for i, block in enumerate(body["content"], start=shift):
         if block["type"] == "text":
             if not text_open:
                 yield _event("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-import inspect
 import re
 import time
 import uuid
@@ -40,7 +39,7 @@ from typing import Any
 from molt.capture.render import ChatRenderer, canonical_messages, canonical_tools
 from molt.capture.segments import Action, Plan, SegmentTracker
 from molt.capture.tools import Parsed, ToolParser, call_opening
-from molt.engine.base import Engine
+from molt.engine.base import Engine, can_stream
 from molt.types import Completion, FinishReason, SamplingParams, Segment
 
 
@@ -109,7 +108,7 @@ class Session:
         self.base_url = f"{self.session_url}/v1"
         self.engine, self.renderer, self.parser = engine, renderer, parser
         self.model_name, self.max_model_len = engine.model_name, engine.max_model_len
-        self.can_stream = "on_tokens" in inspect.signature(engine.generate).parameters  # see streaming.py
+        self.can_stream = can_stream(engine)  # see streaming.py
         self.defaults = defaults
         self.tracker = SegmentTracker(renderer, engine.eos_token_ids)
         self.closed = False
@@ -226,8 +225,8 @@ class Session:
         cut, stop = self._find_stop(ids, request.stop) if request.stop else (len(ids), None)
         ids = ids[:cut]
         text = opening + self.renderer.decode(ids, skip_special_tokens=True)
-        if stop is not None:
-            finish, text = "stop", text[: text.find(stop)]
+        if stop is not None:  # found in the generated part (a forced opening may contain it too)
+            finish, text = "stop", text[: text.find(stop, len(opening))]
         parsed = self.parser(text) if request.parse_tools else Parsed(text)
         self.stats["malformed_tool_calls"] += parsed.malformed
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}

@@ -46,6 +46,8 @@ class LiveReply:
         self._queue: asyncio.Queue[list[int]] = asyncio.Queue()
         self._begun = asyncio.Event()
         self.task = asyncio.create_task(session.complete(request, cache_key, lookup, listener=self if live else None))
+        # a client that disconnects never awaits the result: retrieve a failure so it is not reported as lost
+        self.task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     # ------------------------------------------------------------------ listener (called by the session)
     def started(self, prompt_ids: list[int]) -> None:
@@ -60,8 +62,10 @@ class LiveReply:
         """Wait for the first tokens or the end; raises what the request raised (a client error is thus
         answered with its 4xx before any byte of the stream is sent)."""
         waiter = asyncio.ensure_future(self._begun.wait())
-        await asyncio.wait({waiter, self.task}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
+        try:
+            await asyncio.wait({waiter, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
         if self.task.done():
             gen = self.task.result()
             self.prompt_tokens = len(gen.prompt_ids)
@@ -70,9 +74,13 @@ class LiveReply:
         ids: list[int] = []
         while not (self.task.done() and self._queue.empty()):
             getter = asyncio.ensure_future(self._queue.get())
-            await asyncio.wait({getter, self.task}, return_when=asyncio.FIRST_COMPLETED)
-            if not getter.done():
-                getter.cancel()
+            try:
+                await asyncio.wait({getter, self.task}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiting = not getter.done()
+                if waiting:  # the reply ended (or we were cancelled): an item not taken stays in the queue
+                    getter.cancel()
+            if waiting:
                 continue
             ids += getter.result()
             while not self._queue.empty():

@@ -26,6 +26,7 @@ gives LENGTH.
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
@@ -55,6 +56,15 @@ def check_request(prompt: list[int], params: SamplingParams, *, max_model_len: i
             raise EngineError(f"{what} token ids must be in [0, {vocab_size}) for {model_name}")
     room = max_model_len - len(prompt)
     return room if params.max_tokens is None else min(params.max_tokens, room)
+
+
+def can_stream(engine: Any) -> bool:
+    """Whether `engine.generate` accepts `on_tokens`. A wrapper (router, refit gate) answers for the engines it
+    wraps through a boolean `can_stream` attribute, since its own signature always has the parameter."""
+    declared = getattr(engine, "can_stream", None)
+    if isinstance(declared, bool):
+        return declared
+    return "on_tokens" in inspect.signature(engine.generate).parameters
 
 
 @runtime_checkable

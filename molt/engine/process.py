@@ -46,10 +46,17 @@ class EngineProcess:
                                  name=f"molt-engine-{factory.rsplit(':', 1)[-1]}")
         self._proc.start()
         child.close()
-        if not self._conn.poll(start_timeout):
+        try:
+            if not self._conn.poll(start_timeout):
+                raise EngineError(f"the engine process did not start within {start_timeout:.0f} s")
+            kind, _, info = self._conn.recv()
+        except EOFError:
+            self._proc.join(timeout=10)
+            raise EngineError(f"the engine process died while starting (exit code {self._proc.exitcode})") from None
+        except BaseException:
             self._proc.kill()
-            raise EngineError(f"the engine process did not start within {start_timeout:.0f} s")
-        kind, _, info = self._conn.recv()
+            self._proc.join(timeout=10)
+            raise
         if kind == "error":
             self._proc.join(timeout=10)
             raise info
@@ -105,13 +112,14 @@ class EngineProcess:
             return
         try:
             if self._proc.is_alive():
-                await self._call("close")
+                await asyncio.wait_for(self._call("close"), 60)
         finally:
             self._closed = True
             self._send(("exit", None, None))
             await asyncio.to_thread(self._proc.join, 30)
             if self._proc.is_alive():
                 self._proc.kill()
+            self._conn.close()
 
     # ---------------------------------------------------------------- parent side plumbing
     async def _call(self, method: str, *args: Any) -> Any:
@@ -144,6 +152,11 @@ class EngineProcess:
                 kind, key, value = self._conn.recv()
             except (EOFError, OSError):
                 break
+            except Exception as e:  # noqa: BLE001 - a message that cannot be read: fail its waiters, go on
+                error = EngineError(f"unreadable message from the engine process: {e!r}")
+                for loop, future, _ in list(self._waiting.values()):
+                    loop.call_soon_threadsafe(_settle, future, "error", error)
+                continue
             entry = self._waiting.get(key)
             if entry is None:
                 continue
@@ -224,10 +237,11 @@ async def _serve(conn: Any, factory: str, args: tuple, kwargs: dict) -> None:
 
 
 def _picklable(value: Any) -> bool:
+    """Whether `value` survives the trip (an exception with a custom __init__ pickles but may not unpickle)."""
     import pickle
 
     try:
-        pickle.dumps(value)
+        pickle.loads(pickle.dumps(value))
         return True
     except Exception:  # noqa: BLE001
         return False

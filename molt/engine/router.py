@@ -14,7 +14,7 @@ import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from molt.engine.base import Engine
+from molt.engine.base import Engine, can_stream
 from molt.types import Completion, SamplingParams
 
 
@@ -37,6 +37,10 @@ class Router:
             return zlib.crc32(session_id.encode()) % len(self.engines)
         return min(range(len(self.engines)), key=self._load.__getitem__)
 
+    @property
+    def can_stream(self) -> bool:
+        return all(can_stream(e) for e in self.engines)
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
                        request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
         index = self.pick(session_id)
@@ -44,7 +48,7 @@ class Router:
         self._owner[request_id] = index
         self._load[index] += 1
         try:
-            stream = {"on_tokens": on_tokens} if on_tokens is not None else {}  # engines without streaming work too
+            stream = {"on_tokens": on_tokens} if on_tokens is not None else {}
             return await self.engines[index].generate(prompt_ids, params, session_id, request_id, **stream)
         finally:
             self._load[index] -= 1

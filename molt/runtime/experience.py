@@ -28,16 +28,16 @@ def outcome_from_trajectory(traj: Trajectory, *, offload: bool = True) -> Rollou
 
 def assign_to_ranks(experiences: list[Experience], n_ranks: int) -> list[list[Experience]]:
     """Balanced token counts per rank (LPT over rollouts: a rollout's segments stay on one rank, so token-level
-    estimators see its whole action sequence). With fewer rollouts than ranks, segments are the units. Every
-    rank gets at least one experience when there are enough."""
+    estimators see its whole action sequence). Every rank gets at least one rollout."""
     if n_ranks < 1:
         raise ValueError(f"n_ranks must be >= 1 (got {n_ranks})")
-    if len(experiences) < n_ranks:
-        raise ValueError(f"{len(experiences)} experiences cannot feed {n_ranks} data-parallel ranks")
     units: dict[str, list[Experience]] = {}
     for exp in experiences:
         units.setdefault(exp.rollout_id, []).append(exp)
-    groups = list(units.values()) if len(units) >= n_ranks else [[e] for e in experiences]
+    if len(units) < n_ranks:
+        raise ValueError(f"{len(units)} rollouts cannot feed {n_ranks} data-parallel ranks (a rollout's segments "
+                         "stay together): raise rollout.batch_size or n_samples_per_prompt, or lower train.num_ranks")
+    groups = list(units.values())
     heap = [(0, rank) for rank in range(n_ranks)]
     out: list[list[Experience]] = [[] for _ in range(n_ranks)]
     for unit in sorted(groups, key=lambda u: sum(e.num_tokens for e in u), reverse=True):

@@ -229,14 +229,19 @@ class Run:
     # ------------------------------------------------------------------------------------------ training
     async def _refit(self) -> float:
         t0 = time.perf_counter()
-        partial = self.cfg.train.partial_rollout_enable
-        if self._weight_plan is not None:  # collective: the receives must be posted while rank 0 sends
-            await asyncio.gather(self.trainer.same("broadcast_weights", BUCKET_BYTES),
-                                 *[w.receive_weights.remote(self._weight_plan, self.version, partial)
-                                   for w in self.workers])
-        else:
-            refs = (await self.trainer.same("weight_refs", BUCKET_BYTES))[0]
-            await asyncio.gather(*[w.update_weights.remote(refs, self.version, partial) for w in self.workers])
+        begun = asyncio.gather(*[w.begin_refit.remote(self.cfg.train.partial_rollout_enable) for w in self.workers])
+        try:
+            if self._weight_plan is not None:
+                # collective: every engine is paused before rank 0 enters the broadcast, so no trainer rank
+                # waits in a collective on a worker's drain
+                await begun
+                await asyncio.gather(self.trainer.same("broadcast_weights", BUCKET_BYTES),
+                                     *[w.receive_weights.remote(self._weight_plan, self.version) for w in self.workers])
+            else:  # the buckets go into the object store while the workers drain
+                refs, _ = await asyncio.gather(self.trainer.same("weight_refs", BUCKET_BYTES), begun)
+                await asyncio.gather(*[w.update_weights.remote(refs[0], self.version) for w in self.workers])
+        finally:
+            await asyncio.gather(*[w.end_refit.remote() for w in self.workers])
         return time.perf_counter() - t0
 
     async def _train_step(self, groups: list[Group]) -> dict[str, float]:

@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from molt.engine.base import Engine
+from molt.engine.base import Engine, can_stream
 from molt.runtime.experience import outcome_from_trajectory
 from molt.runtime.pool import RolloutOutcome, RolloutTask
 from molt.types import Completion, SamplingParams
@@ -40,6 +40,10 @@ class RefitGate:
 
     def __getattr__(self, name: str) -> Any:  # model_name, max_model_len, eos_token_ids, pause, ...
         return getattr(self.engine, name)
+
+    @property
+    def can_stream(self) -> bool:
+        return can_stream(self.engine)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
                        request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
@@ -119,15 +123,26 @@ class RolloutWorker:
         outcome.sample_index = task.sample_index
         return outcome
 
-    async def update_weights(self, bucket_refs: Iterable[Any], version: int, partial: bool) -> None:
-        """Load a new policy version. `bucket_refs`: object refs (or plain lists) of [(name, tensor), ...]."""
+    async def begin_refit(self, partial: bool) -> None:
+        """The refit boundary of the module docstring: with partial rollout pause at once (requests are kept);
+        otherwise stop admitting, let the requests in flight finish, then pause."""
+        gate: RefitGate = self.engine
+        if not partial:
+            await gate.drain()
+        await gate.engine.pause()
+
+    async def end_refit(self) -> None:
+        gate: RefitGate = self.engine
+        await gate.engine.resume()
+        gate.reopen()
+
+    async def update_weights(self, bucket_refs: Iterable[Any], version: int) -> None:
+        """Between begin_refit and end_refit: object refs (or plain lists) of [(name, tensor), ...]."""
         import ray
 
-        async def load(engine: Any) -> None:
-            for ref in bucket_refs:
-                bucket = await ref if isinstance(ref, ray.ObjectRef) else ref  # one bucket in memory at a time
-                await engine.update_weights(bucket, version)
-        await self._refit(load, partial)
+        for ref in bucket_refs:
+            bucket = await ref if isinstance(ref, ray.ObjectRef) else ref  # one bucket in memory at a time
+            await self.engine.engine.update_weights(bucket, version)
 
     async def weight_group_size(self) -> int:
         return int(getattr(self.engine.engine, "weight_group_size", 1))
@@ -136,23 +151,9 @@ class RolloutWorker:
         """Join the collective refit group (`molt.engine.weight_group`) as ranks rank .. rank + size - 1."""
         await self.engine.engine.join_weight_group(address, rank, world)
 
-    async def receive_weights(self, plan: list, version: int, partial: bool) -> None:
-        """Load a new policy version broadcast by trainer rank 0 over the refit group, bucket by bucket."""
-        async def load(engine: Any) -> None:
-            await engine.receive_weights(plan, version)
-        await self._refit(load, partial)
-
-    async def _refit(self, load: Any, partial: bool) -> None:
-        """The refit boundary of the module docstring around `load(engine)`."""
-        gate: RefitGate = self.engine
-        if not partial:
-            await gate.drain()
-        await gate.engine.pause()
-        try:
-            await load(gate.engine)
-        finally:
-            await gate.engine.resume()
-            gate.reopen()
+    async def receive_weights(self, plan: list, version: int) -> None:
+        """Between begin_refit and end_refit: the buckets trainer rank 0 broadcasts over the refit group."""
+        await self.engine.engine.receive_weights(plan, version)
 
     async def weight_sums(self) -> dict[str, float]:
         """{HF name: float64 sum} of an embedded engine's weights: a cheap fingerprint to check a refit."""

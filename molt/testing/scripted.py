@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
-from molt.engine.base import EngineError
+from molt.engine.base import EngineError, can_stream
 from molt.types import Completion, FinishReason, SamplingParams
 
 
@@ -107,6 +107,10 @@ class RecordingEngine:
 
     def __getattr__(self, name: str) -> Any:  # model_name, max_model_len, eos_token_ids, abort, ...
         return getattr(self.inner, name)
+
+    @property
+    def can_stream(self) -> bool:
+        return can_stream(self.inner)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
                        request_id: str | None = None, *, on_tokens: Any = None) -> Completion:

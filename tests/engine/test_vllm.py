@@ -222,6 +222,19 @@ async def test_refit_keeps_request_and_marks_versions(fake):
     assert fake.num_requests == 0
 
 
+async def test_on_tokens_streams_across_a_refit(fake):
+    seen = []
+    task = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=12), request_id="s",
+                                             on_tokens=seen.append))
+    await until(lambda: len([t for b in seen for t in b]) >= 3)
+    await fake.pause()
+    await fake.update_weights([("w", torch.tensor(1.0))], version=1)
+    await fake.resume()
+    out = await task
+    assert [t for b in seen for t in b] == out.token_ids == list(range(11, 23))
+    assert set(out.versions) == {0, 1}
+
+
 async def test_abort_while_paused_and_while_running(fake):
     paused = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=40), request_id="a"))
     await until(lambda: "a" in fake._active and fake._active["a"].last is not None)

@@ -35,7 +35,7 @@ def test_offload_and_reload_through_ray(ray_local):
 
 
 def test_assignment_balances_tokens():
-    exps = [Experience("r", "g", i, 0.0, n, 1, 0) for i, n in enumerate([100, 90, 50, 40, 30, 20, 10, 5])]
+    exps = [Experience(f"r{i}", "g", 0, 0.0, n, 1, 0) for i, n in enumerate([100, 90, 50, 40, 30, 20, 10, 5])]
     ranks = assign_to_ranks(exps, 2)
     loads = [sum(e.num_tokens for e in r) for r in ranks]
     assert sorted(loads) == [170, 175] and sum(len(r) for r in ranks) == 8
