@@ -35,6 +35,8 @@ $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'torch s
 # -o addopts= drops the project's `-m 'not slow' --timeout=600` (pytest-timeout may be missing); -rs lists
 # skips: the check fails if the GPU test was skipped (no vLLM or no CUDA) rather than passing unnoticed.
 log=$(mktemp)
-timeout 480 $PY -m pytest -q -o addopts= -p no:cacheprovider -rs tests/engine/test_vllm.py 2>&1 | tee "$log"
+# test_weight_group.py: the NCCL refit group (needs 2 GPUs; skipped with one)
+timeout 480 $PY -m pytest -q -o addopts= -p no:cacheprovider -rs tests/engine/test_vllm.py \
+  tests/engine/test_weight_group.py 2>&1 | tee "$log"
 if grep -q "SKIPPED.*needs vLLM" "$log"; then echo "the GPU test was skipped" >&2; exit 3; fi
 echo "== GPU check passed"

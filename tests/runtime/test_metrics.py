@@ -28,7 +28,8 @@ def test_wandb_offline_run_gets_the_config_and_the_steps(tmp_path, monkeypatch):
     logger.log(1, {"rollout/reward_mean": 0.25})
     logger.log(2, {"rollout/reward_mean": 0.75})
     assert run.config["actor"] == {"lr": 1e-5}
-    assert run.summary["rollout/reward_mean"] == 0.75 and run.summary["_step"] == 2
-    logger.close()
-    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # what `wandb sync` uploads later
+    logger.close()  # W&B keeps the latest step open until the next one or the end
+    (record,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")  # what `wandb sync` uploads later
+    data = record.read_bytes()
+    assert b"rollout/reward_mean" in data and b"0.75" in data
     assert len(read_metrics(tmp_path)) == 2
