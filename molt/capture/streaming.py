@@ -39,8 +39,8 @@ class LiveReply:
         self.created = int(time.time())
         self.prompt_tokens = 0
         self.sent = ""  # text already sent as deltas
-        opening = call_opening(session.parser, None) if request.parse_tools else ""
-        self._marker = (opening or "").strip() if request.parse_tools else ""
+        # the start of a tool-call block ("" when calls are not parsed, or the parser has no known opening)
+        self._marker = (call_opening(session.parser, None) or "").strip() if request.parse_tools else ""
         live = (request.n == 1 and request.tool_choice in ("auto", "none") and session.can_stream
                 and (self._marker or not request.parse_tools))
         self._queue: asyncio.Queue[list[int]] = asyncio.Queue()

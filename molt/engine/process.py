@@ -33,7 +33,7 @@ from typing import Any
 from molt.engine.base import EngineError
 from molt.types import Completion, SamplingParams
 
-_FORWARDED = ("pause", "resume", "update_weights", "join_weight_group", "receive_weights", "weight_sums")
+_FORWARDED = ("pause", "resume", "join_weight_group", "weight_sums")  # update/receive_weights: below
 
 
 class EngineProcess:

@@ -9,8 +9,8 @@ from a `TCPStore` hosted by the sender (rank 0) and the backend's process-group 
 Wire. Members agree on a *plan* beforehand (`molt.trainer.weights.plan_weight_buckets`: per bucket, the HF name,
 full shape and dtype of each tensor). Per bucket the sender packs its tensors' bytes into one flat uint8 buffer
 (each at a 16-byte aligned offset) and broadcasts it once (one collective per bucket rather than per tensor: gloo
-and NCCL pay a fixed cost per call); receivers allocate the same buffer from the plan and cut it back into typed tensors (views of the one
-buffer, so a bucket costs one allocation). Ranks: the sender is 0, engines take 1..world-1; a vLLM engine with
+and NCCL pay a fixed cost per call); receivers allocate the same buffer from the plan and cut it back into typed
+tensors (views of the one buffer, so a bucket costs one allocation). Ranks: the sender is 0, engines take 1..world-1; a vLLM engine with
 tensor parallelism takes one rank per worker process.
 
 Importing this module needs torch only; the runtime (sender and in-process receivers) and the vLLM worker
@@ -19,6 +19,7 @@ extension (receivers inside vLLM's processes) both use it.
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Sequence
 
 import torch
@@ -65,12 +66,11 @@ class WeightGroup:
         offsets, total = _layout(specs)
         flat = torch.empty(total, dtype=torch.uint8, device=self.device)
         self._pg.broadcast(flat, 0).wait()
-        return [(name, flat[offset: offset + _numel(shape) * dt.itemsize].view(dt).view(shape))
+        return [(name, flat[offset: offset + math.prod(shape) * dt.itemsize].view(dt).view(shape))
                 for (name, _, _), (shape, dt), offset in zip(plan, specs, offsets)]
 
-    def close(self) -> None:
-        self._pg = None
-        self._store = None
+
+_ALIGN = 16
 
 
 def _layout(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> tuple[list[int], int]:
@@ -80,18 +80,8 @@ def _layout(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> tuple[list[in
     for shape, dt in specs:
         total = -(-total // _ALIGN) * _ALIGN
         offsets.append(total)
-        total += _numel(shape) * dt.itemsize
+        total += math.prod(shape) * dt.itemsize
     return offsets, total
-
-
-_ALIGN = 16
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 class InProcessWeightReceiver:

@@ -134,19 +134,18 @@ class TrainerRank:
         return values, returns
 
     def _whiten(self, adv: Any, mask: Any) -> Any:
-        """(adv - mean) / std over the action tokens of every rank (one all-reduce of three numbers)."""
+        """(adv - mean) / std over the action tokens of every data-parallel rank (one all-reduce of three
+        numbers)."""
         import torch
-        import torch.distributed as dist
+
+        from molt.trainer import parallel
 
         stats = torch.zeros(3, dtype=torch.float64)
         if adv is not None:
             picked = adv[mask]
             stats = torch.stack([picked.sum(), (picked ** 2).sum(), torch.tensor(float(picked.numel()))])
-        if dist.is_initialized():
-            device = self.actor.device
-            stats = stats.to(device)
-            dist.all_reduce(stats)
-            stats = stats.cpu()
+        # over the data-parallel ranks only (tensor-parallel peers hold the same rollouts)
+        stats = parallel.all_reduce_sum(stats.to(self.actor.device), self.actor.mesh).cpu()
         if adv is None:
             return None
         total, squares, count = stats.tolist()
