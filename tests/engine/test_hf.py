@@ -155,7 +155,7 @@ async def test_refit_changes_versions_and_weights_of_later_tokens_only(engine, t
 
     new_model = load(build_tiny_llama(tmp_path / "v1", seed=1))
     old_model = load(tiny_llama_dir)
-    params = SamplingParams(max_tokens=64, temperature=0.7, seed=3)
+    params = SamplingParams(max_tokens=64, min_tokens=64, temperature=0.7, seed=3)  # no early EOS
     tasks = [asyncio.create_task(engine.generate(PROMPTS[i], params, request_id=f"r{i}")) for i in (1, 9)]
     await progress(engine, "r1", 5)
     await progress(engine, "r9", 5)
@@ -181,7 +181,7 @@ async def test_refit_changes_versions_and_weights_of_later_tokens_only(engine, t
         lp = torch.tensor(out.logprobs)
         assert lp[:k].sub(old_lp[:k]).abs().max() <= 1e-4
         assert lp[k:].sub(new_lp[k:]).abs().max() <= 1e-4  # the new weights are really used
-    after = await engine.generate(PROMPTS[0], SamplingParams(max_tokens=3))
+    after = await engine.generate(PROMPTS[0], SamplingParams(max_tokens=3, min_tokens=3))  # no early EOS
     assert after.versions == [1, 1, 1]
 
 
@@ -207,7 +207,7 @@ async def test_abort_and_cancel(engine):
     assert out.finish_reason is FinishReason.ABORT and out.token_ids == []
     await engine.resume()
     assert engine.num_requests == 0
-    assert len((await engine.generate(PROMPTS[3], SamplingParams(max_tokens=4))).token_ids) == 4
+    assert len((await engine.generate(PROMPTS[3], SamplingParams(max_tokens=4, min_tokens=4))).token_ids) == 4
 
 
 @pytest.mark.parametrize("prompt, params, message", [
