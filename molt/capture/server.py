@@ -33,7 +33,6 @@ from molt.capture.tools import get_tool_parser
 from molt.engine.base import Engine
 from molt.types import SamplingParams
 
-
 # FastAPI >= 0.165 records OpenTelemetry spans, metrics and logs for every request by default: work on the
 # capture hot path that nobody reads (older releases have no such argument)
 _NO_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}

@@ -181,7 +181,7 @@ def _child_main(conn: Any, factory: str, args: tuple, kwargs: dict, torch_thread
     import signal
 
     import torch
-    import torch.multiprocessing  # noqa: F401 - the same tensor pickling on this side
+    import torch.multiprocessing
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole group: the parent decides
 

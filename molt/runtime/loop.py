@@ -152,7 +152,7 @@ class Run:
     def _actor_fields(self) -> dict[str, Any]:
         cfg, a = self.cfg, self.cfg.actor
         adv = cfg.algo.advantage
-        return dict(
+        return dict(  # noqa: C408 (keyword form reads as the ActorConfig call it feeds)
             model_name_or_path=self.model_path, lr=a.adam.lr, betas=tuple(a.adam.betas),
             weight_decay=a.adam.weight_decay, lr_scheduler=a.lr_scheduler, lr_warmup_steps=a.lr_warmup_steps,
             total_steps=cfg.train.max_steps, max_norm=a.max_norm, policy_loss=a.policy_loss,
@@ -316,9 +316,10 @@ class Run:
                                 self._advantages)
                 if self.eval_rows and cfg.eval.steps and self.step % cfg.eval.steps == 0:
                     metrics.update(await self.evaluate())
+                # the step's line first: a checkpoint then implies its line (a resume drops later lines)
+                logger.log(self.step, metrics)
                 if cfg.ckpt.save_steps and self.step % cfg.ckpt.save_steps == 0:
                     await self._save_checkpoint(dict(pool.counters))
-                logger.log(self.step, metrics)
         finally:
             await pool.stop()
 

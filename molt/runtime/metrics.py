@@ -74,7 +74,7 @@ class MetricsLogger:
 
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 (open for the logger's lifetime)
         self._tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter

@@ -81,7 +81,7 @@ def micro_loss(theta: torch.Tensor, mb: dict, loss_name: str, global_count, dp_s
     return window_normalize(tok, mb["mask"], global_count, dp_size=dp_size)[0]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)  # the same examples on every CI run
 @given(
     lengths=st.lists(st.integers(1, 9), min_size=1, max_size=12),
     seed=st.integers(0, 2**31 - 1),

@@ -102,7 +102,8 @@ async def test_interleaved_sub_agents_get_one_segment_each(tokenizer):
 async def test_retried_request_is_recorded_once(tokenizer):
     """The client gives up before the (slow) reply and the SDK retries the identical body: the retry is
     answered from the cache; the engine ran once and the segment has one turn."""
-    engine = ScriptedEngine(tokenizer, ["slow reply", "other"], delay=0.6)
+    engine = ScriptedEngine(tokenizer, ["slow reply", "other"], delay=0.45)  # just past the 0.3 s timeout:
+    # the first retry (after ~0.4 s of back-off) then finds the reply cached even on a loaded machine
     async with live_capture_server(engine, tokenizer) as server:
         session = await server.open_session()
         reply = await ask(client(session, timeout=0.3, max_retries=2), [USER])

@@ -32,7 +32,7 @@ def test_help_is_fast_and_imports_nothing_heavy():
     out = subprocess.run([str(MOLT), "--help"], check=False, capture_output=True, text=True, timeout=60)
     elapsed = time.perf_counter() - t0
     assert out.returncode == 0 and all(c in out.stdout for c in ("model", "generate", "demo"))
-    assert elapsed < 3.0, f"molt --help took {elapsed:.2f} s"  # ~0.1 s when idle; loose for a busy machine
+    assert elapsed < 10.0, f"molt --help took {elapsed:.2f} s"  # ~0.1 s when idle; loose for a busy machine
     # the deterministic part of "fast": parsing the command line loads none of the heavy libraries
     code = f"import sys, molt.cli; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     probe = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
@@ -131,7 +131,7 @@ def test_errors_from_the_console_script_are_one_line():
 
 
 def test_train_help_lists_reference_flags():
-    out = subprocess.run([sys.executable, "-m", "molt.cli", "train", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "molt.cli", "train", "--help"], capture_output=True, text=True, check=False)
     assert out.returncode == 0
     for flag in ("--actor.model_name_or_path", "--rollout.n_samples_per_prompt", "--algo.advantage.estimator",
                  "--train.max_staleness", "--algo.advantage.is_correction_threshold"):

@@ -39,9 +39,12 @@ def hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-async def progress(engine, request_id, tokens):
-    """Wait until a running request has generated at least `tokens` tokens."""
+async def progress(engine, request_id, tokens, timeout=60.0):
+    """Wait until a running request has generated at least `tokens` tokens (fails fast rather than hanging
+    when the request ended first)."""
+    deadline = asyncio.get_running_loop().time() + timeout
     while request_id not in engine._active or len(engine._active[request_id].tokens) < tokens:
+        assert asyncio.get_running_loop().time() < deadline, f"request {request_id} never reached {tokens} tokens"
         await asyncio.sleep(0.001)
 
 
@@ -186,21 +189,21 @@ async def test_refit_changes_versions_and_weights_of_later_tokens_only(engine, t
 
 
 async def test_abort_and_cancel(engine):
-    task = asyncio.create_task(engine.generate(PROMPTS[3], SamplingParams(max_tokens=400), request_id="a"))
+    task = asyncio.create_task(engine.generate(PROMPTS[3], SamplingParams(max_tokens=400, min_tokens=400), request_id="a"))
     await progress(engine, "a", 3)
     await engine.abort("a")
     out = await task
     assert out.finish_reason is FinishReason.ABORT and 3 <= len(out.token_ids) < 400
     assert len(out.logprobs) == len(out.versions) == len(out.token_ids)
     # cancelling the awaiting task ends the request too, and the engine keeps serving
-    task = asyncio.create_task(engine.generate(PROMPTS[3], SamplingParams(max_tokens=400), request_id="c"))
+    task = asyncio.create_task(engine.generate(PROMPTS[3], SamplingParams(max_tokens=400, min_tokens=400), request_id="c"))
     await progress(engine, "c", 2)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     # abort while paused returns at once with what was generated
     await engine.pause()
-    task = asyncio.create_task(engine.generate(PROMPTS[3], SamplingParams(max_tokens=400), request_id="p"))
+    task = asyncio.create_task(engine.generate(PROMPTS[3], SamplingParams(max_tokens=400, min_tokens=400), request_id="p"))
     await asyncio.sleep(0.01)
     await engine.abort("p")
     out = await asyncio.wait_for(task, 5)
