@@ -72,6 +72,8 @@ class TrainConfig:
     """Sequences per micro-batch (0: split by max_tokens_per_gpu)."""
     max_tokens_per_gpu: int = 4096
     """Token budget of a micro-batch."""
+    share_prefix: bool = True
+    """Run context tokens that several rows of a micro-batch share (a prompt group) once (one trainer process)."""
     async_queue_size: int = 2
     """Completed groups buffered ahead of the trainer, in training steps."""
     max_staleness: int = 1

@@ -162,6 +162,7 @@ class Run:
             is_correction_mode=adv.is_correction_mode, is_correction_threshold=tuple(adv.is_correction_threshold),
             ref_model_name_or_path=cfg.ref.model_name_or_path or "",
             micro_batch_size=cfg.train.micro_batch_size or None, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu,
+            share_prefix=cfg.train.share_prefix,
             gradient_checkpoint=a.gradient_checkpoint, param_dtype=a.dtype, tp_size=cfg.fsdp.tp_size,
             offload=cfg.fsdp.offload, seed=cfg.train.seed,
         )

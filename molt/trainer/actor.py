@@ -88,7 +88,8 @@ class Actor(ShardedModelTrainer):
         dp = parallel.dp_size(self.mesh)
         for _, mb in self.micro_batches(experiences, plan, n_passes, extra={"old_logprobs": old_logprobs}):
             with self.autocast():
-                lp, ent = self.model(mb.input_ids, mb.attention_mask, mb.action_mask, mb.temperature, True)
+                lp, ent = self.model(mb.input_ids, mb.attention_mask, mb.action_mask, mb.temperature, True,
+                                     prefix=mb.prefix)
             old = mb.extra.get("old_logprobs", lp.detach())
             mask = mb.action_mask
             weights, metrics = importance_weights(
@@ -97,7 +98,7 @@ class Actor(ShardedModelTrainer):
             kl = None
             if self.ref is not None and self.cfg.kl_use_loss:
                 with torch.no_grad(), self.autocast():
-                    ref_lp, _ = self.ref(mb.input_ids, mb.attention_mask, mask, mb.temperature)
+                    ref_lp, _ = self.ref(mb.input_ids, mb.attention_mask, mask, mb.temperature, prefix=mb.prefix)
                 kl, kl_metrics = kl_divergence(lp, ref_lp, mask, self.cfg.kl_estimator, placement="loss")
                 metrics.update(kl_metrics)
             tok_loss, pl_metrics = policy_loss(self.cfg.policy_loss, lp, old, mb.advantages, mask,
@@ -138,7 +139,7 @@ class Actor(ShardedModelTrainer):
         out: list[list[float]] = [[] for _ in experiences]
         for idx, mb in self.micro_batches(experiences, plan, n_passes, need_advantages=False):
             with self.autocast():
-                lp, _ = model(mb.input_ids, mb.attention_mask, mb.action_mask, mb.temperature)
+                lp, _ = model(mb.input_ids, mb.attention_mask, mb.action_mask, mb.temperature, prefix=mb.prefix)
             for row, i in enumerate(idx):
                 out[i] = lp[row, :len(experiences[i].token_ids)].tolist()
         return out

@@ -46,6 +46,8 @@ class ShardedModelTrainer:
         else:
             self.param_dtype = DTYPES[cfg.param_dtype]
         torch.manual_seed(cfg.seed)
+        # see molt.trainer.config: one process only (ranks would run different numbers of collectives)
+        self.share_prefix = cfg.share_prefix and self.mesh is None and not cfg.gradient_checkpoint
         self.step = 0  # optimizer steps taken
         self.pad_id = 0
 
@@ -118,7 +120,7 @@ class ShardedModelTrainer:
             idx = plan[k]
             yield idx, collate([experiences[i] for i in idx], self.pad_id, self.device,
                                extra={n: [v[i] for i in idx] for n, v in extra.items()},
-                               need_advantages=need_advantages)
+                               need_advantages=need_advantages, share_prefix=self.share_prefix)
 
     def _comm_device(self) -> torch.device:
         return self.device  # gloo reduces CPU tensors, NCCL device tensors: the compute device fits both

@@ -10,6 +10,13 @@ Decisions:
   micro-batch and padding stays small. The loss does not depend on the split (window normalization).
 - `max_tokens_per_gpu` budgets *padded* tokens (B * L) because that is what activations cost; a sequence
   longer than the budget gets a micro-batch of its own rather than failing.
+- Shared prefixes (`share_prefix=True`): the rows of a prompt group start with the same context tokens. Collate
+  finds the longest length p such that every row still has an action-free stretch of p tokens plus one (the
+  last context token's hidden state predicts the first action), and, when some rows share their first p
+  tokens, records one representative row per distinct prefix: the model then runs each distinct prefix once
+  and the rest of every row against its cached keys and values (`molt.trainer.logprobs`). Exact (same
+  log-probs and gradients up to float rounding); with 8 samples per prompt and a prompt about as long as the
+  reply it removes close to half of the decoder's tokens.
 """
 from __future__ import annotations
 
@@ -39,6 +46,32 @@ def plan_micro_batches(lengths: list[int], micro_batch_size: int | None = None,
 
 
 @dataclass
+class SharedPrefix:
+    """Rows of a micro-batch that begin with the same `length` tokens: `rows` [U] holds one representative row
+    per distinct prefix, `index` [B] the position in `rows` of each row's prefix."""
+    length: int
+    rows: Tensor
+    index: Tensor
+
+
+def shared_prefix(token_ids: list[list[int]], action_masks: list[list[int]]) -> SharedPrefix | None:
+    """The prefix to compute once per distinct value, or None when no two rows share one (or a row has fewer
+    than two tokens before its first action)."""
+    if len(token_ids) < 2:
+        return None
+    firsts = [next((t for t, a in enumerate(mask) if a), len(mask)) for mask in action_masks]
+    length = min(firsts) - 1  # the hidden state at first-action - 1 must come from the per-row pass
+    if length < 1:
+        return None
+    owner: dict[tuple[int, ...], int] = {}
+    index = [owner.setdefault(tuple(ids[:length]), len(owner)) for ids in token_ids]
+    if len(owner) == len(token_ids):
+        return None
+    rows = [index.index(u) for u in range(len(owner))]  # the first row with each prefix
+    return SharedPrefix(length, torch.tensor(rows), torch.tensor(index))
+
+
+@dataclass
 class MicroBatch:
     input_ids: Tensor  # [B, L] int64, right-padded with pad_id
     attention_mask: Tensor  # [B, L] int64, 1 on real tokens
@@ -48,6 +81,7 @@ class MicroBatch:
     temperature: Tensor  # [B] fp32 sampling temperature of each row
     extra: dict[str, Tensor] | None = None  # more [B, L] fp32 per-token inputs (old_logprobs, returns, ...)
     ghost: bool = False  # a stand-in that keeps collectives in step; its loss is multiplied by 0
+    prefix: SharedPrefix | None = None  # rows that share their first tokens (share_prefix=True)
 
     @property
     def num_actions(self) -> int:
@@ -59,9 +93,10 @@ def _pad(rows: list[list], value, dtype: torch.dtype, length: int) -> Tensor:
 
 
 def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
-            extra: dict[str, list[list[float]]] | None = None, need_advantages: bool = True) -> MicroBatch:
+            extra: dict[str, list[list[float]]] | None = None, need_advantages: bool = True,
+            share_prefix: bool = False) -> MicroBatch:
     """Right-pad a list of (reloaded) experiences into a MicroBatch on `device`; `extra` holds more per-token
-    lists aligned with `exps` (padded the same way)."""
+    lists aligned with `exps` (padded the same way); `share_prefix` looks for rows with a common prefix."""
     for e in exps:
         if e.token_ids is None:
             raise ValueError(f"experience {e.rollout_id}/{e.segment_index} is offloaded: reload() it first")
@@ -78,7 +113,9 @@ def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
         extra={k: _pad(v, 0.0, torch.float32, length) for k, v in (extra or {}).items()},
     )
     if not mb.action_mask.any():
-        mb = ghost_batch(pad_id, device) if length < 2 else _ghostify(mb)
+        return to_device(ghost_batch(pad_id, device) if length < 2 else _ghostify(mb), device)
+    if share_prefix:
+        mb.prefix = shared_prefix([e.token_ids for e in exps], [e.action_mask for e in exps])
     return to_device(mb, device)
 
 
@@ -103,4 +140,6 @@ def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
     for name in ("input_ids", "attention_mask", "action_mask", "behavior_logprobs", "advantages", "temperature"):
         setattr(mb, name, getattr(mb, name).to(device, non_blocking=True))
     mb.extra = {k: v.to(device, non_blocking=True) for k, v in (mb.extra or {}).items()}
+    if mb.prefix is not None:
+        mb.prefix = SharedPrefix(mb.prefix.length, mb.prefix.rows.to(device), mb.prefix.index.to(device))
     return mb

@@ -7,6 +7,9 @@ Decisions:
   where exactness against the engine is tested.
 - Micro-batching: `max_tokens_per_gpu` (a padded-token budget) wins over `micro_batch_size` (a count) when both
   are set; with neither, the whole window is one micro-batch.
+- `share_prefix` applies to a single-process trainer without gradient checkpointing: under FSDP2 a
+  micro-batch with a shared prefix runs the decoder twice, a rank with a ghost micro-batch once, and their
+  collectives would no longer pair up; gradient checkpointing disables the KV cache the sharing runs on.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ class ActorConfig:
     micro_batch_size: int | None = None  # sequences per micro-batch
     max_tokens_per_gpu: int | None = None  # padded tokens per micro-batch (wins over micro_batch_size)
     logprob_chunk_size: int = 512  # action rows per chunk of the vocabulary projection
+    share_prefix: bool = True  # --train.share_prefix: run a prefix common to several rows once (single process)
     # model and parallelism (--actor.*, --fsdp.*)
     gradient_checkpoint: bool = False  # --actor.gradient_checkpoint: recompute decoder blocks in backward
     param_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (compute dtype of parameters)

@@ -25,8 +25,15 @@ Decisions:
   never formed (unmaterialized gradients), so its backward costs nothing.
 - Compared with a full-logits log-softmax, the backward needs one more vocabulary matmul per chunk (the
   recompute); fusing the softmax gradient in place saves about as much elementwise work (bench/trainer.py).
+- Shared prefixes (a `batching.SharedPrefix`): the decoder runs each distinct prefix once with a KV cache,
+  the cache is gathered out to every row (an index_select, whose backward sums the rows' gradients into the
+  one prefix pass), and the rest of each row runs against it. The cache goes through the model's own
+  `DynamicCache`, so any Hugging Face decoder with a standard cache works; gradient checkpointing turns the
+  cache off in training, so the trainer does not share prefixes then.
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import Tensor, nn
@@ -150,8 +157,29 @@ class CausalLMLogProbs(nn.Module):
         self.chunk_size = chunk_size
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, action_mask: Tensor, temperature: Tensor,
-                with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-        out = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                with_entropy: bool = False, prefix=None) -> tuple[Tensor, Tensor | None]:
+        decoder = self.lm.get_decoder()
+        if prefix is None:
+            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        else:
+            hidden = self._hidden_with_shared_prefix(decoder, input_ids, attention_mask, prefix)
         head = self.lm.get_output_embeddings()
-        return action_logprobs(out.last_hidden_state, head.weight, head.bias, input_ids, action_mask, temperature,
+        return action_logprobs(hidden, head.weight, head.bias, input_ids, action_mask, temperature,
                                chunk_size=self.chunk_size, with_entropy=with_entropy)
+
+    def _hidden_with_shared_prefix(self, decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                                   prefix) -> Tensor:
+        """[B, L, H] hidden states, zero over the first `prefix.length` positions (they predict no action)."""
+        from transformers import DynamicCache
+
+        p = prefix.length
+        cache = DynamicCache(config=self.lm.config)
+        # transformers 5.x renamed `past_key_values` to `cache`; accept either
+        kw = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+        decoder(input_ids=input_ids[prefix.rows, :p], use_cache=True, **{kw: cache})
+        if cache.get_seq_length() != p:
+            raise ValueError(f"{type(decoder).__name__} did not fill its KV cache; set --train.share_prefix false")
+        cache.batch_select_indices(prefix.index)
+        rest = decoder(input_ids=input_ids[:, p:], attention_mask=attention_mask, use_cache=True, **{kw: cache})
+        hidden = rest.last_hidden_state
+        return torch.cat([hidden.new_zeros(hidden.shape[0], p, hidden.shape[2]), hidden], dim=1)
