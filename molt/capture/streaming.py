@@ -13,7 +13,9 @@ held back from the first position where it could still change:
   sent as tool-call deltas at the end and their text is not content;
 - trailing whitespace (removed before a tool call, and merged into punctuation by tokenizers that clean up
   spaces) and a trailing incomplete character (an unfinished byte sequence decodes to U+FFFD).
-Everything held back goes out with the end of the stream. Replies that cannot stream (n > 1, a forced tool
+Everything held back goes out with the end of the stream. Decoding is incremental (each batch of tokens is
+decoded together with the batch before it, and the new text is the difference), so a long reply costs
+linear, not quadratic, tokenizer work. Replies that cannot stream (n > 1, a forced tool
 call, a parser without a known opening, an answer from the retry cache, an engine without `on_tokens`) are
 sent whole at the end, as before. If the final content ever failed to start with what was sent (a tokenizer
 whose decode is not prefix-stable), nothing more is sent and the session counts `stream_mismatch`.
@@ -72,6 +74,7 @@ class LiveReply:
 
     async def deltas(self) -> AsyncIterator[str]:
         ids: list[int] = []
+        text, prev, read = "", 0, 0  # text of ids[:read]; ids[prev:read] is the window decoded last time
         while not (self.task.done() and self._queue.empty()):
             getter = asyncio.ensure_future(self._queue.get())
             try:
@@ -85,7 +88,8 @@ class LiveReply:
             ids += getter.result()
             while not self._queue.empty():
                 ids += self._queue.get_nowait()
-            safe = self._safe(self.session.renderer.decode(ids, skip_special_tokens=True))
+            text, prev, read = self._extend(text, ids, prev, read)
+            safe = self._safe(text)
             if len(safe) > len(self.sent):
                 piece, self.sent = safe[len(self.sent):], safe
                 yield piece
@@ -99,6 +103,17 @@ class LiveReply:
             return choice.content[len(self.sent):]
         self.session.stats["stream_mismatch"] = self.session.stats.get("stream_mismatch", 0) + 1
         return ""
+
+    def _extend(self, text: str, ids: list[int], prev: int, read: int) -> tuple[str, int, int]:
+        """Append the text of ids[read:]: decode it with the window before it and keep the difference (a
+        tokenizer may render a token differently at the start of a string, e.g. SentencePiece's leading
+        space, so the window is decoded both ways). An unfinished character waits for the next tokens."""
+        decode = self.session.renderer.decode
+        before = decode(ids[prev:read], skip_special_tokens=True)
+        now = decode(ids[prev:], skip_special_tokens=True)
+        if now.endswith("\ufffd") or not now.startswith(before):
+            return text, prev, read
+        return text + now[len(before):], read, len(ids)
 
     def _safe(self, text: str) -> str:
         cut = len(text.rstrip("\ufffd"))

@@ -112,3 +112,21 @@ async def test_streamed_logprobs_assemble_in_the_sdk(tokenizer):
     n = len(tokenizer.encode("a few words here", add_special_tokens=False)) + 1  # + EOS
     assert [round(e.logprob, 6) for e in entries] == [round(-0.01 * (i + 1), 6) for i in range(n)]
     assert final.choices[0].message.content == "a few words here"
+
+
+@pytest.mark.parametrize("text", ["plain words, then more words", "naïve café 🙂 emoji ☃ split across byte tokens"])
+def test_incremental_decode_equals_decoding_everything(tokenizer, text):
+    """`LiveReply._extend` decodes a window per batch of tokens; fed one token at a time it never shows an
+    unfinished character and ends equal to decoding all the tokens at once."""
+    from types import SimpleNamespace
+
+    from molt.capture.streaming import LiveReply
+
+    decode = tokenizer.decode
+    reply = SimpleNamespace(session=SimpleNamespace(renderer=SimpleNamespace(decode=decode)))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    out, prev, read = "", 0, 0
+    for k in range(1, len(ids) + 1):
+        out, prev, read = LiveReply._extend(reply, out, ids[:k], prev, read)
+        assert "\ufffd" not in out and decode(ids[:k], skip_special_tokens=True).startswith(out)
+    assert out == decode(ids, skip_special_tokens=True) == text
