@@ -6,13 +6,6 @@ share of experience references, run one optimizer step, stream the new weights t
 object store, and bump the policy version (which lets the pool dispatch further). Evaluation runs before,
 every `eval.steps`, and after training; checkpoints every `ckpt.save_steps`.
 
-Refit overlap (object-store path): the trainer's export is submitted right after its step, so the rank actor
-runs it before anything submitted later (the next step cannot change the weights first); the engines drain,
-load and resume in the background while the trainer already works on the next step, and the controller
-waits for that load before the next refit, an evaluation or the end of the run. `timing/broadcast` is the
-time the step loop waited, `timing/weight_load` the last background load. A collective refit stays in the
-loop: the trainer ranks take part in the broadcast, so there is nothing to overlap.
-
 Run directory (`ckpt.output_dir`): `config.yaml`, `metrics.jsonl`, `ledger.jsonl` (one line per trained group:
 step, ledger key, rollout ids), `dumps/step_N.jsonl`, `checkpoints/step_N/`, `policy/` (the final policy as a Hugging Face checkpoint),
 `summary.json`, `curves.png`.
@@ -142,8 +135,6 @@ class Run:
                              self.trainer.setup(self._actor_fields(), critic_path))
         sync = cfg.train.weight_sync
         self._weight_plan = None
-        self._loading: asyncio.Task | None = None  # the engines' load of the last refit (object-store path)
-        self._load_seconds = 0.0
         if sync == "collective" or (sync == "auto" and cfg.rollout.engine == "vllm"):
             await self._join_weight_group()
         self._resume()
@@ -217,8 +208,6 @@ class Run:
         """pass@n and avg@n on the eval set (correct = score or reward > 0; avg = mean score)."""
         from molt.runtime.metrics import pass_at_n
 
-        await self._refit_done()
-
         n = self.cfg.eval.n_samples_per_prompt
         tasks = [RolloutTask(row, (-1, p), f"eval-p{p}", f"eval-v{self.version}-p{p}-s{s}", s, self.version,
                              seed=self.cfg.train.seed * 1000 + p * n + s)
@@ -240,40 +229,21 @@ class Run:
 
     # ------------------------------------------------------------------------------------------ training
     async def _refit(self) -> float:
-        """Start moving the new weights to every engine; returns the seconds the step loop waited."""
-        await self._refit_done()
         t0 = time.perf_counter()
-        begun = [w.begin_refit.remote(self.cfg.train.partial_rollout_enable) for w in self.workers]
-        if self._weight_plan is None:
-            # submitted now, so every rank exports before it runs anything submitted later (the next step)
-            exported = self.trainer.submit("weight_refs", BUCKET_BYTES)
-            self._loading = asyncio.create_task(self._load(exported, begun, self.version))
-            return time.perf_counter() - t0
+        begun = asyncio.gather(*[w.begin_refit.remote(self.cfg.train.partial_rollout_enable) for w in self.workers])
         try:
-            # collective: every engine is paused before rank 0 enters the broadcast, so no trainer rank
-            # waits in a collective on a worker's drain
-            await asyncio.gather(*begun)
-            await asyncio.gather(self.trainer.same("broadcast_weights", BUCKET_BYTES),
-                                 *[w.receive_weights.remote(self._weight_plan, self.version) for w in self.workers])
+            if self._weight_plan is not None:
+                # collective: every engine is paused before rank 0 enters the broadcast, so no trainer rank
+                # waits in a collective on a worker's drain
+                await begun
+                await asyncio.gather(self.trainer.same("broadcast_weights", BUCKET_BYTES),
+                                     *[w.receive_weights.remote(self._weight_plan, self.version) for w in self.workers])
+            else:  # the buckets go into the object store while the workers drain
+                refs, _ = await asyncio.gather(self.trainer.same("weight_refs", BUCKET_BYTES), begun)
+                await asyncio.gather(*[w.update_weights.remote(refs[0], self.version) for w in self.workers])
         finally:
             await asyncio.gather(*[w.end_refit.remote() for w in self.workers])
         return time.perf_counter() - t0
-
-    async def _load(self, exported: list, begun: list, version: int) -> None:
-        """The buckets go into the object store while the workers drain; then every engine loads and resumes."""
-        t0 = time.perf_counter()
-        try:
-            refs = (await asyncio.gather(*exported, *begun))[0]
-            await asyncio.gather(*[w.update_weights.remote(refs, version) for w in self.workers])
-        finally:
-            await asyncio.gather(*[w.end_refit.remote() for w in self.workers])
-        self._load_seconds = time.perf_counter() - t0
-
-    async def _refit_done(self) -> None:
-        """Wait for the engines' load of the last refit (raises what it raised)."""
-        loading, self._loading = self._loading, None
-        if loading is not None:
-            await loading
 
     async def _train_step(self, groups: list[Group]) -> dict[str, float]:
         cfg = self.cfg
@@ -338,7 +308,7 @@ class Run:
                 metrics.update(rollout_metrics(groups, trained_version))
                 metrics.update({f"rollout/{k}": float(v) for k, v in pool.counters.items()})
                 metrics.update({"timing/generation": t_gen, "timing/policy_train": t_train,
-                                "timing/broadcast": t_refit, "timing/weight_load": self._load_seconds, "timing/step_total": time.perf_counter() - t0,
+                                "timing/broadcast": t_refit, "timing/step_total": time.perf_counter() - t0,
                                 "rollout/generated_tokens": float(self.generated_tokens), "version": self.version})
                 if cfg.train.dump_trajectories_steps and self.step % cfg.train.dump_trajectories_steps == 0:
                     from molt.runtime.dump import dump_groups
@@ -351,10 +321,7 @@ class Run:
                 logger.log(self.step, metrics)
                 if cfg.ckpt.save_steps and self.step % cfg.ckpt.save_steps == 0:
                     await self._save_checkpoint(dict(pool.counters))
-            await self._refit_done()
         finally:
-            if self._loading is not None:  # leaving on an error: let the load end before stopping the pool
-                await asyncio.gather(self._loading, return_exceptions=True)
             await pool.stop()
 
     def _record(self, groups: list[Group]) -> None:

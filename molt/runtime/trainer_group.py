@@ -236,11 +236,6 @@ class TrainerGroup:
         master = await self.ranks[0].master_address.remote()
         await self.same("setup", master, actor_fields, critic_path)
 
-    def submit(self, method: str, *args: Any) -> list[Any]:
-        """Submit the same call to every rank now and return the ObjectRefs: a rank actor runs calls in
-        submission order, so this call runs before anything submitted after it."""
-        return [getattr(rank, method).remote(*args) for rank in self.ranks]
-
     async def call(self, method: str, *per_rank_args: list[Any], **kwargs: Any) -> list[Any]:
         refs = [getattr(rank, method).remote(*(a[i] for a in per_rank_args), **kwargs)
                 for i, rank in enumerate(self.ranks)]
