@@ -45,6 +45,7 @@ class Critic(ShardedModelTrainer):
         from transformers import AutoModel
 
         super().__init__(cfg)
+        self.share_prefix = False  # the value model runs whole rows: finding shared prefixes would be wasted work
         self.value_clip = value_clip
         backbone = self.load_lm(cfg.model_name_or_path, AutoModel)
         self.model = self.wrap(ValueModel(backbone), backbone, trainable=True)

@@ -155,6 +155,9 @@ class CausalLMLogProbs(nn.Module):
         check_supported(lm.config)
         self.lm = lm
         self.chunk_size = chunk_size
+        # transformers 5.x renamed the decoder's `past_key_values` to `cache`; accept either
+        params = inspect.signature(lm.get_decoder().forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, action_mask: Tensor, temperature: Tensor,
                 with_entropy: bool = False, prefix=None) -> tuple[Tensor, Tensor | None]:
@@ -174,8 +177,7 @@ class CausalLMLogProbs(nn.Module):
 
         p = prefix.length
         cache = DynamicCache(config=self.lm.config)
-        # transformers 5.x renamed `past_key_values` to `cache`; accept either
-        kw = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+        kw = self._cache_kw
         decoder(input_ids=input_ids[prefix.rows, :p], use_cache=True, **{kw: cache})
         if cache.get_seq_length() != p:
             raise ValueError(f"{type(decoder).__name__} did not fill its KV cache; set --train.share_prefix false")
