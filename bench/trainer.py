@@ -53,7 +53,9 @@ def _steps(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from molt.trainer.logprobs import CausalLMLogProbs, action_logprobs
+    from molt.trainer.batching import collate
+    from molt.trainer.logprobs import CausalLMLogProbs, action_index, action_logprobs
+    from molt.types import Experience
 
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
@@ -61,7 +63,7 @@ def _steps(args) -> dict:
     ids = torch.randint(0, vocab, (b, length))
     mask = torch.ones(b, length, dtype=torch.bool)
     mask[:, 0] = False  # every token but the first is an action: no advantage from skipping prompts
-    temp = torch.ones(b)
+    act_index, act_temp = action_index(mask), torch.ones(int(mask.sum()))
     g = torch.randn(b, length)  # upstream per-token gradient, as a loss would give
 
     def naive_loss(logits):
@@ -85,13 +87,16 @@ def _steps(args) -> dict:
             if variant == "naive":
                 naive_loss(hidden @ weight.T).backward()
             else:
-                chunked_loss(*action_logprobs(hidden, weight, None, ids, mask, temp, chunk_size=args.chunk,
+                chunked_loss(*action_logprobs(hidden, weight, None, ids, act_index, act_temp, chunk_size=args.chunk,
                                               with_entropy=True)).backward()
     else:
         lm.config.use_cache = False
         lm.gradient_checkpointing_enable({"use_reentrant": False})
         lm.train()
         wrapped = CausalLMLogProbs(lm, args.chunk)
+        mb = collate([Experience("r", "g", 0, 0.0, length, length - 1, 0, token_ids=row, action_mask=[0] + [1] * (length - 1),
+                                 behavior_logprobs=[0.0] * length, versions=[0] * length) for row in ids.tolist()],
+                     0, torch.device("cpu"), need_advantages=False)
 
         def zero():
             lm.zero_grad(set_to_none=True)
@@ -100,7 +105,7 @@ def _steps(args) -> dict:
             if variant == "naive":
                 naive_loss(lm(input_ids=ids).logits).backward()
             else:
-                chunked_loss(*wrapped(ids, torch.ones_like(ids), mask, temp, True)).backward()
+                chunked_loss(*wrapped(mb, True)).backward()
 
     return {v: (lambda v=v: run(v)) for v in ("naive", "chunked")}, zero
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections import defaultdict
 from collections.abc import Iterator
 
 import torch
@@ -83,35 +82,35 @@ class Actor(ShardedModelTrainer):
         t0 = time.perf_counter()
         self.model.train()
         plan, n_passes, global_count = self.schedule(experiences)
-        sums: dict[str, float] = defaultdict(float)
-        tokens, window_loss = 0, 0.0
+        sums: dict[str, torch.Tensor] = {}
+        tokens, window_loss = 0, torch.zeros((), device=self.device)
         dp = parallel.dp_size(self.mesh)
         for _, mb in self.micro_batches(experiences, plan, n_passes, extra={"old_logprobs": old_logprobs}):
-            with self.autocast():
-                lp, ent = self.model(mb.input_ids, mb.attention_mask, mb.action_mask, mb.temperature, True,
-                                     prefix=mb.prefix)
+            lp, ent = self.model(mb, True)
             old = mb.extra.get("old_logprobs", lp.detach())
             mask = mb.action_mask
             weights, metrics = importance_weights(
                 old, mb.behavior_logprobs, mask, self.cfg.is_correction_level, self.cfg.is_correction_mode,
-                *self.cfg.is_correction_threshold)
+                *self.cfg.is_correction_threshold, seq_ids=mb.seq_ids)
             kl = None
             if self.ref is not None and self.cfg.kl_use_loss:
-                with torch.no_grad(), self.autocast():
-                    ref_lp, _ = self.ref(mb.input_ids, mb.attention_mask, mask, mb.temperature, prefix=mb.prefix)
+                with torch.no_grad():
+                    ref_lp, _ = self.ref(mb)
                 kl, kl_metrics = kl_divergence(lp, ref_lp, mask, self.cfg.kl_estimator, placement="loss")
                 metrics.update(kl_metrics)
             tok_loss, pl_metrics = policy_loss(self.cfg.policy_loss, lp, old, mb.advantages, mask,
-                                               params=self.loss_params, is_weights=weights, entropy=ent, kl=kl)
+                                               params=self.loss_params, is_weights=weights, entropy=ent, kl=kl,
+                                               seq_ids=mb.seq_ids)
             loss, _ = window_normalize(tok_loss, mask, global_count, dp_size=dp)
             if mb.ghost:
                 loss = loss * 0.0
             loss.backward()
-            n = mb.num_actions
-            window_loss += float(loss.detach()) / dp  # this rank's share of the window loss
-            tokens += n
-            for k, v in {**metrics, **pl_metrics}.items():
-                sums[k] += float(v) * n
+            window_loss += loss.detach() / dp  # this rank's share of the window loss
+            tokens += mb.num_actions
+            self.accumulate(sums, {**metrics, **pl_metrics}, mb.num_actions)
+        self.end_pass(self.model)
+        if self.ref is not None:
+            self.end_pass(self.ref)
         step_metrics = self.optimizer_step()
         out = self.reduce_metrics(sums, tokens, {"policy_loss": window_loss})
         for src, dst in ALIASES.items():
@@ -123,7 +122,7 @@ class Actor(ShardedModelTrainer):
         local_tokens = float(sum(len(e.token_ids) for e in experiences))
         out.update({"actor_grad_norm": step_metrics["grad_norm"], "actor_lr": step_metrics["lr"],
                     "actor_grad_clip_coef": step_metrics["clip_coef"], "actor_tokens_per_s": local_tokens / elapsed,
-                    "actor_window_tokens": float(global_count), "timing/policy_train": elapsed})
+                    "actor_window_tokens": self.window_tokens, "timing/policy_train": elapsed})
         return out
 
     # ---- log-prob passes ---------------------------------------------------------------------------------
@@ -137,11 +136,13 @@ class Actor(ShardedModelTrainer):
         model.eval()
         plan, n_passes, _ = self.schedule(experiences)
         out: list[list[float]] = [[] for _ in experiences]
-        for idx, mb in self.micro_batches(experiences, plan, n_passes, need_advantages=False):
-            with self.autocast():
-                lp, _ = model(mb.input_ids, mb.attention_mask, mb.action_mask, mb.temperature, prefix=mb.prefix)
-            for row, i in enumerate(idx):
-                out[i] = lp[row, :len(experiences[i].token_ids)].tolist()
+        passes = [(idx, mb.spans, model(mb)[0]) for idx, mb in self.micro_batches(
+            experiences, plan, n_passes, need_advantages=False)]
+        self.end_pass(model)
+        for idx, spans, lp in passes:  # read back after the last pass was queued
+            lp = lp.cpu()
+            for i, (row, start, n) in zip(idx, spans):
+                out[i] = lp[row, start:start + n].tolist()
         return out
 
     # ---- weights out -------------------------------------------------------------------------------------

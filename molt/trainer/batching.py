@@ -1,15 +1,22 @@
-"""Micro-batches of one optimizer window: planning by token budget or count, and right-padded collation.
+"""Micro-batches of one optimizer window: planning by token budget or count, and padded or packed collation.
 
 Decisions:
-- Pad, don't pack. Each micro-batch is a right-padded [B, L] batch with an attention mask, the layout of
-  `molt.algo` (entry t is about token t). Padding is exact with every attention implementation and costs
-  attention work only over each row; packing many sequences into one row saves the padding but, on CPU
-  with SDPA, pays dense [L, L] attention over the packed row. Packing (varlen flash attention) is a GPU-path
-  option for later.
+- Pad or pack (`pack=True`, `--fsdp.packing_samples`). Padded: each micro-batch is a right-padded [B, L] batch
+  with an attention mask. Packed: the micro-batch is ONE row [1, T] of its sequences back to back, positions
+  restarting at 0 for each, no padding at all; the decoder attends within each sequence through
+  `molt.trainer.packing` (varlen flash attention on CUDA, one causal SDPA call per sequence on CPU), and
+  `seq_ids` [1, T] names each token's sequence for the sequence-level rules of `molt.algo`. Both give the same
+  log-probs and gradients (tests/trainer/test_packing.py). Packing saves the padding and batches sequences of any
+  mix of lengths at full width; prefix sharing (below) is the CPU win instead, and the two exclude each other.
+- Everything the step indexes with is built here, on the host, from the Python lists: the flat positions of the
+  action tokens (`act_index`), their temperatures, the action count. The step then gathers and scatters with
+  index tensors and never asks the device for a value (no boolean-mask indexing, whose backward calls
+  `nonzero` and synchronizes).
 - Experiences are sorted by length (longest first) before planning, so rows of similar length share a
   micro-batch and padding stays small. The loss does not depend on the split (window normalization).
-- `max_tokens_per_gpu` budgets *padded* tokens (B * L) because that is what activations cost; a sequence
-  longer than the budget gets a micro-batch of its own rather than failing.
+- `max_tokens_per_gpu` budgets the tokens the decoder runs: padded tokens (B * L) when padding, real tokens
+  when packing (first-fit decreasing); a sequence longer than the budget gets a micro-batch of its own rather
+  than failing.
 - Shared prefixes (`share_prefix=True`): the rows of a prompt group start with the same context tokens. Collate
   finds the longest length p such that every row still has an action-free stretch of p tokens plus one (the
   last context token's hidden state predicts the first action), and, when some rows share their first p
@@ -29,9 +36,20 @@ from molt.types import Experience
 
 
 def plan_micro_batches(lengths: list[int], micro_batch_size: int | None = None,
-                       max_tokens_per_gpu: int | None = None) -> list[list[int]]:
+                       max_tokens_per_gpu: int | None = None, packed: bool = False) -> list[list[int]]:
     """Indices into `lengths`, grouped into micro-batches (each non-empty, together a permutation)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if max_tokens_per_gpu is not None and packed:  # first-fit decreasing on real tokens
+        bins: list[list[int]] = []
+        room: list[int] = []
+        for i in order:
+            k = next((b for b, r in enumerate(room) if lengths[i] <= r), len(bins))
+            if k == len(bins):
+                bins.append([])
+                room.append(max_tokens_per_gpu)
+            bins[k].append(i)
+            room[k] -= lengths[i]
+        return bins
     if max_tokens_per_gpu is not None:
         batches: list[list[int]] = []
         for i in order:
@@ -73,73 +91,116 @@ def shared_prefix(token_ids: list[list[int]], action_masks: list[list[int]]) -> 
 
 @dataclass
 class MicroBatch:
-    input_ids: Tensor  # [B, L] int64, right-padded with pad_id
-    attention_mask: Tensor  # [B, L] int64, 1 on real tokens
-    action_mask: Tensor  # [B, L] bool, 1 on tokens the policy sampled
-    behavior_logprobs: Tensor  # [B, L] fp32, 0 off action tokens
-    advantages: Tensor  # [B, L] fp32
-    temperature: Tensor  # [B] fp32 sampling temperature of each row
-    extra: dict[str, Tensor] | None = None  # more [B, L] fp32 per-token inputs (old_logprobs, returns, ...)
+    """Tensors of one forward/backward pass, on the device. [R, L] is [B, L] padded or [1, T] packed."""
+    input_ids: Tensor  # [R, L] int64, right-padded with pad_id (padded layout)
+    attention_mask: Tensor | None  # [R, L] int64, 1 on real tokens; None when packed
+    action_mask: Tensor  # [R, L] bool, 1 on tokens the policy sampled
+    behavior_logprobs: Tensor  # [R, L] fp32, 0 off action tokens
+    advantages: Tensor  # [R, L] fp32
+    act_index: Tensor  # [A] int64 flat positions (into R * L) of the action tokens
+    act_temperature: Tensor  # [A] fp32 sampling temperature of each action token
+    num_actions: int  # A, known on the host (0 for a ghost)
+    spans: list[tuple[int, int, int]]  # per experience: (row, start, length) of its tokens
+    extra: dict[str, Tensor] | None = None  # more [R, L] fp32 per-token inputs (old_logprobs, returns, ...)
     ghost: bool = False  # a stand-in that keeps collectives in step; its loss is multiplied by 0
     prefix: SharedPrefix | None = None  # rows that share their first tokens (share_prefix=True)
+    seq_ids: Tensor | None = None  # [1, T] int64 sequence index of each token (packed)
+    packing: dict | None = None  # packed: position_ids, cu_seq_lens_*, max_length_*, molt_bounds for the decoder
 
-    @property
-    def num_actions(self) -> int:
-        return 0 if self.ghost else int(self.action_mask.sum())
+    def decoder_inputs(self, attn_implementation: str = "sdpa") -> dict:
+        """Keyword arguments of a Hugging Face decoder's forward for this micro-batch. For SDPA the padded
+        layout gets its 4-D mask built here on the device (causal and key padding): given a 2-D mask, or
+        none, transformers reads it (or the positions) back to decide which mask to build: a sync per forward."""
+        if self.packing is not None:
+            return {"input_ids": self.input_ids, **self.packing}
+        if self.attention_mask is None or attn_implementation != "sdpa" or self.input_ids.shape[1] > 8192:
+            return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+        n = self.input_ids.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=self.input_ids.device).tril()
+        return {"input_ids": self.input_ids, "attention_mask": causal & self.attention_mask.bool()[:, None, None, :]}
 
 
 def _pad(rows: list[list], value, dtype: torch.dtype, length: int) -> Tensor:
     return torch.tensor([list(r) + [value] * (length - len(r)) for r in rows], dtype=dtype)
 
 
+def _cat(rows: list[list], dtype: torch.dtype) -> Tensor:
+    return torch.tensor([[x for r in rows for x in r]], dtype=dtype)
+
+
 def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
             extra: dict[str, list[list[float]]] | None = None, need_advantages: bool = True,
-            share_prefix: bool = False) -> MicroBatch:
-    """Right-pad a list of (reloaded) experiences into a MicroBatch on `device`; `extra` holds more per-token
-    lists aligned with `exps` (padded the same way); `share_prefix` looks for rows with a common prefix."""
+            share_prefix: bool = False, pack: bool = False) -> MicroBatch:
+    """Pad (or `pack`) a list of (reloaded) experiences into a MicroBatch on `device`; `extra` holds more
+    per-token lists aligned with `exps` (laid out the same way); `share_prefix` looks for rows with a common
+    prefix (padded layout only)."""
     for e in exps:
         if e.token_ids is None:
             raise ValueError(f"experience {e.rollout_id}/{e.segment_index} is offloaded: reload() it first")
         if need_advantages and e.advantages is None:
             raise ValueError(f"experience {e.rollout_id}/{e.segment_index} has no advantages")
-    length = max(len(e.token_ids) for e in exps)
-    mb = MicroBatch(
-        input_ids=_pad([e.token_ids for e in exps], pad_id, torch.long, length),
-        attention_mask=_pad([[1] * len(e.token_ids) for e in exps], 0, torch.long, length),
-        action_mask=_pad([e.action_mask for e in exps], 0, torch.bool, length),
-        behavior_logprobs=_pad([e.behavior_logprobs for e in exps], 0.0, torch.float32, length),
-        advantages=_pad([e.advantages or [0.0] * len(e.token_ids) for e in exps], 0.0, torch.float32, length),
-        temperature=torch.tensor([e.temperature for e in exps], dtype=torch.float32),
-        extra={k: _pad(v, 0.0, torch.float32, length) for k, v in (extra or {}).items()},
-    )
-    if not mb.action_mask.any():
-        return to_device(ghost_batch(pad_id, device) if length < 2 else _ghostify(mb), device)
-    if share_prefix:
+        if e.action_mask and e.action_mask[0]:
+            raise ValueError("action_mask[0] must be 0: the first token of a sequence has no prediction")
+    lens = [len(e.token_ids) for e in exps]
+    per_token = {"input_ids": ([e.token_ids for e in exps], pad_id, torch.long),
+                 "action_mask": ([e.action_mask for e in exps], 0, torch.bool),
+                 "behavior_logprobs": ([e.behavior_logprobs for e in exps], 0.0, torch.float32),
+                 "advantages": ([e.advantages or [0.0] * n for e, n in zip(exps, lens)], 0.0, torch.float32),
+                 "temperature": ([[e.temperature] * n for e, n in zip(exps, lens)], 1.0, torch.float32),
+                 **{k: (v, 0.0, torch.float32) for k, v in (extra or {}).items()}}
+    if pack:
+        t = {k: _cat(rows, dtype) for k, (rows, _, dtype) in per_token.items()}
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        spans = [(0, s, n) for s, n in zip(starts, lens)]
+        t["seq_ids"] = _cat([[i] * n for i, n in enumerate(lens)], torch.long)
+        t["position_ids"] = _cat([range(n) for n in lens], torch.long)
+    else:
+        length = max(lens)
+        t = {k: _pad(rows, value, dtype, length) for k, (rows, value, dtype) in per_token.items()}
+        t["attention_mask"] = _pad([[1] * n for n in lens], 0, torch.long, length)
+        spans = [(i, 0, n) for i, n in enumerate(lens)]
+    ghost = not t["action_mask"].any()
+    if ghost and t["action_mask"].shape[1] < 2:
+        return ghost_batch(pad_id, device, extra or {}, pack)
+    if ghost:  # mark one token as an action so that every parameter (the output head included) joins the
+        # backward, as FSDP2 expects the same parameters to receive gradients on every rank; the loss is zeroed
+        t["action_mask"][0, 1] = True
+    act_index = t["action_mask"].flatten().nonzero()[:, 0]  # host tensors: no device sync
+    mb = MicroBatch(t["input_ids"], t.get("attention_mask"), t["action_mask"], t["behavior_logprobs"],
+                    t["advantages"], act_index, t["temperature"].flatten()[act_index],
+                    0 if ghost else len(act_index), spans, extra={k: t[k] for k in extra or {}}, ghost=ghost)
+    if pack:
+        bounds = [0, *(s + n for s, n in zip(starts, lens))]
+        mb.seq_ids = t["seq_ids"]
+        mb.packing = {"position_ids": t["position_ids"], "cu_seq_lens_q": torch.tensor(bounds, dtype=torch.int32),
+                      "max_length_q": max(lens), "molt_bounds": bounds}
+    elif share_prefix and not ghost:
         mb.prefix = shared_prefix([e.token_ids for e in exps], [e.action_mask for e in exps])
     return to_device(mb, device)
 
 
-def _ghostify(mb: MicroBatch) -> MicroBatch:
-    """Mark one token as an action so that every parameter (the output head included) joins the backward,
-    as FSDP2 expects the same parameters to receive gradients on every rank; the loss is then zeroed."""
-    mb.action_mask[0, 1] = True
-    mb.ghost = True
-    return mb
-
-
-def ghost_batch(pad_id: int, device: torch.device, extra_keys=()) -> MicroBatch:
+def ghost_batch(pad_id: int, device: torch.device, extra_keys=(), pack: bool = False) -> MicroBatch:
     """A two-token micro-batch for a rank that has run out of work while others still have micro-batches."""
-    z = torch.zeros(1, 2)
-    extra = {k: z.clone() for k in extra_keys}
-    mb = MicroBatch(torch.full((1, 2), pad_id, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
-                    torch.zeros(1, 2, dtype=torch.bool), z.clone(), z.clone(), torch.ones(1), extra=extra)
-    return to_device(_ghostify(mb), device)
+    e = Experience(rollout_id="ghost", group_id="ghost", segment_index=0, reward=0.0, num_tokens=2, num_actions=0,
+                   min_version=0, temperature=1.0, token_ids=[pad_id, pad_id], action_mask=[0, 0],
+                   behavior_logprobs=[0.0, 0.0], versions=[-1, -1], advantages=[0.0, 0.0])
+    return collate([e], pad_id, device, extra={k: [[0.0, 0.0]] for k in extra_keys}, pack=pack)
 
 
 def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
-    for name in ("input_ids", "attention_mask", "action_mask", "behavior_logprobs", "advantages", "temperature"):
-        setattr(mb, name, getattr(mb, name).to(device, non_blocking=True))
-    mb.extra = {k: v.to(device, non_blocking=True) for k, v in (mb.extra or {}).items()}
+    """Copy the tensors over (pinned and asynchronous on CUDA: the host does not wait for the copies)."""
+    def move(x):
+        if not isinstance(x, Tensor):
+            return x
+        return (x.pin_memory() if device.type == "cuda" else x).to(device, non_blocking=True)
+
+    for name in ("input_ids", "attention_mask", "action_mask", "behavior_logprobs", "advantages", "act_index",
+                 "act_temperature", "seq_ids"):
+        setattr(mb, name, move(getattr(mb, name)))
+    mb.extra = {k: move(v) for k, v in (mb.extra or {}).items()}
+    if mb.packing is not None:
+        mb.packing = {k: move(v) for k, v in mb.packing.items()}
+        mb.packing["cu_seq_lens_k"], mb.packing["max_length_k"] = mb.packing["cu_seq_lens_q"], mb.packing["max_length_q"]
     if mb.prefix is not None:
-        mb.prefix = SharedPrefix(mb.prefix.length, mb.prefix.rows.to(device), mb.prefix.index.to(device))
+        mb.prefix = SharedPrefix(mb.prefix.length, move(mb.prefix.rows), move(mb.prefix.index))
     return mb

@@ -7,9 +7,13 @@ Decisions:
   where exactness against the engine is tested.
 - Micro-batching: `max_tokens_per_gpu` (a padded-token budget) wins over `micro_batch_size` (a count) when both
   are set; with neither, the whole window is one micro-batch.
-- `share_prefix` applies to a single-process trainer without gradient checkpointing: under FSDP2 a
-  micro-batch with a shared prefix runs the decoder twice, a rank with a ghost micro-batch once, and their
-  collectives would no longer pair up; gradient checkpointing disables the KV cache the sharing runs on.
+- `share_prefix` applies to a single plain CPU process without gradient checkpointing or packing: under FSDP2
+  a micro-batch with a shared prefix runs the decoder twice, a rank with a ghost micro-batch once, and their
+  collectives would no longer pair up; gradient checkpointing disables the KV cache the sharing runs on; on
+  CUDA it measured slower (`molt.trainer.base`).
+- `packing_samples` (the reference's `--fsdp.packing_samples`): micro-batches are packed rows, budgeted in real
+  tokens, and attention runs through `molt.trainer.packing` whatever `attn_implementation` says (on CUDA that
+  is flash attention over the packed sequences, which is what the reference's flash_attention_2 does).
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ class ActorConfig:
     max_tokens_per_gpu: int | None = None  # padded tokens per micro-batch (wins over micro_batch_size)
     logprob_chunk_size: int = 512  # action rows per chunk of the vocabulary projection
     share_prefix: bool = True  # --train.share_prefix: run a prefix common to several rows once (single process)
+    packing_samples: bool = False  # --fsdp.packing_samples: pack sequences into rows (no padding)
     # model and parallelism (--actor.*, --fsdp.*)
     gradient_checkpoint: bool = False  # --actor.gradient_checkpoint: recompute decoder blocks in backward
     param_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (compute dtype of parameters)

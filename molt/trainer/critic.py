@@ -9,7 +9,6 @@ returns rather than the noise of a random projection.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 
 import torch
 from torch import Tensor, nn
@@ -30,12 +29,15 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, action_mask: Tensor, temperature=None) -> Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        v = self.value_head(hidden).squeeze(-1).float()
-        out = torch.zeros_like(v)
-        out[:, 1:] = v[:, :-1]  # the state before token t is summarized at position t-1
-        return torch.where(action_mask.bool(), out, 0.0)
+    def forward(self, mb) -> Tensor:
+        """mb: a `molt.trainer.batching.MicroBatch` -> [R, L] fp32 values, zero off the action tokens."""
+        hidden = self.backbone(**mb.decoder_inputs(self.backbone.config._attn_implementation),
+                               use_cache=False).last_hidden_state
+        # the state before token t is summarized at position t - 1 (of the same sequence, packed or not)
+        v = self.value_head(hidden.flatten(0, 1).index_select(0, mb.act_index - 1)).squeeze(-1).float()
+        out = torch.zeros(mb.input_ids.shape, dtype=torch.float32, device=v.device)
+        out.view(-1).index_copy_(0, mb.act_index, v)  # not a view: FSDP2 hooks a module's outputs
+        return out
 
 
 class Critic(ShardedModelTrainer):
@@ -58,11 +60,13 @@ class Critic(ShardedModelTrainer):
         self.model.eval()
         plan, n_passes, _ = self.schedule(experiences)
         out: list[list[float]] = [[] for _ in experiences]
-        for idx, mb in self.micro_batches(experiences, plan, n_passes, need_advantages=False):
-            with self.autocast():
-                v = self.model(mb.input_ids, mb.attention_mask, mb.action_mask)
-            for row, i in enumerate(idx):
-                out[i] = v[row, :len(experiences[i].token_ids)].tolist()
+        passes = [(idx, mb.spans, self.model(mb)) for idx, mb in self.micro_batches(
+            experiences, plan, n_passes, need_advantages=False)]
+        self.end_pass(self.model)
+        for idx, spans, v in passes:
+            v = v.cpu()
+            for i, (row, start, n) in zip(idx, spans):
+                out[i] = v[row, start:start + n].tolist()
         return out
 
     def train_step(self, experiences: list[Experience], returns: list[list[float]],
@@ -72,20 +76,19 @@ class Critic(ShardedModelTrainer):
         self.model.train()
         plan, n_passes, global_count = self.schedule(experiences)
         dp = parallel.dp_size(self.mesh)
-        sums: dict[str, float] = defaultdict(float)
-        tokens, window_loss = 0, 0.0
+        sums: dict[str, torch.Tensor] = {}
+        tokens, window_loss = 0, torch.zeros((), device=self.device)
         extra = {"returns": returns, "old_values": old_values}
         for _, mb in self.micro_batches(experiences, plan, n_passes, extra=extra, need_advantages=False):
-            with self.autocast():
-                values = self.model(mb.input_ids, mb.attention_mask, mb.action_mask)
+            values = self.model(mb)
             tok, metrics = value_loss(values, mb.extra["old_values"], mb.extra["returns"], mb.action_mask,
                                       self.value_clip)
             loss, _ = window_normalize(tok, mb.action_mask, global_count, dp_size=dp)
             (loss * 0.0 if mb.ghost else loss).backward()
-            window_loss += float(loss.detach()) / dp
+            window_loss += loss.detach() / dp
             tokens += mb.num_actions
-            for k, v in metrics.items():
-                sums[k] += float(v) * mb.num_actions
+            self.accumulate(sums, metrics, mb.num_actions)
+        self.end_pass(self.model)
         step = self.optimizer_step()
         out = self.reduce_metrics(sums, tokens, {"critic_loss": window_loss})
         out.update({"critic_grad_norm": step["grad_norm"], "critic_lr": step["lr"],

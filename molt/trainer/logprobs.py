@@ -47,10 +47,28 @@ def check_supported(config) -> None:
                              "supports plain `lm_head(hidden)` logits only")
 
 
+_OUT_DTYPE_MM = "dtype" in torch.ops.aten.mm.overloads()  # mm(a, b, out_dtype=...) (CUDA kernels only)
+
+
+def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b in the inputs' dtype (bf16 tensor cores on CUDA) with fp32 accumulation, as an fp32 result."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda and _OUT_DTYPE_MM:  # no rounding of the result to bf16
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
+def compute_dtype(t: Tensor) -> torch.dtype:
+    """The dtype matmuls of `t`'s device run in here: autocast's when it is on, else the tensor's own."""
+    dev = t.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else t.dtype
+
+
 def _scaled_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_temp: Tensor) -> Tensor:
-    """[c, H] rows already divided by T -> [c, V] fp32 logits / T (a fresh tensor callers may modify in place).
-    Dividing the [c, H] rows rather than the [c, V] logits saves a pass over the vocabulary."""
-    z = nn.functional.linear(hidden, weight).float()
+    """[c, H] rows already divided by T (compute dtype) -> [c, V] fp32 logits / T (a fresh tensor callers may
+    modify in place). Dividing the [c, H] rows rather than the [c, V] logits saves a pass over the vocabulary."""
+    z = _mm_f32(hidden, weight.T)
     return z if bias is None else z.add_(bias.float()[None] * inv_temp[:, None])
 
 
@@ -59,23 +77,30 @@ class _ChunkedLogProbs(torch.autograd.Function):
     Backward: per chunk, recompute the logits once and form the logit gradient in place,
         dL/dz = g_lp * (onehot(target) - p) - g_ent * p * (log p + H),
     then grad_hidden = dz @ W / T and grad_W += dz^T @ (hidden / T). One extra vocabulary matmul per chunk
-    compared with keeping the logits, and at most two [c, V] buffers alive at a time."""
+    compared with keeping the logits, and at most two [c, V] buffers alive at a time.
+
+    Precision: every vocabulary matmul, forward and backward, runs in the compute dtype (autocast's dtype, or the
+    weight's own under FSDP2 mixed precision: bf16 tensor cores on CUDA) with fp32 accumulation; the softmax
+    statistics and dL/dz are fp32. The backward runs outside autocast, so the dtype is recorded in forward and
+    the weight is cast once per call (not per chunk). In fp32 nothing is cast: the CPU path stays exact."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, inv_temp, chunk_size, with_entropy):
         n = hidden.shape[0]
-        scaled = hidden * inv_temp[:, None].to(hidden.dtype)  # logits / T == (hidden / T) @ W^T
+        cdtype = compute_dtype(weight)
+        w = weight.to(cdtype)
+        scaled = (hidden * inv_temp[:, None].to(hidden.dtype)).to(cdtype)  # logits / T == (hidden / T) @ W^T
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse, ent = torch.empty_like(lp), torch.empty_like(lp)
         for s in range(0, n, chunk_size):
             sl = slice(s, s + chunk_size)
-            z = _scaled_logits(scaled[sl], weight, bias, inv_temp[sl])
+            z = _scaled_logits(scaled[sl], w, bias, inv_temp[sl])
             lse[sl] = torch.logsumexp(z, -1)
             lp[sl] = z.gather(-1, targets[sl, None])[:, 0] - lse[sl]
             if with_entropy:  # H = lse - sum_k p_k z_k
                 ent[sl] = lse[sl] - (z - lse[sl, None]).exp_().mul_(z).sum(-1)
         ctx.save_for_backward(scaled, weight, bias, targets, inv_temp, lse, ent)
-        ctx.chunk_size, ctx.with_entropy = chunk_size, with_entropy
+        ctx.chunk_size, ctx.with_entropy, ctx.cdtype, ctx.hidden_dtype = chunk_size, with_entropy, cdtype, hidden.dtype
         ctx.set_materialize_grads(False)  # an unused output (entropy as a mere metric) then costs no backward work
         return lp, (ent if with_entropy else lp.new_empty(0))
 
@@ -83,7 +108,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent):
         scaled, weight, bias, targets, inv_temp, lse, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.zeros_like(scaled) if need_h else None
+        w = weight.to(ctx.cdtype)
+        grad_h = torch.zeros(scaled.shape, dtype=torch.float32, device=scaled.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
         if g_lp is None:
@@ -91,7 +117,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         use_ent = ctx.with_entropy and g_ent is not None
         for s in range(0, scaled.shape[0], ctx.chunk_size):
             sl = slice(s, s + ctx.chunk_size)
-            logp = _scaled_logits(scaled[sl], weight, bias, inv_temp[sl]).sub_(lse[sl, None])
+            logp = _scaled_logits(scaled[sl], w, bias, inv_temp[sl]).sub_(lse[sl, None])
             gl = g_lp[sl, None]
             if use_ent:  # dz = -p * (g_lp + g_ent * (log p + H))
                 p = logp.exp()
@@ -99,15 +125,18 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 del p
             else:  # dz = -p * g_lp, in the same buffer
                 dz = logp.exp_().mul_(-gl)
-            dz = dz.scatter_add_(-1, targets[sl, None], gl).to(weight.dtype)
-            if need_h:
-                grad_h[sl] = dz @ weight
-            if need_w:
-                grad_w.addmm_(dz.T.float(), scaled[sl].float())
+            dz = dz.scatter_add_(-1, targets[sl, None], gl)
             if need_b:
-                grad_b.addmv_(dz.T.float(), inv_temp[sl])
+                grad_b.addmv_(dz.T, inv_temp[sl])
+            dz = dz.to(ctx.cdtype)
+            if need_h:
+                grad_h[sl] = _mm_f32(dz, w)
+            if need_w and dz.dtype == torch.float32:
+                grad_w.addmm_(dz.T, scaled[sl])  # in place: no [V, H] temporary on the exact fp32 path
+            elif need_w:
+                grad_w += _mm_f32(dz.T, scaled[sl])
         if need_h:  # d(hidden / T)/d hidden = 1 / T
-            grad_h.mul_(inv_temp[:, None].to(grad_h.dtype))
+            grad_h = grad_h.mul_(inv_temp[:, None]).to(ctx.hidden_dtype)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(weight.dtype), None, None, None, None)
 
@@ -117,31 +146,39 @@ def gathered_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targe
     """Log-prob (and entropy) of `targets` [A] given the rows `hidden` [A, H] that predict them.
 
     temperature: [A] per-row temperature (0 means 1). Returns ([A] fp32, [A] fp32 or None)."""
-    inv_temp = 1.0 / torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
+    temperature = temperature.float()
+    inv_temp = 1.0 / torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     lp, ent = _ChunkedLogProbs.apply(hidden, weight, bias, targets, inv_temp, chunk_size, with_entropy)
     return lp, (ent if with_entropy else None)
 
 
-def action_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, input_ids: Tensor, action_mask: Tensor,
-                    temperature: Tensor, *, chunk_size: int = 512,
-                    with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Per-token log-probs (and entropy) of the action tokens of a right-padded batch.
-
-    hidden: [B, L, H] final hidden states; input_ids, action_mask: [B, L]; temperature: [B].
-    Returns [B, L] fp32 tensors, zero where action_mask is 0."""
+def action_index(action_mask: Tensor) -> Tensor:
+    """[A] flat positions (into B * L) of the action tokens of a [B, L] mask, in row-major order. Host-side
+    helper (it reads the mask): collation builds this once, so the step itself never calls `nonzero`."""
     mask = action_mask.bool()
     if mask[:, 0].any():
         raise ValueError("action_mask[:, 0] must be 0: the first token of a sequence has no prediction")
-    # Row t-1 predicts token t: shift the mask left by one to pick the predicting rows.
-    pred_mask = torch.zeros_like(mask)
-    pred_mask[:, :-1] = mask[:, 1:]
-    temp = temperature[:, None].expand_as(mask)
-    lp, ent = gathered_logprobs(hidden[pred_mask], weight, bias, input_ids[mask], temp[mask],
+    return mask.flatten().nonzero()[:, 0]
+
+
+def action_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, input_ids: Tensor, act_index: Tensor,
+                    act_temperature: Tensor, *, chunk_size: int = 512,
+                    with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probs (and entropy) of the action tokens of a batch.
+
+    hidden: [B, L, H] final hidden states; input_ids: [B, L]; act_index: [A] flat positions of the action
+    tokens (`action_index`; position t is predicted by row t - 1 of the same sequence); act_temperature: [A].
+    Index tensors instead of boolean masks: gathers and scatters whose backward needs no device sync.
+    Returns [B, L] fp32 tensors, zero off the action tokens."""
+    flat_h = hidden.flatten(0, 1)
+    lp, ent = gathered_logprobs(flat_h.index_select(0, act_index - 1), weight, bias,
+                                input_ids.flatten().index_select(0, act_index), act_temperature,
                                 chunk_size=chunk_size, with_entropy=with_entropy)
 
-    def scatter(v: Tensor) -> Tensor:
-        out = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device)
-        return out.masked_scatter(mask, v)
+    def scatter(v: Tensor) -> Tensor:  # not a view: FSDP2 hooks a module's outputs for its backward
+        out = torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device)
+        out.view(-1).index_copy_(0, act_index, v)
+        return out
 
     return scatter(lp), (scatter(ent) if ent is not None else None)
 
@@ -159,15 +196,16 @@ class CausalLMLogProbs(nn.Module):
         params = inspect.signature(lm.get_decoder().forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, action_mask: Tensor, temperature: Tensor,
-                with_entropy: bool = False, prefix=None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, mb, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """mb: a `molt.trainer.batching.MicroBatch` (padded, packed, or padded with a shared prefix).
+        Returns [R, L] fp32 log-probs (and entropy), zero off the action tokens."""
         decoder = self.lm.get_decoder()
-        if prefix is None:
-            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        if mb.prefix is None:
+            hidden = decoder(**mb.decoder_inputs(self.lm.config._attn_implementation), use_cache=False).last_hidden_state
         else:
-            hidden = self._hidden_with_shared_prefix(decoder, input_ids, attention_mask, prefix)
+            hidden = self._hidden_with_shared_prefix(decoder, mb.input_ids, mb.attention_mask, mb.prefix)
         head = self.lm.get_output_embeddings()
-        return action_logprobs(hidden, head.weight, head.bias, input_ids, action_mask, temperature,
+        return action_logprobs(hidden, head.weight, head.bias, mb.input_ids, mb.act_index, mb.act_temperature,
                                chunk_size=self.chunk_size, with_entropy=with_entropy)
 
     def _hidden_with_shared_prefix(self, decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor,

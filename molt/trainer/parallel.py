@@ -4,7 +4,8 @@ Layout: the world is a mesh ("dp", "tp") of shape (world // tp_size, tp_size) (1
 FSDP2 (`fully_shard`) shards every decoder block and then the root over "dp"; with tp_size > 1 the blocks'
 linear layers are first split over "tp" with DTensor (`parallelize_module`), following the model family's
 own `base_model_tp_plan` from its transformers config, so FSDP2 composes with it into 2-D DTensors.
-A single process without a process group (world size 1) shards nothing: the plain module trains as is.
+A single process either trains the plain module (fp32 on CPU) or, on CUDA and wherever a mixed-precision or
+offload policy must apply, runs FSDP2 on a one-rank mesh over a one-rank process group created here.
 Verified on CPU with gloo: FSDP2 over 2 ranks, and TP composed with FSDP2 on a (dp=1, tp=2) mesh, both equal to
 a single process (tests/trainer/test_distributed.py); a (2, 2) mesh needs 4 processes, which this 2-core
 machine runs too slowly for a test, but it is the same code path with a larger "dp" dimension.
@@ -40,25 +41,28 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device) -> tuple[int, int]:
+def init_distributed(device: torch.device, one_rank: bool = False) -> tuple[int, int]:
     """Join the process group that torchrun (or a caller) set up through the environment; (rank, world).
-    No process group is created for a single process."""
+    A single process gets a one-rank group (in-process store) only when `one_rank`."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend=backend)
+    elif not dist.is_initialized() and one_rank:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
 
 
-def build_mesh(device: torch.device, world: int, tp_size: int):
-    """A ("dp",) or ("dp", "tp") DeviceMesh over the world; None for a single process."""
+def build_mesh(device: torch.device, world: int, tp_size: int, one_rank: bool = False):
+    """A ("dp",) or ("dp", "tp") DeviceMesh over the world; None for a single process unless `one_rank`."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if world % tp_size:
         raise ValueError(f"tp_size {tp_size} must divide the world size {world}")
-    if world == 1:
+    if world == 1 and not one_rank:
         return None
     if tp_size == 1:
         return init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
@@ -99,16 +103,31 @@ def apply_tensor_parallel(lm: nn.Module, tp_mesh) -> None:
     parallelize_module(decoder, tp_mesh, resolved)
 
 
-def shard(model: nn.Module, layers: list[nn.Module], mesh, *, param_dtype: torch.dtype, offload: bool) -> None:
-    """FSDP2: `fully_shard` each decoder block, then the root `model`, over the mesh's "dp" dimension."""
+def shard(model: nn.Module, layers: list[nn.Module], mesh, *, param_dtype: torch.dtype, offload: bool,
+          keep_unsharded: bool = False) -> None:
+    """FSDP2: `fully_shard` each decoder block, then the root `model`, over the mesh's "dp" dimension.
+    `keep_unsharded` (one rank, where "unsharded" costs only the cast copy): blocks stay unsharded between
+    forward, backward and the next micro-batch until `reshard(model)`."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
-    kwargs = {"mesh": mesh["dp"], "mp_policy": mp, "offload_policy": offload_policy}
+    kwargs = {"mesh": mesh["dp"], "mp_policy": mp, "offload_policy": offload_policy,
+              "reshard_after_forward": not keep_unsharded}
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    if keep_unsharded:
+        model.set_reshard_after_backward(False)  # recurses into the blocks
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the unsharded parameters of every FSDP2 module under `model` (see `shard(keep_unsharded=True)`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def dp_group(mesh):

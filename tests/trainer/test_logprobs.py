@@ -3,7 +3,7 @@ behavior log-probs for the same tokens at temperature 1 and 0.7."""
 import pytest
 import torch
 
-from molt.trainer.logprobs import action_logprobs, check_supported
+from molt.trainer.logprobs import action_index, action_logprobs, check_supported
 from molt.types import Experience, SamplingParams
 
 
@@ -27,7 +27,9 @@ def test_chunked_matches_full_logits_values_and_grads(chunk, with_bias):
     mask = torch.rand(b, length) > 0.4
     mask[:, 0] = False
     temp = torch.tensor([1.0, 0.7, 0.0], dtype=torch.float64)  # 0 counts as 1, as in the engine
-    lp, ent = action_logprobs(hidden, weight, bias, ids, mask, temp, chunk_size=chunk, with_entropy=True)
+    idx = action_index(mask)
+    lp, ent = action_logprobs(hidden, weight, bias, ids, idx, temp[:, None].expand_as(mask).flatten()[idx],
+                              chunk_size=chunk, with_entropy=True)
     ref_lp, ref_ent = _naive(hidden, weight, 0.0 if bias is None else bias, ids, mask,
                              torch.where(temp > 0, temp, 1.0))
     assert torch.allclose(lp, ref_lp.float(), atol=1e-6) and torch.allclose(ent, ref_ent.float(), atol=1e-5)
@@ -44,8 +46,7 @@ def test_chunked_matches_full_logits_values_and_grads(chunk, with_bias):
 def test_first_token_cannot_be_an_action_and_softcap_is_refused():
     mask = torch.tensor([[1, 1]])
     with pytest.raises(ValueError, match="action_mask"):
-        action_logprobs(torch.zeros(1, 2, 4), torch.zeros(5, 4), None, torch.zeros(1, 2, dtype=torch.long), mask,
-                        torch.ones(1))
+        action_index(mask)
 
     class Cfg:
         final_logit_softcapping = 30.0

@@ -59,7 +59,7 @@ def test_logprobs_entropy_and_gradients_equal_the_unshared_pass(request, model_d
         mb = collate(window, pad_id=0, device=torch.device("cpu"), share_prefix=share)
         assert (mb.prefix is not None) == share
         lm.zero_grad(set_to_none=True)
-        lp, ent = model(mb.input_ids, mb.attention_mask, mb.action_mask, mb.temperature, True, prefix=mb.prefix)
+        lp, ent = model(mb, True)
         (lp * mb.advantages).sum().add(0.1 * ent.sum()).backward()
         results.append((lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in lm.named_parameters()
                                                     if p.grad is not None}))

@@ -17,6 +17,7 @@ BASE = {"lr": 1e-3, "max_norm": 1.0, "is_correction_level": "token", "is_correct
 SPLITS = {
     "mbs2_ckpt": {"micro_batch_size": 2, "gradient_checkpoint": True},
     "tok48": {"max_tokens_per_gpu": 48},
+    "packed48": {"packing_samples": True, "max_tokens_per_gpu": 48},
 }
 
 

@@ -1,0 +1,65 @@
+"""Attention over packed rows: the `molt_varlen` attention implementation of transformers' AttentionInterface.
+
+A packed micro-batch (`molt.trainer.batching`, `pack=True`) is one row [1, T] holding several sequences back to
+back. Each token must attend causally within its own sequence only. transformers can build a block-diagonal
+mask from restarting position ids, but for SDPA that mask is dense: a row of T tokens pays [T, T] attention
+however short its sequences are, and finding the sequences reads the positions back from the device (a sync).
+Instead the decoder runs with attention implementation "molt_varlen" (registered here, chosen at load time
+when packing is on) and gets the sequence boundaries through its keyword arguments, built at collation:
+- on CUDA, `torch.nn.attention.varlen.varlen_attn` (flash attention over cumulative sequence lengths: work
+  proportional to sum(n_i^2), no mask, no padding, no sync; `max_length_q` is a host int);
+- elsewhere (CPU), one causal `scaled_dot_product_attention` call per sequence (`molt_bounds`, host ints).
+transformers builds no mask for an implementation it has no mask function for, so nothing else runs.
+
+Decision: sliding-window layers are refused (the varlen window would have to match the model's); so are
+attention dropout in training and logit soft-capping (refused for the whole trainer in `logprobs.py`).
+"""
+from __future__ import annotations
+
+import inspect
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+NAME = "molt_varlen"
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+    _VARLEN_ARGS = set(inspect.signature(varlen_attn).parameters)
+except ImportError:  # older torch: the per-sequence path everywhere
+    varlen_attn, _VARLEN_ARGS = None, set()
+
+
+def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None,
+                     dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """query [1, Hq, T, D], key/value [1, Hkv, T, D] of one packed row -> ([1, T, Hq, D], None)."""
+    if getattr(module, "sliding_window", None):
+        raise ValueError("packing_samples: sliding-window attention layers are not supported")
+    if dropout:
+        raise ValueError("packing_samples: attention dropout is not supported")
+    if "molt_bounds" not in kwargs:
+        raise ValueError(f"attn_implementation {NAME!r} runs packed micro-batches only")
+    gqa = query.shape[1] != key.shape[1]
+    if query.is_cuda and varlen_attn is not None:
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+        if gqa and "enable_gqa" not in _VARLEN_ARGS:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        extra = {"enable_gqa": gqa} if "enable_gqa" in _VARLEN_ARGS else {}
+        extra.update({"is_causal": True} if "is_causal" in _VARLEN_ARGS else {"window_size": (-1, 0)})
+        cu, n = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
+        return varlen_attn(q, k, v, cu, cu, n, n, scale=scaling, **extra).unsqueeze(0), None
+    bounds = kwargs["molt_bounds"]
+    out = torch.cat([F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
+                                                     is_causal=True, scale=scaling, enable_gqa=gqa)
+                     for a, b in itertools.pairwise(bounds)], dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Make "molt_varlen" a valid `attn_implementation` of every transformers model; returns the name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, varlen_attention)
+    return NAME
