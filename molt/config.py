@@ -177,6 +177,8 @@ class FSDPConfig:
     """Context-parallel size (GPU path)."""
     offload: bool = False
     """Optimizer state CPU offload (GPU path)."""
+    packing_samples: bool = False
+    """Pack sequences into micro-batch rows up to the token budget, without padding (varlen attention)."""
 
 
 @dataclass

@@ -164,7 +164,7 @@ class Run:
             micro_batch_size=cfg.train.micro_batch_size or None, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu,
             share_prefix=cfg.train.share_prefix,
             gradient_checkpoint=a.gradient_checkpoint, param_dtype=a.dtype, tp_size=cfg.fsdp.tp_size,
-            offload=cfg.fsdp.offload, seed=cfg.train.seed,
+            offload=cfg.fsdp.offload, packing_samples=cfg.fsdp.packing_samples, seed=cfg.train.seed,
         )
 
     def _resume(self) -> None:

@@ -154,9 +154,9 @@ def test_collective_refit_leaves_the_engine_with_the_trained_weights(tiny_llama_
 
 
 def test_gae_trains_the_critic_next_to_the_actor(tiny_llama_dir, tmp_path, ray_local):
-    out = tmp_path / "run"
+    out = tmp_path / "run"  # packed micro-batches, for the actor and the critic, over two FSDP2 ranks
     summary = asyncio.run(run_training(_cfg(tiny_llama_dir, out, algo__advantage=_gae(), train__max_steps=2,
-                                            train__num_ranks=2)))
+                                            train__num_ranks=2, fsdp__packing_samples=True)))
     assert summary["steps"] == 2
     metrics = _read(out, "metrics.jsonl")
     for m in metrics:
