@@ -1,42 +1,51 @@
 #!/usr/bin/env bash
-# GPU check of the vLLM engine (molt/engine/vllm.py), for a session that has a GPU: about 3-8 minutes.
-#   bash scripts/gpu_check.sh                          # fp32 engine, log-probs within 1e-3 of transformers
-#   MOLT_VLLM_TEST_DTYPE=bfloat16 bash scripts/gpu_check.sh   # if the installed vLLM has no fp32 attention
-# Python: $PY, else .venv/bin/python, else python3. vLLM (>= 0.10.2) and pytest-asyncio are installed into it
-# when missing: from the wheel folder $MOLT_WHEELHOUSE (default .whl) when there is one, else from the
-# configured package index. vLLM pins its own CUDA build of torch: a venv made for the CPU gets that torch.
-# The engine bench (bench/engine.py) times the embedded HF engine only; no vLLM bench runs here.
+# The GPU check, in one command, for a session that has a GPU (`make gpu-check`; about 3-5 minutes on an H200):
+#   1. the CUDA tests of the trainer (fp32 engine-trainer gap, packed flash attention, one-rank bf16 mesh,
+#      host syncs per micro-batch) and the CPU tests of the same properties;
+#   2. bench/gpu_trainer.py on the Qwen2.5-0.5B shape against a plain Hugging Face loop (appends to
+#      docs/benchmarks.md);
+#   3. bench/engine.py --device cuda, when the engine bench has that mode;
+#   4. the vLLM engine's tests, only where vLLM is installed (MOLT_VLLM=1 installs it from $MOLT_WHEELHOUSE or
+#      the package index first; vLLM pins its own CUDA build of torch).
+# Python: $PY, else .venv/bin/python, else python3; the repository root goes on PYTHONPATH, so a bare image
+# with torch, transformers and pytest is enough. Results also go to $OUT when it is set (the device tool's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-WHEELS=${MOLT_WHEELHOUSE:-.whl}
+OUT=${OUT:-$(mktemp -d)}
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+$PY -c "import sys, torch, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__,
+'| transformers', transformers.__version__); sys.exit(0 if torch.cuda.is_available() else 'torch sees no GPU')"
 
-missing=()
-$PY -c "import vllm" 2>/dev/null || missing+=("vllm>=0.10.2")
-$PY -c "import pytest_asyncio" 2>/dev/null || missing+=("pytest-asyncio>=0.23")
-if ((${#missing[@]})); then
-  echo "== installing ${missing[*]} into $PY"
-  if [ -d "$WHEELS" ]; then
-    timeout 300 $PY -m pip install -q --no-index --find-links "$WHEELS" "${missing[@]}"
-  else
-    timeout 300 $PY -m pip install -q "${missing[@]}" || {
-      echo "could not install ${missing[*]}: no package index reachable and no wheel folder $WHEELS" >&2
-      exit 2
-    }
-  fi
+# -o addopts= drops the project's `-m 'not slow' --timeout=600` (pytest-timeout may be missing); -rs lists skips
+echo "== trainer tests (CUDA and CPU)"
+timeout 600 $PY -m pytest -q -o addopts= -p no:cacheprovider -rs tests/trainer/test_cuda.py \
+  tests/trainer/test_gpu_path.py tests/trainer/test_packing.py 2>&1 | tee "$OUT/trainer_tests.txt"
+if grep -q "SKIPPED.*needs CUDA" "$OUT/trainer_tests.txt"; then echo "the CUDA tests were skipped" >&2; exit 3; fi
+
+echo "== trainer bench"
+timeout 900 $PY bench/gpu_trainer.py --repeats 3 --write --json "$OUT/gpu_trainer.json"
+cp docs/benchmarks.md "$OUT/benchmarks.md"
+
+if grep -q -- "--device" bench/engine.py; then
+  echo "== engine bench"
+  timeout 900 $PY bench/engine.py --device cuda --write 2>&1 | tee "$OUT/engine_bench.txt"
+  cp docs/benchmarks.md "$OUT/benchmarks.md"
 fi
 
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-$PY -c "import sys, torch, vllm; print('python', sys.version.split()[0], '| torch', torch.__version__,
-'| vllm', vllm.__version__, '| cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"
-$PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'torch sees no GPU')"
-
-# -o addopts= drops the project's `-m 'not slow' --timeout=600` (pytest-timeout may be missing); -rs lists
-# skips: the check fails if the GPU test was skipped (no vLLM or no CUDA) rather than passing unnoticed.
-log=$(mktemp)
-# test_weight_group.py: the NCCL refit group (needs 2 GPUs; skipped with one)
-timeout 480 $PY -m pytest -q -o addopts= -p no:cacheprovider -rs tests/engine/test_vllm.py \
-  tests/engine/test_weight_group.py 2>&1 | tee "$log"
-if grep -q "SKIPPED.*needs vLLM" "$log"; then echo "the GPU test was skipped" >&2; exit 3; fi
-echo "== GPU check passed"
+if [ "${MOLT_VLLM:-0}" = 1 ] && ! $PY -c "import vllm" 2>/dev/null; then
+  WHEELS=${MOLT_WHEELHOUSE:-.whl}
+  if [ -d "$WHEELS" ]; then opts=(--no-index --find-links "$WHEELS"); else opts=(); fi
+  timeout 300 $PY -m pip install -q "${opts[@]}" "vllm>=0.10.2" "pytest-asyncio>=0.23"
+fi
+if $PY -c "import vllm" 2>/dev/null; then
+  echo "== vLLM engine tests"
+  # test_weight_group.py: the NCCL refit group (needs 2 GPUs; skipped with one)
+  timeout 480 $PY -m pytest -q -o addopts= -p no:cacheprovider -rs tests/engine/test_vllm.py \
+    tests/engine/test_weight_group.py 2>&1 | tee "$OUT/vllm_tests.txt"
+  if grep -q "SKIPPED.*needs vLLM" "$OUT/vllm_tests.txt"; then echo "the vLLM test was skipped" >&2; exit 3; fi
+else
+  echo "== vLLM not installed: its engine tests did not run (MOLT_VLLM=1 installs it)"
+fi
+echo "== GPU check passed; results in $OUT"

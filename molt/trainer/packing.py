@@ -8,7 +8,8 @@ Instead the decoder runs with attention implementation "molt_varlen" (registered
 when packing is on) and gets the sequence boundaries through its keyword arguments, built at collation:
 - on CUDA, `torch.nn.attention.varlen.varlen_attn` (flash attention over cumulative sequence lengths: work
   proportional to sum(n_i^2), no mask, no padding, no sync; `max_length_q` is a host int);
-- elsewhere (CPU), one causal `scaled_dot_product_attention` call per sequence (`molt_bounds`, host ints).
+- elsewhere (CPU, and fp32 on CUDA, which flash attention does not take), one causal
+  `scaled_dot_product_attention` call per sequence (`molt_bounds`, host ints).
 transformers builds no mask for an implementation it has no mask function for, so nothing else runs.
 
 Decision: sliding-window layers are refused (the varlen window would have to match the model's); so are
@@ -42,7 +43,7 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
     if "molt_bounds" not in kwargs:
         raise ValueError(f"attn_implementation {NAME!r} runs packed micro-batches only")
     gqa = query.shape[1] != key.shape[1]
-    if query.is_cuda and varlen_attn is not None:
+    if query.is_cuda and varlen_attn is not None and query.dtype in (torch.float16, torch.bfloat16):
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
         if gqa and "enable_gqa" not in _VARLEN_ARGS:
             k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
