@@ -21,6 +21,7 @@ The workload, identical for every system:
 Systems (run one after the other, in this order, in one process):
 - `molt-sync`: the recipe with `--train.max_staleness 0` (generation and training alternate);
 - `molt-async`: `--train.max_staleness 1` (generation of the next step overlaps training); `molt-async2`: staleness 2;
+  `molt-async-packed`: staleness 1 with `--fsdp.packing_samples` (packed micro-batches, so no shared prefixes);
 - `trl`: `trl.GRPOTrainer` with `GRPOConfig(per_device_train_batch_size=16, num_generations=8,
   gradient_accumulation_steps=1, ...)`, `use_cpu=True`, no vLLM, `num_iterations=1`, `beta=0`.
 
@@ -35,7 +36,11 @@ Measures:
   fixed seed, graded by `grade`, mean over the 80 samples. The base model is evaluated once; each system's final
   policy is evaluated with the same seed. Molt's final policy is exported with the trainer's `export_hf` (the
   script drives `molt.runtime.loop.Run` exactly as `run_training` does, plus that export). Molt's own recipe
-  evaluation (eval.n_samples_per_prompt 4, before and after, through its engine and agent) is reported as well.
+  evaluation (eval.n_samples_per_prompt 4, through its engine and agent) is reported as well.
+- the curve: held-out accuracy every `--eval-every` steps (default 10), outside the train time: for TRL the shared
+  evaluation of the model in training, for Molt its own evaluation (the same sampling: 4 samples per held-out
+  problem, temperature 1, 48 tokens, through its engine and the recipe's agent). "train s to 0.8" is the train
+  time at the first evaluation at or above 0.8.
 """
 from __future__ import annotations
 
@@ -68,7 +73,9 @@ TEMPERATURE = 1.0
 LR = 5e-6
 EVAL_SAMPLES = 4
 
-SYSTEMS = {"molt-sync": 0, "molt-async": 1, "molt-async2": 2, "trl": None}
+# name -> (train.max_staleness, fsdp.packing_samples); None is TRL
+SYSTEMS = {"molt-sync": (0, False), "molt-async": (1, False), "molt-async2": (2, False),
+           "molt-async-packed": (1, True), "trl": None}
 
 
 def load_grade():
@@ -120,7 +127,7 @@ def eval_checkpoint(path: str, rows: list[dict], grade, seed: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ Molt
-def molt_config(staleness: int, steps: int, seed: int, out_dir: Path):
+def molt_config(staleness: int, steps: int, seed: int, out_dir: Path, packed: bool = False, eval_every: int = 0):
     """The math recipe with the shared workload pinned explicitly (so a recipe edit cannot drift the bench)."""
     from molt.config import load_config, validate
 
@@ -152,7 +159,8 @@ def molt_config(staleness: int, steps: int, seed: int, out_dir: Path):
     cfg.eval.dataset = str(TEST)
     cfg.eval.n_samples_per_prompt = EVAL_SAMPLES
     cfg.eval.temperature = TEMPERATURE
-    cfg.eval.steps = 0  # before and after only
+    cfg.eval.steps = eval_every  # 0: before and after only
+    cfg.fsdp.packing_samples = packed
     cfg.ckpt.output_dir = str(out_dir)
     cfg.ckpt.save_steps = 0
     cfg.ckpt.resume = False
@@ -161,15 +169,16 @@ def molt_config(staleness: int, steps: int, seed: int, out_dir: Path):
     return validate(cfg)
 
 
-def run_molt(name: str, staleness: int, steps: int, seed: int, work: Path, test_rows, grade) -> dict:
+def run_molt(name: str, staleness: int, packed: bool, steps: int, seed: int, work: Path, test_rows, grade,
+             eval_every: int) -> dict:
     from molt.runtime.metrics import read_metrics
 
     out_dir = work / name
     export_dir = out_dir / "policy"  # the run exports its final policy there (ckpt.export_hf)
     for d in (out_dir, export_dir):
         shutil.rmtree(d, ignore_errors=True)
-    cfg = molt_config(staleness, steps, seed, out_dir)
-    print(f"\n=== {name}: Molt, train.max_staleness {staleness}, run dir {out_dir}", flush=True)
+    cfg = molt_config(staleness, steps, seed, out_dir, packed, eval_every)
+    print(f"\n=== {name}: Molt, train.max_staleness {staleness}, packing {packed}, run dir {out_dir}", flush=True)
     t0 = time.perf_counter()
     from molt.runtime.loop import run_training
 
@@ -182,8 +191,10 @@ def run_molt(name: str, staleness: int, steps: int, seed: int, work: Path, test_
     tokens = sum(m["rollout/response_length_mean"] * m["rollout/count"] for m in rows)
     print(f"{name}: trained {steps} steps in {train_s:.1f} s; evaluating the exported policy", flush=True)
     final = eval_checkpoint(str(export_dir), test_rows, grade, seed)
+    elapsed = [sum(m["timing/step_total"] for m in rows[:k]) for k in range(steps + 1)]
+    curve = [(e["step"], e["accuracy"], elapsed[e["step"]]) for e in summary["evals"]]
     return {
-        "system": name, "steps": summary["steps"], "train_s": train_s, "tokens": tokens,
+        "system": name, "curve": curve, "steps": summary["steps"], "train_s": train_s, "tokens": tokens,
         "gen_s": sum(m["timing/generation"] for m in rows), "upd_s": sum(m["timing/policy_train"] for m in rows),
         "final": final, "own_base": summary["base_eval_accuracy"], "own_final": summary["final_eval_accuracy"],
         "reward": statistics.fmean(m["rollout/reward_mean"] for m in rows),
@@ -219,7 +230,8 @@ def trl_config(steps: int, seed: int, out_dir: Path):
     )
 
 
-def run_trl(steps: int, seed: int, work: Path, model_path: str, train_rows, test_rows, grade) -> dict:
+def run_trl(steps: int, seed: int, work: Path, model_path: str, train_rows, test_rows, grade,
+            eval_every: int) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -234,8 +246,11 @@ def run_trl(steps: int, seed: int, work: Path, model_path: str, train_rows, test
         def on_step_begin(self, args, state, control, **kwargs):
             self._t0 = time.perf_counter()
 
-        def on_step_end(self, args, state, control, **kwargs):
+        def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
             self.step_s.append(time.perf_counter() - self._t0)
+            if eval_every and state.global_step % eval_every == 0:  # outside the timed step
+                curve.append((state.global_step, shared_eval(model, processing_class, test_rows, grade, seed),
+                              sum(self.step_s)))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "completions/mean_length" in logs:
@@ -255,6 +270,7 @@ def run_trl(steps: int, seed: int, work: Path, model_path: str, train_rows, test
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     dataset = Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in train_rows])
     clock = Clock()
+    curve = [(0, None, 0.0)]  # the base model's figure is the shared one, filled in by the caller
     trainer = GRPOTrainer(model=model, reward_funcs=math_reward, args=trl_config(steps, seed, out_dir),
                           train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
     trainer.train()
@@ -265,7 +281,7 @@ def run_trl(steps: int, seed: int, work: Path, model_path: str, train_rows, test
     print(f"trl: trained {steps} steps in {train_s:.1f} s; evaluating the final policy", flush=True)
     final = shared_eval(trainer.model, tokenizer, test_rows, grade, seed)
     return {
-        "system": "trl", "steps": trainer.state.global_step, "train_s": train_s, "tokens": tokens,
+        "system": "trl", "curve": curve, "steps": trainer.state.global_step, "train_s": train_s, "tokens": tokens,
         "gen_s": None, "upd_s": None, "final": final, "own_base": None, "own_final": None,
         "reward": statistics.fmean(log["reward"] for log in clock.logs), "staleness": 0.0,
         "wall_s": time.perf_counter() - t0,
@@ -275,6 +291,19 @@ def run_trl(steps: int, seed: int, work: Path, model_path: str, train_rows, test
 # ------------------------------------------------------------------------------------------------ report
 def _pct(x) -> str:
     return "-" if x is None else f"{x:.2f}"
+
+
+def curves(results: list[dict], base: float, target: float = 0.8) -> str:
+    """Held-out accuracy along training: one row per system, one column per evaluated step."""
+    steps = sorted({s for r in results for s, _, _ in r["curve"]})
+    lines = ["| system | " + " | ".join(f"step {s}" for s in steps) + f" | train s to {target} |",
+             "| --- |" + " ---: |" * (len(steps) + 1)]
+    for r in results:
+        at = {s: (base if a is None else a) for s, a, _ in r["curve"]}
+        hit = next((t for _, a, t in r["curve"] if a is not None and a >= target), None)
+        lines.append(f"| {r['system']} | " + " | ".join(_pct(at.get(s)) for s in steps)
+                     + f" | {'not reached' if hit is None else f'{hit:.0f}'} |")
+    return "\n".join(lines)
 
 
 def table(results: list[dict], base: float) -> str:
@@ -316,6 +345,7 @@ def main() -> None:
                    help=f"comma-separated, run in this order; known: {', '.join(SYSTEMS)}")
     p.add_argument("--seed", type=int, default=42, help="training seed of every system and the shared eval seed")
     p.add_argument("--work-dir", default=str(ROOT / "runs/bench_vs_trl"), help="run directories and exports")
+    p.add_argument("--eval-every", type=int, default=10, help="held-out accuracy every N steps (0: before and after)")
     p.add_argument("--write", action="store_true", help="append the table to docs/benchmarks.md")
     args = p.parse_args()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -349,7 +379,8 @@ def main() -> None:
     ray_started = False
     for name in systems:
         if SYSTEMS[name] is not None:
-            results.append(run_molt(name, SYSTEMS[name], args.steps, args.seed, work, test_rows, grade))
+            results.append(run_molt(name, *SYSTEMS[name], args.steps, args.seed, work, test_rows, grade,
+                                    args.eval_every))
             ray_started = True
         else:
             if ray_started:  # give the cores and memory back before TRL trains in this process
@@ -357,7 +388,8 @@ def main() -> None:
 
                 ray.shutdown()
                 ray_started = False
-            results.append(run_trl(args.steps, args.seed, work, model_path, train_rows, test_rows, grade))
+            results.append(run_trl(args.steps, args.seed, work, model_path, train_rows, test_rows, grade,
+                                   args.eval_every))
     if ray_started:
         import ray
 
@@ -365,7 +397,8 @@ def main() -> None:
 
     env = environment()
     command = "python bench/vs_trl.py " + " ".join(sys.argv[1:])
-    out = table(results, base)
+    out = table(results, base) + "\n\nHeld-out accuracy along training (TRL: shared evaluation; Molt: its own):\n\n" + \
+        curves(results, base)
     notes = "\n".join(
         f"- {r['system']}: generation {r['gen_s']:.1f} s and update {r['upd_s']:.1f} s inside the train time, mean "
         f"staleness {r['staleness']:.2f}; whole run incl. loading and evaluations {r['wall_s']:.0f} s"
