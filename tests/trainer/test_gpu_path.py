@@ -5,7 +5,7 @@ import traceback
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from trainer_helpers import BASE, make_window
+from trainer_helpers import BASE, full_params, make_window
 
 from molt.trainer.logprobs import gathered_logprobs
 
@@ -127,3 +127,22 @@ def test_one_rank_mesh_applies_mixed_precision_and_casts_weights_once_per_step(t
         lp32 = Actor.from_pretrained(tiny_llama_dir, **BASE).compute_logprobs(window[:2])
     gap = max(abs(a - b) for x, y in zip(lp16, lp32) for a, b in zip(x, y))
     assert 0 < gap < 0.2
+
+
+def test_one_rank_mesh_checkpoints_resume_and_export_exactly(tiny_llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from molt.trainer import Actor
+
+    actor = Actor.from_pretrained(tiny_llama_dir, param_dtype="bfloat16", **BASE)
+    actor.train_step(make_window(tiny_llama_dir, seed=1))
+    actor.save(str(tmp_path / "ckpt"))
+    actor.train_step(make_window(tiny_llama_dir, seed=2))
+    after = full_params(actor)
+    resumed = Actor.from_pretrained(tiny_llama_dir, param_dtype="bfloat16", **BASE)
+    resumed.load(str(tmp_path / "ckpt"))
+    resumed.train_step(make_window(tiny_llama_dir, seed=2))
+    assert all(torch.equal(full_params(resumed)[k], v) and v.dtype == torch.float32 for k, v in after.items())
+    actor.export_hf(str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert all(torch.equal(exported[k], after[k]) for k in after)
