@@ -18,6 +18,11 @@ disabled, top_p = 1, and past min_tokens (or min_tokens = 0); also T must be 0 o
 ones to 0.01). Greedy requests (T = 0) record log_softmax(logits) in both. Otherwise vLLM's value is larger by the log of the kept mass, a mismatch that importance correction
 sees like any other. `top_logprobs` come from the same (processed) distribution.
 
+Reading the stream. Requests run with `RequestOutputKind.DELTA` and each output is kept the moment it arrives.
+vLLM's default cumulative outputs hand back the same `token_ids` and `logprobs` lists on every update and extend
+them in place (vllm/v1/engine/output_processor.py), so a kept output grows behind our back, up to tokens (the
+final one included) that arrived after a cancellation and were never received; DELTA outputs are fresh lists.
+
 Pause, refit and per-token versions, held at the Molt level rather than with vLLM's
 `pause_generation(mode="keep")` (recent releases only, vllm-project/vllm#32351): `pause()` cancels the task that streams each in-flight
 vLLM request (vLLM aborts the request) and holds new ones; the Molt request keeps the tokens, log-probs and
@@ -154,11 +159,11 @@ class _Request:
     aborted: bool = False
     segments: int = 0  # vLLM requests submitted so far (one per refit crossed, plus one)
     task: asyncio.Task | None = None  # streams the current vLLM request
-    last: Any = None  # latest CompletionOutput of the current vLLM request (cumulative)
     on_tokens: Any = None  # streaming callback (new token ids)
 
-    def commit(self, out: Any, version: int) -> None:
-        """Append what one vLLM request generated, all of it produced by the weights of `version`."""
+    def receive(self, out: Any, version: int) -> list[int]:
+        """Keep one output of vLLM's DELTA stream (the tokens new since the previous one), produced by the
+        weights of `version`; returns its token ids."""
         tokens, logprobs, tops = read_output(out, self.params.top_logprobs)
         self.tokens += tokens
         self.logprobs += logprobs
@@ -166,6 +171,7 @@ class _Request:
         self.top += tops
         if out.finish_reason is not None:
             self.finish = finish_reason(out.finish_reason)
+        return tokens
 
     def completion(self) -> Completion:
         return Completion(list(self.tokens), list(self.logprobs), list(self.versions), self.finish,
@@ -177,6 +183,7 @@ def _import_vllm() -> tuple[Any, Any]:
     """(the vllm module, AsyncLLM), or an EngineError that says what is missing."""
     try:
         import vllm
+        import vllm.sampling_params  # RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as e:
         raise EngineError("VLLMEngine needs vLLM, which is not installed: `pip install molt[vllm]` (vLLM needs "
@@ -265,23 +272,20 @@ class VLLMEngine:
             self._active.pop(req.id, None)
 
     async def _stream(self, req: _Request) -> None:
-        """Run one vLLM request: the prompt plus everything generated so far, under the current weights."""
-        version, generated = self._version, len(req.tokens)
-        params = self._vllm.SamplingParams(**sampling_kwargs(req.params, req.max_new, req.stops, generated))
-        prompt = {"prompt_token_ids": req.prompt + req.tokens}  # a vllm.inputs.TokensPrompt
+        """Run one vLLM request (the prompt plus everything generated so far) and keep each output on arrival."""
         req.segments += 1
-        req.last = None
         try:
+            params = self._vllm.SamplingParams(**sampling_kwargs(req.params, req.max_new, req.stops, len(req.tokens)),
+                                               output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA)
+            prompt = {"prompt_token_ids": req.prompt + req.tokens}  # a vllm.inputs.TokensPrompt
             async for output in self._llm.generate(prompt, params, request_id=f"{req.id}-{req.segments}"):
-                sent = len(req.last.token_ids) if req.last is not None else 0
-                req.last = output.outputs[0]  # cumulative: all tokens of this vLLM request so far
-                if req.on_tokens is not None and len(req.last.token_ids) > sent:
-                    req.on_tokens(list(req.last.token_ids[sent:]))
+                tokens = req.receive(output.outputs[0], self._version)
+                if req.on_tokens is not None and tokens:
+                    req.on_tokens(tokens)
+        except EngineError:
+            raise
         except ValueError as e:  # vLLM's request validation
             raise EngineError(f"vLLM rejected the request: {e}") from e
-        finally:
-            if req.last is not None:
-                req.commit(req.last, version)
         assert req.finish is not None, "vLLM's stream ended before the request finished"
 
     async def abort(self, request_id: str) -> None:

@@ -78,16 +78,17 @@ def test_read_output_sampled_logprobs_and_top_alternatives():
     assert mv.read_output(SimpleNamespace(token_ids=[], logprobs=None), 2) == ([], [], [])
 
 
-def test_commit_versions_across_a_refit():
+def test_receive_versions_across_a_refit():
     req = mv._Request(id="r", prompt=[1, 2], params=SamplingParams(max_tokens=8, top_logprobs=1), max_new=8,
                       stops=[0])
-    # first vLLM request, cancelled by pause() after 3 tokens under version 4
-    req.commit(SimpleNamespace(token_ids=[11, 12, 13], finish_reason=None,
-                               logprobs=[{11: lp(-0.5, 1)}, {12: lp(-0.25, 1)}, {13: lp(-1.0, 1)}]), 4)
+    # first vLLM request: two DELTA outputs under version 4, then pause() cancels it
+    assert req.receive(SimpleNamespace(token_ids=[11], finish_reason=None, logprobs=[{11: lp(-0.5, 1)}]), 4) == [11]
+    req.receive(SimpleNamespace(token_ids=[12, 13], finish_reason=None,
+                                logprobs=[{12: lp(-0.25, 1)}, {13: lp(-1.0, 1)}]), 4)
     assert req.finish is None and req.versions == [4, 4, 4]
     # its continuation under version 5 ends with the stop token, which stays in the output
-    req.commit(SimpleNamespace(token_ids=[14, 0], finish_reason="stop",
-                               logprobs=[{14: lp(-2.0, 1)}, {0: lp(-3.0, 2), 7: lp(-0.1, 1)}]), 5)
+    req.receive(SimpleNamespace(token_ids=[14, 0], finish_reason="stop",
+                                logprobs=[{14: lp(-2.0, 1)}, {0: lp(-3.0, 2), 7: lp(-0.1, 1)}]), 5)
     out = req.completion()
     assert out.token_ids == [11, 12, 13, 14, 0] and out.versions == [4, 4, 4, 5, 5]
     assert out.logprobs == [-0.5, -0.25, -1.0, -2.0, -3.0] and out.finish_reason is FinishReason.STOP
@@ -113,40 +114,60 @@ def test_pack_unpack_and_worker_extension_roundtrip():
 # ------------------------------------------------------------------------------ engine logic, stand-in AsyncLLM
 
 class FakeAsyncLLM:
-    """Stands in for vLLM's AsyncLLM: after token t comes t + 1, one token per event-loop turn, each with
-    log-prob minus the weight loaded last (so a test can tell which weights produced a token); loading goes
-    through the real `WorkerExtension`."""
+    """Stands in for vLLM's AsyncLLM (vLLM has no CPU build), as unkind as the real one where Molt relies on it.
+    After token t comes t + 1, one token per event-loop turn, with log-prob minus the weight loaded last (so a test
+    can tell which weights produced a token); loading goes through the real `WorkerExtension`. Like vLLM
+    (vllm/v1/engine/output_processor.py, detokenize=False): cumulative outputs, the default RequestOutputKind,
+    hand back the same token_ids and logprobs lists each time and grow them in place, DELTA outputs hold only the
+    new tokens; the output handler runs apart from the consumer, so when a stream is cancelled one more token has
+    gone into those lists before the cancellation reaches it. `hold[request_id] = n` stalls a request after n
+    tokens, so that a test can pause at an exact point. No pause_generation: the vLLM releases before keep mode."""
 
     def __init__(self, args):
-        self.args, self.weight, self.requests, self.cancelled, self.resets = args, 0.0, [], [], 0
+        self.args, self.weight, self.requests, self.cancelled, self.resets = args, 0.0, [], [], []
+        self.paused, self.reset_ok, self.hold, self.produced = False, True, {}, {}
         self.model_config = SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 1000)
+        self.loads = []  # what reached the model, in order: "load", or the layerwise reload's calls
+        model = SimpleNamespace(load_weights=self._load)
         self.worker = type("Worker", (mv.WorkerExtension,), {})()
-        self.worker.model_runner = SimpleNamespace(model=SimpleNamespace(load_weights=self._load))
+        self.worker.model_runner, self.worker.device = SimpleNamespace(model=model), "cpu"
+        self.worker.model_config = "model config"
 
     @classmethod
     def from_engine_args(cls, args):
         return cls(args)
 
     def _load(self, weights):
+        self.loads.append("load")
         for _, t in weights:
             self.weight = float(t)
 
     async def generate(self, prompt, params, request_id):
-        self.requests.append((request_id, list(prompt["prompt_token_ids"]), params))
-        tokens, logprobs, last = [], [], prompt["prompt_token_ids"][-1]
+        ids = list(prompt["prompt_token_ids"])
+        self.requests.append((request_id, ids, params))
+        delta, tokens, logprobs, sent, done = params.get("output_kind") == "delta", [], [], 0, None
+
+        def step():
+            nonlocal done
+            t = (tokens or ids)[-1] + 1
+            tokens.append(t)
+            logprobs.append({t: lp(-self.weight, 1)})
+            self.produced[request_id] = len(tokens)
+            stop = t in params["stop_token_ids"] and len(tokens) >= params["min_tokens"]
+            done = "stop" if stop else "length" if len(tokens) == params["max_tokens"] else None
+
         try:
-            while True:
+            while done is None:
                 await asyncio.sleep(0)
-                last += 1
-                tokens.append(last)
-                logprobs.append({last: lp(-self.weight, 1)})
-                stop = last in params["stop_token_ids"] and len(tokens) >= params["min_tokens"]
-                done = "stop" if stop else "length" if len(tokens) == params["max_tokens"] else None
-                yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(tokens), logprobs=list(logprobs),
-                                                               finish_reason=done)])
-                if done:
-                    return
+                if self.paused or self.hold.get(request_id) == len(tokens):
+                    continue
+                step()
+                new = (tokens[sent:], logprobs[sent:]) if delta else (tokens, logprobs)
+                sent = len(tokens)
+                yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=new[0], logprobs=new[1], finish_reason=done)])
         except asyncio.CancelledError:
+            if done is None and not self.paused:
+                step()  # the output handler ran once more before the cancellation reached the consumer
             self.cancelled.append(request_id)
             raise
 
@@ -154,20 +175,25 @@ class FakeAsyncLLM:
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
 
     async def reset_prefix_cache(self):
-        self.resets += 1
-        return True
+        self.resets.append("reset")
+        return self.reset_ok
 
     def shutdown(self):
         self.shut = True
 
 
-@pytest.fixture
-def fake(monkeypatch, tmp_path):
-    """A VLLMEngine on the stand-in; the checkpoint directory only holds a config (EOS id 2)."""
+@pytest.fixture(params=[FakeAsyncLLM], ids=["resubmit"])
+def fake(request, monkeypatch, tmp_path):
+    """A VLLMEngine on the stand-in (both refit paths); the checkpoint directory only holds a config (EOS id 2)."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 2}))
-    vllm = SimpleNamespace(AsyncEngineArgs=lambda **kw: kw, SamplingParams=lambda **kw: kw)
-    monkeypatch.setattr(mv, "_import_vllm", lambda: (vllm, FakeAsyncLLM))
+    vllm = SimpleNamespace(AsyncEngineArgs=lambda **kw: kw, SamplingParams=lambda **kw: kw,
+                           sampling_params=SimpleNamespace(RequestOutputKind=SimpleNamespace(DELTA="delta")))
+    monkeypatch.setattr(mv, "_import_vllm", lambda: (vllm, request.param))
     return mv.VLLMEngine(str(tmp_path), model_name="tiny", tensor_parallel_size=2, max_num_seqs=8)
+
+
+def keeps(engine) -> bool:
+    return False
 
 
 async def until(predicate, turns=10_000):
@@ -176,6 +202,14 @@ async def until(predicate, turns=10_000):
             return
         await asyncio.sleep(0)
     raise AssertionError("condition not reached")
+
+
+async def refit(engine, *weights, version=1):
+    """pause, one bucket per weight, resume"""
+    await engine.pause()
+    for w in weights:
+        await engine.update_weights([("w", torch.tensor(w))], version=version)
+    await engine.resume()
 
 
 async def test_construction_passes_engine_args(fake):
@@ -197,29 +231,61 @@ async def test_generate_stop_token_included(fake):
     assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 63  # up to the context window
 
 
+async def test_streaming_sends_every_token_once_in_order(fake):
+    seen = []
+    out = await fake.generate([10], SamplingParams(max_tokens=12), on_tokens=seen.append)
+    assert [t for b in seen for t in b] == out.token_ids == list(range(11, 23))
+    assert fake._llm.requests[0][2]["output_kind"] == "delta"
+
+
 async def test_refit_keeps_request_and_marks_versions(fake):
     llm = fake._llm
+    llm.hold["r-1"] = 4
     task = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=30, seed=5), request_id="r"))
-    await until(lambda: "r" in fake._active and fake._active["r"].last is not None
-                and len(fake._active["r"].last.token_ids) >= 4)
+    await until(lambda: llm.produced.get("r-1") == 4)
     await fake.pause()
-    k = len(fake._active["r"].tokens)  # what the cancelled vLLM request had streamed
-    assert k >= 4 and llm.cancelled == ["r-1"]
-    for _ in range(50):  # nothing is submitted while paused
+    llm.hold.clear()
+    for _ in range(50):  # nothing is generated or submitted while paused
         await asyncio.sleep(0)
-    assert len(llm.requests) == 1 and not task.done()
+    assert len(llm.requests) == 1 and not task.done() and fake._active["r"].tokens == [11, 12, 13, 14]
     await fake.update_weights([("w", torch.tensor(1.0))], version=1)  # two buckets
     await fake.update_weights([("w", torch.tensor(2.0))], version=1)
-    assert fake.version == 1 and llm.resets == 2
+    assert fake.version == 1
     await fake.resume()
     out = await task
     assert out.token_ids == list(range(11, 41)) and out.finish_reason is FinishReason.LENGTH
-    assert out.versions == [0] * k + [1] * (30 - k)
-    assert out.logprobs == [0.0] * k + [-2.0] * (30 - k)  # later tokens come from the new weights
-    rid, prompt, params = llm.requests[1]  # the continuation
-    assert rid == "r-2" and prompt == [10] + list(range(11, 11 + k))
-    assert params["max_tokens"] == 30 - k and params["seed"] == 5 + k
+    assert out.versions == [0] * 4 + [1] * 26
+    assert out.logprobs == [0.0] * 4 + [-2.0] * 26  # later tokens come from the new weights
+    if keeps(fake):  # vLLM kept the request: no second one, its cache dropped once after loading
+        assert len(llm.requests) == 1 and not llm.cancelled and llm.pause_args == ("keep", True)
+        assert llm.resets == ["reset running"]
+    else:
+        assert llm.cancelled == ["r-1"] and llm.resets == ["reset", "reset"]
+        rid, prompt, params = llm.requests[1]  # the continuation
+        assert rid == "r-2" and prompt == [10, 11, 12, 13, 14]
+        assert params["max_tokens"] == 26 and params["seed"] == 9
     assert fake.num_requests == 0
+
+
+@pytest.mark.parametrize("max_tokens, stop, finish", [(30, [15], FinishReason.STOP), (5, [], FinishReason.LENGTH)])
+async def test_a_pause_racing_the_last_token_keeps_the_true_finish(fake, max_tokens, stop, finish):
+    """Token 15 ends the request (EOS, or the 5th of max_tokens=5) and vLLM samples it as pause() comes in: only
+    what was received is kept, so the request ends there once, with its true finish reason; it neither
+    generates past EOS nor is continued past max_tokens."""
+    llm = fake._llm
+    llm.hold["r-1"] = 4
+    task = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=max_tokens, stop_token_ids=stop),
+                                             request_id="r"))
+    await until(lambda: llm.produced.get("r-1") == 4)
+    await fake.pause()
+    llm.hold.clear()
+    await fake.update_weights([("w", torch.tensor(1.0))], version=1)
+    await fake.resume()
+    out = await asyncio.wait_for(task, 5)
+    assert out.token_ids == [11, 12, 13, 14, 15] and out.finish_reason is finish
+    assert out.versions == [0, 0, 0, 0, 1] and out.logprobs == [0.0] * 4 + [-1.0]
+    submitted = [max_tokens] if keeps(fake) else [max_tokens, max_tokens - 4]  # the continuation: 1 token
+    assert [p["max_tokens"] for _, _, p in llm.requests] == submitted
 
 
 async def test_on_tokens_streams_across_a_refit(fake):
@@ -227,17 +293,16 @@ async def test_on_tokens_streams_across_a_refit(fake):
     task = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=12), request_id="s",
                                              on_tokens=seen.append))
     await until(lambda: len([t for b in seen for t in b]) >= 3)
-    await fake.pause()
-    await fake.update_weights([("w", torch.tensor(1.0))], version=1)
-    await fake.resume()
+    await refit(fake, 1.0)
     out = await task
     assert [t for b in seen for t in b] == out.token_ids == list(range(11, 23))
     assert set(out.versions) == {0, 1}
 
 
 async def test_abort_while_paused_and_while_running(fake):
+    llm = fake._llm
     paused = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=40), request_id="a"))
-    await until(lambda: "a" in fake._active and fake._active["a"].last is not None)
+    await until(lambda: llm.produced.get("a-1", 0) > 0)
     await fake.pause()
     await fake.abort("a")  # returns without a resume
     out = await asyncio.wait_for(paused, 5)
@@ -245,16 +310,16 @@ async def test_abort_while_paused_and_while_running(fake):
     assert out.token_ids == list(range(11, 11 + len(out.token_ids)))
     await fake.resume()
     running = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=40), request_id="b"))
-    await until(lambda: "b" in fake._active and fake._active["b"].last is not None)
+    await until(lambda: llm.produced.get("b-1", 0) > 0)
     await fake.abort("b")
     out = await running
-    assert out.finish_reason is FinishReason.ABORT and "b-1" in fake._llm.cancelled
+    assert out.finish_reason is FinishReason.ABORT and "b-1" in llm.cancelled
     await fake.abort("unknown")  # a no-op
 
 
 async def test_cancelling_the_caller_aborts_the_vllm_request(fake):
     task = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=40), request_id="c"))
-    await until(lambda: "c" in fake._active and fake._active["c"].last is not None)
+    await until(lambda: fake._llm.produced.get("c-1", 0) > 0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -345,8 +410,8 @@ async def test_gpu_engine_against_transformers(tmp_path):
         prompt, n = prompts[2], 400
         task = asyncio.create_task(eng.generate(prompt, SamplingParams(max_tokens=n, min_tokens=n, seed=3),
                                                 request_id="long"))
-        await until(lambda: "long" in eng._active and eng._active["long"].last is not None
-                    and len(eng._active["long"].last.token_ids) >= 5, turns=1_000_000)
+        await until(lambda: "long" in eng._active
+                    and len(eng._active["long"].tokens) >= 5, turns=1_000_000)
         await eng.pause()
         state = list(model_b.state_dict().items())
         await eng.update_weights(state[: len(state) // 2], version=1)
