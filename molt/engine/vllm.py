@@ -15,48 +15,58 @@ unnormalized values for the top-N only), so we take the closest one. Precisely, 
 where K is the vocabulary minus what top-k, top-p and the min_tokens suppression of stop tokens removed (Molt
 sets no penalties, bias, min_p or bad words). The two agree exactly when K is the whole vocabulary: top_k
 disabled, top_p = 1, and past min_tokens (or min_tokens = 0); also T must be 0 or >= 0.01 (vLLM raises smaller
-ones to 0.01). Greedy requests (T = 0) record log_softmax(logits) in both. Otherwise vLLM's value is larger by the log of the kept mass, a mismatch that importance correction
-sees like any other. `top_logprobs` come from the same (processed) distribution.
+ones to 0.01). Greedy requests (T = 0) record log_softmax(logits) in both. Otherwise vLLM's value is
+larger by the log of the kept mass, a mismatch that importance correction sees like any other. `top_logprobs`
+come from the same (processed) distribution.
 
-Reading the stream. Requests run with `RequestOutputKind.DELTA` and each output is kept the moment it arrives.
-vLLM's default cumulative outputs hand back the same `token_ids` and `logprobs` lists on every update and extend
-them in place (vllm/v1/engine/output_processor.py), so a kept output grows behind our back, up to tokens (the
-final one included) that arrived after a cancellation and were never received; DELTA outputs are fresh lists.
+Reading the stream: `RequestOutputKind.DELTA`, each output kept on arrival. vLLM's default cumulative outputs
+reuse the same `token_ids` / `logprobs` lists and extend them in place (vllm/v1/engine/output_processor.py): a
+kept output would grow behind our back, up to tokens (the final one included) never received.
 
-Pause, refit and per-token versions, held at the Molt level rather than with vLLM's
-`pause_generation(mode="keep")` (recent releases only, vllm-project/vllm#32351): `pause()` cancels the task that streams each in-flight
-vLLM request (vLLM aborts the request) and holds new ones; the Molt request keeps the tokens, log-probs and
-versions it has seen. `resume()` submits each retained request again as a continuation: prompt + generated
-tokens as the prompt, max_tokens and min_tokens reduced by what was generated. Every vLLM request therefore
-runs entirely under one set of weights and all its tokens carry the version current when it was submitted,
-so the version boundary is exact (no race between vLLM's output stream and the refit), tokens after a refit
-are computed by the new weights over the whole sequence (one prefill per retained request, like
-`molt.engine.hf` and like vLLM's own keep mode with clear_cache), and weights only load while vLLM is idle.
-A seeded request is reproducible only without refits (a continuation reseeds with seed + tokens so far).
+Pause and refit: two paths, chosen by feature detection and logged at construction. Either way new requests wait
+at the Molt level, weights load while vLLM generates nothing, and tokens after a refit are computed by the new
+weights over the whole sequence (one prefill per retained request, like `molt.engine.hf`).
+- Keep, where vLLM has `pause_generation(mode="keep")` (vllm-project/vllm#32351) and
+  `reset_prefix_cache(reset_running_requests=True)` (#28827), as in vllm/v1/engine/async_llm.py and core.py on
+  main: vLLM freezes the requests and sends their outputs so far before `pause_generation` returns; `resume()`
+  resets the prefix cache including the kept requests' blocks (vLLM preempts them and recomputes them under the
+  new weights; keep mode's own clear_cache missed those blocks at first, #34382), then `resume_generation()`.
+  A token carries the version current when it arrives, which only `resume()` moves: exact as long as vLLM's output
+  handler (it runs at every await of the refit) delivered the pre-pause tokens before `resume()`.
+- Resubmit, otherwise: `pause()` cancels the stream of each vLLM request (vLLM aborts it); the Molt request keeps
+  what it received, and `resume()` submits it again as a continuation (prompt + tokens so far; max_tokens and
+  min_tokens reduced), so each vLLM request runs under one set of weights. A seeded request is reproducible only
+  without refits (a continuation reseeds with seed + tokens so far).
 
-Weights: `update_weights` ships each bucket of (HF name, tensor) to every worker with `collective_rpc` on a
-worker extension (`WorkerExtension`, installed with the `worker_extension_cls` engine arg) that calls
-`model.load_weights`, vLLM's own loader for HF checkpoints (it fuses q/k/v and gate/up, shards for tensor
-parallelism and casts to the engine dtype), then resets the prefix cache (cached blocks hold old-weight keys
-and values). Tensors travel as raw bytes, which vLLM's msgpack transport carries without pickling. The GPU
-path skips that hop: `join_weight_group` / `receive_weights` put every vLLM worker into the trainer's refit group
-(`molt.engine.weight_group`, NCCL) and each receives the buckets straight into GPU memory, then loads them the
-same way.
-Quantized engines (fp8, ...) are not supported by this path.
+Weights: `update_weights` ships each bucket of (HF name, tensor) as raw bytes (vLLM's msgpack transport carries
+them without pickling) with `collective_rpc` to a worker extension (`molt.engine.vllm_worker`, the
+`worker_extension_cls` engine arg) that calls `model.load_weights`, vLLM's loader for HF checkpoints (fuses
+q/k/v and gate/up, shards for tensor parallelism, casts). The GPU path skips that hop: `join_weight_group` /
+`receive_weights` put every worker into the trainer's refit group (`molt.engine.weight_group`, NCCL) and receive
+the buckets straight into GPU memory. Where vLLM has layerwise reload (vllm/model_executor/model_loader/reload,
+v0.18 and main), one refit's buckets load inside one reload, opened by the first bucket and finished by
+`resume()` as vllm/v1/worker/gpu_worker.py's start/update/finish_weight_update do: it reruns vLLM's post-load
+processing (online fp8, MoE kernel layouts) that a bare `load_weights` skips; without it quantized engines are
+refused. Pre-quantized checkpoints are unsupported (the trainer sends unquantized weights). Then `resume()` drops
+the prefix cache (old-weight keys and values); a failed reset is an error. vLLM's weight-transfer engine is not
+used: its transport wants vLLM's own sender in the trainer, and its loading half is the layerwise reload above.
 """
 from __future__ import annotations
 
 import asyncio
+import inspect
+import logging
 import uuid
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from molt.engine import vllm_worker
 from molt.engine.base import EngineError, check_request
 from molt.types import Completion, FinishReason, SamplingParams
 
+log = logging.getLogger(__name__)
 MIN_VLLM = (0, 10, 2)  # "processed_logprobs" means after top-k/top-p from here on (vllm-project/vllm#22387)
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
@@ -96,50 +106,11 @@ def read_output(out: Any, n_top: int) -> tuple[list[int], list[float], list[list
     return tokens, logprobs, tops
 
 
-def pack(named_tensors: Iterable[tuple[str, Any]]) -> list[tuple[str, str, list[int], bytes]]:
-    """(name, tensor) -> (name, dtype, shape, raw bytes): plain msgpack types, no pickling on the way."""
-    import torch
-
-    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape),
-             t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            for name, t in named_tensors]
-
-
-def unpack(packed: Iterable[tuple[str, str, list[int], bytes]]) -> Iterable[tuple[str, Any]]:
-    import torch
-
-    for name, dtype, shape, data in packed:
-        if not data:
-            yield name, torch.empty(shape, dtype=getattr(torch, dtype))
-            continue
-        with warnings.catch_warnings():  # read-only buffer: load_weights copies out of it, never writes
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(data, dtype=torch.uint8)
-        yield name, flat.view(getattr(torch, dtype)).reshape(shape)
-
-
-class WorkerExtension:
-    """Mixed into vLLM's GPU worker class (engine arg `worker_extension_cls`); called with `collective_rpc`."""
-
-    def _molt_model(self) -> Any:
-        runner = self.model_runner  # type: ignore[attr-defined]
-        return runner.get_model() if hasattr(runner, "get_model") else runner.model
-
-    def molt_load_weights(self, packed: list) -> None:
-        self._molt_model().load_weights(weights=unpack(packed))
-
-    def molt_join_weight_group(self, address: str, rank_offset: int, world: int) -> None:
-        """Join the refit group of `molt.engine.weight_group` as rank `rank_offset` + this worker's rank."""
-        import torch
-
-        from molt.engine.weight_group import WeightGroup
-
-        rank = rank_offset + int(getattr(self, "rank", 0))
-        self.molt_weight_group = WeightGroup(address, rank, world, torch.device("cuda", torch.cuda.current_device()))
-
-    def molt_receive_weights(self, plan: list) -> None:
-        """Receive one planned bucket over the refit group (NCCL, GPU to GPU) and load it."""
-        self._molt_model().load_weights(weights=self.molt_weight_group.receive(plan))
+def _keeps_requests(llm: Any) -> bool:
+    """Whether this AsyncLLM pauses with requests kept and can drop their cache blocks (see module doc)."""
+    pause = getattr(llm, "pause_generation", None)
+    return (pause is not None and "mode" in inspect.signature(pause).parameters
+            and "reset_running_requests" in inspect.signature(llm.reset_prefix_cache).parameters)
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -218,6 +189,9 @@ class VLLMEngine:
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
                  seed: int = 0, enable_prefix_caching: bool = True, version: int = 0, **engine_args: Any):
         vllm, AsyncLLM = _import_vllm()
+        if engine_args.get("quantization") and vllm_worker.layerwise_reload() is None:
+            raise EngineError("a quantized VLLMEngine needs a vLLM with layerwise reload (vllm.model_executor."
+                              "model_loader.reload, e.g. v0.18): without it refits skip vLLM's post-load processing")
         self._vllm = vllm
         self.model_name = model_name or Path(model_path).name
         engine_args.setdefault("disable_log_stats", True)
@@ -225,16 +199,21 @@ class VLLMEngine:
             model=model_path, served_model_name=self.model_name, dtype=dtype,
             tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len, seed=seed, enable_prefix_caching=enable_prefix_caching,
-            logprobs_mode="processed_logprobs", worker_extension_cls=f"{__name__}.WorkerExtension", **engine_args)
+            logprobs_mode="processed_logprobs", worker_extension_cls=f"{vllm_worker.__name__}.WorkerExtension",
+            **engine_args)
         self._llm = AsyncLLM.from_engine_args(args)
         self.weight_group_size = tensor_parallel_size  # one refit-group rank per worker process
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
         self.eos_token_ids = _eos_ids(model_path)
-        self._version = version
+        self._version = self._serving = version  # loaded weights; the version tokens arriving now are tagged with
         self._active: dict[str, _Request] = {}
-        self._paused = self._closed = False
+        self._paused = self._closed = self._refitted = False  # refitted: weights loaded since the last resume()
         self._cond = asyncio.Condition()  # requests wait on it while paused
+        self._keep = _keeps_requests(self._llm)
+        log.info("VLLMEngine: a refit %s; weights load %s",
+                 "keeps requests in vLLM (keep mode)" if self._keep else "resubmits requests (no keep mode)",
+                 "in vLLM's layerwise reload" if vllm_worker.layerwise_reload() else "with load_weights alone")
 
     @property
     def version(self) -> int:
@@ -279,7 +258,7 @@ class VLLMEngine:
                                                output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA)
             prompt = {"prompt_token_ids": req.prompt + req.tokens}  # a vllm.inputs.TokensPrompt
             async for output in self._llm.generate(prompt, params, request_id=f"{req.id}-{req.segments}"):
-                tokens = req.receive(output.outputs[0], self._version)
+                tokens = req.receive(output.outputs[0], self._serving)
                 if req.on_tokens is not None and tokens:
                     req.on_tokens(tokens)
         except EngineError:
@@ -299,8 +278,11 @@ class VLLMEngine:
             self._cond.notify_all()
 
     async def pause(self) -> None:
-        """Stop generating; returns once no vLLM request is running. Molt requests are kept (see module doc)."""
+        """Stop generating; returns once vLLM generates nothing. Molt requests are kept (see module doc)."""
         self._paused = True
+        if self._keep:  # vLLM freezes its requests and has sent their outputs so far when this returns
+            await self._llm.pause_generation(mode="keep", clear_cache=True)
+            return
         tasks = [r.task for r in self._active.values() if r.task is not None]
         for task in tasks:
             task.cancel()
@@ -310,15 +292,12 @@ class VLLMEngine:
         """Load (HF parameter name, tensor) pairs into every worker; may be called several times (buckets)."""
         if not self._paused:
             raise EngineError("update_weights must be called while the engine is paused (await pause())")
-        packed = await asyncio.to_thread(pack, named_tensors)  # off the event loop: copies a whole bucket
+        packed = await asyncio.to_thread(vllm_worker.pack, named_tensors)  # off the event loop: copies a bucket
         await self._llm.collective_rpc("molt_load_weights", args=(packed,))
         await self._loaded(version)
 
     async def _loaded(self, version: int) -> None:
-        """After a bucket: cached prefix blocks hold old-weight keys and values."""
-        if await self._llm.reset_prefix_cache() is False:  # None on versions that do not report
-            warnings.warn("vLLM could not reset its prefix cache after a weight update", stacklevel=2)
-        self._version = version
+        self._version, self._refitted = version, True
 
     async def join_weight_group(self, address: str, rank: int, world: int) -> None:
         """Every vLLM worker joins the refit group (ranks rank .. rank + tensor_parallel_size - 1)."""
@@ -333,7 +312,19 @@ class VLLMEngine:
         await self._loaded(version)
 
     async def resume(self) -> None:
+        """End a refit (vLLM's post-load processing, then the prefix cache dropped) and continue the requests."""
+        if self._refitted:
+            await self._llm.collective_rpc("molt_finish_weights")
+            # cached blocks hold old-weight keys and values; in keep mode the kept requests' blocks too
+            reset = self._llm.reset_prefix_cache(**({"reset_running_requests": True} if self._keep else {}))
+            if await reset is False:  # None on versions that do not report
+                raise RuntimeError("vLLM could not reset its prefix cache after a weight update: cached entries "
+                                   "computed by the old weights would serve new requests")
+            self._refitted = False
         async with self._cond:
+            self._serving = self._version  # before vLLM continues: later tokens come from the new weights
+            if self._keep and self._paused:
+                await self._llm.resume_generation()
             self._paused = False
             self._cond.notify_all()
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from molt.engine import vllm as mv
+from molt.engine import vllm_worker as vw
 from molt.engine.base import Engine, EngineError
 from molt.types import FinishReason, SamplingParams
 
@@ -99,11 +100,11 @@ def test_receive_versions_across_a_refit():
 def test_pack_unpack_and_worker_extension_roundtrip():
     tensors = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)), ("c", torch.tensor(7)),
                ("d", torch.zeros(0, 2, dtype=torch.float16)), ("e", torch.arange(6).reshape(2, 3).t())]
-    packed = mv.pack(tensors)
+    packed = vw.pack(tensors)
     assert all(type(x) is tuple and [type(v) for v in x] == [str, str, list, bytes] for x in packed)
     loaded = {}
     model = SimpleNamespace(load_weights=lambda weights: loaded.update(weights))
-    worker = type("Worker", (mv.WorkerExtension,), {})()
+    worker = type("Worker", (vw.WorkerExtension,), {})()
     worker.model_runner = SimpleNamespace(get_model=lambda: model)
     worker.molt_load_weights(packed)
     assert list(loaded) == ["a", "b", "c", "d", "e"]
@@ -129,7 +130,7 @@ class FakeAsyncLLM:
         self.model_config = SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 1000)
         self.loads = []  # what reached the model, in order: "load", or the layerwise reload's calls
         model = SimpleNamespace(load_weights=self._load)
-        self.worker = type("Worker", (mv.WorkerExtension,), {})()
+        self.worker = type("Worker", (vw.WorkerExtension,), {})()
         self.worker.model_runner, self.worker.device = SimpleNamespace(model=model), "cpu"
         self.worker.model_config = "model config"
 
@@ -164,7 +165,8 @@ class FakeAsyncLLM:
                 step()
                 new = (tokens[sent:], logprobs[sent:]) if delta else (tokens, logprobs)
                 sent = len(tokens)
-                yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=new[0], logprobs=new[1], finish_reason=done)])
+                out = SimpleNamespace(token_ids=new[0], logprobs=new[1], finish_reason=done)
+                yield SimpleNamespace(outputs=[out])
         except asyncio.CancelledError:
             if done is None and not self.paused:
                 step()  # the output handler ran once more before the cancellation reached the consumer
@@ -182,7 +184,23 @@ class FakeAsyncLLM:
         self.shut = True
 
 
-@pytest.fixture(params=[FakeAsyncLLM], ids=["resubmit"])
+class FakeKeepAsyncLLM(FakeAsyncLLM):
+    """A vLLM with `pause_generation(mode="keep")` / `resume_generation()` (vllm/v1/engine/async_llm.py and
+    core.py on main): paused requests stay in the engine and continue on resume."""
+
+    async def pause_generation(self, *, mode="abort", wait_for_inflight_requests=None, clear_cache=True):
+        assert mode == "keep"
+        self.paused, self.pause_args = True, (mode, clear_cache)
+
+    async def resume_generation(self):
+        self.paused = False
+
+    async def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+        self.resets.append("reset running" if reset_running_requests else "reset")
+        return self.reset_ok
+
+
+@pytest.fixture(params=[FakeAsyncLLM, FakeKeepAsyncLLM], ids=["resubmit", "keep"])
 def fake(request, monkeypatch, tmp_path):
     """A VLLMEngine on the stand-in (both refit paths); the checkpoint directory only holds a config (EOS id 2)."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 2}))
@@ -193,7 +211,7 @@ def fake(request, monkeypatch, tmp_path):
 
 
 def keeps(engine) -> bool:
-    return False
+    return isinstance(engine._llm, FakeKeepAsyncLLM)
 
 
 async def until(predicate, turns=10_000):
@@ -219,7 +237,7 @@ async def test_construction_passes_engine_args(fake):
     assert args["logprobs_mode"] == "processed_logprobs" and args["tensor_parallel_size"] == 2
     assert args["max_num_seqs"] == 8 and args["served_model_name"] == "tiny"
     module, cls = args["worker_extension_cls"].rsplit(".", 1)
-    assert getattr(importlib.import_module(module), cls) is mv.WorkerExtension  # importable by vLLM's workers
+    assert getattr(importlib.import_module(module), cls) is vw.WorkerExtension  # importable by vLLM's workers
 
 
 async def test_generate_stop_token_included(fake):
@@ -260,7 +278,7 @@ async def test_refit_keeps_request_and_marks_versions(fake):
         assert len(llm.requests) == 1 and not llm.cancelled and llm.pause_args == ("keep", True)
         assert llm.resets == ["reset running"]
     else:
-        assert llm.cancelled == ["r-1"] and llm.resets == ["reset", "reset"]
+        assert llm.cancelled == ["r-1"] and llm.resets == ["reset"]
         rid, prompt, params = llm.requests[1]  # the continuation
         assert rid == "r-2" and prompt == [10, 11, 12, 13, 14]
         assert params["max_tokens"] == 26 and params["seed"] == 9
@@ -297,6 +315,21 @@ async def test_on_tokens_streams_across_a_refit(fake):
     out = await task
     assert [t for b in seen for t in b] == out.token_ids == list(range(11, 23))
     assert set(out.versions) == {0, 1}
+
+
+async def test_weights_load_through_vllms_layerwise_reload(fake, monkeypatch):
+    """Where vLLM has layerwise reload, one refit is one reload: opened by the first bucket, finished (vLLM's
+    post-load processing) once on resume, before the prefix cache is dropped; otherwise plain load_weights."""
+    llm = fake._llm
+    await refit(fake, 1.0, 2.0)
+    assert llm.loads == ["load", "load"] and llm.weight == 2.0
+    llm.loads.clear()
+    monkeypatch.setattr(vw, "layerwise_reload", lambda: (lambda model: llm.loads.append("start"),
+                                                          lambda model, config: llm.loads.append(config)))
+    await refit(fake, 3.0, 4.0, version=2)
+    assert llm.loads == ["start", "load", "load", "model config"] and len(llm.resets) == 2
+    await refit(fake, 5.0, version=3)  # the next refit opens a new reload
+    assert llm.loads[4:] == ["start", "load", "model config"] and fake.version == 3
 
 
 async def test_abort_while_paused_and_while_running(fake):
