@@ -50,6 +50,7 @@ processing (online fp8, MoE kernel layouts) that a bare `load_weights` skips; wi
 refused. Pre-quantized checkpoints are unsupported (the trainer sends unquantized weights). Then `resume()` drops
 the prefix cache (old-weight keys and values); a failed reset is an error. vLLM's weight-transfer engine is not
 used: its transport wants vLLM's own sender in the trainer, and its loading half is the layerwise reload above.
+Pipeline and data parallelism are refused until the refit group gives their workers ranks.
 """
 from __future__ import annotations
 
@@ -188,6 +189,10 @@ class VLLMEngine:
     def __init__(self, model_path: str, *, model_name: str | None = None, dtype: str = "auto",
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
                  seed: int = 0, enable_prefix_caching: bool = True, version: int = 0, **engine_args: Any):
+        for arg in ("pipeline_parallel_size", "data_parallel_size"):
+            if engine_args.get(arg, 1) != 1:  # its workers would wait forever in the refit group's rendezvous
+                raise EngineError(f"VLLMEngine does not support {arg}={engine_args[arg]}: the refit group "
+                                  "(molt.engine.weight_group) has one rank per tensor-parallel worker only")
         vllm, AsyncLLM = _import_vllm()
         if engine_args.get("quantization") and vllm_worker.layerwise_reload() is None:
             raise EngineError("a quantized VLLMEngine needs a vLLM with layerwise reload (vllm.model_executor."

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fake_vllm import FakeAsyncLLM, FakeKeepAsyncLLM, lp
 
 from molt.engine import vllm as mv
 from molt.engine import vllm_worker as vw
@@ -21,10 +22,6 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HAS_GPU = HAS_VLLM and torch.cuda.is_available()
 GPU_DTYPE = os.environ.get("MOLT_VLLM_TEST_DTYPE", "float32")  # bfloat16 if the installed vLLM lacks fp32
 ATOL = {"float32": 1e-3, "bfloat16": 5e-2}[GPU_DTYPE]  # engine vs an fp32 transformers forward on CPU
-
-
-def lp(logprob, rank):
-    return SimpleNamespace(logprob=logprob, rank=rank)  # shaped like vllm.logprobs.Logprob
 
 
 # ------------------------------------------------------------------------------ pure helpers
@@ -113,92 +110,6 @@ def test_pack_unpack_and_worker_extension_roundtrip():
 
 
 # ------------------------------------------------------------------------------ engine logic, stand-in AsyncLLM
-
-class FakeAsyncLLM:
-    """Stands in for vLLM's AsyncLLM (vLLM has no CPU build), as unkind as the real one where Molt relies on it.
-    After token t comes t + 1, one token per event-loop turn, with log-prob minus the weight loaded last (so a test
-    can tell which weights produced a token); loading goes through the real `WorkerExtension`. Like vLLM
-    (vllm/v1/engine/output_processor.py, detokenize=False): cumulative outputs, the default RequestOutputKind,
-    hand back the same token_ids and logprobs lists each time and grow them in place, DELTA outputs hold only the
-    new tokens; the output handler runs apart from the consumer, so when a stream is cancelled one more token has
-    gone into those lists before the cancellation reaches it. `hold[request_id] = n` stalls a request after n
-    tokens, so that a test can pause at an exact point. No pause_generation: the vLLM releases before keep mode."""
-
-    def __init__(self, args):
-        self.args, self.weight, self.requests, self.cancelled, self.resets = args, 0.0, [], [], []
-        self.paused, self.reset_ok, self.hold, self.produced = False, True, {}, {}
-        self.model_config = SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 1000)
-        self.loads = []  # what reached the model, in order: "load", or the layerwise reload's calls
-        model = SimpleNamespace(load_weights=self._load)
-        self.worker = type("Worker", (vw.WorkerExtension,), {})()
-        self.worker.model_runner, self.worker.device = SimpleNamespace(model=model), "cpu"
-        self.worker.model_config = "model config"
-
-    @classmethod
-    def from_engine_args(cls, args):
-        return cls(args)
-
-    def _load(self, weights):
-        self.loads.append("load")
-        for _, t in weights:
-            self.weight = float(t)
-
-    async def generate(self, prompt, params, request_id):
-        ids = list(prompt["prompt_token_ids"])
-        self.requests.append((request_id, ids, params))
-        delta, tokens, logprobs, sent, done = params.get("output_kind") == "delta", [], [], 0, None
-
-        def step():
-            nonlocal done
-            t = (tokens or ids)[-1] + 1
-            tokens.append(t)
-            logprobs.append({t: lp(-self.weight, 1)})
-            self.produced[request_id] = len(tokens)
-            stop = t in params["stop_token_ids"] and len(tokens) >= params["min_tokens"]
-            done = "stop" if stop else "length" if len(tokens) == params["max_tokens"] else None
-
-        try:
-            while done is None:
-                await asyncio.sleep(0)
-                if self.paused or self.hold.get(request_id) == len(tokens):
-                    continue
-                step()
-                new = (tokens[sent:], logprobs[sent:]) if delta else (tokens, logprobs)
-                sent = len(tokens)
-                out = SimpleNamespace(token_ids=new[0], logprobs=new[1], finish_reason=done)
-                yield SimpleNamespace(outputs=[out])
-        except asyncio.CancelledError:
-            if done is None and not self.paused:
-                step()  # the output handler ran once more before the cancellation reached the consumer
-            self.cancelled.append(request_id)
-            raise
-
-    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
-
-    async def reset_prefix_cache(self):
-        self.resets.append("reset")
-        return self.reset_ok
-
-    def shutdown(self):
-        self.shut = True
-
-
-class FakeKeepAsyncLLM(FakeAsyncLLM):
-    """A vLLM with `pause_generation(mode="keep")` / `resume_generation()` (vllm/v1/engine/async_llm.py and
-    core.py on main): paused requests stay in the engine and continue on resume."""
-
-    async def pause_generation(self, *, mode="abort", wait_for_inflight_requests=None, clear_cache=True):
-        assert mode == "keep"
-        self.paused, self.pause_args = True, (mode, clear_cache)
-
-    async def resume_generation(self):
-        self.paused = False
-
-    async def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
-        self.resets.append("reset running" if reset_running_requests else "reset")
-        return self.reset_ok
-
 
 @pytest.fixture(params=[FakeAsyncLLM, FakeKeepAsyncLLM], ids=["resubmit", "keep"])
 def fake(request, monkeypatch, tmp_path):
@@ -378,6 +289,37 @@ async def test_bad_requests_raise_engine_error(fake):
     assert (await task).finish_reason is FinishReason.ABORT and fake._llm.shut
     with pytest.raises(EngineError, match="closed"):
         await fake.generate([10], SamplingParams())
+
+
+async def test_what_vllm_rejects_or_fails_is_an_error(fake, monkeypatch):
+    def reject(**kwargs):
+        raise ValueError("temperature must be non-negative")
+
+    monkeypatch.setattr(fake._vllm, "SamplingParams", reject)  # vLLM validates when the params are built
+    with pytest.raises(EngineError, match="vLLM rejected the request: temperature"):
+        await fake.generate([10], SamplingParams())
+    monkeypatch.setattr(fake._vllm, "SamplingParams", lambda **kwargs: kwargs)
+
+    async def failed(prompt, params, request_id):  # vLLM's FinishReason.ERROR (e.g. a KV transfer failed)
+        yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[], logprobs=None, finish_reason="error")])
+
+    monkeypatch.setattr(fake._llm, "generate", failed)
+    with pytest.raises(EngineError, match="vLLM ended the request with finish reason 'error'"):
+        await fake.generate([10], SamplingParams())
+    fake._llm.reset_ok = False  # old-weight cache entries would serve new requests
+    with pytest.raises(RuntimeError, match="prefix cache"):
+        await refit(fake, 1.0)
+
+
+@pytest.mark.parametrize("arg", ["pipeline_parallel_size", "data_parallel_size"])
+def test_parallelism_the_refit_group_cannot_serve_is_refused(arg):
+    with pytest.raises(EngineError, match=f"{arg}=2: the refit group"):
+        mv.VLLMEngine("/nonexistent", **{arg: 2})
+
+
+def test_a_quantized_engine_needs_layerwise_reload(fake, tmp_path):
+    with pytest.raises(EngineError, match="layerwise reload"):  # the stand-in's vLLM has none
+        mv.VLLMEngine(str(tmp_path), quantization="fp8")
 
 
 # ------------------------------------------------------------------------------ GPU: real vLLM, tiny checkpoint
