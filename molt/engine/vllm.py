@@ -211,7 +211,7 @@ class VLLMEngine:
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
         self.eos_token_ids = _eos_ids(model_path)
-        self._version = self._serving = version  # loaded weights; the version tokens arriving now are tagged with
+        self._version = self._serving = version  # of the loaded weights; given to the tokens arriving now
         self._active: dict[str, _Request] = {}
         self._paused = self._closed = self._refitted = False  # refitted: weights loaded since the last resume()
         self._cond = asyncio.Condition()  # requests wait on it while paused
