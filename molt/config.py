@@ -131,8 +131,9 @@ class AdvantageConfig:
     """GAE lambda."""
     is_correction_level: Literal["off", "token", "seq", "geo"] = "token"
     """Importance correction level for the behavior/trainer mismatch."""
-    is_correction_mode: Literal["mask", "clip", "trunc"] = "trunc"
-    """What happens outside the band: mask the token, clip the weight, or truncate from above."""
+    is_correction_mode: Literal["mask", "mis", "clip", "trunc"] = "trunc"
+    """Outside the band: mask (weight 0; survivors keep their token ratio), mis (weight 0; survivors take the
+    level's ratio), clip the weight, or truncate it from above (docs/algo.md)."""
     is_correction_threshold: tuple[float, float] = (0.0, 2.0)
     """Importance-ratio band (low, high)."""
 
