@@ -28,16 +28,22 @@ def _datasets(tmp_path):
     return tmp_path / "train.parquet", tmp_path / "test.json"
 
 
-def _argv(quickstart_argv, model, agent, tmp_path):
+def _argv(quickstart_argv, model, agent, tmp_path, sizes):
     train, test = _datasets(tmp_path)
     argv = quickstart_argv(MODEL_PATH=model, PROMPT_DATASET=train, ACTOR_GPUS=1, VLLM_TP=1, AGENT_FILE=agent,
                            EVAL_DATASET=test, SAVE_ROOT=tmp_path / "save")
-    return [SIZES.get(argv[i - 1], a) if i else a for i, a in enumerate(argv)] + ["--ray.num_cpus", "4"]
+    return [sizes.get(argv[i - 1], a) if i else a for i, a in enumerate(argv)] + ["--ray.num_cpus", "4"]
+
+
+# the second run adds what the quick-start leaves out: PPO epochs, an adaptive KL, HF exports with checkpoints
+EXTRA = {"math_env.py": ({}, []),
+         "chat_agent.py": ({"--train.max_epochs": "2"}, ["--algo.kl.target", "1e-3", "--ckpt.save_hf"])}
 
 
 @pytest.mark.parametrize("agent", ["math_env.py", "chat_agent.py"])
 def test_quickstart_flags_train_two_steps(tiny_llama_dir, tmp_path, ray_local, quickstart_argv, capsys, agent):
-    cfg = load_config(_argv(quickstart_argv, tiny_llama_dir, AGENTS[agent], tmp_path))
+    sizes, extra = EXTRA[agent]
+    cfg = load_config(_argv(quickstart_argv, tiny_llama_dir, AGENTS[agent], tmp_path, {**SIZES, **sizes}) + extra)
     notes = capsys.readouterr().err
     for flag in ("--vllm.num_engines", "--vllm.gpu_memory_utilization", "--vllm.distributed_executor_backend"):
         assert f"{flag}: no effect with the embedded engine (rollout.engine=hf)" in notes
@@ -54,3 +60,6 @@ def test_quickstart_flags_train_two_steps(tiny_llama_dir, tmp_path, ray_local, q
     assert [p.name for p in sorted((tmp_path / "save" / "state").glob("step_*"))] == ["step_1", "step_2"]
     ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
     assert all(len(r["rollouts"]) == 8 for r in ledger)
+    if extra:  # KL below its target: the coefficient shrinks from 0.001; each checkpoint holds a HF policy
+        assert trained[0]["kl_coef"] < 0.001 and trained[1]["kl_coef"] < trained[0]["kl_coef"]
+        assert (tmp_path / "save" / "state" / "step_2" / "hf" / "config.json").is_file()
