@@ -2,7 +2,8 @@
 
 Per training step: take `rollout.batch_size` complete groups from the pool (which keeps rollouts in flight up
 to the staleness bound), compute group advantages from the light records, send each trainer rank its balanced
-share of experience references, run one optimizer step, stream the new weights to every worker through the
+share of experience references, run the optimizer steps (one per `train.batch_size` rollouts, `train.max_epochs`
+times; `molt.runtime.trainer_group`), stream the new weights to every worker through the
 object store, and bump the policy version (which lets the pool dispatch further). Evaluation runs before,
 every `eval.steps`, and after training; checkpoints every `ckpt.save_steps` (`molt.runtime.checkpoints`).
 Rewards are clamped into `reward.clip_range` before advantages; with `algo.kl.target` the KL coefficient

@@ -224,6 +224,7 @@ async def test_models_endpoint(tokenizer):
         assert [m.id for m in models.data] == ["scripted"]
 
 
+@pytest.mark.filterwarnings("ignore:The model 'claude-sonnet-4-5' is deprecated")  # the SDK's notice, not ours
 async def test_any_model_name_is_served_and_echoed(hf_engine, tokenizer):
     """A black-box agent naming its own model works unchanged (the reference serves any name); the segment is
     still token-exact. Anthropic's SDK on the same session, with its own model name."""
