@@ -2,20 +2,23 @@
 
 Groups and flag names follow the public reference (`--actor.model_name_or_path`, `--rollout.n_samples_per_prompt`,
 `--algo.advantage.estimator`, ...). Each field's docstring becomes its `--help` line (tyro parses the
-dataclasses; no hand-written argparse). `load_config(argv)` reads `--config FILE.yaml` first, uses it as the
-defaults, applies the overrides, validates, and returns a `MoltConfig`.
+dataclasses; no hand-written argparse). `load_config(argv)` (in `molt.flags`, re-exported here) reads
+`--config FILE.yaml` first, uses it as the defaults, applies the overrides (the reference's other flag names
+through the table of `molt.flags`), validates, and returns a `MoltConfig`.
 
 Decisions where the reference is silent:
 - `rollout.batch_size` is prompts per training step; each prompt is sampled `rollout.n_samples_per_prompt`
   times, and one optimizer step consumes `train.batch_size` rollouts (0 = all rollouts of a step).
 - `train.max_staleness` counts policy versions; 0 is synchronous on-policy training.
+- `train.max_steps` 0 (the default) runs `train.num_episodes` passes over the prompts, as the reference does;
+  `train.max_epochs` optimizer passes over each step's rollouts, `train.batch_size` rollouts a pass.
+- Defaults are Molt's where they differ from the reference's (docs/from-reference.md lists them); new groups
+  and fields that come from the reference take its defaults (`reward.clip_range` [-10, 10], `critic.adam.lr`).
 - New knobs of this project: `train.max_staleness`, `train.max_steps`, `rollout.engine`, `rollout.timeout_s`,
   `rollout.max_turns`, `rollout.num_workers`, `rollout.max_failed_retries`, `eval.temperature`.
 """
 from __future__ import annotations
 
-import dataclasses
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -29,6 +32,8 @@ class AdamConfig:
     """AdamW betas."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
 
 
 @dataclass
@@ -54,12 +59,37 @@ class ActorConfig:
     """Linear warm-up steps."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of the trainer (bf16 mixed precision where supported)."""
+    lr_warmup_ratio: float = 0.0
+    """Warm-up as a share of all optimizer steps (the larger of this and lr_warmup_steps applies)."""
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine schedule, as a share of the learning rate."""
+    freezing_steps: int = 0
+    """Training steps at the start in which the actor does not learn (only the critic, for gae)."""
 
 
 @dataclass
 class ModelRefConfig:
     model_name_or_path: str | None = None
     """Model for this role (None: the actor's model)."""
+
+
+@dataclass
+class CriticConfig(ModelRefConfig):
+    """The value model of `gae`, with an optimizer of its own (reference defaults)."""
+
+    adam: AdamConfig = field(default_factory=lambda: AdamConfig(lr=5e-6))
+    max_norm: float = 1.0
+    """Gradient clipping norm (0 disables)."""
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule."""
+    lr_warmup_ratio: float = 0.0
+    """Warm-up as a share of all critic optimizer steps."""
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine schedule, as a share of the learning rate."""
+    value_clip: float = 0.2
+    """Clip range of the value loss around the old values (0 disables)."""
+    max_epochs: int = 0
+    """Critic passes over each training step's rollouts (0: train.max_epochs)."""
 
 
 @dataclass
@@ -83,8 +113,12 @@ class TrainConfig:
     weight_sync: Literal["auto", "object_store", "collective"] = "auto"
     """How refit moves weights: through the Ray object store, or broadcast by trainer rank 0 over a dedicated
     group (NCCL on GPU, gloo on CPU). auto: collective with vLLM engines, the object store otherwise."""
-    max_steps: int = 10
-    """Training steps to run."""
+    max_steps: int = 0
+    """Training steps to run (0: num_episodes passes over the prompts, rollout.batch_size prompts a step)."""
+    num_episodes: int = 1
+    """Passes over the prompt dataset when max_steps is 0."""
+    max_epochs: int = 1
+    """Optimizer passes over each training step's rollouts, batch_size rollouts an optimizer step (PPO epochs)."""
     seed: int = 42
     """Global seed (data order, sampling seeds, init)."""
     num_ranks: int = 1
@@ -131,10 +165,13 @@ class AdvantageConfig:
     """GAE lambda."""
     is_correction_level: Literal["off", "token", "seq", "geo"] = "token"
     """Importance correction level for the behavior/trainer mismatch."""
-    is_correction_mode: Literal["mask", "clip", "trunc"] = "trunc"
-    """What happens outside the band: mask the token, clip the weight, or truncate from above."""
+    is_correction_mode: Literal["mask", "mis", "clip", "trunc"] = "trunc"
+    """Outside the band: mask (weight 0; survivors keep their token ratio), mis (weight 0; survivors take the
+    level's ratio), clip the weight, or truncate it from above (docs/algo.md)."""
     is_correction_threshold: tuple[float, float] = (0.0, 2.0)
     """Importance-ratio band (low, high)."""
+    no_whiten: bool = False
+    """Do not whiten the advantages of reinforce, reinforce_baseline and gae over the batch."""
 
 
 @dataclass
@@ -145,6 +182,10 @@ class KLConfig:
     """KL estimator."""
     use_loss: bool = True
     """KL as a loss term (True) or as a token reward (False)."""
+    target: float | None = None
+    """Adaptive KL: the KL the coefficient steers toward (None: a fixed init_coef)."""
+    horizon: int = 10000
+    """Adaptive KL: rollouts over which the coefficient adapts."""
 
 
 @dataclass
@@ -165,6 +206,8 @@ class VLLMConfig:
     """Tensor parallel size of each engine."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory for each engine."""
+    engine_args: dict[str, str] = field(default_factory=dict)
+    """Further vllm.AsyncEngineArgs keywords: NAME VALUE pairs, values read as YAML (8192, true, {...})."""
 
 
 @dataclass
@@ -177,6 +220,8 @@ class FSDPConfig:
     """Context-parallel size (GPU path)."""
     offload: bool = False
     """Optimizer state CPU offload (GPU path)."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel of the trainer's model (transformers' attn_implementation: sdpa, flash_attention_2, eager)."""
     packing_samples: bool = False
     """Pack sequences into micro-batch rows up to the token budget, without padding (varlen attention)."""
 
@@ -184,7 +229,14 @@ class FSDPConfig:
 @dataclass
 class DataConfig:
     prompt_dataset: str = ""
-    """Training prompts: a JSONL file (one row per prompt)."""
+    """Training prompts: a JSONL or parquet/json/arrow/csv file, a dataset directory or a hub name; several,
+    comma-separated, are mixed (molt.runtime.data)."""
+    prompt_probs: str = ""
+    """Mixing probabilities of the prompt_dataset entries, comma-separated (empty: equal)."""
+    prompt_split: str = "train"
+    """Split of the prompt datasets."""
+    max_samples: int | None = None
+    """Keep only the first N prompts (after mixing)."""
     input_key: str = "prompt"
     """Row key of the prompt (a string or OpenAI chat messages)."""
     label_key: str = "label"
@@ -205,6 +257,12 @@ class EvalConfig:
     """Samples per eval prompt (pass@n, avg@n)."""
     temperature: float = 1.0
     """Eval sampling temperature."""
+    top_p: float | None = None
+    """Eval nucleus mass (None: rollout.top_p)."""
+    max_new_tokens: int | None = None
+    """Eval max new tokens per model call (None: rollout.max_new_tokens)."""
+    split: str = "train"
+    """Split of the eval dataset."""
     only: bool = False
     """Evaluate and exit without training."""
 
@@ -219,12 +277,28 @@ class CkptConfig:
     """Resume from the latest checkpoint in output_dir when there is one."""
     export_hf: bool = True
     """Export the final policy as a Hugging Face checkpoint into <output_dir>/policy."""
+    path: str = ""
+    """Checkpoint directory (empty: <output_dir>/checkpoints)."""
+    max_num: int = 3
+    """Checkpoints kept, the oldest removed first (0: all)."""
+    save_hf: bool = False
+    """Also export the policy as a Hugging Face checkpoint into each checkpoint (<step>/hf)."""
+    best_metric_key: str = ""
+    """Never remove the checkpoint with the highest value of this metric (e.g. eval_test_pass1)."""
 
 
 @dataclass
 class WandbConfig:
     project: str = ""
     """W&B project (empty: W&B off)."""
+    key: str = ""
+    """W&B API key (empty: the logged-in account)."""
+    org: str = ""
+    """W&B entity."""
+    group: str = ""
+    """W&B run group."""
+    run_name: str = ""
+    """W&B run name."""
 
 
 @dataclass
@@ -232,6 +306,12 @@ class LoggerConfig:
     tensorboard_dir: str = ""
     """TensorBoard directory (empty: <output_dir>/tb)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class RewardConfig:
+    clip_range: tuple[float, float] = (-10.0, 10.0)
+    """Rewards are clamped into [low, high] before advantages (the reference's default band)."""
 
 
 @dataclass
@@ -245,11 +325,12 @@ class RayConfig:
 @dataclass
 class MoltConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
-    critic: ModelRefConfig = field(default_factory=ModelRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     ref: ModelRefConfig = field(default_factory=ModelRefConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -274,9 +355,10 @@ def _get(cfg: Any, dotted: str) -> Any:
 def validate(cfg: MoltConfig, *, check_files: bool = True) -> MoltConfig:
     """Raise ValueError naming the field for anything that cannot run; return cfg."""
     _positive(cfg, "rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
-              "train.max_steps", "train.num_ranks", "rollout.num_workers", "rollout.max_turns")
-    if cfg.train.max_staleness < 0:
-        raise ValueError(f"train.max_staleness must be >= 0 (got {cfg.train.max_staleness})")
+              "train.num_episodes", "train.max_epochs", "train.num_ranks", "rollout.num_workers", "rollout.max_turns")
+    for name in ("train.max_staleness", "train.max_steps"):
+        if _get(cfg, name) < 0:
+            raise ValueError(f"{name} must be >= 0 (got {_get(cfg, name)})")
     if cfg.rollout.temperature < 0:
         raise ValueError(f"rollout.temperature must be >= 0 (got {cfg.rollout.temperature})")
     if not 0 < cfg.rollout.top_p <= 1:
@@ -299,63 +381,19 @@ def validate(cfg: MoltConfig, *, check_files: bool = True) -> MoltConfig:
         raise ValueError(f"train.batch_size ({cfg.train.batch_size}) must divide rollout.batch_size * "
                          f"rollout.n_samples_per_prompt ({total}) in whole groups of {cfg.rollout.n_samples_per_prompt}")
     if check_files:
+        from molt.runtime.data import BUILDERS
+
         for name in ("train.agent_path", "data.prompt_dataset"):
-            value = _get(cfg, name)
-            if not value:
+            if not _get(cfg, name):
                 raise ValueError(f"{name} is required")
-            if not Path(value).is_file():
-                raise ValueError(f"{name}: no such file: {value}")
-        if cfg.eval.dataset and not Path(cfg.eval.dataset).is_file():
-            raise ValueError(f"eval.dataset: no such file: {cfg.eval.dataset}")
+        if not Path(cfg.train.agent_path).is_file():
+            raise ValueError(f"train.agent_path: no such file: {cfg.train.agent_path}")
+        for name in ("data.prompt_dataset", "eval.dataset"):  # a directory or a hub name is checked at load
+            for entry in _get(cfg, name).split(","):
+                if Path(entry.strip()).suffix in (".jsonl", *BUILDERS) and not Path(entry.strip()).is_file():
+                    raise ValueError(f"{name}: no such file: {entry.strip()}")
     return cfg
 
 
-def _from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    """Build a (nested) config dataclass from a YAML mapping; unknown keys are errors naming the field."""
-    kwargs: dict[str, Any] = {}
-    by_name = {f.name: f for f in dataclasses.fields(cls)}
-    for key, value in (data or {}).items():
-        if key not in by_name:
-            raise ValueError(f"unknown config field {prefix}{key} (known: {', '.join(sorted(by_name))})")
-        default = getattr(cls(), key)
-        if dataclasses.is_dataclass(default):
-            if not isinstance(value, dict):
-                raise ValueError(f"config field {prefix}{key} must be a mapping")
-            value = _from_dict(type(default), value, f"{prefix}{key}.")
-        elif isinstance(default, tuple):
-            value = tuple(value)
-        kwargs[key] = value
-    return cls(**kwargs)
-
-
-def to_dict(cfg: MoltConfig) -> dict[str, Any]:
-    def plain(v: Any) -> Any:
-        return list(v) if isinstance(v, tuple) else {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v
-    return plain(dataclasses.asdict(cfg))
-
-
-def load_config(argv: list[str] | None = None, *, check_files: bool = True, prog: str = "molt train") -> MoltConfig:
-    """`[--config recipe.yaml] [--group.field value ...]` -> validated MoltConfig."""
-    import tyro
-    import yaml
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    default = MoltConfig()
-    if "--config" in argv:
-        i = argv.index("--config")
-        if i + 1 >= len(argv):
-            raise ValueError("--config needs a YAML file")
-        path = Path(argv[i + 1])
-        if not path.is_file():
-            raise ValueError(f"--config: no such file: {path}")
-        default = _from_dict(MoltConfig, yaml.safe_load(path.read_text()) or {})
-        del argv[i : i + 2]
-    cfg = tyro.cli(MoltConfig, args=argv, default=default, use_underscores=True, prog=prog,
-                   description="Train a model on an agent's experience. Flags override the --config YAML recipe.")
-    return validate(cfg, check_files=check_files)
-
-
-def save_config(cfg: MoltConfig, path: str | Path) -> None:
-    import yaml
-
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+# the command line and YAML (molt.flags), importable from here as before
+from molt.flags import load_config, save_config, to_dict  # noqa: F401

@@ -57,3 +57,22 @@ def hf_engine(tiny_llama_dir):
     engine = HFEngine(str(tiny_llama_dir))
     yield engine
     asyncio.run(engine.close())
+
+
+@pytest.fixture(scope="session")
+def quickstart_argv():
+    """The reference's quick-start flag set (tests/data) as argv, its $VARS (a user's paths and sizes) filled
+    from keyword arguments; `${VAR:-default}` falls back to its default."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    lines = (Path(__file__).parent / "data" / "reference-quickstart-flags.txt").read_text().splitlines()
+    text = " ".join(line for line in lines if not line.startswith("#")).replace("$$", "1")
+
+    def fill(**values: str) -> list[str]:
+        def var(m: re.Match) -> str:  # ${NAME:-default} or $NAME (which must be given)
+            name, default = m.group(1) or m.group(3), m.group(2)
+            return str(values[name]) if default is None or name in values else default
+        return shlex.split(re.sub(r"\$\{(\w+):-([^}]*)\}|\$(\w+)", var, text))
+    return fill

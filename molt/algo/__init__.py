@@ -27,7 +27,7 @@ from molt.algo.advantages import (
 )
 from molt.algo.filters import FilterResult, filter_groups
 from molt.algo.importance import importance_weights
-from molt.algo.kl import KL_ESTIMATORS, kl_divergence, register_kl
+from molt.algo.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_divergence, register_kl
 from molt.algo.losses import POLICY_LOSSES, PolicyLossParams, policy_loss, register_policy_loss, value_loss
 from molt.algo.normalize import count_action_tokens, window_normalize
 from molt.algo.ops import masked_mean, masked_whiten
@@ -43,6 +43,7 @@ __all__ = [
     "FilterResult",
     "PolicyLossParams",
     "RolloutStats",
+    "adaptive_kl_coef",
     "compute_advantages",
     "count_action_tokens",
     "filter_groups",

@@ -8,19 +8,24 @@ turns it into the ratio the rule looks at, broadcast to every action token of th
     geo     (prod_t rho_t)^(1 / n), the geometric mean
     off     no correction: weights are 1
 A *mode* turns that ratio into a weight with the band [low, high]:
-    mask    rho inside the band keeps weight rho, outside it gets 0 (rejected, yet still in the loss's
-            token count)
+    mask    a gate: where the level's ratio is inside the band each token keeps its OWN token ratio rho_t as
+            its weight, outside it gets 0 (rejected, yet still in the loss's token count). At the token level
+            this is IcePop; at seq/geo it is a sequence gate over token-level weights, the reference's
+            semantics (seq-mask-tis with geo).
+    mis     masked importance sampling with the level's ratio as the weight: inside the band every token of
+            the sequence is weighted by the sequence (seq) or geometric-mean (geo) ratio, outside 0 (the
+            sequence-level MIS of Liu et al. 2025). Same as mask at the token level.
     clip    clamp(rho, low, high)
     trunc   min(rho, high), truncated importance sampling (one-sided; `low` is ignored)
 
 Known recipes: TIS = (token, trunc); IcePop = (token, mask) with a two-sided band such as [0.5, 5];
-seq-mask-tis = (geo, mask) (a whole sequence is gated by its geometric-mean ratio, e.g. band
-[1 - 1e-3, 1 + 1e-3] for a sequence trust region); MIS-style rejection = (seq, mask).
+seq-mask-tis = (geo, mask) (a sequence is gated by its geometric-mean ratio, e.g. band [1 - 1e-3, 1 + 1e-3]
+for a sequence trust region, and its surviving tokens keep their token ratios); Seq-MIS = (seq, mis).
 
-Decisions: "retained" means the weight equals the level's ratio unchanged (inside the band; for trunc, not
-above `high`), so "is/retained_frac" is the consistency gate's pass rate for mask and the unclipped rate
-otherwise. Weights are detached, 1 off action tokens, and computed in log space (float64) so that a sequence
-product cannot overflow. A "sequence" is a row, or a `seq_ids` run when rows are packed.
+Decisions: "retained" means inside the band for mask and mis (the gate's pass rate) and unclipped for clip and
+trunc, so "is/retained_frac" is the consistency gate's pass rate for mask. Weights are detached, 1 off action
+tokens, and computed in log space (float64) so that a sequence product cannot overflow. A "sequence" is a row,
+or a `seq_ids` run when rows are packed.
 """
 
 from __future__ import annotations
@@ -40,21 +45,26 @@ LEVELS = {
 }
 
 
-def _mask(lr: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
+def _mask(lr: Tensor, tok: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
     inside = (lr >= lo) & (lr <= hi)
-    return torch.where(inside, lr.clamp(lo, hi).exp(), 0.0), inside  # clamp: no inf even where unused
+    return torch.where(inside, tok, -math.inf).exp(), inside  # the token's own ratio; exp(-inf) = 0 outside
 
 
-def _clip(lr: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
+def _mis(lr: Tensor, tok: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
+    inside = (lr >= lo) & (lr <= hi)
+    return torch.where(inside, lr, -math.inf).exp(), inside  # the level's ratio
+
+
+def _clip(lr: Tensor, tok: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
     return lr.clamp(lo, hi).exp(), (lr >= lo) & (lr <= hi)
 
 
-def _trunc(lr: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
+def _trunc(lr: Tensor, tok: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
     return lr.clamp(max=hi).exp(), lr <= hi
 
 
-# mode -> (weight, retained) from the level's log-ratio and the log band [lo, hi]
-MODES = {"mask": _mask, "clip": _clip, "trunc": _trunc}
+# mode -> (weight, retained) from the level's log-ratio `lr`, the token log-ratio `tok` and the log band [lo, hi]
+MODES = {"mask": _mask, "mis": _mis, "clip": _clip, "trunc": _trunc}
 
 
 def importance_weights(
@@ -87,7 +97,7 @@ def importance_weights(
         weights, retained = torch.ones_like(log_r), torch.ones_like(mask)
     else:
         log_band = [math.log(b) if b > 0 else -math.inf for b in (low, high)]
-        weights, retained = MODES[mode](LEVELS[level](log_r, mask, seq_ids), *log_band)
+        weights, retained = MODES[mode](LEVELS[level](log_r, mask, seq_ids), log_r, *log_band)
     weights = torch.where(mask, weights, 1.0)
     # an empty mask retains everything; torch.where rather than `if mask.any()` avoids a device sync
     retained_frac = torch.where(mask.sum() > 0, masked_mean(retained.double(), mask), 1.0)

@@ -13,6 +13,10 @@ Placement (`placement=`):
   The gradient is what matters there, so use k2 or k3. k1 is refused: the expected gradient of
   log pi under samples from pi is zero, so a k1 loss adds noise and no KL pull.
 
+Adaptive coefficient (`--algo.kl.target`, `--algo.kl.horizon`): `adaptive_kl_coef` is the proportional
+controller of Ziegler et al. 2019, the reference's: the coefficient moves toward keeping the measured KL at the
+target, by at most 20% of the error per horizon of rollouts.
+
 Decision: k3 clamps log_r to [-clamp, clamp] (default 20) before the exponential so that one token with a
 tiny reference probability cannot overflow the loss; the clamp stops that token's gradient.
 """
@@ -81,3 +85,11 @@ def kl_divergence(
     if placement == "reward":
         kl = kl.detach()
     return kl, detach_all({"kl/mean": masked_mean(kl, mask)})
+
+
+def adaptive_kl_coef(coef: float, kl: float, target: float, horizon: int, n_rollouts: int) -> float:
+    """The KL coefficient after a step of `n_rollouts` rollouts whose mean KL was `kl`:
+    coef * (1 + clip(kl / target - 1, -0.2, 0.2) * n_rollouts / horizon)."""
+    if target <= 0 or horizon <= 0:
+        raise ValueError(f"algo.kl.target and algo.kl.horizon must be > 0 (got {target}, {horizon})")
+    return coef * (1.0 + min(max(kl / target - 1.0, -0.2), 0.2) * n_rollouts / horizon)

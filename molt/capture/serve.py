@@ -1,5 +1,5 @@
-"""`molt serve --model REF [--host 127.0.0.1] [--port N]`: the engine and capture server as a standalone
-service, for debugging agents and for external harnesses.
+"""`molt serve --model REF [--host 127.0.0.1] [--port N] [--strict-model]`: the engine and capture server as a
+standalone service, for debugging agents and for external harnesses.
 
 Routes added to the capture server's:
 - POST /sessions (body optional: {"rollout_id": str, "sampling_params": {...}}) -> {"session_id", "base_url",
@@ -71,7 +71,7 @@ def add_service_routes(server: CaptureServer) -> None:
 
 
 async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: Any = None,
-                ready: Any = print) -> None:
+                ready: Any = print, strict_model: bool = False) -> None:
     """Run the service until SIGINT/SIGTERM. `engine` defaults to an HFEngine on `model` (a path) in a process
     of its own (`molt.engine.process`), leaving one core to the server."""
     from molt.capture.render import ChatRenderer
@@ -83,7 +83,8 @@ async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: A
         from molt.engine.process import EngineProcess
 
         engine = EngineProcess("molt.engine.hf:HFEngine", model, torch_threads=max(1, (os.cpu_count() or 2) - 1))
-    server = CaptureServer(engine, ChatRenderer.from_pretrained(model), host=host, port=port)
+    server = CaptureServer(engine, ChatRenderer.from_pretrained(model), host=host, port=port,
+                           strict_model=strict_model)
     add_service_routes(server)
     await server.start()
     loop = asyncio.get_running_loop()
@@ -102,8 +103,9 @@ async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: A
 
 
 def serve_main(args: Any) -> int:
-    """Entry point for `molt serve` (args: model, host, port)."""
+    """Entry point for `molt serve` (args: model, host, port, strict_model)."""
     from molt.models import resolve_model
 
-    asyncio.run(serve(str(resolve_model(args.model)), args.host, args.port))
+    asyncio.run(serve(str(resolve_model(args.model)), args.host, args.port,
+                      strict_model=getattr(args, "strict_model", False)))
     return 0

@@ -4,8 +4,12 @@ Routes, per session `s/{session_id}`: POST `/v1/chat/completions` (OpenAI), POST
 GET `/v1/models`; and GET `/health`. Each session has its own random API key, accepted as
 `Authorization: Bearer KEY` (OpenAI SDK) or `x-api-key: KEY` (Anthropic SDK).
 
+Model names: any name a request gives is served by the one engine and echoed in the reply, as the reference
+does, so an unchanged black-box agent that names its own model (`model="gpt-4o"`) works; `strict_model=True`
+(`molt serve --strict-model`) answers a name other than the engine's (or `served_names`) with 400.
+
 Errors: client mistakes are 4xx in the caller's wire shape (`errors.py`): malformed JSON, schema violations,
-an unknown model name, a conversation the template rejects or that does not fit the context window -> 400;
+an unknown model name (strict only), a conversation the template rejects or that does not fit the window -> 400;
 a wrong or missing key -> 401; an unknown or closed session -> 404. They never touch other sessions.
 
 `CaptureServer` implements `molt.agents.SessionProvider`; the runtime opens one session per rollout and closes
@@ -49,11 +53,12 @@ class _EmbeddedServer(uvicorn.Server):
 
 class CaptureServer:
     def __init__(self, engine: Engine, renderer: ChatRenderer, *, host: str = "127.0.0.1", port: int = 0,
-                 tool_parser: str = "hermes", served_names: tuple[str, ...] = ()):
+                 tool_parser: str = "hermes", served_names: tuple[str, ...] = (), strict_model: bool = False):
         self.engine, self.renderer = engine, renderer
         self.host, self.port = host, port
         self.parser = get_tool_parser(tool_parser)
-        self.model_names = {engine.model_name, *served_names}  # names a request may use for the model
+        self.model_names = {engine.model_name, *served_names}  # names /v1/models lists (the only ones, if strict)
+        self.strict_model = strict_model
         self.sessions: dict[str, Session] = {}
         self.app = FastAPI(title="molt capture", openapi_url=None, docs_url=None, redoc_url=None, **_NO_TELEMETRY)
         self.app.add_exception_handler(WireError, self._wire_error)
@@ -151,7 +156,7 @@ class CaptureServer:
         session = self.session_for(request.path_params["session_id"], request)
         raw = await request.body()
         req, data = parse_body(module.SCHEMA, raw)
-        if req.model not in self.model_names:
+        if self.strict_model and req.model not in self.model_names:
             raise WireError(400, f"unknown model {req.model!r}; this server serves {sorted(self.model_names)}",
                             code="model_not_found", param="model")
         chat = module.to_chat(req, data, session)

@@ -2,12 +2,15 @@
 
 Per training step: take `rollout.batch_size` complete groups from the pool (which keeps rollouts in flight up
 to the staleness bound), compute group advantages from the light records, send each trainer rank its balanced
-share of experience references, run one optimizer step, stream the new weights to every worker through the
+share of experience references, run the optimizer steps (one per `train.batch_size` rollouts, `train.max_epochs`
+times; `molt.runtime.trainer_group`), stream the new weights to every worker through the
 object store, and bump the policy version (which lets the pool dispatch further). Evaluation runs before,
-every `eval.steps`, and after training; checkpoints every `ckpt.save_steps`.
+every `eval.steps`, and after training; checkpoints every `ckpt.save_steps` (`molt.runtime.checkpoints`).
+Rewards are clamped into `reward.clip_range` before advantages; with `algo.kl.target` the KL coefficient
+adapts after each step (`molt.algo.adaptive_kl_coef`), and is checkpointed.
 
 Run directory (`ckpt.output_dir`): `config.yaml`, `metrics.jsonl`, `ledger.jsonl` (one line per trained group:
-step, ledger key, rollout ids), `dumps/step_N.jsonl`, `checkpoints/step_N/`, `policy/` (the final policy as a Hugging Face checkpoint),
+step, ledger key, rollout ids), `dumps/step_N.jsonl`, `checkpoints/step_N/` (or `ckpt.path`), `policy/` (the final policy as a Hugging Face checkpoint),
 `summary.json`, `curves.png`.
 Resume: the latest checkpoint restores trainer state (model, optimizer, schedule, RNG), the step and the
 ledger; the prompt stream skips trained keys, so no prompt sample is trained twice or skipped.
@@ -22,33 +25,23 @@ from pathlib import Path
 from typing import Any
 
 from molt.config import MoltConfig, save_config, to_dict
+from molt.runtime.checkpoints import complete, rotate, truncate_after
+from molt.runtime.data import load_prompts
 from molt.runtime.experience import assign_to_ranks
 from molt.runtime.metrics import MetricsLogger, rollout_metrics
 from molt.runtime.pool import Group, PromptStream, RolloutPool, RolloutTask
-from molt.runtime.trainer_group import RANK_ESTIMATORS, TrainerGroup, rollout_advantages, terminal_rewards
+from molt.runtime.trainer_group import (
+    RANK_ESTIMATORS,
+    TrainerGroup,
+    optimizer_windows,
+    rollout_advantages,
+    terminal_rewards,
+    trainer_fields,
+)
 from molt.trainer.config import GROUP_ESTIMATORS
 from molt.types import RolloutStatus, SamplingParams
 
 BUCKET_BYTES = 64 << 20
-
-
-def load_rows(path: str, input_key: str, label_key: str, tools_key: str) -> list[dict[str, Any]]:
-    """JSONL rows -> runner rows {"messages" | "prompt", "label", "tools"}; ValueError naming the line."""
-    rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-        if input_key not in raw:
-            raise ValueError(f"{path}:{n}: no {input_key!r} key (data.input_key); keys: {sorted(raw)}")
-        prompt = raw[input_key]
-        row = {"messages": prompt} if isinstance(prompt, list) else {"prompt": str(prompt)}
-        row.update(label=raw.get(label_key), tools=raw.get(tools_key))
-        rows.append(row)
-    return rows
 
 
 def _threads(cfg: MoltConfig) -> tuple[int, int]:
@@ -57,12 +50,6 @@ def _threads(cfg: MoltConfig) -> tuple[int, int]:
     if cfg.train.max_staleness == 0:
         return cores, cores  # generation and training alternate
     return max(1, cores // 2), max(1, cores - cores // 2)
-
-
-def _truncate_after(path: Path, step: int) -> None:
-    if path.is_file():
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-        path.write_text("".join(ln + "\n" for ln in lines))
 
 
 def _dynamic_filter(group_size: int, score_range: tuple[float, float]):
@@ -80,6 +67,8 @@ class Run:
     def __init__(self, cfg: MoltConfig):
         self.cfg = cfg
         self.dir = Path(cfg.ckpt.output_dir)
+        self.ckpt_dir = Path(cfg.ckpt.path) if cfg.ckpt.path else self.dir / "checkpoints"
+        self.kl_coef = cfg.algo.kl.init_coef
         self.version = 0
         self.step = 0
         self.generated_tokens = 0
@@ -100,11 +89,16 @@ class Run:
             raise ValueError(f"algo.advantage.estimator {cfg.algo.advantage.estimator!r} is not supported by the "
                              f"runtime yet (use one of {', '.join(GROUP_ESTIMATORS + RANK_ESTIMATORS)})")
         self.dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.dir / "config.yaml")
         self.model_path = str(resolve_model(cfg.actor.model_name_or_path))
         d = cfg.data
-        self.rows = load_rows(d.prompt_dataset, d.input_key, d.label_key, d.tools_key)
-        self.eval_rows = load_rows(cfg.eval.dataset, d.input_key, d.label_key, d.tools_key) if cfg.eval.dataset else []
+        keys = {"input_key": d.input_key, "label_key": d.label_key, "tools_key": d.tools_key, "seed": cfg.train.seed}
+        self.rows = load_prompts(d.prompt_dataset, split=d.prompt_split, probs=d.prompt_probs,
+                                 max_samples=d.max_samples, **keys)
+        self.eval_rows = load_prompts(cfg.eval.dataset, split=cfg.eval.split, what="eval.dataset",
+                                      **keys) if cfg.eval.dataset else []
+        if not cfg.train.max_steps:  # num_episodes passes over the prompts, as the reference counts them
+            cfg.train.max_steps = max(1, cfg.train.num_episodes * len(self.rows) // cfg.rollout.batch_size)
+        save_config(cfg, self.dir / "config.yaml")
         if not ray.is_initialized():
             if cfg.ray.address:
                 ray.init(address=cfg.ray.address, log_to_driver=False)
@@ -117,8 +111,11 @@ class Run:
         n_workers, gpus = cfg.rollout.num_workers, 0
         if cfg.rollout.engine == "vllm":  # one worker per vLLM engine, holding its tensor-parallel GPUs
             v = cfg.vllm
-            engine_options = {"tensor_parallel_size": v.tensor_parallel_size,
-                              "gpu_memory_utilization": v.gpu_memory_utilization}
+            import yaml
+
+            engine_options = {"tensor_parallel_size": v.tensor_parallel_size, "max_model_len": cfg.data.max_len,
+                              "gpu_memory_utilization": v.gpu_memory_utilization,
+                              **{k: yaml.safe_load(x) for k, x in v.engine_args.items()}}
             n_workers, gpus = v.num_engines, v.tensor_parallel_size
         worker_cls = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=10_000)(RolloutWorker)
         self.workers = [worker_cls.remote(self.model_path, str(Path(cfg.train.agent_path).resolve()),
@@ -129,10 +126,11 @@ class Run:
         self.trainer = TrainerGroup(cfg.train.num_ranks, torch_threads=trainer_threads,
                                     num_gpus_per_rank=1 if cfg.rollout.engine == "vllm" else 0,
                                     estimator=cfg.algo.advantage.estimator,
-                                    advantage_params={"gamma": cfg.algo.advantage.gamma, "lam": cfg.algo.advantage.lam})
+                                    advantage_params={"gamma": cfg.algo.advantage.gamma, "lam": cfg.algo.advantage.lam,
+                                                      "whiten": not cfg.algo.advantage.no_whiten})
         critic_path = str(resolve_model(cfg.critic.model_name_or_path)) if cfg.algo.advantage.estimator == "gae" else None
         await asyncio.gather(*[w.start.remote() for w in self.workers],
-                             self.trainer.setup(self._actor_fields(), critic_path))
+                             self.trainer.setup(*trainer_fields(cfg, self.model_path, critic_path)))
         sync = cfg.train.weight_sync
         self._weight_plan = None
         if sync == "collective" or (sync == "auto" and cfg.rollout.engine == "vllm"):
@@ -149,27 +147,8 @@ class Run:
                              *[w.join_weight_group.remote(address, o, world) for w, o in zip(self.workers, offsets)])
         self._weight_plan = await rank0.weight_plan.remote(BUCKET_BYTES)
 
-    def _actor_fields(self) -> dict[str, Any]:
-        cfg, a = self.cfg, self.cfg.actor
-        adv = cfg.algo.advantage
-        return dict(  # noqa: C408 (keyword form reads as the ActorConfig call it feeds)
-            model_name_or_path=self.model_path, lr=a.adam.lr, betas=tuple(a.adam.betas),
-            weight_decay=a.adam.weight_decay, lr_scheduler=a.lr_scheduler, lr_warmup_steps=a.lr_warmup_steps,
-            total_steps=cfg.train.max_steps, max_norm=a.max_norm, policy_loss=a.policy_loss,
-            eps_clip_low_high=tuple(a.eps_clip_low_high), dual_clip=a.dual_clip, entropy_coef=a.entropy_coef,
-            advantage_estimator=adv.estimator, kl_coef=cfg.algo.kl.init_coef, kl_estimator=cfg.algo.kl.estimator,
-            kl_use_loss=cfg.algo.kl.use_loss, is_correction_level=adv.is_correction_level,
-            is_correction_mode=adv.is_correction_mode, is_correction_threshold=tuple(adv.is_correction_threshold),
-            ref_model_name_or_path=cfg.ref.model_name_or_path or "",
-            micro_batch_size=cfg.train.micro_batch_size or None, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu,
-            share_prefix=cfg.train.share_prefix,
-            gradient_checkpoint=a.gradient_checkpoint, param_dtype=a.dtype, tp_size=cfg.fsdp.tp_size,
-            offload=cfg.fsdp.offload, packing_samples=cfg.fsdp.packing_samples, seed=cfg.train.seed,
-        )
-
     def _resume(self) -> None:
-        ckpts = sorted((self.dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-        ckpts = [c for c in ckpts if (c / "state.json").is_file()]
+        ckpts = complete(self.ckpt_dir)
         self._resume_from = ckpts[-1] if ckpts and self.cfg.ckpt.resume else None
 
     async def _load_checkpoint(self) -> None:
@@ -179,22 +158,30 @@ class Run:
         self.step = self.version = state["step"]
         self.ledger = [tuple(k) for k in state["ledger"]]
         self.generated_tokens = state["generated_tokens"]
+        if state.get("kl_coef") is not None and self.cfg.algo.kl.target is not None:
+            self.kl_coef = state["kl_coef"]
+            await self.trainer.same("set_kl_coef", self.kl_coef)
         for name in ("ledger.jsonl", "metrics.jsonl"):  # forget steps after the checkpoint: they are redone
-            _truncate_after(self.dir / name, self.step)
+            truncate_after(self.dir / name, self.step)
         await self._refit()
 
-    async def _save_checkpoint(self, counters: dict[str, int]) -> None:
-        path = self.dir / "checkpoints" / f"step_{self.step}"
+    async def _save_checkpoint(self, counters: dict[str, int], metrics: dict[str, float]) -> None:
+        path = self.ckpt_dir / f"step_{self.step}"
         await self.trainer.same("save", str(path / "trainer"))
+        if self.cfg.ckpt.save_hf:
+            await self.trainer.same("export_hf", str(path / "hf"))
         state = {"step": self.step, "ledger": self.ledger, "generated_tokens": self.generated_tokens,
-                 "counters": counters}
+                 "counters": counters, "kl_coef": self.kl_coef, "metrics": metrics}
         (path / "state.json").write_text(json.dumps(state))  # written last: marks the checkpoint complete
+        rotate(self.ckpt_dir, self.cfg.ckpt.max_num, self.cfg.ckpt.best_metric_key)
 
     # ------------------------------------------------------------------------------------------ rollouts
     def _params(self, *, eval: bool = False) -> SamplingParams:
-        r = self.cfg.rollout
-        temperature = self.cfg.eval.temperature if eval else r.temperature
-        return SamplingParams(max_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p, top_k=r.top_k)
+        r, e = self.cfg.rollout, self.cfg.eval
+        if eval:
+            return SamplingParams(max_tokens=e.max_new_tokens or r.max_new_tokens, temperature=e.temperature,
+                                  top_p=r.top_p if e.top_p is None else e.top_p, top_k=r.top_k)
+        return SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
 
     async def _run_on_worker(self, task: RolloutTask, train: bool = True):
         i = min(range(len(self.workers)), key=self._inflight.__getitem__)  # least-loaded worker
@@ -246,18 +233,31 @@ class Run:
         return time.perf_counter() - t0
 
     async def _train_step(self, groups: list[Group]) -> dict[str, float]:
-        cfg = self.cfg
-        exps = [e for g in groups for o in g.outcomes for e in o.experiences]
+        cfg, (low, high) = self.cfg, self.cfg.reward.clip_range
         estimator = cfg.algo.advantage.estimator
-        rows = [(o.rollout_id, g.group_id, o.reward) for g in groups for o in g.outcomes]
+        rows = [(o.rollout_id, g.group_id, min(max(o.reward, low), high)) for g in groups for o in g.outcomes]
         advantages = rewards = None
         if estimator in GROUP_ESTIMATORS:
             advantages = rollout_advantages(estimator, rows)
         else:
             rewards = terminal_rewards(estimator, rows)
-        shares = assign_to_ranks(exps, cfg.train.num_ranks)
-        results = await self.trainer.call("train_step", shares, [advantages] * len(shares), [rewards] * len(shares))
+        # optimizer windows of whole groups; each rank gets its balanced share of every window
+        size = len(groups) // optimizer_windows(cfg)
+        windows = [assign_to_ranks([e for g in groups[i:i + size] for o in g.outcomes for e in o.experiences],
+                                   cfg.train.num_ranks) for i in range(0, len(groups), size)]
+        n = cfg.train.num_ranks
+        results = await self.trainer.call(
+            "train_step", [[w[r] for w in windows] for r in range(n)], [advantages] * n, [rewards] * n,
+            epochs=cfg.train.max_epochs, critic_epochs=cfg.critic.max_epochs or cfg.train.max_epochs,
+            train_actor=self.step >= cfg.actor.freezing_steps)
         self._advantages = advantages
+        if cfg.algo.kl.target is not None and "kl/mean" in results[0]:
+            from molt.algo import adaptive_kl_coef
+
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, results[0]["kl/mean"], cfg.algo.kl.target,
+                                            cfg.algo.kl.horizon, len(rows))
+            await self.trainer.same("set_kl_coef", self.kl_coef)
+            results[0]["kl_coef"] = self.kl_coef
         return results[0]
 
     async def train(self) -> dict[str, Any]:
@@ -266,7 +266,7 @@ class Run:
         if self._resume_from is not None:
             await self._load_checkpoint()
         logger = MetricsLogger(self.dir, cfg.train.max_steps, tensorboard_dir=cfg.logger.tensorboard_dir,
-                               wandb_project=cfg.logger.wandb.project, config=to_dict(cfg), start_step=self.step)
+                               wandb=to_dict(cfg.logger.wandb), config=to_dict(cfg), start_step=self.step)
         try:
             if self.eval_rows and (self.step == 0 or cfg.eval.only):
                 logger.log(self.step, await self.evaluate(), advance=False)
@@ -315,12 +315,12 @@ class Run:
 
                     dump_groups(self.dir / "dumps" / f"step_{self.step}.jsonl", groups, self.model_path,
                                 self._advantages)
-                if self.eval_rows and cfg.eval.steps and self.step % cfg.eval.steps == 0:
+                if self.eval_rows and cfg.eval.steps > 0 and self.step % cfg.eval.steps == 0:
                     metrics.update(await self.evaluate())
                 # the step's line first: a checkpoint then implies its line (a resume drops later lines)
                 logger.log(self.step, metrics)
-                if cfg.ckpt.save_steps and self.step % cfg.ckpt.save_steps == 0:
-                    await self._save_checkpoint(dict(pool.counters))
+                if cfg.ckpt.save_steps > 0 and self.step % cfg.ckpt.save_steps == 0:  # the reference's -1: never
+                    await self._save_checkpoint(dict(pool.counters), metrics)
         finally:
             await pool.stop()
 

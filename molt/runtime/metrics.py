@@ -2,7 +2,8 @@
 
 Metric names follow the public reference where one exists (`rollout/reward_mean`, `group_reward_std`,
 `timing/generation`, `eval_<dataset>_pass<n>`, ...); everything else is slash-namespaced. One JSON object per
-step goes to `metrics.jsonl` with `step`; TensorBoard gets the same scalars; W&B when a project is configured.
+step goes to `metrics.jsonl` with `step`; TensorBoard gets the same scalars; W&B when a project is configured
+(`logger.wandb.*`) and the package is installed.
 The console gets a tqdm progress bar and one readable line per step.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -69,7 +71,7 @@ _CONSOLE = [
 
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, total_steps: int, *, tensorboard_dir: str = "",
-                 wandb_project: str = "", config: dict[str, Any] | None = None, start_step: int = 0):
+                 wandb: dict[str, str] | None = None, config: dict[str, Any] | None = None, start_step: int = 0):
         from tqdm.auto import tqdm
 
         self.run_dir = Path(run_dir)
@@ -83,10 +85,18 @@ class MetricsLogger:
         except ImportError:  # tensorboard is a dependency; tolerate a trimmed install
             pass
         self._wandb = None
-        if wandb_project:
-            import wandb
-
-            self._wandb = wandb.init(project=wandb_project, config=config, dir=str(self.run_dir))
+        w = wandb or {}
+        if w.get("project"):  # W&B is optional: without the package the run goes on with one line saying so
+            try:
+                import wandb as wb
+            except ImportError:
+                print("molt: note: logger.wandb.project is set but wandb is not installed (pip install "
+                      "'molt[wandb]'): W&B logging is off", file=sys.stderr)
+            else:
+                if w.get("key"):
+                    wb.login(key=w["key"])
+                self._wandb = wb.init(project=w["project"], entity=w.get("org") or None, group=w.get("group") or None,
+                                      name=w.get("run_name") or None, config=config, dir=str(self.run_dir))
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:

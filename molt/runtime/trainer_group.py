@@ -14,13 +14,20 @@ one computation over the whole window:
 - everything within a rollout is local: `assign_to_ranks` keeps a rollout's segments on one rank;
 - the global whitening over all action tokens of the window is one all-reduce of (sum, sum of squares, count).
 GAE uses a critic (`molt.trainer.Critic`, `--critic.model_name_or_path`, default the actor's checkpoint) built
-next to the actor on every rank with the actor's optimizer settings: values before the step, then one critic
-step on the GAE returns after the policy step; its state is saved and restored with the actor's.
+next to the actor on every rank with an optimizer of its own (`--critic.adam.*`): values before the step, then
+critic steps on the GAE returns after the policy steps; its state is saved and restored with the actor's.
+
+Several optimizer steps per training step (`train.batch_size` smaller than the step's rollouts, or
+`train.max_epochs` > 1): each rank gets its share of every window; advantages (and their whitening) are taken
+over the whole step, and the PPO ratio's proximal policy is the policy before the step's first update
+(`Actor.compute_logprobs` once). Metrics are means over the step's optimizer steps.
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
+from collections import Counter, defaultdict
 from typing import Any
 
 from molt.types import Experience
@@ -53,6 +60,40 @@ def terminal_rewards(estimator: str, rollouts: list[tuple[str, str, float]]) -> 
     return {rid: r for rid, _, r in rollouts}
 
 
+def optimizer_windows(cfg: Any) -> int:
+    """Optimizer steps per pass over a training step's rollouts (`train.batch_size` rollouts each)."""
+    total = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    return total // cfg.train.batch_size if cfg.train.batch_size else 1
+
+
+def trainer_fields(cfg: Any, model_path: str, critic_path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`molt.trainer.ActorConfig` keywords of the actor and (for gae) the critic of a `molt.config.MoltConfig`."""
+    a, adv = cfg.actor, cfg.algo.advantage
+
+    def optimizer(o: Any, epochs: int) -> dict[str, Any]:
+        total = cfg.train.max_steps * optimizer_windows(cfg) * epochs
+        return dict(lr=o.adam.lr, betas=tuple(o.adam.betas), adam_eps=o.adam.eps,  # noqa: C408 (ActorConfig's call)
+                    weight_decay=o.adam.weight_decay, lr_scheduler=o.lr_scheduler, total_steps=total,
+                    lr_warmup_steps=max(getattr(o, "lr_warmup_steps", 0), math.ceil(o.lr_warmup_ratio * total)),
+                    min_lr_ratio=o.min_lr_ratio, max_norm=o.max_norm)
+
+    actor = dict(
+        model_name_or_path=model_path, **optimizer(a, cfg.train.max_epochs), policy_loss=a.policy_loss,
+        eps_clip_low_high=tuple(a.eps_clip_low_high), dual_clip=a.dual_clip, entropy_coef=a.entropy_coef,
+        advantage_estimator=adv.estimator, kl_coef=cfg.algo.kl.init_coef, kl_estimator=cfg.algo.kl.estimator,
+        kl_use_loss=cfg.algo.kl.use_loss, is_correction_level=adv.is_correction_level,
+        is_correction_mode=adv.is_correction_mode, is_correction_threshold=tuple(adv.is_correction_threshold),
+        ref_model_name_or_path=cfg.ref.model_name_or_path or "",
+        micro_batch_size=cfg.train.micro_batch_size or None, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu,
+        share_prefix=cfg.train.share_prefix, attn_implementation=cfg.fsdp.attn_implementation,
+        gradient_checkpoint=a.gradient_checkpoint, param_dtype=a.dtype, tp_size=cfg.fsdp.tp_size,
+        offload=cfg.fsdp.offload, packing_samples=cfg.fsdp.packing_samples, seed=cfg.train.seed,
+    )
+    critic = {**optimizer(cfg.critic, cfg.critic.max_epochs or cfg.train.max_epochs),
+              "model_name_or_path": critic_path, "value_clip": cfg.critic.value_clip}
+    return actor, critic
+
+
 class TrainerRank:
     def __init__(self, rank: int, world: int, torch_threads: int = 0, estimator: str = "grpo",
                  advantage_params: dict[str, Any] | None = None):
@@ -67,7 +108,7 @@ class TrainerRank:
 
         return f"{ray.util.get_node_ip_address()}:{_free_port()}"
 
-    def setup(self, master: str, actor_fields: dict[str, Any], critic_path: str | None = None) -> None:
+    def setup(self, master: str, actor_fields: dict[str, Any], critic_fields: dict[str, Any] | None = None) -> None:
         addr, port = master.rsplit(":", 1)
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0", MASTER_ADDR=addr,
                           MASTER_PORT=port)
@@ -79,24 +120,46 @@ class TrainerRank:
             torch.set_num_threads(self.torch_threads)
         self.actor = Actor(ActorConfig(**actor_fields))
         if self.estimator == "gae":
-            self.critic = Critic(ActorConfig(**{**actor_fields, "model_name_or_path": critic_path}))
+            fields = dict(critic_fields or {})
+            clip = fields.pop("value_clip", 0.2)
+            self.critic = Critic(ActorConfig(**{**actor_fields, **fields}), value_clip=clip or None)
 
-    def train_step(self, experiences: list[Experience], advantages: dict[str, float] | None,
-                   rewards: dict[str, float] | None = None) -> dict[str, float]:
-        """advantages: per rollout (group estimators); else rewards: terminal reward per rollout (rank-level)."""
-        for exp in experiences:
+    def train_step(self, windows: list[list[Experience]], advantages: dict[str, float] | None,
+                   rewards: dict[str, float] | None = None, *, epochs: int = 1, critic_epochs: int = 1,
+                   train_actor: bool = True) -> dict[str, float]:
+        """windows: this rank's share of each optimizer window of the step (the same number on every rank);
+        advantages: per rollout (group estimators); else rewards: terminal reward per rollout (rank-level)."""
+        exps = [e for w in windows for e in w]
+        for exp in exps:
             if exp.offloaded:
                 exp.reload()
+        values = returns = []
         if advantages is not None:
-            for exp in experiences:
+            for exp in exps:
                 a = advantages[exp.rollout_id]
                 exp.advantages = [a if m else 0.0 for m in exp.action_mask]
-            return self.actor.train_step(experiences)
-        values, returns = self._rank_advantages(experiences, rewards or {})  # collective: every rank calls
-        metrics = self.actor.train_step(experiences)
+        else:
+            values, returns = self._rank_advantages(exps, rewards or {})  # collective: every rank calls
+        steps = [(self.actor, w) for w in windows] * (epochs if train_actor else 0)
+        old = None
+        if len(steps) > 1:  # the proximal policy of every step: the policy before the first one
+            old = dict(zip(map(id, exps), self.actor.compute_logprobs(exps)))
         if self.critic is not None:
-            metrics.update(self.critic.train_step(experiences, returns, values))
-        return metrics
+            steps += [(self.critic, w) for w in windows] * critic_epochs
+            targets = {id(e): (r, v) for e, r, v in zip(exps, returns, values)}
+        count, sums = Counter(model for model, _ in steps), defaultdict(float)
+        for model, w in steps:
+            if model is self.actor:
+                metrics = model.train_step(w, [old[id(e)] for e in w] if old else None)
+            else:
+                metrics = model.train_step(w, [targets[id(e)][0] for e in w], [targets[id(e)][1] for e in w])
+            for key, value in metrics.items():  # means over the steps; times add up
+                sums[key] += value if key.startswith("timing/") else value / count[model]
+        return dict(sums)
+
+    def set_kl_coef(self, coef: float) -> None:
+        """The adaptive KL controller's new coefficient (`molt.algo.adaptive_kl_coef`)."""
+        self.actor.loss_params.kl_coef = coef if self.actor.cfg.kl_use_loss else 0.0
 
     def advantages(self, experiences: list[Experience], rewards: dict[str, float]) -> list[list[float]]:
         """What `train_step` trains a rank-level estimator's experiences with (collective; for inspection)."""

@@ -46,7 +46,7 @@ class ActorConfig:
     kl_estimator: str = "k3"  # --algo.kl.estimator
     kl_use_loss: bool = True  # --algo.kl.use_loss: KL as a loss term (else as a token reward, done in algo)
     is_correction_level: str = "token"  # --algo.advantage.is_correction_level: off | token | seq | geo
-    is_correction_mode: str = "mask"  # --algo.advantage.is_correction_mode: mask | clip | trunc
+    is_correction_mode: str = "mask"  # --algo.advantage.is_correction_mode: mask | mis | clip | trunc
     is_correction_threshold: tuple[float, float] = (0.5, 2.0)  # --algo.advantage.is_correction_threshold
     ref_model_name_or_path: str = ""  # --ref.model_name_or_path; empty = the actor's checkpoint
     # micro-batching (--train.*)

@@ -45,23 +45,39 @@ def seq_case():
 G = math.sqrt(1.6)
 
 
+# (per row: the weight of each action token); the token ratios are row 0: 2.0, 0.8; row 1: 0.25
 @pytest.mark.parametrize(
     "level, mode, low, high, row0, row1",
     [
-        ("seq", "mask", 0.5, 2.0, 1.6, 0.0),
-        ("seq", "mask", 0.5, 1.5, 0.0, 0.0),
-        ("seq", "clip", 0.5, 1.5, 1.5, 0.5),
-        ("seq", "trunc", 0.5, 1.5, 1.5, 0.25),
-        ("geo", "mask", 0.2, 2.0, G, 0.25),  # seq-mask-tis style gate, both sequences pass
-        ("geo", "mask", 0.9, 1.1, 0.0, 0.0),
-        ("geo", "clip", 0.9, 1.1, 1.1, 0.9),
-        ("geo", "trunc", 0.9, 1.1, 1.1, 0.25),
+        ("seq", "mask", 0.5, 2.0, [2.0, 0.8], [0.0]),  # gate 1.6 passes: survivors keep their token ratios
+        ("seq", "mask", 0.5, 1.5, [0.0, 0.0], [0.0]),
+        ("seq", "mis", 0.5, 2.0, [1.6, 1.6], [0.0]),  # Seq-MIS: the sequence ratio is the weight
+        ("seq", "clip", 0.5, 1.5, [1.5, 1.5], [0.5]),
+        ("seq", "trunc", 0.5, 1.5, [1.5, 1.5], [0.25]),
+        ("geo", "mask", 0.2, 2.0, [2.0, 0.8], [0.25]),  # seq-mask-tis: both sequences pass the gate
+        ("geo", "mask", 0.9, 1.1, [0.0, 0.0], [0.0]),
+        ("geo", "mis", 0.2, 2.0, [G, G], [0.25]),
+        ("geo", "clip", 0.9, 1.1, [1.1, 1.1], [0.9]),
+        ("geo", "trunc", 0.9, 1.1, [1.1, 1.1], [0.25]),
     ],
 )
 def test_sequence_levels_by_hand(level, mode, low, high, row0, row1):
     trainer, behavior, mask = seq_case()
     w, _ = importance_weights(trainer, behavior, mask, level, mode, low=low, high=high)
-    assert w.tolist() == [pytest.approx([row0, row0, 1.0]), pytest.approx([row1, 1.0, 1.0])]
+    assert w.tolist() == [pytest.approx(row0 + [1.0]), pytest.approx(row1 + [1.0, 1.0])]
+
+
+def test_geo_mask_matches_the_reference_definition_by_hand():
+    """The reference's seq-mask-tis: gate each sequence on the geometric mean of its token ratios inside
+    [low, high]; a surviving token's weight is its own ratio pi_train/pi_rollout, a gated sequence's are 0.
+    Row 0: ratios 1.02, 0.99, 1.00 -> geo mean (1.0098)^(1/3) = 1.00326 in [0.99, 1.01]: kept as 1.02, 0.99, 1.
+    Row 1: ratios 1.10, 1.05 -> geo mean sqrt(1.155) = 1.07471 > 1.01: both 0."""
+    behavior = torch.tensor([[-0.7, -1.2, -2.0], [-0.3, -0.9, -5.0]])
+    ratios = torch.tensor([[1.02, 0.99, 1.00], [1.10, 1.05, 1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    w, m = importance_weights(behavior + ratios.log(), behavior, mask, "geo", "mask", low=0.99, high=1.01)
+    assert w.tolist() == [pytest.approx([1.02, 0.99, 1.00]), pytest.approx([0.0, 0.0, 1.0])]
+    assert float(m["is/retained_frac"]) == pytest.approx(3 / 5)
 
 
 def test_retained_fraction_counts_tokens_of_gated_sequences():
@@ -110,7 +126,7 @@ def test_user_mistakes_raise_value_error():
     with pytest.raises(ValueError, match="level"):
         importance_weights(x, x, torch.ones(1, 2), "sequence")
     with pytest.raises(ValueError, match="mode"):
-        importance_weights(x, x, torch.ones(1, 2), "token", "reject")
+        importance_weights(x, x, torch.ones(1, 2), "token", "reject_all")
     with pytest.raises(ValueError, match="low"):
         importance_weights(x, x, torch.ones(1, 2), "token", "mask", low=2.0, high=1.0)
     with pytest.raises(ValueError, match="behavior_logprobs"):

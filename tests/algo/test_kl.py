@@ -61,3 +61,13 @@ def test_k1_and_k3_are_unbiased_for_the_true_kl():
     for name in ("k1", "k3"):
         kl, _ = kl_divergence(p.log()[tokens], q.log()[tokens], mask, name, placement="reward")
         assert kl.mean().item() == pytest.approx(true_kl, abs=5e-3)
+
+
+def test_adaptive_coefficient_by_hand():
+    from molt.algo import adaptive_kl_coef
+
+    # KL 0.15 against target 0.1: error 0.5 clipped to 0.2; 1000 of 10000 rollouts -> x (1 + 0.2 * 0.1)
+    assert adaptive_kl_coef(0.01, 0.15, 0.1, 10000, 1000) == pytest.approx(0.01 * 1.02)
+    assert adaptive_kl_coef(0.01, 0.09, 0.1, 100, 10) == pytest.approx(0.01 * (1 - 0.1 * 0.1))
+    with pytest.raises(ValueError, match="algo.kl.target"):
+        adaptive_kl_coef(0.01, 0.1, 0.0, 100, 10)

@@ -29,7 +29,7 @@ CASES = [  # (name, body, expected status, expected OpenAI code)
     ("bad role", {**GOOD, "messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_request"),
     ("image part", {**GOOD, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "invalid_request"),
-    ("unknown model", {**GOOD, "model": "gpt-9"}, 400, "model_not_found"),
+    ("unknown model (strict)", {**GOOD, "model": "gpt-9"}, 400, "model_not_found"),
     ("context too long", {**GOOD, "messages": [{"role": "user", "content": "word " * 600}]}, 400,
      "context_length_exceeded"),
 ]
@@ -37,7 +37,7 @@ CASES = [  # (name, body, expected status, expected OpenAI code)
 
 @pytest.fixture
 async def served(tokenizer):
-    async with live_capture_server(ScriptedEngine(tokenizer, ["fine"]), tokenizer) as server:
+    async with live_capture_server(ScriptedEngine(tokenizer, ["fine"]), tokenizer, strict_model=True) as server:
         session = await server.open_session()
         async with httpx.AsyncClient(base_url=server.url) as http:
             yield server, session, http

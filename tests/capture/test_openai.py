@@ -222,3 +222,25 @@ async def test_models_endpoint(tokenizer):
         session = await server.open_session()
         models = await client(session).models.list()
         assert [m.id for m in models.data] == ["scripted"]
+
+
+@pytest.mark.filterwarnings("ignore:The model 'claude-sonnet-4-5' is deprecated")  # the SDK's notice, not ours
+async def test_any_model_name_is_served_and_echoed(hf_engine, tokenizer):
+    """A black-box agent naming its own model works unchanged (the reference serves any name); the segment is
+    still token-exact. Anthropic's SDK on the same session, with its own model name."""
+    from anthropic import AsyncAnthropic
+
+    engine = RecordingEngine(hf_engine)
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session("r-any", SamplingParams(max_tokens=8))
+        messages = [{"role": "user", "content": "Say hi."}]
+        reply = await client(session).chat.completions.create(model="anything", messages=messages)
+        assert reply.model == "anything"
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": "Again."})
+        answer = await AsyncAnthropic(base_url=session.session_url, api_key=session.api_key).messages.create(
+            model="claude-sonnet-4-5", max_tokens=8, messages=messages)
+        assert answer.model == "claude-sonnet-4-5"
+        segments = await session.close()
+    assert [s.break_reason for s in segments] == ["start"]
+    assert_exact(segments[0], [(p, c) for _, p, c in engine.records])

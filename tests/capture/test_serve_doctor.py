@@ -55,7 +55,7 @@ async def test_serve_process(tiny_llama_dir, tokenizer):
 async def test_serve_in_process_stops_on_sigint(tiny_llama_dir, tokenizer):
     lines = []
     task = asyncio.create_task(serve(str(tiny_llama_dir), port=0, engine=ScriptedEngine(tokenizer, ["hi"]),
-                                     ready=lambda text, **_: lines.append(text)))
+                                     ready=lambda text, **_: lines.append(text), strict_model=True))
     while not lines:
         await asyncio.sleep(0.01)
     url = lines[0].split(" on ")[1].split()[0]
@@ -63,6 +63,11 @@ async def test_serve_in_process_stops_on_sigint(tiny_llama_dir, tokenizer):
         assert (await http.post("/sessions", content=b"")).status_code == 200  # an empty body is allowed
         bad = await http.post("/sessions", json={"sampling_params": {"temperature": -1}})
         assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"]
+        session = (await http.post("/sessions")).json()  # --strict-model: only the served name
+        chat = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+        r = await http.post(f"/s/{session['session_id']}/v1/chat/completions", json=chat,
+                            headers={"Authorization": f"Bearer {session['api_key']}"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
     os.kill(os.getpid(), signal.SIGINT)
     await asyncio.wait_for(task, 10)  # returns normally: no KeyboardInterrupt, the server is down
     with pytest.raises(httpx.ConnectError):

@@ -23,13 +23,24 @@ def test_wandb_offline_run_gets_the_config_and_the_steps(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    logger = MetricsLogger(tmp_path, 2, wandb_project="molt-test", config={"actor": {"lr": 1e-5}})
+    logger = MetricsLogger(tmp_path, 2, wandb={"project": "molt-test", "run_name": "r1"}, config={"actor": {"lr": 1e-5}})
     run = logger._wandb
     logger.log(1, {"rollout/reward_mean": 0.25})
     logger.log(2, {"rollout/reward_mean": 0.75})
-    assert run.config["actor"] == {"lr": 1e-5}
+    assert run.config["actor"] == {"lr": 1e-5} and run.name == "r1"
     logger.close()  # W&B keeps the latest step open until the next one or the end
     (record,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")  # what `wandb sync` uploads later
     data = record.read_bytes()
     assert b"rollout/reward_mean" in data and b"0.75" in data
     assert len(read_metrics(tmp_path)) == 2
+
+
+def test_wandb_without_the_package_logs_the_rest(tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    logger = MetricsLogger(tmp_path, 1, wandb={"project": "p"})
+    logger.log(1, {"rollout/reward_mean": 0.5})
+    logger.close()
+    assert logger._wandb is None and "wandb is not installed" in capsys.readouterr().err
+    assert read_metrics(tmp_path) == [{"step": 1, "rollout/reward_mean": 0.5}]

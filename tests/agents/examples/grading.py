@@ -2,4 +2,5 @@
 
 
 def grade(text, label):
-    return 1.0 if text is not None and str(label) in text else 0.0
+    truth = label["ground_truth"] if isinstance(label, dict) else label  # a `reward_model` column's label
+    return 1.0 if text is not None and str(truth) in text else 0.0

@@ -1,0 +1,259 @@
+"""The command line of `molt train`: a YAML recipe (`--config`), then flags, the reference's names included.
+
+`load_config(argv)` reads `--config FILE.yaml` first and uses it as the defaults, rewrites the reference's
+`train_rl_ray` flags that are not Molt fields through one table (below), parses the rest with tyro over
+`molt.config.MoltConfig`, validates, and returns the config (`molt.config` re-exports these functions).
+
+Every flag of the public reference parses under its own name (tests/data/reference-flags.txt holds all 164).
+Most are Molt fields of the same name and meaning (`molt.config`). The rest are entries of `TABLE`:
+- a *reason* (a string): the flag cannot mean anything in this run; it and its values are dropped and one line
+  says why;
+- a *rule* (a function of the flag's values and of all reference flags given): the same knob under Molt's
+  name or value syntax (`--actor.loss_mode cispo` -> `--actor.policy_loss cispo`, `--fsdp.offload optimizer`
+  -> `--fsdp.offload`); a rule wins over a Molt field of the same name, since the value syntax differs;
+- `VLLM_ARGS`: vLLM knobs, collected into `vllm.engine_args`, i.e. keywords of `vllm.AsyncEngineArgs`.
+After parsing, each `--vllm.*` flag (and `--data.max_len`) of a run on the embedded engine gets one line too.
+
+Decisions: a dropped or rewritten flag takes the tokens after it up to the next `--flag` (a store_true flag
+takes none, a two-number flag two; negative numbers are values), so the table needs no arity. A reason entry
+applies only while the name is no Molt field, so a field added later simply takes over.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Rule = Callable[[list[str], dict[str, list[str]]], list[str]]
+OFF = ("none", "false", "off", "0", "no")
+
+
+def _to(flag: str, *fixed: str) -> Rule:
+    """The same knob under Molt's name; `fixed` replaces the values."""
+    return lambda values, given: [f"--{flag}", *(fixed or values)]
+
+
+def _switch(flag: str) -> Rule:
+    """A Molt on/off field from a reference flag that takes an optional mode value (`full`, `none`, ...)."""
+    group, _, name = flag.rpartition(".")
+    return lambda values, given: [f"--{group}.no_{name}" if values and values[0].lower() in OFF else f"--{flag}"]
+
+
+def _dtype(values: list[str], given: dict[str, list[str]]) -> list[str]:
+    if values and values[0] != "bf16":
+        raise ValueError(f"--fsdp.param_dtype {values[0]}: Molt trains in bf16 or fp32 (actor.dtype); use bf16")
+    return ["--actor.dtype", "bfloat16"]
+
+
+def _attention(values: list[str], given: dict[str, list[str]]) -> list[str]:
+    if values and values[0].startswith("flash") and importlib.util.find_spec("flash_attn") is None:
+        note(f"--fsdp.attn_implementation {values[0]}: flash_attn is not installed here; sdpa instead")
+        return ["--fsdp.attn_implementation", "sdpa"]
+    return ["--fsdp.attn_implementation", *values]
+
+
+def _ranks(values: list[str], given: dict[str, list[str]]) -> list[str]:
+    nodes = int((given.get("actor.num_nodes") or ["1"])[0])
+    return ["--train.num_ranks", str(nodes * int(values[0]))]
+
+
+def _nodes(values: list[str], given: dict[str, list[str]]) -> list[str]:
+    if "actor.num_gpus_per_node" not in given:
+        note("--actor.num_nodes: no effect: trainer ranks are counted by train.num_ranks (or with "
+             "actor.num_gpus_per_node, times actor.num_nodes)")
+    return []
+
+
+def _dumps(values: list[str], given: dict[str, list[str]]) -> list[str]:
+    note(f"--train.rollout_dump_dir {' '.join(values)}: Molt writes its dumps into <ckpt.output_dir>/dumps")
+    return ["--train.dump_trajectories_steps", "1"]
+
+
+MUON = "muon is not built: the optimizer is AdamW (--actor.adam.*, --critic.adam.*)"
+TABLE: dict[str, str | Rule] = {
+    # the same knobs under Molt's names or value syntax
+    "actor.loss_mode": _to("actor.policy_loss"),
+    "actor.gradient_checkpoint": _switch("actor.gradient_checkpoint"),
+    "fsdp.offload": _switch("fsdp.offload"),
+    "fsdp.param_dtype": _dtype,
+    "fsdp.attn_implementation": _attention,
+    "actor.num_gpus_per_node": _ranks,
+    "actor.num_nodes": _nodes,
+    "eval.eval_only": _to("eval.only"),
+    "ckpt.load_enable": _to("ckpt.resume"),
+    "ckpt.disable_final_save": _to("ckpt.no_export_hf"),
+    "ckpt.dcp_max_num": _to("ckpt.max_num"),
+    "train.force_on_policy": _to("train.max_staleness", "0"),
+    "train.force_sync_mode": _to("train.max_staleness", "0"),
+    "train.rollout_dump_dir": _dumps,
+    # no effect in this run, and why
+    "ckpt.warm_resume_rollouts": "a resume re-runs the rollouts that were in flight (the ledger keeps every "
+                                 "prompt trained once); there is no rollout state to warm",
+    "ckpt.max_mem": "checkpoints are rotated by count (ckpt.max_num)",
+    "actor.aux_loss_coef": "Molt adds no MoE load-balancing loss",
+    "actor.freeze_visual_encoder": "text models only so far: vision inputs come with their own issue",
+    "actor.freeze_moe_router": "MoE router freezing comes with the routing-replay issue",
+    "critic.freeze_moe_router": "MoE router freezing comes with the routing-replay issue",
+    "data.apply_chat_template": "Molt always renders prompts with the model's chat template (Env and ChatAgent)",
+    "data.image_key": "text prompts only so far: images come with their own issue",
+    "data.max_images_per_prompt": "text prompts only so far: images come with their own issue",
+    "data.disable_fast_tokenizer": "capture needs the fast (Rust) tokenizer it is tested token-exact with",
+    "data.dataloader_num_workers": "prompts are read once into memory; there is no data loader",
+    "vllm.sync_backend": "the refit transport is train.weight_sync (auto: an NCCL group with vLLM engines, the "
+                         "object store with the embedded engine)",
+    "vllm.router_policy": "the router is session-sticky: the calls of a rollout stay on one engine",
+    "rollout.num_runners": "agents run as coroutines inside each rollout worker (rollout.num_workers)",
+    "rollout.vllm_generate_batch_size": "rollouts are dispatched one at a time and the engines batch what is in "
+                                        "flight; train.max_staleness bounds how far generation runs ahead",
+    "rollout.micro_batch_size": "trainer log-probs are computed inside the optimizer step (train.*)",
+    "rollout.max_tokens_per_gpu": "trainer log-probs are computed inside the optimizer step (train.*)",
+    "train.full_determinism_enable": "no deterministic-kernel mode; train.seed seeds data order, sampling, init",
+    "train.dynamic_batch_enable": "micro-batches are always cut by train.max_tokens_per_gpu (the loss does not "
+                                  "depend on the split)",
+    "train.colocate_fsdp_models": "actor, reference and critic always share the trainer ranks",
+    "train.routing_replay": "routing replay comes with its own issue",
+    "train.rollout_replay_dir": "replaying dumped rollouts is not built",
+    "train.check_weight_update_equal": "no per-run refit check (the tests compare engine and trainer weights)",
+    "ref.num_nodes": "the reference model is sharded with the actor on its ranks (train.num_ranks)",
+    "ref.num_gpus_per_node": "the reference model is sharded with the actor on its ranks (train.num_ranks)",
+    "eval.batch_size": "all eval rollouts are sent at once and the engines batch them",
+    "eval.eval_at_start": "Molt always evaluates before the first step when eval.dataset is set",
+    "fsdp.pp_size": "the FSDP2 trainer has no pipeline parallelism",
+    "fsdp.sequence_parallel": "tensor parallelism is plain DTensor TP, without sequence parallelism",
+    "logger.logging_steps": "every step's metrics are written (metrics.jsonl, TensorBoard, W&B)",
+    "actor.optim": MUON,
+    "critic.optim": MUON,
+    **{f"{role}.muon.{k}": MUON for role in ("actor", "critic")
+       for k in ("lr", "momentum", "weight_decay", "ns_steps", "nesterov", "no_nesterov")},
+}
+# reference flag -> vllm.AsyncEngineArgs keyword ("key=template" formats the value into it)
+VLLM_ARGS = {f"vllm.{k}": k for k in (
+    "pipeline_parallel_size", "data_parallel_size", "enforce_eager", "dtype", "mm_encoder_attn_backend",
+    "gdn_prefill_backend", "attention_backend", "block_size", "mamba_ssm_cache_dtype",
+    "distributed_executor_backend", "enable_expert_parallel", "disable_custom_all_reduce", "enable_prefix_caching",
+    "enable_chunked_prefill", "max_num_batched_tokens", "async_scheduling", "decode_context_parallel_size")}
+VLLM_ARGS["vllm.mtp_num_speculative_tokens"] = 'speculative_config={{"method": "mtp", "num_speculative_tokens": {}}}'
+HF_ENGINE = "no effect with the embedded engine (rollout.engine=hf); passed to vLLM with --rollout.engine vllm"
+# Molt fields that parse but do nothing in this version, and why
+INERT = {
+    "train.async_queue_size": "asynchrony is bounded by train.max_staleness (policy versions), not by a queue",
+    "train.micro_batch_size": "micro-batches are cut by train.max_tokens_per_gpu, which wins (the loss does not "
+                              "depend on the split)",
+    "fsdp.ep_size": "expert parallelism is a later GPU-path option (molt/trainer/parallel.py); 1 is what runs",
+    "fsdp.cp_size": "context parallelism is a later GPU-path option (molt/trainer/parallel.py); 1 is what runs",
+}
+
+
+def note(line: str) -> None:
+    print(f"molt: note: {line}", file=sys.stderr)
+
+
+def _split(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """[(flag without dashes or "", its values)]: `--a.b=1` is `--a.b 1`; tokens before any flag keep ""."""
+    out: list[tuple[str, list[str]]] = [("", [])]
+    for token in argv:
+        if token.startswith("--"):
+            name, eq, value = token[2:].partition("=")
+            out.append((name, [value] if eq else []))
+        else:
+            out[-1][1].append(token)
+    return out
+
+
+def translate(argv: list[str], fields: set[str]) -> tuple[list[str], dict[str, str], dict[str, list[str]]]:
+    """(argv for tyro, vLLM engine args, every flag given with its values) of a reference-style argv.
+    `fields`: Molt's dotted field names."""
+    pieces = _split(argv)
+    given = {name: values for name, values in pieces if name}
+    out, engine_args = list(pieces[0][1]), {}
+    for name, values in pieces[1:]:
+        entry = TABLE.get(name)
+        if callable(entry):
+            out += entry(values, given)
+        elif name in VLLM_ARGS:
+            key, _, template = VLLM_ARGS[name].partition("=")
+            engine_args[key] = template.format(*values) if template else (values[0] if values else "true")
+        elif isinstance(entry, str) and name not in fields:
+            note(f"--{name}: no effect: {entry}")
+        else:
+            out += [f"--{name}", *values]
+    return out, engine_args, given
+
+
+def after_parse(engine: str, given: dict[str, list[str]]) -> None:
+    """The lines that depend on the parsed config: engine knobs on the embedded engine; inert fields."""
+    for name in given:
+        if isinstance(TABLE.get(name), str):
+            continue  # said already
+        if engine != "vllm" and (name.startswith("vllm.") or name == "data.max_len"):
+            note(f"--{name}: {HF_ENGINE}")
+        elif name in INERT:
+            note(f"--{name}: no effect: {INERT[name]}")
+
+
+def dotted(tree: dict, prefix: str = "") -> set[str]:
+    """Dotted field names of a config as `molt.config.to_dict` writes it."""
+    names: set[str] = set()
+    for key, value in tree.items():
+        names |= dotted(value, f"{prefix}{key}.") if isinstance(value, dict) and value else {prefix + key}
+    return names
+
+
+def _from_dict(base: Any, data: dict[str, Any], prefix: str = "") -> Any:
+    """`base` (a config dataclass) with the values of a YAML mapping; unknown keys are errors naming the field."""
+    kwargs: dict[str, Any] = {}
+    by_name = {f.name: f for f in dataclasses.fields(base)}
+    for key, value in (data or {}).items():
+        if key not in by_name:
+            raise ValueError(f"unknown config field {prefix}{key} (known: {', '.join(sorted(by_name))})")
+        default = getattr(base, key)
+        if dataclasses.is_dataclass(default):
+            if not isinstance(value, dict):
+                raise ValueError(f"config field {prefix}{key} must be a mapping")
+            value = _from_dict(default, value, f"{prefix}{key}.")
+        elif isinstance(default, tuple):
+            value = tuple(value)
+        kwargs[key] = value
+    return dataclasses.replace(base, **kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    def plain(v: Any) -> Any:
+        return list(v) if isinstance(v, tuple) else {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v
+    return plain(dataclasses.asdict(cfg))
+
+
+def load_config(argv: list[str] | None = None, *, check_files: bool = True, prog: str = "molt train") -> Any:
+    """`[--config recipe.yaml] [--group.field value ...]` -> validated MoltConfig."""
+    import tyro
+    import yaml
+
+    from molt.config import MoltConfig, validate
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    default = MoltConfig()
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ValueError("--config needs a YAML file")
+        path = Path(argv[i + 1])
+        if not path.is_file():
+            raise ValueError(f"--config: no such file: {path}")
+        default = _from_dict(MoltConfig(), yaml.safe_load(path.read_text()) or {})
+        del argv[i : i + 2]
+    argv, engine_args, given = translate(argv, dotted(to_dict(default)))
+    cfg = tyro.cli(MoltConfig, args=argv, default=default, use_underscores=True, prog=prog,
+                   description="Train a model on an agent's experience. Flags override the --config YAML recipe. "
+                               "Every flag of the reference's train_rl_ray is accepted too (molt.flags).")
+    cfg.vllm.engine_args = {**engine_args, **cfg.vllm.engine_args}
+    after_parse(cfg.rollout.engine, given)
+    return validate(cfg, check_files=check_files)
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    import yaml
+
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,104 @@
+"""Prompt datasets: files, directories or hub names through Hugging Face `datasets`, mixed and cut like the
+reference's `--data.prompt_dataset A,B --data.prompt_probs 0.7,0.3 --data.max_samples N`.
+
+Each comma-separated entry is loaded as:
+- a `.jsonl` file: read line by line here, rows kept exactly as written (Arrow would unify the rows' schemas,
+  filling absent keys of chat messages and tool schemas with nulls and rejecting a key whose type varies);
+  errors name the line;
+- another data file (parquet, json, arrow, csv): `load_dataset(<builder>, data_files={split: path})`;
+- a directory written by `Dataset.save_to_disk`: `load_from_disk`, then the split if it holds several;
+- anything else (a directory of data files, a hub name): `load_dataset(entry, split=split)`, which reaches the
+  hub only when one is reachable.
+Rows from Arrow lose null-valued keys in their messages and tools (nulls there are Arrow's filling, never the
+author's). Several entries are interleaved by `datasets.interleave_datasets` with `prompt_probs` (equal
+probabilities when none are given) until every entry is exhausted, as the reference does; `max_samples` then
+keeps the first rows. Mistakes are `ValueError`s naming the flag.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+BUILDERS = {".parquet": "parquet", ".json": "json", ".arrow": "arrow", ".csv": "csv"}
+
+
+def _jsonl(path: Path, what: str) -> list[dict[str, Any]]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{what}: {path}:{n}: not JSON ({e})") from None
+    return rows
+
+
+def _drop_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    return [_drop_nulls(v) for v in value] if isinstance(value, list) else value
+
+
+def load_source(entry: str, split: str, what: str) -> list[dict[str, Any]]:
+    """Raw rows of one dataset entry (see the module docstring)."""
+    path = Path(entry)
+    if path.suffix == ".jsonl" or (path.suffix in BUILDERS and not path.is_file()):
+        if not path.is_file():
+            raise ValueError(f"{what}: no such file: {entry}")
+        return _jsonl(path, what)
+    import datasets
+
+    try:
+        if path.is_file():
+            builder = BUILDERS.get(path.suffix)
+            if builder is None:
+                raise ValueError(f"unknown file type {path.suffix!r} (known: .jsonl, {', '.join(BUILDERS)})")
+            data = datasets.load_dataset(builder, data_files={split: str(path)}, split=split)
+        elif (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+            data = datasets.load_from_disk(str(path))
+            data = data[split] if isinstance(data, datasets.DatasetDict) else data
+        else:
+            data = datasets.load_dataset(entry, split=split)
+    except (OSError, ValueError, KeyError, datasets.exceptions.DatasetNotFoundError) as e:
+        raise ValueError(f"{what}: cannot load {entry!r} (split {split!r}): {e}") from None
+    return [{k: _drop_nulls(v) if isinstance(v, (list, dict)) else v for k, v in row.items()} for row in data]
+
+
+def mix(sources: list[list[dict[str, Any]]], probs: list[float] | None, seed: int) -> list[dict[str, Any]]:
+    """Interleave row lists with `datasets.interleave_datasets` (on row indices, so rows stay plain dicts)."""
+    if len(sources) == 1:
+        return sources[0]
+    import datasets
+
+    index = [datasets.Dataset.from_dict({"s": [k] * len(rows), "i": list(range(len(rows)))})
+             for k, rows in enumerate(sources)]
+    mixed = datasets.interleave_datasets(index, probabilities=probs, seed=seed, stopping_strategy="all_exhausted")
+    return [sources[s][i] for s, i in zip(mixed["s"], mixed["i"])]
+
+
+def load_prompts(spec: str, *, input_key: str, label_key: str | None, tools_key: str | None, split: str = "train",
+                 probs: str = "", max_samples: int | None = None, seed: int = 42,
+                 what: str = "data.prompt_dataset") -> list[dict[str, Any]]:
+    """Runner rows {"messages" | "prompt", "label", "tools"} of `spec` (comma-separated entries)."""
+    entries = [e.strip() for e in spec.split(",") if e.strip()]
+    weights = [float(p) for p in probs.split(",")] if probs else None
+    if weights is not None and (len(weights) != len(entries) or min(weights) < 0 or sum(weights) <= 0):
+        raise ValueError(f"data.prompt_probs: {len(weights)} non-negative probabilities needed for the "
+                         f"{len(entries)} entries of {what} (got {probs!r})")
+    sources = [load_source(e, split, what) for e in entries]
+    for entry, rows in zip(entries, sources):
+        if not rows:
+            raise ValueError(f"{what}: {entry} has no rows")
+        if input_key not in rows[0]:
+            raise ValueError(f"{what}: {entry} has no {input_key!r} key (data.input_key); keys: {sorted(rows[0])}")
+    raw_rows = mix(sources, [w / sum(weights) for w in weights] if weights else None, seed)[:max_samples]
+    out = []
+    for n, raw in enumerate(raw_rows):
+        prompt = raw.get(input_key)
+        if prompt is None:
+            raise ValueError(f"{what}: row {n} has no {input_key!r} value (data.input_key); keys: {sorted(raw)}")
+        row = {"messages": prompt} if isinstance(prompt, list) else {"prompt": str(prompt)}
+        row.update(label=raw.get(label_key) if label_key else None, tools=raw.get(tools_key) if tools_key else None)
+        out.append(row)
+    return out
