@@ -248,7 +248,9 @@ def _train_and_report(cfg) -> dict:
 
 @command("serve", "serve a model through the capture server (OpenAI and Anthropic wires, captured segments)",
          _MODEL_ARG, arg("--host", default="127.0.0.1", help="address to bind (default: loopback only)"),
-         arg("--port", type=int, default=8000, help="port to listen on (0: any free port)"))
+         arg("--port", type=int, default=8000, help="port to listen on (0: any free port)"),
+         arg("--prefix-cache-mb", type=int, default=None,
+             help="session prefix cache of the engine in MB, 0: off (default: the engine's, 1024)"))
 def serve(args: argparse.Namespace) -> int:
     from molt.capture.serve import serve_main
 
