@@ -28,6 +28,11 @@ importance correction then see it as the mixed-policy token it is).
 
 Exactness: with and without the cache, fp32 log-probs agree to float rounding and seeded requests give the same
 tokens (tests/engine/test_prefix_cache.py).
+
+Measured (`bench/engine.py --multi-turn`, docs/benchmarks.md; SmolLM2-135M fp32, 2 CPU cores): a cached turn's
+latency follows its new tokens, not the history. At a 2K-token history an 80-token turn with 16 sampled tokens
+takes 0.30x the cold time, a 288-token turn with 32 sampled 0.49x: its prefill shrinks to 0.18x, and what remains
+is decode (about 60 ms a token here), which the cache does not change.
 """
 from __future__ import annotations
 
