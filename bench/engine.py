@@ -1,11 +1,22 @@
-"""Throughput of the embedded engine against padded `model.generate` (and, optionally, transformers'
-continuous-batching manager) on the same prompts.
+"""The embedded engine: throughput against padded `model.generate` (and, optionally, transformers'
+continuous-batching manager), and multi-turn sessions with the session prefix cache on and off.
 
-Workload: N concurrent requests (default 16) of exactly M new tokens (default 64; EOS is ignored through
+Throughput: N concurrent requests (default 16) of exactly M new tokens (default 64; EOS is ignored through
 min_tokens / min_new_tokens) at temperature 1 with no top-k/top-p, on SmolLM2-135M-Instruct in fp32.
 Each variant runs once to warm up, then `--repeats` timed runs; the table reports the median and the best run.
 
+Multi-turn (`--multi-turn`): `--sessions` concurrent sessions, each starting from a `--history`-token prompt and
+running `--turns` turns; a turn samples `--new-tokens` tokens and the next prompt is the previous one plus that
+reply plus `--user-tokens` tokens of a new message (an agent resending its whole history). "off" sends the same
+requests without a session id (a cold prefill, as before the cache). Rounds alternate on/off (the cores are
+shared) and each turn's latency is the median over rounds; the seeded replies of both must be the same tokens.
+
+GPU (`--device cuda`, one command for the whole check): a random model of Qwen2.5-0.5B's shape in bf16,
+throughput at 64 and 256 concurrent requests, then multi-turn with 64 sessions.
+
     .venv/bin/python bench/engine.py [--model PATH] [--continuous-batching] [--write]
+    .venv/bin/python bench/engine.py --multi-turn [--history 1024] [--turns 6] [--user-tokens 256] [--write]
+    .venv/bin/python bench/engine.py --device cuda [--write]
 """
 from __future__ import annotations
 
@@ -15,6 +26,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +48,11 @@ QUESTIONS = [
 ]
 
 
-def prompts_for(tokenizer, n: int) -> list[list[int]]:
+def prompts_for(tokenizer, n: int, device: str = "cpu") -> list[list[int]]:
+    if device != "cpu":  # the random GPU model has no meaningful tokenizer: random ids, chat-sized
+        gen = torch.Generator().manual_seed(0)
+        return [torch.randint(1000, 100_000, (int(torch.randint(34, 52, (), generator=gen)),), generator=gen).tolist()
+                for _ in range(n)]
     chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
     return [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
             for c in chats]
@@ -96,44 +112,144 @@ def measure(variants: dict, repeats: int) -> dict[str, tuple[float, float]]:
     return {name: (statistics.median(r), max(r)) for name, r in rates.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct", help="checkpoint directory or model alias")
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--continuous-batching", action="store_true", help="also time transformers' CB manager")
-    ap.add_argument("--write", action="store_true", help="append the result table to docs/benchmarks.md")
-    args = ap.parse_args()
-    torch.manual_seed(0)
-    model_path = str(resolve_model(args.model))
-    engine = HFEngine(model_path, max_batch_size=max(args.requests, 1))
-    model, tokenizer = engine.model, engine.tokenizer  # same weights for every variant
-    prompts = prompts_for(tokenizer, args.requests)
-    n, new = args.requests, args.new_tokens
+def throughput(engine: HFEngine, prompts: list[list[int]], args: argparse.Namespace) -> tuple[str, str, str]:
+    n, new, repeats, model = len(prompts), args.new_tokens or 64, args.repeats or 3, engine.model
     variants = {"embedded engine (molt.engine.hf)": lambda: run_engine(engine, prompts, new),
                 "padded model.generate": lambda: run_generate(model, prompts, new, engine.pad_token_id)}
     manager = start_continuous(model, new) if args.continuous_batching else None
     if manager is not None:
         variants["transformers continuous batching"] = lambda: run_continuous(manager, prompts, new)
-    rows = list(measure(variants, args.repeats).items())
-    asyncio.run(engine.close())
+    rows = list(measure(variants, repeats).items())
     if manager is not None:
         manager.stop(block=True)
     base = rows[1][1][0]
-    lines = [f"| variant | tokens/s (median of {args.repeats}) | best | vs padded generate |", "| --- | ---: | ---: | ---: |"]
+    lines = [f"| variant | tokens/s (median of {repeats}) | best | vs padded generate |", "| --- | ---: | ---: | ---: |"]
     lines += [f"| {name} | {med:.1f} | {best:.1f} | {med / base:.2f}x |" for name, (med, best) in rows]
-    table = "\n".join(lines)
-    load = os.getloadavg()[0]
     context = (f"{n} requests x {new} new tokens, prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}, "
-               f"fp32, temperature 1, {Path(model_path).name}, torch {torch.__version__}, "
-               f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
-               f"1-min load average at the end {load:.1f}")
-    print(context + "\n\n" + table)
+               f"{str(engine.model.dtype).removeprefix('torch.')}, temperature 1, {_where(args)}")
+    return "Embedded engine throughput (`bench/engine.py`)", context, "\n".join(lines)
+
+
+def random_qwen_05b(dest: Path) -> str:
+    """A randomly initialised model of Qwen2.5-0.5B's shape (the speed of a forward pass does not depend on the
+    weights), saved with molt.testing's small tokenizer (the GPU bench sends token ids)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+
+    from molt.testing.models import build_tokenizer
+
+    config = Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                         max_position_embeddings=32768, rope_theta=1e6, eos_token_id=151645, pad_token_id=151643)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=151645, pad_token_id=151643)
+    model.save_pretrained(dest)
+    build_tokenizer().save_pretrained(dest)
+    return str(dest)
+
+
+def run_sessions(engine: HFEngine, starts: list[list[int]], user: list[int], turns: int, new: int,
+                 tag: str | None) -> list[tuple[float, list]]:
+    """One multi-turn run: per turn, (seconds until every session's reply is in, the completions). Sessions
+    are keyed `tag-i` (None: no session id, the cache is not used)."""
+    async def go() -> list[tuple[float, list]]:
+        prompts, rows = [list(p) for p in starts], []
+        for k in range(turns):
+            params = SamplingParams(max_tokens=new, min_tokens=new, temperature=1.0)
+            start = time.perf_counter()
+            outs = await asyncio.gather(*[engine.generate(p, params.copy(seed=k * 1000 + i),
+                                                          None if tag is None else f"{tag}-{i}")
+                                          for i, p in enumerate(prompts)])
+            rows.append((time.perf_counter() - start, outs))
+            prompts = [p + o.token_ids + user for p, o in zip(prompts, outs)]
+        return rows
+    return asyncio.run(go())
+
+
+def multi_turn(engine: HFEngine, args: argparse.Namespace) -> tuple[str, str, str]:
+    n, history, user, turns, new = args.sessions, args.history, args.user_tokens, args.turns, args.new_tokens or 32
+    repeats, size = args.repeats or 2, history + 97 * n + user
+    if args.device == "cpu":  # real text (any text: only the lengths matter for the time)
+        stream = engine.tokenizer.encode(" ".join(QUESTIONS) * (size // 200 + 1))[:size]
+    else:
+        stream = torch.randint(1000, 100_000, (size,)).tolist()
+    starts = [stream[97 * i: 97 * i + history] for i in range(n)]  # a different window per session
+    user_ids = stream[-user:]
+    run_sessions(engine, [s[:64] for s in starts], user_ids[:16], 2, 4, "warm-up")
+    times: dict[str, list[list[float]]] = {"off": [], "on": []}
+    worst, same, replies = 0.0, 0, 0
+    for r in range(repeats):
+        off = run_sessions(engine, starts, user_ids, turns, new, None)
+        on = run_sessions(engine, starts, user_ids, turns, new, f"round{r}")
+        times["off"].append([t for t, _ in off])
+        times["on"].append([t for t, _ in on])
+        for (_, a), (_, b) in zip(off, on):
+            for x, y in zip(a, b):
+                replies += 1
+                if x.token_ids == y.token_ids:  # (bf16 roundings can flip a sample; then the values differ)
+                    same += 1
+                    worst = max(worst, max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)))
+    lines = ["| turn | history tokens | new tokens | cache off s | cache on s | on / off |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for k in range(turns):
+        off, on = (statistics.median(run[k] for run in times[m]) for m in ("off", "on"))
+        length = history + k * (new + user)
+        lines.append(f"| {k + 1} | {length} | {length if k == 0 else new + user} (+{new} sampled) | {off:.2f} | "
+                     f"{on:.2f} | {on / off:.2f}x |")
+    note = (f"{n} session(s) x {turns} turns: a {history}-token first prompt, each turn {new} sampled tokens "
+            f"then a {user}-token message; median of {repeats} alternated rounds per turn. Replies with and "
+            f"without the cache: {same} of {replies} the same tokens, their log-probs within {worst:.1e}; "
+            f"{str(engine.model.dtype).removeprefix('torch.')}, {_where(args)}.")
+    return "Multi-turn sessions with the prefix cache (`bench/engine.py --multi-turn`)", note, "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU check (random 0.5B-shaped model)")
+    ap.add_argument("--model", default=None,
+                    help="checkpoint directory or alias (default: smollm2-135m-instruct; on cuda a random model)")
+    ap.add_argument("--requests", default=None, help="concurrent requests, comma-separated (default: 16; cuda 64,256)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default: 64; multi-turn 32)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed rounds (default: 3; multi-turn 2)")
+    ap.add_argument("--continuous-batching", action="store_true", help="also time transformers' CB manager")
+    ap.add_argument("--multi-turn", action="store_true", help="multi-turn sessions, prefix cache on and off")
+    ap.add_argument("--sessions", type=int, default=None, help="multi-turn: concurrent sessions (default 1; cuda 64)")
+    ap.add_argument("--history", type=int, default=1024, help="multi-turn: tokens of the first prompt")
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--user-tokens", type=int, default=256, help="multi-turn: tokens of each new message")
+    ap.add_argument("--write", action="store_true", help="append the result table to docs/benchmarks.md")
+    args = ap.parse_args()
+    cuda = args.device != "cpu"
+    args.sessions = args.sessions or (64 if cuda else 1)
+    torch.manual_seed(0)
+    scratch = tempfile.TemporaryDirectory()
+    model_path = (str(resolve_model(args.model or "smollm2-135m-instruct")) if args.model or not cuda
+                  else random_qwen_05b(Path(scratch.name)))
+    args.model_name = Path(model_path).name if args.model or not cuda else "random Qwen2.5-0.5B shape"
+    engine = HFEngine(model_path, max_batch_size=256 if cuda else 64, device=args.device,
+                      dtype="bfloat16" if cuda else "float32", prefix_cache_mb=8192 if cuda else 1024)
+    sections = []
+    if cuda or not args.multi_turn:
+        for n in map(int, (args.requests or ("64,256" if cuda else "16")).split(",")):
+            engine.max_batch_size = max(engine.max_batch_size, n)
+            sections.append(throughput(engine, prompts_for(engine.tokenizer, n, args.device), args))
+    if cuda or args.multi_turn:
+        sections.append(multi_turn(engine, args))
+    asyncio.run(engine.close())
+    for title, context, table in sections:
+        print(f"{title}\n{context}\n\n{table}\n")
     if args.write:
         cmd = ".venv/bin/python bench/engine.py " + " ".join(a for a in sys.argv[1:] if a != "--write")
         with open(Path(__file__).resolve().parents[1] / "docs/benchmarks.md", "a") as f:
-            f.write(f"\n## Embedded engine throughput (`bench/engine.py`)\n\nCommand: `{cmd}`\n\n{context}\n\n{table}\n")
+            for title, context, table in sections:
+                f.write(f"\n## {title}\n\nCommand: `{cmd}`\n\n{context}\n\n{table}\n")
+
+
+def _where(args: argparse.Namespace) -> str:
+    device = (torch.cuda.get_device_name() if args.device != "cpu"
+              else f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    return (f"{args.model_name}, torch {torch.__version__}, {device}, "
+            f"1-min load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -250,7 +250,9 @@ def _train_and_report(cfg) -> dict:
          _MODEL_ARG, arg("--host", default="127.0.0.1", help="address to bind (default: loopback only)"),
          arg("--port", type=int, default=8000, help="port to listen on (0: any free port)"),
          arg("--strict-model", action="store_true",
-             help="answer a request naming another model than the served one with 400 (default: serve any name)"))
+             help="answer a request naming another model than the served one with 400 (default: serve any name)"),
+         arg("--prefix-cache-mb", type=int, default=None,
+             help="session prefix cache of the engine in MB, 0: off (default: the engine's, 1024)"))
 def serve(args: argparse.Namespace) -> int:
     from molt.capture.serve import serve_main
 

@@ -145,6 +145,8 @@ class RolloutConfig:
     """Inference engine: embedded transformers (CPU/one GPU) or vLLM (GPU)."""
     engine_process: bool = True
     """Run the embedded (hf) engine in a process of its own, apart from the capture server and the agents."""
+    prefix_cache_mb: int = 1024
+    """Embedded engine's session prefix cache in MB: a turn prefills only its new tokens; exact (0: off)."""
     num_workers: int = 1
     """Rollout workers (each: an engine, a capture server, agent runners)."""
     timeout_s: float = 300.0

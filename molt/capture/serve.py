@@ -1,5 +1,7 @@
-"""`molt serve --model REF [--host 127.0.0.1] [--port N] [--strict-model]`: the engine and capture server as a
-standalone service, for debugging agents and for external harnesses.
+"""`molt serve --model REF [--host 127.0.0.1] [--port N] [--strict-model] [--prefix-cache-mb MB]`: the engine and
+capture server as a standalone service, for debugging agents and for external harnesses. The engine keeps each
+session's last turn in its prefix cache (`molt.engine.prefix_cache`), so an agent's next turn prefills only its
+new tokens.
 
 Routes added to the capture server's:
 - POST /sessions (body optional: {"rollout_id": str, "sampling_params": {...}}) -> {"session_id", "base_url",
@@ -71,9 +73,9 @@ def add_service_routes(server: CaptureServer) -> None:
 
 
 async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: Any = None,
-                ready: Any = print, strict_model: bool = False) -> None:
+                ready: Any = print, strict_model: bool = False, **engine_options: Any) -> None:
     """Run the service until SIGINT/SIGTERM. `engine` defaults to an HFEngine on `model` (a path) in a process
-    of its own (`molt.engine.process`), leaving one core to the server."""
+    of its own (`molt.engine.process`), leaving one core to the server, built with `engine_options`."""
     from molt.capture.render import ChatRenderer
 
     owned = engine is None
@@ -82,7 +84,8 @@ async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: A
 
         from molt.engine.process import EngineProcess
 
-        engine = EngineProcess("molt.engine.hf:HFEngine", model, torch_threads=max(1, (os.cpu_count() or 2) - 1))
+        engine = EngineProcess("molt.engine.hf:HFEngine", model, torch_threads=max(1, (os.cpu_count() or 2) - 1),
+                               **engine_options)
     server = CaptureServer(engine, ChatRenderer.from_pretrained(model), host=host, port=port,
                            strict_model=strict_model)
     add_service_routes(server)
@@ -103,9 +106,11 @@ async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: A
 
 
 def serve_main(args: Any) -> int:
-    """Entry point for `molt serve` (args: model, host, port, strict_model)."""
+    """Entry point for `molt serve` (args: model, host, port, strict_model, prefix_cache_mb)."""
     from molt.models import resolve_model
 
+    cache_mb = getattr(args, "prefix_cache_mb", None)
+    options = {} if cache_mb is None else {"prefix_cache_mb": cache_mb}
     asyncio.run(serve(str(resolve_model(args.model)), args.host, args.port,
-                      strict_model=getattr(args, "strict_model", False)))
+                      strict_model=getattr(args, "strict_model", False), **options))
     return 0

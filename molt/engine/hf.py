@@ -10,6 +10,11 @@ that no row uses any more are trimmed. Invariant: each running row has exactly o
 the cache yet (its last one). Requests with different sampling parameters share a batch: temperature, top-k,
 top-p, min_tokens and the random draws are per row.
 
+Session prefix cache (`molt.engine.prefix_cache`, on by default: it is exact). A finished request with a session
+id leaves a copy of its row's keys/values (no padding) keyed by the session; the session's next request takes the
+longest prefix its tokens share with that entry from it and prefills only the rest, so a multi-turn agent pays
+for its new tokens only. Prefills are grouped by the tokens they compute, not by context length.
+
 Why this and not transformers' continuous-batching manager. `bench/engine.py` on this 2-core CPU (shared with
 other jobs, load average 4-8), SmolLM2-135M fp32, 16 concurrent requests x 64 new tokens at temperature 1,
 tokens/s, median of 3 interleaved rounds (docs/benchmarks.md):
@@ -20,18 +25,14 @@ The manager is built for GPUs (paged cache, scheduler thread) and returns log-pr
 logits processors, i.e. after top-k/top-p: not the quantity `molt.engine.base` fixes. The hand loop is faster,
 exact, and makes per-token versions, pausing at token boundaries, per-request seeds and abort straightforward.
 
-Behavior log-probability: exactly `molt.engine.base`'s definition, log_softmax(logits / T) over the full
-vocabulary (T = 0 -> 1), before top-k/top-p and before the min_tokens suppression of stop tokens (that
-suppression is a truncation like top-k: the token is sampled from the masked distribution, the record is the
-unmasked one). `top_logprobs` come from the same distribution. Sampling draws from a
-per-request `torch.Generator` (seeded by `SamplingParams.seed`): one uniform number per token, mapped through
-the float64 CDF of the (truncated) distribution. A seeded request therefore reproduces no matter which other
-requests share its batch (up to float differences of the batched matmuls).
+Sampling and the behavior log-probability: `molt.engine.sampling` (one uniform draw per token from the request's
+own seeded generator, so a seeded request reproduces whichever requests share its batch).
 
 Refit: `update_weights` copies tensors into the model in place while the worker is paused (`receive_weights`,
 the collective path of `molt.engine.weight_group`, ends in the same call). The retained
 requests' KV caches hold old-weight keys/values, so the next step prefills them again (prompt + generated tokens)
-with the new weights: later tokens are exactly what the new policy computes over the whole sequence.
+with the new weights: later tokens are exactly what the new policy computes over the whole sequence. For the
+same reason a refit empties the prefix cache (unless `prefix_cache_stale`; then versions record the old prefix).
 
 Sampling defaults in the model's generation_config (repetition penalty, ...) are ignored; only its EOS ids are
 used. An explicit `max_tokens` beyond the context window is capped (finish reason LENGTH).
@@ -51,6 +52,8 @@ import torch
 import torch.nn.functional as F
 
 from molt.engine.base import EngineError, check_request
+from molt.engine.prefix_cache import PrefixCache, left_pad, prefill_inputs, row_layers
+from molt.engine.sampling import sample
 from molt.engine.weight_group import InProcessWeightReceiver
 from molt.types import Completion, FinishReason, SamplingParams
 
@@ -66,6 +69,8 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     on_tokens: Any = None  # called on `loop` with each new token id (streaming)
+    session_id: str | None = None  # key of the prefix cache
+    kv_version: int = 0  # policy version of the oldest keys/values in this request's cache (stale prefixes)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -87,20 +92,12 @@ def _resolve(req: _Request, result: Any = None, error: BaseException | None = No
     req.loop.call_soon_threadsafe(done)
 
 
-def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - t.shape[dim]
-    if missing == 0:
-        return t
-    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [missing, 0]
-    return F.pad(t, pad)
-
-
 class HFEngine(InProcessWeightReceiver):
     """Embedded engine on a transformers causal LM. See the module docstring for the batching design."""
 
     def __init__(self, model_path: str, *, model_name: str | None = None, dtype: str = "float32",
                  device: str = "cpu", max_batch_size: int = 64, version: int = 0,
-                 max_prefill_tokens: int = 8192):
+                 max_prefill_tokens: int = 8192, prefix_cache_mb: float = 1024, prefix_cache_stale: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
         if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
@@ -128,6 +125,7 @@ class HFEngine(InProcessWeightReceiver):
             raise EngineError(f"HFEngine supports full-attention caches only, got {sorted(layer_types)}")
         self._params = self.model.state_dict()  # tensors share storage with the parameters (tied ones too)
         self._version = version
+        self.prefixes = PrefixCache(prefix_cache_mb, prefix_cache_stale)  # owned by the worker thread
         # state shared with the worker thread, guarded by _cv
         self._cv = threading.Condition()
         self._waiting: list[_Request] = []
@@ -155,7 +153,7 @@ class HFEngine(InProcessWeightReceiver):
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
                        request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
         req = self._make_request(list(prompt_ids), params, request_id)
-        req.on_tokens = on_tokens
+        req.on_tokens, req.session_id = on_tokens, session_id
         with self._cv:
             if self._closed:
                 raise EngineError("the engine is closed")
@@ -194,6 +192,9 @@ class HFEngine(InProcessWeightReceiver):
         with self._cv:
             self._version = version
             self._stale_cache = True
+
+    async def prefix_stats(self) -> dict[str, int]:
+        return self.prefixes.stats()
 
     async def resume(self) -> None:
         with self._cv:
@@ -299,6 +300,7 @@ class HFEngine(InProcessWeightReceiver):
         if self._stale_cache:  # weights changed: recompute the retained requests' caches with the new ones
             new = self._rows + new
             self._rows, self._cache, self._mask, self._stale_cache = [], None, None, False
+            self.prefixes.refit()
         version = self._version
         if self._rows:
             self._mask = F.pad(self._mask, (0, 1), value=1)
@@ -306,27 +308,31 @@ class HFEngine(InProcessWeightReceiver):
             ids = torch.tensor([[r.tokens[-1]] for r in self._rows], device=self.device)
             logits = self._forward(ids, self._mask, positions, self._cache)
             self._emit(self._rows, logits, version)
-        for group in self._prefill_groups(new):
-            contexts = [r.prompt + r.tokens for r in group]
-            length = max(map(len, contexts))
-            ids = torch.full((len(group), length), self.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(group), length), dtype=torch.long)
-            for i, ctx in enumerate(contexts):
-                ids[i, length - len(ctx):] = torch.tensor(ctx)
-                mask[i, length - len(ctx):] = 1
-            ids, mask = ids.to(self.device), mask.to(self.device)
+        reused = {r: self.prefixes.lookup(r.session_id, r.prompt + r.tokens) for r in new}
+        for group in self._prefill_groups(new, {r: len(r.prompt) + len(r.tokens) - reused[r][1] for r in new}):
             cache = self._new_cache()
-            logits = self._forward(ids, mask, (mask.cumsum(1) - 1).clamp(min=0), cache)
+            ids, mask, positions = (t.to(self.device) for t in prefill_inputs(
+                [r.prompt + r.tokens for r in group], [reused[r] for r in group], self.pad_token_id, cache))
+            for r in group:
+                entry, n = reused[r]
+                r.kv_version = min(entry.version, version) if n else version
+            logits = self._forward(ids, mask, positions, cache)
             self._emit(group, logits, version)
             self._merge(group, cache, mask)
+        if self.prefixes.budget:  # finished rows leave at the sweep: keep their keys/values for the next turn
+            for i, r in enumerate(self._rows):
+                if r.finish is not None and r.session_id is not None:
+                    layers = row_layers(self._cache, self._mask, i)
+                    self.prefixes.store(r.session_id, (r.prompt + r.tokens)[:-1], layers, r.kv_version)
         with self._cv:
             self._sweep()
 
-    def _prefill_groups(self, new: list[_Request]) -> Iterable[list[_Request]]:
-        """Split new requests (shortest first, less padding) into prefills of at most max_prefill_tokens."""
+    def _prefill_groups(self, new: list[_Request], work: dict[_Request, int]) -> Iterable[list[_Request]]:
+        """Split new requests (least work first, less padding) into prefills of at most max_prefill_tokens, work
+        being the tokens a request prefills (its context minus what the prefix cache holds)."""
         group: list[_Request] = []
-        for req in sorted(new, key=lambda r: len(r.prompt) + len(r.tokens)):
-            if group and (len(group) + 1) * (len(req.prompt) + len(req.tokens)) > self.max_prefill_tokens:
+        for req in sorted(new, key=work.__getitem__):
+            if group and (len(group) + 1) * work[req] > self.max_prefill_tokens:
                 yield group
                 group = []
             group.append(req)
@@ -345,18 +351,18 @@ class HFEngine(InProcessWeightReceiver):
             return
         length = max(mask.shape[1], self._mask.shape[1])
         for mine, theirs in zip(self._cache.layers, cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, length, -2), _left_pad(theirs.keys, length, -2)])
-            mine.values = torch.cat([_left_pad(mine.values, length, -2), _left_pad(theirs.values, length, -2)])
-        self._mask = torch.cat([_left_pad(self._mask, length, 1), _left_pad(mask, length, 1)])
+            mine.keys = torch.cat([left_pad(mine.keys, length, -2), left_pad(theirs.keys, length, -2)])
+            mine.values = torch.cat([left_pad(mine.values, length, -2), left_pad(theirs.values, length, -2)])
+        self._mask = torch.cat([left_pad(self._mask, length, 1), left_pad(mask, length, 1)])
         self._rows += group
 
     def _emit(self, reqs: list[_Request], logits: torch.Tensor, version: int) -> None:
         """Sample one token per row (logits [rows, vocab]) and record it."""
-        tokens, logprobs, tops = _sample(logits, reqs)
+        tokens, logprobs, tops = sample(logits, reqs)
         for req, token, logprob, top in zip(reqs, tokens, logprobs, tops):
             req.tokens.append(token)
             req.logprobs.append(logprob)
-            req.versions.append(version)
+            req.versions.append(min(version, req.kv_version))  # older only over a stale prefix
             if req.on_tokens is not None:
                 req.loop.call_soon_threadsafe(req.on_tokens, [token])
             if req.params.top_logprobs:
@@ -365,48 +371,3 @@ class HFEngine(InProcessWeightReceiver):
                 req.finish = FinishReason.STOP
             elif len(req.tokens) >= req.max_new:
                 req.finish = FinishReason.LENGTH
-
-
-def _sample(logits: torch.Tensor, reqs: list[_Request]) -> tuple[list[int], list[float], list[list]]:
-    """Per-row sampling. Returns token ids, their behavior log-probs (see module docstring), top alternatives."""
-    vocab = logits.shape[1]
-    temps = torch.tensor([r.params.temperature or 1.0 for r in reqs], device=logits.device)
-    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-    scores = logp
-    suppress = [(i, r.stops) for i, r in enumerate(reqs) if len(r.tokens) < r.params.min_tokens and r.stops]
-    if suppress:
-        scores = scores.clone()
-        for i, stops in suppress:
-            scores[i, stops] = -float("inf")
-    if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs):
-        scores = _truncate(scores, [r.params.top_k for r in reqs], [r.params.top_p for r in reqs])
-    # Inverse-CDF sampling with one uniform draw per row from the request's own generator: exact, and a
-    # handful of batched ops instead of a vocabulary-sized noise draw per row (which dominated a step on 2 cores).
-    cdf = scores.softmax(-1).double().cumsum(-1)
-    uniform = torch.stack([torch.rand((), generator=r.generator, device=logits.device, dtype=torch.float64)
-                           for r in reqs])
-    sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=vocab - 1)
-    greedy = [r.params.temperature == 0 for r in reqs]
-    picked = torch.where(torch.tensor(greedy, device=logits.device), scores.argmax(-1), sampled) if any(greedy) \
-        else sampled
-    chosen = logp.gather(1, picked[:, None])[:, 0]
-    n_top = max(r.params.top_logprobs for r in reqs)
-    tops: list[list] = [[] for _ in reqs]
-    if n_top:
-        values, indices = logp.topk(n_top, dim=-1)
-        tops = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
-    return picked.tolist(), chosen.tolist(), tops
-
-
-def _truncate(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Top-k then top-p (on the renormalized top-k distribution), per row; removed entries become -inf."""
-    vocab = scores.shape[1]
-    ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=scores.device)
-    ps = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], device=scores.device, dtype=scores.dtype)
-    ordered, order = scores.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=scores.device)
-    ordered = ordered.masked_fill(ranks[None] >= ks[:, None], -float("inf"))
-    probs = ordered.softmax(-1)
-    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-    ordered = ordered.masked_fill(probs.cumsum(-1) - probs >= ps[:, None], -float("inf"))
-    return torch.full_like(scores, -float("inf")).scatter(1, order, ordered)

@@ -8,7 +8,7 @@ JSON encoding competes with the decode loop's Python for the GIL; on the 2-core 
 requests through the capture server much slower than direct engine calls at 32 concurrent sessions
 (docs/benchmarks.md). In a process of its own the engine keeps a core while the server works on the other.
 
-Wire. One `multiprocessing` pipe (spawn context). The parent sends ("generate", id, prompt, params),
+Wire. One `multiprocessing` pipe (spawn context). The parent sends ("generate", id, prompt, params, session),
 ("abort", id) and ("call", id, method, args); the child answers ("ok", id, result) or ("error", id, exception)
 from its own event loop, where the real engine runs exactly as in-process. A reader thread in the parent
 resolves the waiting futures. Tensors sent with `update_weights` travel through shared memory (torch registers
@@ -33,7 +33,7 @@ from typing import Any
 from molt.engine.base import EngineError
 from molt.types import Completion, SamplingParams
 
-_FORWARDED = ("pause", "resume", "join_weight_group", "weight_sums")  # update/receive_weights: below
+_FORWARDED = ("pause", "resume", "join_weight_group", "weight_sums", "prefix_stats")  # update/receive_weights: below
 
 
 class EngineProcess:
@@ -85,8 +85,8 @@ class EngineProcess:
                        request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
         request_id = request_id or f"p{next(self._ids)}"
         try:
-            return await self._request("generate", request_id, list(prompt_ids), params, on_tokens is not None,
-                                       on_tokens=on_tokens)
+            return await self._request("generate", request_id, list(prompt_ids), params, session_id,
+                                       on_tokens is not None, on_tokens=on_tokens)
         except asyncio.CancelledError:
             self._send(("abort", None, request_id))
             raise
@@ -102,7 +102,7 @@ class EngineProcess:
         await self._call("receive_weights", plan, version)
         self._version = version
 
-    def __getattr__(self, name: str) -> Any:  # pause, resume, join_weight_group, weight_sums
+    def __getattr__(self, name: str) -> Any:  # pause, resume, join_weight_group, weight_sums, prefix_stats
         if name not in _FORWARDED:
             raise AttributeError(name)
         return lambda *args: self._call(name, *args)
@@ -222,9 +222,9 @@ async def _serve(conn: Any, factory: str, args: tuple, kwargs: dict) -> None:
         if kind == "exit":
             break
         if kind == "generate":
-            request_id, prompt, params, stream = payload
+            request_id, prompt, params, session_id, stream = payload
             on_tokens = (lambda ids, key=key: conn.send(("tokens", key, ids))) if stream else None
-            task = loop.create_task(run(key, engine.generate(prompt, params, request_id=request_id,
+            task = loop.create_task(run(key, engine.generate(prompt, params, session_id, request_id=request_id,
                                                              on_tokens=on_tokens)))
             requests[request_id] = task
             task.add_done_callback(lambda _, rid=request_id: requests.pop(rid, None))

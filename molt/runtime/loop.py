@@ -107,7 +107,8 @@ class Run:
                          runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
         worker_threads, trainer_threads = _threads(cfg)
         runner_options = {"timeout": cfg.rollout.timeout_s, "max_turns": cfg.rollout.max_turns}
-        engine_options: dict[str, Any] = {"process": cfg.rollout.engine_process}
+        engine_options: dict[str, Any] = {"process": cfg.rollout.engine_process,
+                                          "prefix_cache_mb": cfg.rollout.prefix_cache_mb}
         n_workers, gpus = cfg.rollout.num_workers, 0
         if cfg.rollout.engine == "vllm":  # one worker per vLLM engine, holding its tensor-parallel GPUs
             v = cfg.vllm

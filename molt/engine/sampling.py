@@ -1,0 +1,62 @@
+"""Per-row sampling for the embedded engine (`molt.engine.hf`): each row is a request with its own temperature,
+top-k, top-p, min_tokens and random generator.
+
+Behavior log-probability: exactly `molt.engine.base`'s definition, log_softmax(logits / T) over the full
+vocabulary (T = 0 -> 1), before top-k/top-p and before the min_tokens suppression of stop tokens (that
+suppression is a truncation like top-k: the token is sampled from the masked distribution, the record is the
+unmasked one). `top_logprobs` come from the same distribution. Sampling draws from a
+per-request `torch.Generator` (seeded by `SamplingParams.seed`): one uniform number per token, mapped through
+the float64 CDF of the (truncated) distribution. A seeded request therefore reproduces no matter which other
+requests share its batch (up to float differences of the batched matmuls).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def sample(logits: torch.Tensor, reqs: list[Any]) -> tuple[list[int], list[float], list[list]]:
+    """Per-row sampling of logits [rows, vocab]; a row (the engine's request) has `params`, `tokens` (sampled so
+    far), `stops` and `generator`. Returns token ids, their behavior log-probs (module docstring), top alternatives."""
+    vocab = logits.shape[1]
+    temps = torch.tensor([r.params.temperature or 1.0 for r in reqs], device=logits.device)
+    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    scores = logp
+    suppress = [(i, r.stops) for i, r in enumerate(reqs) if len(r.tokens) < r.params.min_tokens and r.stops]
+    if suppress:
+        scores = scores.clone()
+        for i, stops in suppress:
+            scores[i, stops] = -float("inf")
+    if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs):
+        scores = _truncate(scores, [r.params.top_k for r in reqs], [r.params.top_p for r in reqs])
+    # Inverse-CDF sampling with one uniform draw per row from the request's own generator: exact, and a
+    # handful of batched ops instead of a vocabulary-sized noise draw per row (which dominated a step on 2 cores).
+    cdf = scores.softmax(-1).double().cumsum(-1)
+    uniform = torch.stack([torch.rand((), generator=r.generator, device=logits.device, dtype=torch.float64)
+                           for r in reqs])
+    sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=vocab - 1)
+    greedy = [r.params.temperature == 0 for r in reqs]
+    picked = torch.where(torch.tensor(greedy, device=logits.device), scores.argmax(-1), sampled) if any(greedy) \
+        else sampled
+    chosen = logp.gather(1, picked[:, None])[:, 0]
+    n_top = max(r.params.top_logprobs for r in reqs)
+    tops: list[list] = [[] for _ in reqs]
+    if n_top:
+        values, indices = logp.topk(n_top, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+    return picked.tolist(), chosen.tolist(), tops
+
+
+def _truncate(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Top-k then top-p (on the renormalized top-k distribution), per row; removed entries become -inf."""
+    vocab = scores.shape[1]
+    ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=scores.device)
+    ps = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], device=scores.device, dtype=scores.dtype)
+    ordered, order = scores.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=scores.device)
+    ordered = ordered.masked_fill(ranks[None] >= ks[:, None], -float("inf"))
+    probs = ordered.softmax(-1)
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    ordered = ordered.masked_fill(probs.cumsum(-1) - probs >= ps[:, None], -float("inf"))
+    return torch.full_like(scores, -float("inf")).scatter(1, order, ordered)

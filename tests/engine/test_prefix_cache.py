@@ -1,0 +1,144 @@
+"""The session prefix cache: multi-turn requests reuse the previous turn's keys/values and give the same tokens
+and log-probs as a cold prefill (fp32), through rewrites, refits, eviction and aborts."""
+import asyncio
+
+import pytest
+import torch
+
+from molt.engine.hf import HFEngine
+from molt.engine.prefix_cache import PrefixCache
+from molt.types import FinishReason, SamplingParams
+
+HISTORIES = [[5 + i] + list(range(30, 30 + 17 * i)) for i in range(1, 5)]  # lengths 18..69
+USER = [11, 12, 13, 14]  # the next user message's tokens
+
+
+def turn(i, n=10):
+    return SamplingParams(max_tokens=n, min_tokens=n, temperature=1.0, seed=100 + i, top_logprobs=2)
+
+
+async def reused(engine):
+    return (await engine.prefix_stats())["reused_tokens"]
+
+
+def assert_same(cached, cold):
+    assert cached.token_ids == cold.token_ids and cached.versions == cold.versions
+    assert torch.tensor(cached.logprobs).sub(torch.tensor(cold.logprobs)).abs().max() <= 1e-5
+    tops = [[lp for _, lp in row] for c in (cached, cold) for row in c.top_logprobs]
+    half = len(tops) // 2
+    assert torch.tensor(tops[:half]).sub(torch.tensor(tops[half:])).abs().max() <= 1e-5
+
+
+@pytest.fixture
+async def engine(tiny_llama_dir):
+    eng = HFEngine(str(tiny_llama_dir))
+    yield eng
+    await eng.close()
+
+
+async def test_multi_turn_sessions_reuse_the_cache_and_stay_exact(engine):
+    """Four sessions of different lengths run three turns together (new messages of different lengths, so the
+    cached rows of one prefill have gaps of different widths), a request without a session in the same batch:
+    each cached turn equals the same prompt sent cold (no session) and prefills only its new tokens."""
+    prompts, expected = [list(h) for h in HISTORIES], 0
+    for k in range(3):
+        before = await reused(engine)
+        outs = await asyncio.gather(*[engine.generate(p, turn(k), f"s{i}") for i, p in enumerate(prompts)],
+                                    engine.generate(HISTORIES[0], turn(9)))
+        cached = outs[:-1]
+        assert await reused(engine) - before == expected
+        cold = await asyncio.gather(*[engine.generate(p, turn(k)) for p in prompts])
+        for a, b in zip(cached, cold):
+            assert_same(a, b)
+        expected = sum(len(p) + len(out.token_ids) - 1 for p, out in zip(prompts, cached))
+        prompts = [p + out.token_ids + USER[: i + 1] for i, (p, out) in enumerate(zip(prompts, cached))]
+
+
+async def test_rewritten_history_reuses_the_common_prefix(engine):
+    first = await engine.generate(HISTORIES[3], turn(0), "s")
+    history = HISTORIES[3] + first.token_ids
+    cases = [(history[:40] + [7, 8, 9], 40),  # the history rewritten after token 40
+             (history + USER, len(history) - 1),  # the plain next turn: all but the unsampled last token
+             (HISTORIES[3], len(HISTORIES[3]) - 1)]  # the same prompt again: all but its last token
+    for prompt, expected in cases:
+        assert (await engine.generate(HISTORIES[3], turn(0), "s")).token_ids == first.token_ids  # reset the entry
+        before = await reused(engine)
+        cached = await engine.generate(prompt, turn(1), "s")
+        assert await reused(engine) - before == expected
+        assert_same(cached, await engine.generate(prompt, turn(1)))
+
+
+async def test_refit_drops_the_cache_unless_stale_prefixes_are_allowed(tiny_llama_dir, tmp_path):
+    from molt.testing.models import build_tiny_llama
+
+    new_weights = HFEngine(str(build_tiny_llama(tmp_path / "v1", seed=1)), prefix_cache_mb=0)
+    named = list(new_weights.model.state_dict().items())
+    for stale in (False, True):
+        engine = HFEngine(str(tiny_llama_dir), prefix_cache_stale=stale)
+        first = await engine.generate(HISTORIES[2], turn(0), "s")
+        await engine.pause()
+        await engine.update_weights(named, version=1)
+        await engine.resume()
+        second = HISTORIES[2] + first.token_ids + USER
+        before = await reused(engine)
+        cached = await engine.generate(second, turn(1), "s")
+        cold = await new_weights.generate(second, turn(1))
+        if stale:  # old keys/values under the new weights: the versions say so
+            assert await reused(engine) - before == len(second) - len(USER) - 1
+            assert cached.versions == [0] * 10 and cold.versions == [0] * 10
+            assert torch.tensor(cached.logprobs).sub(torch.tensor(cold.logprobs)).abs().max() > 1e-3
+        else:
+            assert await reused(engine) == before and cached.versions == [1] * 10
+            assert cached.token_ids == cold.token_ids
+            assert torch.tensor(cached.logprobs).sub(torch.tensor(cold.logprobs)).abs().max() <= 1e-5
+        await engine.close()
+    await new_weights.close()
+
+
+async def test_lru_eviction_under_a_byte_budget(tiny_llama_dir):
+    # tiny Llama: 2 layers x (keys, values) x 2 kv heads x 16 dims x 4 bytes = 512 bytes a token; an entry of
+    # 60 prompt + 9 sampled tokens is 35,328 bytes: two fit in 80 KiB, three do not
+    engine = HFEngine(str(tiny_llama_dir), prefix_cache_mb=80 / 1024)
+    outs = {}
+    for s in ("a", "b", "c"):
+        outs[s] = await engine.generate(HISTORIES[3][:60], turn(0), s)
+        if s == "b":
+            await engine.generate(HISTORIES[3][:60], turn(0), "a")  # a is used again: b is now the oldest
+    assert await engine.prefix_stats() == {"entries": 2, "bytes": 2 * 69 * 512, "reused_tokens": 59}
+    assert list(engine.prefixes.entries) == ["a", "c"]
+    before = await reused(engine)
+    await engine.generate(HISTORIES[3][:60] + outs["b"].token_ids, turn(1), "b")
+    assert await reused(engine) == before  # b was evicted
+    await engine.generate([20 + i % 300 for i in range(200)], turn(0), "big")  # larger than the whole budget: not kept
+    assert "big" not in engine.prefixes.entries and engine.prefixes.nbytes <= 80 * 1024
+    await engine.close()
+
+
+async def test_aborted_requests_store_nothing_and_the_cache_can_be_off(tiny_llama_dir, engine):
+    task = asyncio.create_task(engine.generate(HISTORIES[1], SamplingParams(max_tokens=400, min_tokens=400), "s",
+                                               request_id="a"))
+    while "a" not in engine._active or not engine._active["a"].tokens:
+        await asyncio.sleep(0.001)
+    await engine.abort("a")
+    assert (await task).finish_reason is FinishReason.ABORT
+    assert (await engine.prefix_stats())["entries"] == 0
+    off = HFEngine(str(tiny_llama_dir), prefix_cache_mb=0)
+    first = await off.generate(HISTORIES[1], turn(0), "s")
+    await off.generate(HISTORIES[1] + first.token_ids, turn(1), "s")
+    assert await off.prefix_stats() == {"entries": 0, "bytes": 0, "reused_tokens": 0}
+    await off.close()
+
+
+def test_lookup_takes_the_longest_common_prefix_but_never_the_last_token():
+    cache = PrefixCache(1)
+    kv = [(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4))]
+    cache.store("s", [1, 2, 3, 4, 5], kv, version=0)
+    assert cache.lookup("s", [1, 2, 9])[1] == 2
+    assert cache.lookup("s", [1, 2, 3, 4, 5])[1] == 4
+    assert cache.lookup("s", [1, 2, 3, 4, 5, 6, 7])[1] == 5
+    assert cache.lookup("other", [1, 2, 3])[1] == 0 and cache.lookup(None, [1, 2, 3])[1] == 0
+    assert cache.nbytes == 2 * 2 * 5 * 4 * 4
+    cache.refit()
+    assert cache.stats() == {"entries": 0, "bytes": 0, "reused_tokens": 2 + 4 + 5}
+    with pytest.raises(ValueError, match="prefix_cache_mb"):
+        PrefixCache(-1)
