@@ -6,7 +6,7 @@ groups of 8 sharing a 128-token prompt, 384 action tokens each, micro-batches of
 
 Variants, each timed in this process after a warm-up step (`--repeats` steps, the mean and the fastest reported):
 - molt-packed: `Actor` with `packing_samples` (one packed row per micro-batch, varlen attention);
-- molt-padded: `Actor` with padded micro-batches;
+- molt-padded: `Actor` with padded micro-batches (either with `:N`: log-prob chunks of N rows, default 512);
 - plain: fp32 master weights, bf16 autocast, full logits, fp32 log_softmax, fused AdamW, padded micro-batches
   of the same token budget (the loop a researcher would write first).
 MFU = 6 x parameters x tokens / step time / peak (`--peak-tflops`, 989 for an H200's dense bf16). Peak memory is
@@ -18,6 +18,7 @@ bench runs; its times say nothing about a GPU.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -69,10 +70,11 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def molt_step(args, path, window, pack: bool):
+def molt_step(args, path, window, pack: bool, chunk: int):
     from molt.trainer import Actor
 
     actor = Actor.from_pretrained(str(path), lr=1e-6, max_tokens_per_gpu=args.budget, packing_samples=pack,
+                                  logprob_chunk_size=chunk,
                                   share_prefix=False, is_correction_level="token", is_correction_mode="trunc",
                                   is_correction_threshold=(0.0, 2.0))
     for e, lp in zip(window, actor.compute_logprobs(window)):  # behavior log-probs near the trainer's
@@ -131,7 +133,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--budget", type=int, default=8192, help="tokens per micro-batch")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", nargs="+", default=["molt-packed", "molt-padded", "plain"])
+    p.add_argument("--variants", nargs="+", default=["molt-packed", "molt-packed:2048", "molt-padded", "plain"],
+                   help="molt-packed, molt-padded (optionally :CHUNK, the log-prob chunk size; 512), plain")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--write", action="store_true", help="append the table to docs/benchmarks.md")
     p.add_argument("--json", help="also write the results here")
@@ -147,13 +150,15 @@ def main() -> None:
             if variant == "plain":
                 step, device = plain_step(args, tmp, window)
             else:
-                step, device = molt_step(args, tmp, window, pack=variant == "molt-packed")
+                name, _, chunk = variant.partition(":")
+                step, device = molt_step(args, tmp, window, pack=name == "molt-packed", chunk=int(chunk or 512))
             r = measure(step, device, args.repeats)
             tokens = args.sequences * args.seq_len
             r["tokens_per_s"] = tokens / r["best_s"]
             r["mfu"] = 6 * n_params * tokens / r["best_s"] / (args.peak_tflops * 1e12)
             results[variant] = r
             del step
+            gc.collect()  # the previous variant's model and optimizer state leave the GPU before the next loads
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     base = results.get("plain", {}).get("best_s")

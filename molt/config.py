@@ -167,7 +167,7 @@ class AdvantageConfig:
     """GAE lambda."""
     is_correction_level: Literal["off", "token", "seq", "geo"] = "token"
     """Importance correction level for the behavior/trainer mismatch."""
-    is_correction_mode: Literal["mask", "mis", "clip", "trunc"] = "trunc"
+    is_correction_mode: Literal["mask", "mis", "clip", "trunc"] = "mask"
     """Outside the band: mask (weight 0; survivors keep their token ratio), mis (weight 0; survivors take the
     level's ratio), clip the weight, or truncate it from above (docs/algo.md)."""
     is_correction_threshold: tuple[float, float] = (0.0, 2.0)
@@ -245,8 +245,8 @@ class DataConfig:
     """Row key of the label given to the agent."""
     tools_key: str = "tools"
     """Row key of OpenAI tool schemas (optional)."""
-    max_len: int = 2048
-    """Max tokens of a rollout's context."""
+    max_len: int | None = None
+    """Max tokens of a rollout's context (vLLM's max_model_len; None: the model's own context length)."""
 
 
 @dataclass
@@ -373,6 +373,13 @@ def validate(cfg: MoltConfig, *, check_files: bool = True) -> MoltConfig:
     if cfg.train.partial_rollout_enable and cfg.algo.advantage.is_correction_level == "off":
         raise ValueError("train.partial_rollout_enable needs importance correction: set "
                          "algo.advantage.is_correction_level to token, seq or geo")
+    kl = cfg.algo.kl
+    if kl.init_coef and kl.use_loss and kl.estimator == "k1":  # fail now, not at the first optimizer step
+        raise ValueError("algo.kl.estimator k1 has zero expected gradient as a loss: use k2 or k3 with "
+                         "algo.kl.use_loss")
+    if kl.init_coef and not kl.use_loss:
+        raise ValueError("algo.kl.use_loss false (the KL as a token reward) is not supported yet: the runtime "
+                         "would train without any KL; keep algo.kl.use_loss (the KL as a loss term)")
     if cfg.algo.advantage.estimator == "gae" and not cfg.critic.model_name_or_path:
         cfg.critic.model_name_or_path = cfg.actor.model_name_or_path
     total = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt

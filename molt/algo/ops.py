@@ -90,16 +90,17 @@ def seq_sum(x: Tensor, mask: Tensor, seq_ids: Tensor | None = None) -> Tensor:
     """Per-token broadcast of the sum of x over the action tokens of each token's sequence. [N, T] -> [N, T].
 
     seq_ids: optional [N, T] integer tensor naming the sequence of every token when several sequences are
-    packed into one row (any integers; equal ids = same sequence, across rows too). None: one sequence per
-    row. Gradients flow to every action token of the sequence."""
+    packed into one row: ids in [0, N * T) (equal ids = same sequence, across rows too; collation numbers them
+    0..S-1). None: one sequence per row. Gradients flow to every action token of the sequence.
+    Decision: the sums go into a buffer of N * T slots, more than there can be sequences, so nothing depends on
+    the values of the ids (no `unique`, no max): no read from the device."""
     xm = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
     if seq_ids is None:
         return xm.sum(dim=1, keepdim=True).expand_as(x)
     check_shape("seq_ids", seq_ids, x.shape)
-    _, inv = torch.unique(seq_ids, return_inverse=True)
-    sums = torch.zeros(int(inv.max()) + 1 if inv.numel() else 0, dtype=x.dtype, device=x.device)
-    sums = sums.index_add(0, inv.reshape(-1), xm.reshape(-1))
-    return sums[inv]
+    ids = seq_ids.reshape(-1)
+    sums = torch.zeros(ids.numel(), dtype=x.dtype, device=x.device).index_add(0, ids, xm.reshape(-1))
+    return sums[ids].view(x.shape)
 
 
 def seq_mean(x: Tensor, mask: Tensor, seq_ids: Tensor | None = None) -> Tensor:

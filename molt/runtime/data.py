@@ -40,8 +40,10 @@ def _drop_nulls(value: Any) -> Any:
     return [_drop_nulls(v) for v in value] if isinstance(value, list) else value
 
 
-def load_source(entry: str, split: str, what: str) -> list[dict[str, Any]]:
-    """Raw rows of one dataset entry (see the module docstring)."""
+def load_source(entry: str, split: str, what: str, clean: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Raw rows of one dataset entry (see the module docstring). Arrow gives every row of a column the union of
+    the keys its rows have, filled with None: those are dropped again in the `clean` columns (messages, tools),
+    and only there (a label keeps what its dataset says)."""
     path = Path(entry)
     if path.suffix == ".jsonl" or (path.suffix in BUILDERS and not path.is_file()):
         if not path.is_file():
@@ -62,7 +64,7 @@ def load_source(entry: str, split: str, what: str) -> list[dict[str, Any]]:
             data = datasets.load_dataset(entry, split=split)
     except (OSError, ValueError, KeyError, datasets.exceptions.DatasetNotFoundError) as e:
         raise ValueError(f"{what}: cannot load {entry!r} (split {split!r}): {e}") from None
-    return [{k: _drop_nulls(v) if isinstance(v, (list, dict)) else v for k, v in row.items()} for row in data]
+    return [{k: _drop_nulls(v) if k in clean else v for k, v in row.items()} for row in data]
 
 
 def mix(sources: list[list[dict[str, Any]]], probs: list[float] | None, seed: int) -> list[dict[str, Any]]:
@@ -86,7 +88,7 @@ def load_prompts(spec: str, *, input_key: str, label_key: str | None, tools_key:
     if weights is not None and (len(weights) != len(entries) or min(weights) < 0 or sum(weights) <= 0):
         raise ValueError(f"data.prompt_probs: {len(weights)} non-negative probabilities needed for the "
                          f"{len(entries)} entries of {what} (got {probs!r})")
-    sources = [load_source(e, split, what) for e in entries]
+    sources = [load_source(e, split, what, clean=(input_key, tools_key)) for e in entries]
     for entry, rows in zip(entries, sources):
         if not rows:
             raise ValueError(f"{what}: {entry} has no rows")

@@ -107,17 +107,28 @@ class MicroBatch:
     seq_ids: Tensor | None = None  # [1, T] int64 sequence index of each token (packed)
     packing: dict | None = None  # packed: position_ids, cu_seq_lens_*, max_length_*, molt_bounds for the decoder
 
-    def decoder_inputs(self, attn_implementation: str = "sdpa") -> dict:
-        """Keyword arguments of a Hugging Face decoder's forward for this micro-batch. For SDPA the padded
-        layout gets its 4-D mask built here on the device (causal and key padding): given a 2-D mask, or
-        none, transformers reads it (or the positions) back to decide which mask to build: a sync per forward."""
+    def decoder_inputs(self, mask_4d: bool = False) -> dict:
+        """Keyword arguments of a Hugging Face decoder's forward for this micro-batch. `mask_4d` (see
+        `prebuilt_mask`): the padded layout gets its 4-D mask built here on the device (causal and key padding):
+        given a 2-D mask, or none, transformers reads it (or the positions) back to decide which mask to build,
+        a sync per forward."""
         if self.packing is not None:
             return {"input_ids": self.input_ids, **self.packing}
-        if self.attention_mask is None or attn_implementation != "sdpa" or self.input_ids.shape[1] > 8192:
+        if self.attention_mask is None or not mask_4d or self.input_ids.shape[1] > 8192:
             return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
         n = self.input_ids.shape[1]
         causal = torch.ones(n, n, dtype=torch.bool, device=self.input_ids.device).tril()
         return {"input_ids": self.input_ids, "attention_mask": causal & self.attention_mask.bool()[:, None, None, :]}
+
+
+def prebuilt_mask(config) -> bool:
+    """Whether a model takes `MicroBatch.decoder_inputs`' 4-D boolean mask: SDPA reads a boolean mask as is,
+    and it is exact only where every layer attends fully causally (transformers uses a 4-D mask unchanged for
+    sliding-window layers too, which would then see too much)."""
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
+        getattr(config, "layer_types", None) is None and getattr(config, "sliding_window", None)
+        and getattr(config, "use_sliding_window", True))
+    return config._attn_implementation == "sdpa" and not sliding
 
 
 def _pad(rows: list[list], value, dtype: torch.dtype, length: int) -> Tensor:
@@ -142,6 +153,9 @@ def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
         if e.action_mask and e.action_mask[0]:
             raise ValueError("action_mask[0] must be 0: the first token of a sequence has no prediction")
     lens = [len(e.token_ids) for e in exps]
+    for k, v in (extra or {}).items():  # a short list would shift every later sequence of a packed row
+        if [len(row) for row in v] != lens:
+            raise ValueError(f"{k}: per-token lists must be as long as the experiences' token_ids")
     per_token = {"input_ids": ([e.token_ids for e in exps], pad_id, torch.long),
                  "action_mask": ([e.action_mask for e in exps], 0, torch.bool),
                  "behavior_logprobs": ([e.behavior_logprobs for e in exps], 0.0, torch.float32),

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from molt.algo import value_loss, window_normalize
 from molt.trainer import parallel
 from molt.trainer.base import ShardedModelTrainer
+from molt.trainer.batching import prebuilt_mask
 from molt.trainer.config import ActorConfig
 from molt.trainer.optim import build_optimizer
 from molt.types import Experience
@@ -31,7 +32,7 @@ class ValueModel(nn.Module):
 
     def forward(self, mb) -> Tensor:
         """mb: a `molt.trainer.batching.MicroBatch` -> [R, L] fp32 values, zero off the action tokens."""
-        hidden = self.backbone(**mb.decoder_inputs(self.backbone.config._attn_implementation),
+        hidden = self.backbone(**mb.decoder_inputs(prebuilt_mask(self.backbone.config)),
                                use_cache=False).last_hidden_state
         # the state before token t is summarized at position t - 1 (of the same sequence, packed or not)
         v = self.value_head(hidden.flatten(0, 1).index_select(0, mb.act_index - 1)).squeeze(-1).float()

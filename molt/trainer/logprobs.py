@@ -38,6 +38,8 @@ import inspect
 import torch
 from torch import Tensor, nn
 
+from molt.trainer.batching import prebuilt_mask
+
 
 def check_supported(config) -> None:
     """ValueError when the model's logits are not `lm_head(hidden)` (we would then differ from the engine)."""
@@ -195,13 +197,14 @@ class CausalLMLogProbs(nn.Module):
         # transformers 5.x renamed the decoder's `past_key_values` to `cache`; accept either
         params = inspect.signature(lm.get_decoder().forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._mask_4d = prebuilt_mask(lm.config)
 
     def forward(self, mb, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """mb: a `molt.trainer.batching.MicroBatch` (padded, packed, or padded with a shared prefix).
         Returns [R, L] fp32 log-probs (and entropy), zero off the action tokens."""
         decoder = self.lm.get_decoder()
         if mb.prefix is None:
-            hidden = decoder(**mb.decoder_inputs(self.lm.config._attn_implementation), use_cache=False).last_hidden_state
+            hidden = decoder(**mb.decoder_inputs(self._mask_4d), use_cache=False).last_hidden_state
         else:
             hidden = self._hidden_with_shared_prefix(decoder, mb.input_ids, mb.attention_mask, mb.prefix)
         head = self.lm.get_output_embeddings()

@@ -30,6 +30,9 @@ def lr_multiplier(cfg: ActorConfig):
 def build_optimizer(params, cfg: ActorConfig, *, foreach: bool | None = None):
     """(AdamW, LambdaLR) over the trainable `params`. `foreach=False` is needed when parameters live on
     different device meshes (tensor parallelism: 2-D block weights next to 1-D root weights)."""
-    opt = torch.optim.AdamW([p for p in params if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.betas),
-                            eps=cfg.adam_eps, weight_decay=cfg.weight_decay, foreach=foreach)
+    params = [p for p in params if p.requires_grad]
+    # on GPUs the fused kernel: one launch for all parameters, step counts on the device (no host reads)
+    fused = foreach is None and bool(params) and all(p.is_cuda for p in params)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
+                            weight_decay=cfg.weight_decay, foreach=foreach, fused=fused or None)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(cfg))

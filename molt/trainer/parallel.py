@@ -147,20 +147,24 @@ def all_reduce_sum(t: torch.Tensor, mesh) -> torch.Tensor:
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     """Total L2 norm of all gradients (plain tensors or DTensors on any meshes); scales them to at most
-    `max_norm` when max_norm > 0. Returns the norm before clipping."""
+    `max_norm` when max_norm > 0. Returns the norm before clipping (the step's one read of a device value
+    besides its metrics). Norms are taken with one `_foreach_norm` per (mesh, copies) group, not per tensor."""
     from torch.distributed.tensor import DTensor, Replicate
 
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    per_mesh: dict = {}  # mesh -> local sum of squares; a mesh's shards are reduced over that mesh only
+    groups: dict = {}  # (mesh, copies) -> local shards; a mesh's shards are reduced over that mesh only
     for g in grads:
-        mesh = g.device_mesh if isinstance(g, DTensor) else None
-        if mesh is None:
-            sq = g.double().square().sum()
-        else:  # divide what is replicated on some mesh dimension by its copies so it counts once
-            copies = math.prod(mesh.size(i) for i, pl in enumerate(g.placements) if isinstance(pl, Replicate))
-            sq = g.to_local().double().square().sum() / copies
+        if isinstance(g, DTensor):  # what is replicated on some mesh dimension is divided by its copies
+            copies = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if isinstance(pl, Replicate))
+            groups.setdefault((g.device_mesh, copies), []).append(g.to_local())
+        else:
+            groups.setdefault((None, 1), []).append(g)
+    per_mesh: dict = {}
+    for (mesh, copies), local in groups.items():
+        norms = torch._foreach_norm(local)
+        sq = torch.stack([n.to(norms[0].device) for n in norms]).double().square().sum() / copies
         per_mesh[mesh] = per_mesh.get(mesh, 0.0) + sq
     total = 0.0
     for mesh, sq in per_mesh.items():
@@ -172,7 +176,5 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
         total += float(sq)
     norm = math.sqrt(total)
     if max_norm > 0 and norm > max_norm:
-        coef = max_norm / (norm + 1e-6)
-        for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+        torch._foreach_mul_([t for local in groups.values() for t in local], max_norm / (norm + 1e-6))
     return norm

@@ -102,7 +102,7 @@ def test_gspo_packed_rows_match_unpacked():
     lp = torch.tensor([[0.1, 0.3, -0.2, 0.05, 0.0]])
     mask = torch.tensor([[1, 1, 1, 1, 0]])
     adv = torch.tensor([[1.0, 1.0, -0.5, -0.5, 0.0]])
-    packed, _ = policy_loss("gspo", lp, torch.zeros(1, 5), adv, mask, seq_ids=torch.tensor([[3, 3, 8, 8, 8]]))
+    packed, _ = policy_loss("gspo", lp, torch.zeros(1, 5), adv, mask, seq_ids=torch.tensor([[1, 1, 4, 4, 4]]))
     unpacked_lp = torch.tensor([[0.1, 0.3], [-0.2, 0.05]])
     rows, _ = policy_loss(
         "gspo", unpacked_lp, torch.zeros(2, 2), torch.tensor([[1.0, 1.0], [-0.5, -0.5]]), torch.ones(2, 2)

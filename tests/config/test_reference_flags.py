@@ -56,7 +56,7 @@ def test_every_reference_flag_parses(tmp_path, capsys):
     said = [line.split()[2] for line in lines]
     assert len(said) == len(set(said)), "one line per flag"
     for name, entry in TABLE.items():  # every flag that has no effect says why, once
-        if isinstance(entry, str) and name != "fsdp.packing_samples":
+        if isinstance(entry, str):
             assert f"--{name}:" in said, name
     for name in (*VLLM_ARGS, "vllm.num_engines", "vllm.gpu_memory_utilization", "data.max_len"):
         assert f"molt: note: --{name}: no effect with the embedded engine (rollout.engine=hf)" in err, name
@@ -67,6 +67,7 @@ def test_quickstart_flag_set_parses_unchanged(tmp_path, capsys, quickstart_argv)
                                       AGENT_FILE="a.py", EVAL_DATASET="e", SAVE_ROOT=str(tmp_path)), check_files=False)
     assert (cfg.data.input_key, cfg.data.label_key, cfg.data.max_samples) == ("prompt", "reward_model", 4800)
     assert cfg.algo.advantage.is_correction_level == "geo" and cfg.algo.advantage.is_correction_threshold == (0.99, 1.01)
+    assert cfg.algo.advantage.is_correction_mode == "mask"  # the reference's default mode: a sequence gate
     assert cfg.algo.kl.estimator == "k2" and cfg.algo.kl.use_loss and cfg.algo.kl.init_coef == 0.001
     assert cfg.actor.eps_clip_low_high == (0.2, 0.27) and cfg.actor.dual_clip == 10.0
     assert cfg.reward.clip_range == (-10, 10) and cfg.train.max_epochs == 1 and cfg.ckpt.path.endswith("/state")

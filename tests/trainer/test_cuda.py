@@ -57,14 +57,15 @@ def test_packed_flash_attention_matches_padded_sdpa_in_bf16(tiny_llama_dir):
     assert 0 < max(gaps) < 0.1  # bf16 both ways, different kernels
 
 
-def test_bf16_step_has_no_host_sync_per_micro_batch(tiny_llama_dir):
+@pytest.mark.parametrize("level,loss", [("token", "ppo"), ("geo", "gspo")])
+def test_bf16_step_has_no_host_sync_per_micro_batch(tiny_llama_dir, level, loss):
     from molt.trainer import Actor
 
     window = make_window(tiny_llama_dir, n=8, seed=1)
     counts = {}
     for budget in (10_000, 40):
-        actor = Actor.from_pretrained(tiny_llama_dir, **{**BASE, "max_tokens_per_gpu": budget,
-                                                         "packing_samples": True})
+        actor = Actor.from_pretrained(tiny_llama_dir, **{**BASE, "max_tokens_per_gpu": budget, "policy_loss": loss,
+                                                         "is_correction_level": level, "packing_samples": True})
         assert actor.param_dtype == torch.bfloat16
         actor.train_step(window)  # warm-up: lazy optimizer state, allocator
         plan, _, _ = actor.schedule(window)

@@ -84,14 +84,16 @@ def _syncs_per_step(actor, window) -> int:
     return rec.syncs()
 
 
-@pytest.mark.parametrize("pack", [False, True])
-def test_a_step_reads_nothing_back_per_micro_batch(tiny_llama_dir, pack):
+@pytest.mark.parametrize("pack,level,loss", [(False, "token", "ppo"), (True, "token", "ppo"),
+                                             (True, "geo", "gspo"), (True, "seq", "ppo")])
+def test_a_step_reads_nothing_back_per_micro_batch(tiny_llama_dir, pack, level, loss):
     from molt.trainer import Actor
 
     window = make_window(tiny_llama_dir, n=8, seed=1)
     counts = {}
     for budget in (10_000, 40):  # one micro-batch, then several
-        actor = Actor.from_pretrained(tiny_llama_dir, **{**BASE, "max_tokens_per_gpu": budget,
+        actor = Actor.from_pretrained(tiny_llama_dir, **{**BASE, "max_tokens_per_gpu": budget, "policy_loss": loss,
+                                                         "is_correction_level": level, "is_correction_mode": "mask",
                                                          "packing_samples": pack, "share_prefix": False})
         plan, _, _ = actor.schedule(window)
         counts[len(plan)] = _syncs_per_step(actor, window)
