@@ -29,6 +29,8 @@ def sample_argv(name: str, kind: str, default: str, choices: list[str]) -> list[
         return [f"--{name}", "0.5", "1.5"]
     if name == "algo.advantage.is_correction_level":
         return [f"--{name}", "geo"]  # partial_rollout_enable (also given) needs a correction
+    if name == "algo.kl.estimator":
+        return [f"--{name}", "k2"]  # k1 has no gradient as a loss (use_loss is also given): refused
     value = {"int": "1", "float": "0.5"}.get(kind) or (choices or [default.strip('"') or "x"])[0]
     return [f"--{name}", value if value not in ("None", "") else "x"]
 
