@@ -377,9 +377,12 @@ def validate(cfg: MoltConfig, *, check_files: bool = True) -> MoltConfig:
     if kl.init_coef and kl.use_loss and kl.estimator == "k1":  # fail now, not at the first optimizer step
         raise ValueError("algo.kl.estimator k1 has zero expected gradient as a loss: use k2 or k3 with "
                          "algo.kl.use_loss")
-    if kl.init_coef and not kl.use_loss:
-        raise ValueError("algo.kl.use_loss false (the KL as a token reward) is not supported yet: the runtime "
-                         "would train without any KL; keep algo.kl.use_loss (the KL as a loss term)")
+    from molt.runtime.trainer_group import RANK_ESTIMATORS
+
+    if kl.init_coef and not kl.use_loss and cfg.algo.advantage.estimator not in RANK_ESTIMATORS:
+        raise ValueError(f"algo.kl.use_loss false puts the KL into token rewards, which the group estimator "
+                         f"{cfg.algo.advantage.estimator} does not take: keep algo.kl.use_loss, or use reinforce, "
+                         "reinforce_baseline or gae")
     if cfg.algo.advantage.estimator == "gae" and not cfg.critic.model_name_or_path:
         cfg.critic.model_name_or_path = cfg.actor.model_name_or_path
     total = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt

@@ -13,6 +13,10 @@ one computation over the whole window:
   already minus its group's mean (a group's rollouts may land on different ranks);
 - everything within a rollout is local: `assign_to_ranks` keeps a rollout's segments on one rank;
 - the global whitening over all action tokens of the window is one all-reduce of (sum, sum of squares, count).
+With `algo.kl.use_loss` false the KL enters as a token reward (REINFORCE++): each rank runs the reference model
+over its rollouts and takes the KL of the behavior log-probabilities (the policy that sampled the tokens) to
+the reference's, with `algo.kl.estimator`, weighted by the (adaptive) coefficient. Group estimators take no
+token rewards; the configuration refuses that pairing.
 GAE uses a critic (`molt.trainer.Critic`, `--critic.model_name_or_path`, default the actor's checkpoint) built
 next to the actor on every rank with an optimizer of its own (`--critic.adam.*`): values before the step, then
 critic steps on the GAE returns after the policy steps; its state is saved and restored with the actor's.
@@ -119,6 +123,10 @@ class TrainerRank:
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         self.actor = Actor(ActorConfig(**actor_fields))
+        # the KL as a token reward (token-level estimators, `algo.kl.use_loss` false): its coefficient, adapted
+        # by the controller like the loss's, and the last window's metrics for the step line
+        self.kl_reward_coef = 0.0 if self.actor.cfg.kl_use_loss else self.actor.cfg.kl_coef
+        self.kl_metrics: dict[str, float] = {}
         if self.estimator == "gae":
             fields = dict(critic_fields or {})
             clip = fields.pop("value_clip", 0.2)
@@ -155,11 +163,14 @@ class TrainerRank:
                 metrics = model.train_step(w, [targets[id(e)][0] for e in w], [targets[id(e)][1] for e in w])
             for key, value in metrics.items():  # means over the steps; times add up
                 sums[key] += value if key.startswith("timing/") else value / count[model]
-        return dict(sums)
+        return {**sums, **self.kl_metrics}
 
     def set_kl_coef(self, coef: float) -> None:
         """The adaptive KL controller's new coefficient (`molt.algo.adaptive_kl_coef`)."""
-        self.actor.loss_params.kl_coef = coef if self.actor.cfg.kl_use_loss else 0.0
+        if self.actor.cfg.kl_use_loss:
+            self.actor.loss_params.kl_coef = coef
+        else:
+            self.kl_reward_coef = coef
 
     def advantages(self, experiences: list[Experience], rewards: dict[str, float]) -> list[list[float]]:
         """What `train_step` trains a rank-level estimator's experiences with (collective; for inspection)."""
@@ -178,13 +189,23 @@ class TrainerRank:
         from molt.algo import AdvantageBatch, AdvantageParams, compute_advantages
 
         values = self.critic.compute_values(experiences) if self.critic is not None else []
-        params = AdvantageParams(**{**self.advantage_params, "whiten": False})
+        # KL reward: behavior (sampling-time) log-probs against the reference's, per action token (collective)
+        ref = self.actor.compute_logprobs(experiences, reference=True) if self.kl_reward_coef > 0 else []
+        params = AdvantageParams(**{**self.advantage_params, "whiten": False, "kl_coef": self.kl_reward_coef})
         estimator = "reinforce" if self.estimator == "reinforce_baseline" else self.estimator  # rewards baselined
         adv = mask = None
         returns: list[list[float]] = []
         if experiences:
-            extra = {"values": _pad(values, max(e.num_tokens for e in experiences))} if values else {}
+            length = max(e.num_tokens for e in experiences)
+            extra = {"values": _pad(values, length)} if values else {}
             batch = AdvantageBatch.from_experiences(experiences, **extra)
+            if ref:
+                from molt.algo import kl_divergence
+
+                batch.kl, kl_metrics = kl_divergence(_pad([e.behavior_logprobs for e in experiences], length),
+                                                     _pad(ref, length), batch.action_mask,
+                                                     self.actor.cfg.kl_estimator, placement="reward")
+                self.kl_metrics = {k: float(v) for k, v in kl_metrics.items()} | {"kl_coef": self.kl_reward_coef}
             batch.rewards = torch.tensor([rewards.get(e.rollout_id, float(e.reward)) for e in experiences])
             result = compute_advantages(estimator, batch, params)
             adv, mask = result.advantages.double(), batch.action_mask

@@ -35,7 +35,7 @@ def test_yaml_then_overrides(tmp_path):
     (["--train.partial_rollout_enable", "--algo.advantage.is_correction_level", "off"], "partial_rollout_enable"),
     (["--train.batch_size", "3"], "train.batch_size"),
     (["--algo.kl.init_coef", "0.1", "--algo.kl.estimator", "k1"], "algo.kl.estimator k1"),
-    (["--algo.kl.init_coef", "0.1", "--algo.kl.no-use-loss"], "algo.kl.use_loss false"),
+    (["--algo.kl.init_coef", "0.1", "--algo.kl.no-use-loss"], "algo.kl.use_loss false"),  # with grpo
 ])
 def test_bad_values_name_the_field(tmp_path, args, field):
     with pytest.raises(ValueError, match=field):

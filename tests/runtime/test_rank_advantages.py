@@ -51,3 +51,43 @@ def test_two_ranks_equal_one_window(tiny_llama_dir, ray_local, estimator):
         for exp, adv in zip(share, advs):
             want = expected[index[(exp.rollout_id, exp.segment_index)], : exp.num_tokens]
             assert torch.allclose(torch.tensor(adv, dtype=want.dtype), want, atol=1e-5), exp.rollout_id
+
+
+def test_kl_as_a_token_reward_by_hand(tiny_llama_dir, ray_local):
+    """REINFORCE++ with the KL in the reward: r_t = -coef * (behavior_t - ref_t) on every action token, plus the
+    rollout's reward on its last one; advantage_t = sum of r_s for s >= t (gamma 1, no whitening). The reference
+    log-probs come from a plain full-logits forward of the checkpoint (`reference_logprobs`)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+    from trainer_helpers import reference_logprobs
+
+    rng, coef = random.Random(3), 0.1
+    exps = []
+    for i in range(3):
+        n = rng.randint(6, 10)
+        ids, mask = [rng.randrange(10, 380) for _ in range(n)], [0, 0, 0] + [1] * (n - 3)
+        blp = [rng.uniform(-6.0, -1.0) if m else 0.0 for m in mask]
+        exps.append(Experience(f"r{i}", "g", 0, float(i), n, n - 3, 0, token_ids=ids, action_mask=mask,
+                               behavior_logprobs=blp, versions=[0] * n))
+    expected = []
+    for e in exps:
+        ref = reference_logprobs(tiny_llama_dir, e.token_ids, 1.0)
+        r = [-coef * (b - q) if m else 0.0 for b, q, m in zip(e.behavior_logprobs, ref, e.action_mask)]
+        r[-1] += e.reward
+        expected.append([sum(r[t:]) if m else 0.0 for t, m in enumerate(e.action_mask)])
+
+    async def main():
+        group = TrainerGroup(1, estimator="reinforce", advantage_params={"gamma": 1.0, "lam": 1.0, "whiten": False})
+        try:
+            await group.setup({"model_name_or_path": str(tiny_llama_dir), "kl_coef": coef, "kl_use_loss": False,
+                               "kl_estimator": "k1"})
+            return await group.call("advantages", [exps], [{e.rollout_id: e.reward for e in exps}])
+        finally:
+            for rank in group.ranks:
+                ray_local.kill(rank)
+    (got,) = asyncio.run(main())
+    for adv, want in zip(got, expected):
+        assert adv == pytest.approx(want, abs=1e-4)
+    assert any(abs(w - e.reward) > 0.05 for w, e in zip((w[3] for w in expected), exps))  # the KL moved them
