@@ -64,7 +64,8 @@ def test_bf16_step_has_no_host_sync_per_micro_batch(tiny_llama_dir, level, loss)
     window = make_window(tiny_llama_dir, n=8, seed=1)
     counts = {}
     for budget in (10_000, 40):
-        actor = Actor.from_pretrained(tiny_llama_dir, **{**BASE, "max_tokens_per_gpu": budget, "policy_loss": loss,
+        actor = Actor.from_pretrained(tiny_llama_dir, **{**BASE, "device": "cuda", "max_tokens_per_gpu": budget,
+                                                         "policy_loss": loss,
                                                          "is_correction_level": level, "packing_samples": True})
         assert actor.param_dtype == torch.bfloat16
         actor.train_step(window)  # warm-up: lazy optimizer state, allocator

@@ -109,7 +109,7 @@ def test_one_rank_mesh_applies_mixed_precision_and_casts_weights_once_per_step(t
     from molt.trainer import Actor
 
     with pytest.raises(ValueError, match="offload"):
-        Actor.from_pretrained(tiny_llama_dir, offload=True)  # nothing to offload on the CPU: refused, not ignored
+        Actor.from_pretrained(tiny_llama_dir, device="cpu", offload=True)  # nothing to offload: refused, not ignored
     window = make_window(tiny_llama_dir, n=8, seed=1)
     cast = {}
     for budget in (10_000, 40):
