@@ -141,8 +141,8 @@ class Actor(ShardedModelTrainer):
         self.end_pass(model)
         for idx, spans, lp in passes:  # read back after the last pass was queued
             lp = lp.cpu()
-            for i, (row, start, n) in zip(idx, spans):
-                out[i] = lp[row, start:start + n].tolist()
+            for i, (row, start, n, skip) in zip(idx, spans):  # a shared prefix holds no actions: 0.0
+                out[i] = [0.0] * skip + lp[row, start:start + n - skip].tolist()
         return out
 
     # ---- weights out -------------------------------------------------------------------------------------

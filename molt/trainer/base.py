@@ -59,9 +59,12 @@ class ShardedModelTrainer:
         if cfg.tp_size > 1 and self.mesh is None:
             raise ValueError("tp_size > 1 needs a process group with at least tp_size ranks")
         torch.manual_seed(cfg.seed)
-        # see molt.trainer.config and the module docstring: a single plain process only
-        self.share_prefix = (cfg.share_prefix and self.mesh is None and not cfg.gradient_checkpoint
-                             and not cfg.packing_samples)
+        # see molt.trainer.config and the module docstring: packed, a layout (any ranks, checkpointing too);
+        # padded, a KV cache and a second decoder call (a single plain process only); a CPU win either way
+        if cfg.packing_samples:
+            self.share_prefix = cfg.share_prefix and self.device.type == "cpu"
+        else:
+            self.share_prefix = cfg.share_prefix and self.mesh is None and not cfg.gradient_checkpoint
         self.step = 0  # optimizer steps taken
         self.window_tokens = 0.0  # action tokens of the last scheduled window (all ranks), on the host
         self.pad_id = 0

@@ -7,7 +7,9 @@ Decisions:
   `molt.trainer.packing` (varlen flash attention on CUDA, one causal SDPA call per sequence on CPU), and
   `seq_ids` [1, T] names each token's sequence for the sequence-level rules of `molt.algo`. Both give the same
   log-probs and gradients (tests/trainer/test_packing.py). Packing saves the padding and batches sequences of any
-  mix of lengths at full width; prefix sharing (below) is the CPU win instead, and the two exclude each other.
+  mix of lengths at full width. With prefix sharing a packed row holds each shared prefix once, followed by the
+  rest of every sequence that starts with it (`_pack`): one decoder call as always, so it works on any number
+  of ranks and with gradient checkpointing, unlike the padded KV-cache path below.
 - Everything the step indexes with is built here, on the host, from the Python lists: the flat positions of the
   action tokens (`act_index`), their temperatures, the action count. The step then gathers and scatters with
   index tensors and never asks the device for a value (no boolean-mask indexing, whose backward calls
@@ -27,6 +29,7 @@ Decisions:
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -100,12 +103,13 @@ class MicroBatch:
     act_index: Tensor  # [A] int64 flat positions (into R * L) of the action tokens
     act_temperature: Tensor  # [A] fp32 sampling temperature of each action token
     num_actions: int  # A, known on the host (0 for a ghost)
-    spans: list[tuple[int, int, int]]  # per experience: (row, start, length) of its tokens
+    spans: list[tuple[int, int, int, int]]  # per experience (row, start, length, skip): its tokens from `skip`
+    # on lie at row[start : start + length - skip]; the first `skip` are a prefix shared with other rows
     extra: dict[str, Tensor] | None = None  # more [R, L] fp32 per-token inputs (old_logprobs, returns, ...)
     ghost: bool = False  # a stand-in that keeps collectives in step; its loss is multiplied by 0
     prefix: SharedPrefix | None = None  # rows that share their first tokens (share_prefix=True)
     seq_ids: Tensor | None = None  # [1, T] int64 sequence index of each token (packed)
-    packing: dict | None = None  # packed: position_ids, cu_seq_lens_*, max_length_*, molt_bounds for the decoder
+    packing: dict | None = None  # packed: position_ids and the attention's arguments (`_pack`)
 
     def decoder_inputs(self, mask_4d: bool = False) -> dict:
         """Keyword arguments of a Hugging Face decoder's forward for this micro-batch. `mask_4d` (see
@@ -144,7 +148,7 @@ def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
             share_prefix: bool = False, pack: bool = False) -> MicroBatch:
     """Pad (or `pack`) a list of (reloaded) experiences into a MicroBatch on `device`; `extra` holds more
     per-token lists aligned with `exps` (laid out the same way); `share_prefix` looks for rows with a common
-    prefix (padded layout only)."""
+    prefix (padded: `mb.prefix` for the KV-cache path; packed: the prefix is laid out once, see `_pack`)."""
     for e in exps:
         if e.token_ids is None:
             raise ValueError(f"experience {e.rollout_id}/{e.segment_index} is offloaded: reload() it first")
@@ -163,16 +167,12 @@ def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
                  "temperature": ([[e.temperature] * n for e, n in zip(exps, lens)], 1.0, torch.float32),
                  **{k: (v, 0.0, torch.float32) for k, v in (extra or {}).items()}}
     if pack:
-        t = {k: _cat(rows, dtype) for k, (rows, _, dtype) in per_token.items()}
-        starts = [sum(lens[:i]) for i in range(len(lens))]
-        spans = [(0, s, n) for s, n in zip(starts, lens)]
-        t["seq_ids"] = _cat([[i] * n for i, n in enumerate(lens)], torch.long)
-        t["position_ids"] = _cat([range(n) for n in lens], torch.long)
+        t, spans, packing = _pack(per_token, exps, share_prefix)
     else:
         length = max(lens)
         t = {k: _pad(rows, value, dtype, length) for k, (rows, value, dtype) in per_token.items()}
         t["attention_mask"] = _pad([[1] * n for n in lens], 0, torch.long, length)
-        spans = [(i, 0, n) for i, n in enumerate(lens)]
+        spans = [(i, 0, n, 0) for i, n in enumerate(lens)]
     ghost = not t["action_mask"].any()
     if ghost and t["action_mask"].shape[1] < 2:
         return ghost_batch(pad_id, device, extra or {}, pack)
@@ -184,13 +184,46 @@ def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
                     t["advantages"], act_index, t["temperature"].flatten()[act_index],
                     0 if ghost else len(act_index), spans, extra={k: t[k] for k in extra or {}}, ghost=ghost)
     if pack:
-        bounds = [0, *(s + n for s, n in zip(starts, lens))]
-        mb.seq_ids = t["seq_ids"]
-        mb.packing = {"position_ids": t["position_ids"], "cu_seq_lens_q": torch.tensor(bounds, dtype=torch.int32),
-                      "max_length_q": max(lens), "molt_bounds": bounds}
+        mb.seq_ids, mb.packing = t["seq_ids"], packing
     elif share_prefix and not ghost:
         mb.prefix = shared_prefix([e.token_ids for e in exps], [e.action_mask for e in exps])
     return to_device(mb, device)
+
+
+def _pack(per_token: dict, exps: list[Experience], share_prefix: bool) -> tuple[dict, list, dict]:
+    """One row of pieces: each experience whole, or (`share_prefix`, a prompt group) each distinct shared
+    prefix once followed by the rest of every row that starts with it. Returns the row's tensors, the spans
+    and the attention's keyword arguments (`molt.trainer.packing`): piece bounds, and for every piece the
+    range of keys it attends to besides itself (its prefix piece), as ranges and as a key index."""
+    lens = [len(e.token_ids) for e in exps]
+    prefix = shared_prefix([e.token_ids for e in exps], [e.action_mask for e in exps]) if share_prefix else None
+    pieces: list[tuple[int, int, int, int | None]] = []  # (experience, first token, end, prefix piece)
+    if prefix is None:
+        pieces = [(i, 0, n, None) for i, n in enumerate(lens)]
+    else:
+        owners = prefix.index.tolist()
+        for u, rep in enumerate(prefix.rows.tolist()):
+            head = len(pieces)
+            pieces.append((rep, 0, prefix.length, None))
+            pieces += [(i, prefix.length, lens[i], head) for i, owner in enumerate(owners) if owner == u]
+    sizes = [hi - lo for _, lo, hi, _ in pieces]
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    t = {k: _cat([rows[i][lo:hi] for i, lo, hi, _ in pieces], dtype) for k, (rows, _, dtype) in per_token.items()}
+    t["seq_ids"] = _cat([[i] * (hi - lo) for i, lo, hi, _ in pieces], torch.long)
+    t["position_ids"] = _cat([range(lo, hi) for _, lo, hi, _ in pieces], torch.long)
+    spans = [None] * len(exps)
+    for k, (i, lo, _, head) in enumerate(pieces):
+        if head is not None or prefix is None:  # not a prefix piece
+            spans[i] = (0, bounds[k], lens[i], lo)
+    heads = [None if h is None else (bounds[h], bounds[h + 1]) for *_, h in pieces]
+    kv = [[*(range(*h) if h else ()), *range(a, b)] for h, (a, b) in zip(heads, itertools.pairwise(bounds))]
+    packing = {"position_ids": t["position_ids"], "molt_bounds": bounds, "molt_prefixes": heads,
+               "cu_seq_lens_q": torch.tensor(bounds, dtype=torch.int32), "max_length_q": max(sizes),
+               "cu_seq_lens_k": torch.tensor(list(itertools.accumulate(map(len, kv), initial=0)), dtype=torch.int32),
+               "max_length_k": max(map(len, kv))}
+    if prefix is not None:
+        packing["molt_kv_index"] = torch.tensor([j for idx in kv for j in idx], dtype=torch.long)
+    return t, spans, packing
 
 
 def ghost_batch(pad_id: int, device: torch.device, extra_keys=(), pack: bool = False) -> MicroBatch:
@@ -214,7 +247,6 @@ def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
     mb.extra = {k: move(v) for k, v in (mb.extra or {}).items()}
     if mb.packing is not None:
         mb.packing = {k: move(v) for k, v in mb.packing.items()}
-        mb.packing["cu_seq_lens_k"], mb.packing["max_length_k"] = mb.packing["cu_seq_lens_q"], mb.packing["max_length_q"]
     if mb.prefix is not None:
         mb.prefix = SharedPrefix(mb.prefix.length, move(mb.prefix.rows), move(mb.prefix.index))
     return mb

@@ -7,10 +7,11 @@ Decisions:
   where exactness against the engine is tested.
 - Micro-batching: `max_tokens_per_gpu` (a padded-token budget) wins over `micro_batch_size` (a count) when both
   are set; with neither, the whole window is one micro-batch.
-- `share_prefix` applies to a single plain CPU process without gradient checkpointing or packing: under FSDP2
-  a micro-batch with a shared prefix runs the decoder twice, a rank with a ghost micro-batch once, and their
-  collectives would no longer pair up; gradient checkpointing disables the KV cache the sharing runs on; on
-  CUDA it measured slower (`molt.trainer.base`).
+- `share_prefix` is a CPU option. Packed, the shared prefix is laid out once in the row (any ranks, gradient
+  checkpointing too). Padded, it needs a single plain process without gradient checkpointing: under FSDP2 a
+  micro-batch with a shared prefix runs the decoder twice, a rank with a ghost micro-batch once, and their
+  collectives would no longer pair up; gradient checkpointing disables the KV cache the sharing runs on. On
+  CUDA the padded form measured slower (`molt.trainer.base`); the packed form is unmeasured there, so off.
 - `packing_samples` (the reference's `--fsdp.packing_samples`): micro-batches are packed rows, budgeted in real
   tokens, and attention runs through `molt.trainer.packing` whatever `attn_implementation` says (on CUDA that
   is flash attention over the packed sequences, which is what the reference's flash_attention_2 does).

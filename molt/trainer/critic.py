@@ -66,8 +66,8 @@ class Critic(ShardedModelTrainer):
         self.end_pass(self.model)
         for idx, spans, v in passes:
             v = v.cpu()
-            for i, (row, start, n) in zip(idx, spans):
-                out[i] = v[row, start:start + n].tolist()
+            for i, (row, start, n, skip) in zip(idx, spans):  # a shared prefix holds no actions: 0.0
+                out[i] = [0.0] * skip + v[row, start:start + n - skip].tolist()
         return out
 
     def train_step(self, experiences: list[Experience], returns: list[list[float]],

@@ -8,8 +8,12 @@ Instead the decoder runs with attention implementation "molt_varlen" (registered
 when packing is on) and gets the sequence boundaries through its keyword arguments, built at collation:
 - on CUDA, `torch.nn.attention.varlen.varlen_attn` (flash attention over cumulative sequence lengths: work
   proportional to sum(n_i^2), no mask, no padding, no sync; `max_length_q` is a host int);
-- elsewhere (CPU, and fp32 on CUDA, which flash attention does not take), one causal
-  `scaled_dot_product_attention` call per sequence (`molt_bounds`, host ints).
+- elsewhere (CPU, and fp32 on CUDA, which flash attention does not take), one `scaled_dot_product_attention`
+  call per piece (`molt_bounds`, host ints).
+A row's pieces are whole sequences, or, with prefix sharing, a prompt group's shared prefix once followed by
+the rest of each of its sequences: such a piece attends to its prefix piece's keys and causally to its own
+(`molt_prefixes`; on CUDA the keys are gathered per piece by `molt_kv_index`), which is exactly what each
+sequence would see alone.
 transformers builds no mask for an implementation it has no mask function for, so nothing else runs.
 
 Decision: sliding-window layers are refused (the varlen window would have to match the model's); so are
@@ -43,19 +47,33 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
     if "molt_bounds" not in kwargs:
         raise ValueError(f"attn_implementation {NAME!r} runs packed micro-batches only")
     gqa = query.shape[1] != key.shape[1]
+    prefixes = kwargs.get("molt_prefixes") or [None] * (len(kwargs["molt_bounds"]) - 1)
     if query.is_cuda and varlen_attn is not None and query.dtype in (torch.float16, torch.bfloat16):
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+        if "molt_kv_index" in kwargs:  # each piece's keys: its prefix piece's, then its own
+            k, v = k.index_select(0, kwargs["molt_kv_index"]), v.index_select(0, kwargs["molt_kv_index"])
         if gqa and "enable_gqa" not in _VARLEN_ARGS:
             k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
         extra = {"enable_gqa": gqa} if "enable_gqa" in _VARLEN_ARGS else {}
+        # causal with fewer queries than keys aligns to the bottom right (flash attention's convention): a
+        # piece's queries see all of its prefix and their own past
         extra.update({"is_causal": True} if "is_causal" in _VARLEN_ARGS else {"window_size": (-1, 0)})
-        cu, n = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
-        return varlen_attn(q, k, v, cu, cu, n, n, scale=scaling, **extra).unsqueeze(0), None
-    bounds = kwargs["molt_bounds"]
-    out = torch.cat([F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
-                                                     is_causal=True, scale=scaling, enable_gqa=gqa)
-                     for a, b in itertools.pairwise(bounds)], dim=2)
-    return out.transpose(1, 2).contiguous(), None
+        out = varlen_attn(q, k, v, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], kwargs["max_length_q"],
+                          kwargs["max_length_k"], scale=scaling, **extra)
+        return out.unsqueeze(0), None
+    outs = []
+    for (a, b), head in zip(itertools.pairwise(kwargs["molt_bounds"]), prefixes):
+        if head is None:
+            outs.append(F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
+                                                       is_causal=True, scale=scaling, enable_gqa=gqa))
+            continue
+        n, (ha, hb) = b - a, head
+        see = torch.ones(n, hb - ha + n, dtype=torch.bool, device=query.device)
+        see[:, hb - ha:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+        k, v = (torch.cat([x[:, :, ha:hb], x[:, :, a:b]], dim=2) for x in (key, value))
+        outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, attn_mask=see, scale=scaling,
+                                                   enable_gqa=gqa))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
 def register() -> str:

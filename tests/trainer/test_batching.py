@@ -35,7 +35,7 @@ def test_collate_right_pads_and_checks_inputs():
     assert mb.attention_mask.tolist() == [[1, 1, 1], [1, 1, 0]]
     assert mb.action_mask.tolist() == [[False, True, True], [False, True, False]]
     assert mb.act_temperature.tolist() == [0.5, 0.5, 1.0] and mb.num_actions == 3 and not mb.ghost
-    assert mb.act_index.tolist() == [1, 2, 4] and mb.spans == [(0, 0, 3), (1, 0, 2)]
+    assert mb.act_index.tolist() == [1, 2, 4] and mb.spans == [(0, 0, 3, 0), (1, 0, 2, 0)]
     with pytest.raises(ValueError, match="advantages"):
         collate([_exp([1, 2], [0, 1])], pad_id=0, device=torch.device("cpu"))
     offloaded = _exp([1, 2], [0, 1])

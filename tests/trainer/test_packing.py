@@ -35,24 +35,42 @@ def test_collate_packs_one_row_with_restarting_positions():
     assert mb.packing["position_ids"].tolist() == [[0, 1, 2, 0, 1]] and mb.seq_ids.tolist() == [[0, 0, 0, 1, 1]]
     assert mb.packing["cu_seq_lens_q"].tolist() == [0, 3, 5] and mb.packing["max_length_q"] == 3
     assert mb.act_index.tolist() == [1, 2, 4] and mb.act_temperature.tolist() == [0.5, 0.5, 1.0]
-    assert mb.spans == [(0, 0, 3), (0, 3, 2)] and mb.num_actions == 3 and not mb.ghost
+    assert mb.spans == [(0, 0, 3, 0), (0, 3, 2, 0)] and mb.num_actions == 3 and not mb.ghost
     with pytest.raises(ValueError, match="action_mask"):  # a sequence's first token cannot be an action
         collate([_exp([1, 2], [0, 1]), _exp([4, 5], [1, 1])], pad_id=0, device=CPU, pack=True)
 
 
-@pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_moe_dir"])
-def test_packed_logprobs_entropy_and_gradients_equal_the_padded_pass(request, model_dir):
+def test_a_shared_prefix_is_packed_once():
+    mb = collate([_exp([1, 2, 3, 4, 5], [0, 0, 0, 1, 1]), _exp([1, 2, 3, 9], [0, 0, 0, 1])], pad_id=0, device=CPU,
+                 pack=True, share_prefix=True)
+    # the prefix [1, 2] (up to the token before the first action) once, then each row's rest
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5, 3, 9]]
+    assert mb.packing["position_ids"].tolist() == [[0, 1, 2, 3, 4, 2, 3]]
+    assert mb.packing["molt_bounds"] == [0, 2, 5, 7] and mb.packing["molt_prefixes"] == [None, (0, 2), (0, 2)]
+    assert mb.packing["molt_kv_index"].tolist() == [0, 1, 0, 1, 2, 3, 4, 0, 1, 5, 6]
+    assert mb.packing["cu_seq_lens_k"].tolist() == [0, 2, 7, 11] and mb.packing["max_length_k"] == 5
+    assert mb.act_index.tolist() == [3, 4, 6] and mb.spans == [(0, 2, 5, 2), (0, 5, 4, 2)]
+
+
+def _per_experience(x, spans):
+    return [torch.cat([torch.zeros(skip), x[r, s:s + n - skip]]) for r, s, n, skip in spans]
+
+
+@pytest.mark.parametrize("model_dir,share", [("tiny_llama_dir", False), ("tiny_llama_dir", True),
+                                             ("tiny_moe_dir", True)])
+def test_packed_logprobs_entropy_and_gradients_equal_the_padded_pass(request, model_dir, share):
     path = request.getfixturevalue(model_dir)
-    window = grouped_window(path, seed=3)
+    window = grouped_window(path, seed=3)  # prompt groups: the packed rows share their prefixes when `share`
     results = []
     for pack in (False, True):
         attn = register() if pack else "sdpa"
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
         model = CausalLMLogProbs(lm, chunk_size=7).train()
-        mb = collate(window, pad_id=0, device=CPU, pack=pack)
+        mb = collate(window, pad_id=0, device=CPU, pack=pack, share_prefix=share and pack)
+        assert not pack or not share or mb.input_ids.shape[1] < sum(len(e.token_ids) for e in window)
         lp, ent = model(mb, True)
         (lp * mb.advantages).sum().add(0.1 * ent.sum()).backward()
-        per_exp = [(lp[r, s:s + n].detach(), ent[r, s:s + n].detach()) for r, s, n in mb.spans]
+        per_exp = list(zip(_per_experience(lp.detach(), mb.spans), _per_experience(ent.detach(), mb.spans)))
         results.append((per_exp, {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}))
     (padded, g0), (packed, g1) = results
     assert sum(float(a.abs().sum()) for a, _ in padded) > 0
@@ -67,12 +85,13 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_pass(request, mo
 def test_packed_actor_steps_equal_padded_steps(tiny_llama_dir, level):
     from molt.trainer import Actor
 
-    cfg = {**BASE, "is_correction_level": level, "max_tokens_per_gpu": 48}
+    cfg = {**BASE, "is_correction_level": level, "max_tokens_per_gpu": 64}
+    windows = [make_window(tiny_llama_dir, seed=1), grouped_window(tiny_llama_dir, seed=2)]  # one with prompt groups
     runs = []
-    for pack in (False, True):
+    for pack in (False, True):  # padded: shared prefixes through the KV cache; packed: laid out once
         actor = Actor.from_pretrained(tiny_llama_dir, packing_samples=pack, **cfg)
-        metrics = [actor.train_step(make_window(tiny_llama_dir, seed=s)) for s in (1, 2)]
-        lps = actor.compute_logprobs(make_window(tiny_llama_dir, seed=3))
+        metrics = [actor.train_step(w) for w in windows]
+        lps = actor.compute_logprobs(grouped_window(tiny_llama_dir, seed=4))
         runs.append((metrics, full_params(actor), lps))
     (m0, p0, lp0), (m1, p1, lp1) = runs
     for a, b in zip(m0, m1):
