@@ -21,9 +21,10 @@ Decisions:
   device (`accumulate`) and read with one all-reduce and one copy (`reduce_metrics`); collation builds every
   index on the host. The window's action count needs one all-reduce before the first backward when there are
   several ranks; a single process counts on the host.
-- Prefix sharing runs on the CPU path only (a single process without a mesh). On an H200 it made the step
-  slower (1.12 s vs 1.03 s without it; 0.91 vs 0.61 s with TF32: the extra decoder calls and the cache gather
-  cost more than the saved prompt tokens at a 128-token prompt), so CUDA never uses it.
+- Prefix sharing runs on the CPU path only: padded through a KV cache (a single process without a mesh), or
+  packed as a layout (any ranks). On an H200 the padded form made the step slower (1.12 s vs 1.03 s without
+  it; 0.91 vs 0.61 s with TF32: the extra decoder calls and the cache gather cost more than the saved prompt
+  tokens at a 128-token prompt), so CUDA does not use it until the packed form is measured there.
 """
 from __future__ import annotations
 
