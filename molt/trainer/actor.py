@@ -133,17 +133,7 @@ class Actor(ShardedModelTrainer):
         model = self.ref if reference else self.model
         if model is None:
             raise ValueError("reference: no reference model (kl_coef is 0)")
-        model.eval()
-        plan, n_passes, _ = self.schedule(experiences)
-        out: list[list[float]] = [[] for _ in experiences]
-        passes = [(idx, mb.spans, model(mb)[0]) for idx, mb in self.micro_batches(
-            experiences, plan, n_passes, need_advantages=False)]
-        self.end_pass(model)
-        for idx, spans, lp in passes:  # read back after the last pass was queued
-            lp = lp.cpu()
-            for i, (row, start, n, skip) in zip(idx, spans):  # a shared prefix holds no actions: 0.0
-                out[i] = [0.0] * skip + lp[row, start:start + n - skip].tolist()
-        return out
+        return self.per_token_pass(model, experiences, lambda mb: model(mb)[0])
 
     # ---- weights out -------------------------------------------------------------------------------------
     def iter_weights(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None,

@@ -153,6 +153,23 @@ class ShardedModelTrainer:
                                extra={n: [v[i] for i in idx] for n, v in extra.items()},
                                need_advantages=need_advantages, share_prefix=self.share_prefix, pack=pack)
 
+    @torch.no_grad()
+    def per_token_pass(self, model: nn.Module, experiences: list[Experience], forward) -> list[list[float]]:
+        """`forward(mb) -> [R, L]` over every micro-batch of `experiences` in eval mode, as one list per
+        experience (0.0 over a shared prefix, which holds no actions). Collective; read back after the last
+        pass was queued."""
+        model.eval()
+        plan, n_passes, _ = self.schedule(experiences)
+        passes = [(idx, mb.spans, forward(mb)) for idx, mb in self.micro_batches(
+            experiences, plan, n_passes, need_advantages=False)]
+        self.end_pass(model)
+        out: list[list[float]] = [[] for _ in experiences]
+        for idx, spans, x in passes:
+            x = x.cpu()
+            for i, (row, start, n, skip) in zip(idx, spans):
+                out[i] = [0.0] * skip + x[row, start:start + n - skip].tolist()
+        return out
+
     def _comm_device(self) -> torch.device:
         return self.device  # gloo reduces CPU tensors, NCCL device tensors: the compute device fits both
 

@@ -58,17 +58,7 @@ class Critic(ShardedModelTrainer):
     @torch.no_grad()
     def compute_values(self, experiences: list[Experience]) -> list[list[float]]:
         """Per-token values of each experience (0.0 off action tokens). Collective."""
-        self.model.eval()
-        plan, n_passes, _ = self.schedule(experiences)
-        out: list[list[float]] = [[] for _ in experiences]
-        passes = [(idx, mb.spans, self.model(mb)) for idx, mb in self.micro_batches(
-            experiences, plan, n_passes, need_advantages=False)]
-        self.end_pass(self.model)
-        for idx, spans, v in passes:
-            v = v.cpu()
-            for i, (row, start, n, skip) in zip(idx, spans):  # a shared prefix holds no actions: 0.0
-                out[i] = [0.0] * skip + v[row, start:start + n - skip].tolist()
-        return out
+        return self.per_token_pass(self.model, experiences, self.model)
 
     def train_step(self, experiences: list[Experience], returns: list[list[float]],
                    old_values: list[list[float]]) -> dict[str, float]:
