@@ -12,8 +12,8 @@ adapts after each step (`molt.algo.adaptive_kl_coef`), and is checkpointed.
 Run directory (`ckpt.output_dir`): `config.yaml`, `metrics.jsonl`, `ledger.jsonl` (one line per trained group:
 step, ledger key, rollout ids), `dumps/step_N.jsonl`, `checkpoints/step_N/` (or `ckpt.path`), `policy/` (the final policy as a Hugging Face checkpoint),
 `summary.json`, `curves.png`.
-Resume: the latest checkpoint restores trainer state (model, optimizer, schedule, RNG), the step and the
-ledger; the prompt stream skips trained keys, so no prompt sample is trained twice or skipped.
+Resume: the latest checkpoint restores trainer state (model, optimizer, schedule, RNG), the step, the ledger
+and the pool's counters; the prompt stream skips trained keys: no prompt sample is trained twice or skipped.
 """
 from __future__ import annotations
 
@@ -73,6 +73,7 @@ class Run:
         self.step = 0
         self.generated_tokens = 0
         self.ledger: list[tuple[int, int]] = []
+        self.counters: dict[str, int] = {}  # the pool's, restored on resume
         self.evals: list[dict[str, float]] = []
         self._inflight: list[int] = []
         self._created = time.perf_counter()
@@ -158,7 +159,7 @@ class Run:
         await self.trainer.same("load", str(path / "trainer"))
         self.step = self.version = state["step"]
         self.ledger = [tuple(k) for k in state["ledger"]]
-        self.generated_tokens = state["generated_tokens"]
+        self.generated_tokens, self.counters = state["generated_tokens"], state.get("counters", {})
         if state.get("kl_coef") is not None and self.cfg.algo.kl.target is not None:
             self.kl_coef = state["kl_coef"]
             await self.trainer.same("set_kl_coef", self.kl_coef)
@@ -291,6 +292,7 @@ class Run:
                            n_samples=cfg.rollout.n_samples_per_prompt, groups_per_step=cfg.rollout.batch_size,
                            max_staleness=cfg.train.max_staleness, max_retries=cfg.rollout.max_failed_retries,
                            group_filter=filt, seed=cfg.train.seed)
+        pool.counters.update(self.counters)
         pool.set_version(self.version)
         pool.start()
         try:

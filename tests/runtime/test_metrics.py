@@ -20,7 +20,6 @@ def test_jsonl_and_tensorboard_hold_each_step(tmp_path):
 
 
 def test_wandb_offline_run_gets_the_config_and_the_steps(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     logger = MetricsLogger(tmp_path, 2, wandb={"project": "molt-test", "run_name": "r1"}, config={"actor": {"lr": 1e-5}})

@@ -21,7 +21,8 @@ def _window(seed: int = 0) -> list[Experience]:
             for s in range(rng.choice([1, 2])):
                 n = rng.randint(4, 9)
                 mask = [0] * 2 + [1] * (n - 2)
-                exps.append(Experience(f"g{g}r{r}", f"g{g}", s, reward, n, n - 2, 0, token_ids=[5] * n,
+                ids = [rng.randrange(10, 380) for _ in range(n)]
+                exps.append(Experience(f"g{g}r{r}", f"g{g}", s, reward, n, n - 2, 0, token_ids=ids,
                                        action_mask=mask, behavior_logprobs=[0.0] * n, versions=[0] * n))
     return exps
 
@@ -51,6 +52,64 @@ def test_two_ranks_equal_one_window(tiny_llama_dir, ray_local, estimator):
         for exp, adv in zip(share, advs):
             want = expected[index[(exp.rollout_id, exp.segment_index)], : exp.num_tokens]
             assert torch.allclose(torch.tensor(adv, dtype=want.dtype), want, atol=1e-5), exp.rollout_id
+
+
+def _set_value_head(rank, weight: float, bias: float) -> None:
+    """Give the critic's (zero-initialized) value head constant weights, on each rank's shard of it."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in rank.critic.model.named_parameters():
+            if "value_head" in name:
+                (p.to_local() if hasattr(p, "to_local") else p).fill_(weight if name.endswith("weight") else bias)
+
+
+def test_gae_on_two_ranks_equals_one_window_with_independent_values(tiny_llama_dir, ray_local):
+    """GAE split over two FSDP2 ranks (each rank's critic values for its own rollouts, one whitening all-reduce)
+    equals GAE over the whole window with values from a plain forward of the backbone: V_t = w * sum(h_{t-1}) + b
+    on action tokens."""
+    import sys
+
+    import ray.cloudpickle
+    from transformers import AutoModel
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    exps, (w, b) = _window(1), (0.01, 0.3)
+    backbone = AutoModel.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    length = max(e.num_tokens for e in exps)
+    values = torch.zeros(len(exps), length)
+    for i, e in enumerate(exps):
+        with torch.no_grad():
+            h = backbone(torch.tensor([e.token_ids])).last_hidden_state[0]
+        v = torch.cat([torch.zeros(1), w * h.sum(-1)[:-1] + b])
+        values[i, : e.num_tokens] = torch.where(torch.tensor(e.action_mask, dtype=torch.bool), v, 0.0)
+    params = {"gamma": 0.9, "lam": 0.8}
+    expected = compute_advantages("gae", AdvantageBatch.from_experiences(exps, values=values),
+                                  AdvantageParams(**params)).advantages
+    rewards = {e.rollout_id: e.reward for e in exps}
+    shares = assign_to_ranks(exps, 2)
+
+    async def main():
+        group = TrainerGroup(2, estimator="gae", advantage_params=params)
+        try:
+            await group.setup({"model_name_or_path": str(tiny_llama_dir)}, {"model_name_or_path": str(tiny_llama_dir)})
+            for rank in group.ranks:
+                await rank.__ray_call__.remote(_set_value_head, w, b)
+            return await group.call("advantages", shares, [rewards, rewards])
+        finally:
+            for rank in group.ranks:
+                ray_local.kill(rank)
+    got = asyncio.run(main())
+    index = {(e.rollout_id, e.segment_index): i for i, e in enumerate(exps)}
+    assert all(shares)
+    for share, advs in zip(shares, got):
+        for exp, adv in zip(share, advs):
+            want = expected[index[(exp.rollout_id, exp.segment_index)], : exp.num_tokens]
+            assert torch.allclose(torch.tensor(adv, dtype=want.dtype), want, atol=1e-4), exp.rollout_id
+    # the values mattered: GAE with zero values (plain discounted returns) differs
+    zero = compute_advantages("gae", AdvantageBatch.from_experiences(exps, values=torch.zeros_like(values)),
+                              AdvantageParams(**params)).advantages
+    assert (zero - expected).abs().max() > 0.05
 
 
 def test_kl_as_a_token_reward_by_hand(tiny_llama_dir, ray_local):

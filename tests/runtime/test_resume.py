@@ -52,3 +52,87 @@ def test_killed_run_resumes_with_an_exactly_once_ledger(tiny_llama_dir, tmp_path
     rows = [None] * 80
     expected = [k for (k, _), _ in zip(PromptStream(rows, seed=42), range(12))]
     assert set(keys) == set(expected)
+
+
+def _rank_state(rank):
+    """What a trainer rank's checkpoint must bring back: its shares of the weights and of Adam's moments (sums of
+    the local shards), Adam's step counts, the optimizer-step counter and the LR schedule's position."""
+    import torch
+
+    def local(t):
+        return (t.to_local() if hasattr(t, "to_local") else t).double()
+
+    a = rank.actor
+    state = list(a.optimizer.state.values())
+    return {"weights": sum(float(local(p).sum()) for p in a.model.parameters()),
+            "exp_avg": sum(float(local(s["exp_avg"]).abs().sum()) for s in state),
+            "exp_avg_sq": sum(float(local(s["exp_avg_sq"]).sum()) for s in state),
+            "adam_steps": {float(torch.as_tensor(s["step"])) for s in state},
+            "step": a.step, "schedule": a.scheduler.last_epoch, "lr": a.scheduler.get_last_lr()[0]}
+
+
+async def _states(run) -> list[dict]:
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test file
+    return [await r.__ray_call__.remote(_rank_state) for r in run.trainer.ranks]
+
+
+def _merged(states: list[dict]) -> dict:
+    """One dict for the data-parallel ranks: shard sums add up, counters are equal on every rank."""
+    for key in ("adam_steps", "step", "schedule", "lr"):
+        assert all(s[key] == states[0][key] for s in states), key
+    return {**states[0], **{k: sum(s[k] for s in states) for k in ("weights", "exp_avg", "exp_avg_sq")}}
+
+
+def test_resume_restores_trainer_state_and_pool_counters_at_another_world_size(tiny_llama_dir, tmp_path,
+                                                                               ray_local):
+    """Saved by one trainer rank at step 2, resumed by two: the weights, Adam's moments and step counts, the
+    schedule, the controller's step/version/ledger/token count, the engines' weights and the pool's counters
+    are the saved ones (a fresh trainer would have no moments and step 0; a fresh pool no failures)."""
+    import pytest
+
+    from molt.runtime.loop import Run
+
+    out = tmp_path / "run"
+    args = _args(tiny_llama_dir, out)
+    args += ["--actor.lr_scheduler", "cosine", "--actor.lr_warmup_steps", "1", "--actor.adam.lr", "1e-3"]
+
+    async def first():
+        run = Run(load_config([*args, "--train.max_steps", "2", "--ckpt.save_steps", "2"]))
+        try:
+            await run.setup()
+            await run.train()
+            return _merged(await _states(run)), await run.workers[0].weight_sums.remote(), run
+        finally:
+            await run.close()
+    saved, engine, done = asyncio.run(first())
+    assert saved["step"] == 2 and saved["adam_steps"] == {2.0} and saved["exp_avg_sq"] > 0
+    state_file = out / "checkpoints" / "step_2" / "state.json"
+    state = json.loads(state_file.read_text())
+    state["counters"] = {**state["counters"], "failed/timeout": 7}  # as if two rollouts had timed out
+    state_file.write_text(json.dumps(state))
+
+    async def second():
+        run = Run(load_config([*args, "--train.max_steps", "3", "--train.num_ranks", "2"]))
+        try:
+            await run.setup()
+            await run._load_checkpoint()
+            restored, sums = _merged(await _states(run)), await run.workers[0].weight_sums.remote()
+            controller = (run.step, run.version, list(run.ledger), run.generated_tokens,
+                          await run.workers[0].version.remote())
+            run._resume_from = None  # loaded above
+            await run.train()
+            return restored, sums, controller
+        finally:
+            await run.close()
+    restored, sums, controller = asyncio.run(second())
+    for key in ("weights", "exp_avg", "exp_avg_sq"):
+        assert restored[key] == pytest.approx(saved[key], rel=1e-6), key
+    assert {k: restored[k] for k in ("adam_steps", "step", "schedule", "lr")} == \
+        {k: saved[k] for k in ("adam_steps", "step", "schedule", "lr")}
+    assert controller == (2, 2, done.ledger, done.generated_tokens, 2)
+    assert sums == pytest.approx(engine, rel=1e-6)  # the engines were refit with the checkpoint's weights
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert metrics[-1]["rollout/failed/timeout"] == 7  # the pool counts on from the checkpoint

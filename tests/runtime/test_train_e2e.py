@@ -3,6 +3,7 @@ weight refit through the object store (or the collective group). Each run trains
 it wrote."""
 import asyncio
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,8 +50,10 @@ def _dumped_versions(out):
 
 def test_env_sync_trains_on_policy(tiny_llama_dir, tmp_path, ray_local):
     out = tmp_path / "run"
-    summary = asyncio.run(run_training(_cfg(tiny_llama_dir, out, train__max_staleness=0)))
+    summary = asyncio.run(run_training(_cfg(tiny_llama_dir, out, train__max_staleness=0, ckpt__save_steps=1,
+                                            ckpt__save_hf=True)))
     assert summary["steps"] == 3
+    assert _assert_logprobs_match_versions(tiny_llama_dir, out) == {0, 1, 2}  # the engines got each refit
     metrics = _read(out, "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
     for key in ("rollout/reward_mean", "group_reward_std", "policy_loss", "actor_grad_norm", "timing/generation",
@@ -61,8 +64,12 @@ def test_env_sync_trains_on_policy(tiny_llama_dir, tmp_path, ray_local):
     for step, segments in _dumped_versions(out).items():  # step s trains tokens of version s - 1 only
         assert {v for seg in segments for v in seg if v >= 0} == {step - 1}
     dump = _read(out, "dumps/step_1.jsonl")
-    for rollouts in _by_group(dump).values():  # grpo: advantages are centred within each group
-        assert abs(sum(r["advantage"] for r in rollouts)) < 1e-5
+    for rollouts in _by_group(dump).values():  # grpo by hand: (r - mean) / (Bessel std + 1e-6)
+        rewards = [r["reward"] for r in rollouts]
+        mean = sum(rewards) / 4
+        std = (sum((x - mean) ** 2 for x in rewards) / 3) ** 0.5
+        assert [r["advantage"] for r in rollouts] == pytest.approx([(x - mean) / (std + 1e-6) for x in rewards])
+    assert any(r["advantage"] != 0 for r in dump)  # the rewards were not all equal
     ledger = _read(out, "ledger.jsonl")
     assert len(ledger) == 6 and len({tuple(r["key"]) for r in ledger}) == 6
     assert (out / "config.yaml").is_file() and (out / "summary.json").is_file()
@@ -70,9 +77,7 @@ def test_env_sync_trains_on_policy(tiny_llama_dir, tmp_path, ray_local):
 
     png = plot_run(out)
     assert png.read_bytes()[:4] == b"\x89PNG"
-    from transformers import AutoModelForCausalLM
-
-    assert AutoModelForCausalLM.from_pretrained(out / "policy").config.vocab_size > 0  # the final policy
+    _assert_trained_export(tiny_llama_dir, out, out / "checkpoints" / "step_3" / "hf")
 
 
 def test_env_async_partial_rollout_mixes_versions_within_bound(tiny_llama_dir, tmp_path, ray_local):
@@ -122,17 +127,20 @@ def test_eval_only_mode(tiny_llama_dir, tmp_path, ray_local):
     assert row["step"] == 0 and "eval_single_test_pass2" in row and "eval_single_test_avg2" in row
 
 
-def test_collective_refit_leaves_the_engine_with_the_trained_weights(tiny_llama_dir, tmp_path, ray_local):
-    """Refit over the dedicated gloo group (the NCCL path's CPU twin): after the last step's refit the engine
-    holds exactly the weights the trainer exports."""
+@pytest.mark.parametrize("sync", ["object_store", "collective"])
+def test_refit_leaves_the_engine_with_the_trained_weights(tiny_llama_dir, tmp_path, ray_local, sync):
+    """Refit through the object store (the CPU default) or over the dedicated gloo group (the NCCL path's CPU
+    twin), without partial rollout: every engine samples each token with the weights of the version it
+    carries (checked against a plain forward of that step's checkpoint), no completion mixes versions, and
+    after the last refit both engines hold exactly the weights the trainer exports."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from molt.runtime.loop import Run
 
     out = tmp_path / "run"
-    cfg = _cfg(tiny_llama_dir, out, train__weight_sync="collective", train__max_staleness=1, train__max_steps=2,
-               rollout__num_workers=2)
+    cfg = _cfg(tiny_llama_dir, out, train__weight_sync=sync, train__max_staleness=1, train__max_steps=3,
+               rollout__num_workers=2, ckpt__save_steps=1, ckpt__save_hf=True)
 
     async def main():
         run = Run(cfg)
@@ -143,7 +151,9 @@ def test_collective_refit_leaves_the_engine_with_the_trained_weights(tiny_llama_
         finally:
             await run.close()
     summary, sums, version = asyncio.run(main())
-    assert summary["steps"] == 2 and version == 2
+    assert summary["steps"] == 3 and version == 3
+    versions = _assert_logprobs_match_versions(tiny_llama_dir, out)
+    assert versions >= {0, 1}, versions  # refits landed while rollouts were sampled
     trained = AutoModelForCausalLM.from_pretrained(out / "policy").state_dict()
     base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).state_dict()
     name = "model.layers.0.mlp.up_proj.weight"
@@ -168,3 +178,51 @@ def _gae():
     from molt.config import AdvantageConfig
 
     return AdvantageConfig(estimator="gae", gamma=1.0, lam=0.95)
+
+
+def _one_version_per_completion(row) -> set[int]:
+    """The versions of a dumped segment; each completion (a run of action tokens) must carry just one."""
+    runs, last = [], 0
+    for m, v in zip(row["action_mask"], row["versions"]):
+        if m and not last:
+            runs.append(set())
+        if m:
+            runs[-1].add(v)
+        last = m
+    assert all(len(r) == 1 for r in runs), f"a completion mixes versions: {runs}"
+    return set().union(*runs)
+
+
+def _assert_logprobs_match_versions(base_dir, out) -> set[int]:
+    """Every action token's behavior log-prob equals log_softmax(logits) under the weights of its version: the
+    base checkpoint for version 0, `checkpoints/step_v/hf` (the trainer's export after step v) otherwise.
+    A refit that bumped the version without loading the weights fails here. Returns the versions seen."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+    from trainer_helpers import reference_logprobs
+
+    seen: set[int] = set()
+    for step in sorted(_dumped_versions(out)):
+        for row in _read(out, f"dumps/step_{step}.jsonl"):
+            versions = _one_version_per_completion(row)
+            seen |= versions
+            for v in versions:
+                weights = base_dir if v == 0 else Path(out) / "checkpoints" / f"step_{v}" / "hf"
+                ref = reference_logprobs(weights, row["token_ids"], 1.0)
+                got = [(b, r) for b, r, m, w in zip(row["behavior_logprobs"], ref, row["action_mask"],
+                                                    row["versions"]) if m and w == v]
+                assert [b for b, _ in got] == pytest.approx([r for _, r in got], abs=2e-3), (step, v)
+    return seen
+
+
+def _assert_trained_export(base_dir, out, last) -> None:
+    """The exported policy (`policy/`) is the last checkpoint's weights (which the engines sampled with), and
+    training moved them off the base."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(Path(out) / "policy").state_dict()
+    base = AutoModelForCausalLM.from_pretrained(base_dir).state_dict()
+    saved = AutoModelForCausalLM.from_pretrained(last).state_dict()
+    assert final.keys() == base.keys() == saved.keys()
+    assert all(torch.equal(final[k], saved[k]) for k in final)
+    assert sum(not torch.equal(final[k], base[k]) for k in final) > len(final) // 2
