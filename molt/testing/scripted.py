@@ -23,7 +23,7 @@ from molt.types import Completion, FinishReason, SamplingParams
 class ScriptedEngine:
     def __init__(self, tokenizer: Any, replies: Sequence[str] | Callable[[list[int], SamplingParams], str] = ("ok",),
                  *, model_name: str = "scripted", max_model_len: int = 512, delay: float = 0.0,
-                 no_eos: bool = False, version: int = 0, token_delay: float = 0.0):
+                 no_eos: bool = False, version: int = 0, token_delay: float = 0.0, hold: Any = None):
         self.tokenizer = tokenizer
         self.replies = replies
         self.model_name = model_name
@@ -32,6 +32,7 @@ class ScriptedEngine:
         self.delay = delay  # seconds each generate takes (to test timeouts and retries)
         self.no_eos = no_eos
         self.token_delay = token_delay  # seconds between streamed tokens (with on_tokens)
+        self.hold = hold  # an asyncio.Event the second half of a streamed reply waits for (tests set it)
         self.calls: list[dict[str, Any]] = []
         self._version = version
         self._encoded: dict[str, list[int]] = {}
@@ -69,7 +70,9 @@ class ScriptedEngine:
                 pass
             finally:
                 self._waiting.pop(request_id or "", None)
-        for token in ids if on_tokens is not None else ():
+        for i, token in enumerate(ids if on_tokens is not None else ()):
+            if self.hold is not None and i == len(ids) // 2:
+                await self.hold.wait()
             on_tokens([token])
             await asyncio.sleep(self.token_delay)
         if request_id is not None and request_id in self._aborted:

@@ -1,5 +1,5 @@
 """Incremental streaming: deltas leave while the engine samples, and assemble to the recorded reply."""
-import time
+import asyncio
 
 import pytest
 from anthropic import AsyncAnthropic
@@ -9,38 +9,42 @@ from molt.testing.scripted import ScriptedEngine, live_capture_server
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {
     "expression": {"type": "string"}}}}}]
-DELAY = 0.04  # seconds between streamed tokens
 
 
-async def _openai_stream(session, **kwargs):
+async def _openai_stream(session, engine=None, **kwargs):
+    """Stream a reply; with a holding engine, release its second half at the first delta received."""
     api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key)
-    t0, pieces = time.perf_counter(), []
+    pieces = []
     stream = await api.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "go"}],
                                                stream=True, **kwargs)
     calls = {}
     async for chunk in stream:
         for choice in chunk.choices:
             if choice.delta.content:
-                pieces.append((time.perf_counter() - t0, choice.delta.content))
+                pieces.append((engine is not None and not engine.hold.is_set(), choice.delta.content))
+                if engine is not None:
+                    engine.hold.set()
             for call in choice.delta.tool_calls or []:
                 entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
                 entry["name"] += call.function.name or ""
                 entry["arguments"] += call.function.arguments or ""
-    return pieces, time.perf_counter() - t0, calls
+    return pieces, calls
 
 
 async def test_openai_deltas_arrive_while_generating(tokenizer):
+    """The engine holds the second half of the reply until the client has a delta: without streaming the
+    request would never finish (the wait_for fails the test)."""
     reply = "one two three four five six seven eight nine ten eleven twelve"
-    engine = ScriptedEngine(tokenizer, [reply], token_delay=DELAY)
+    engine = ScriptedEngine(tokenizer, [reply], token_delay=0.001, hold=asyncio.Event())
     async with live_capture_server(engine, tokenizer) as server:
         session = await server.open_session()
-        pieces, total, _ = await _openai_stream(session)
+        pieces, _ = await asyncio.wait_for(_openai_stream(session, engine), 60)
         (segment,) = await session.close()
-    n_tokens = len(tokenizer.encode(reply, add_special_tokens=False))
-    assert total > n_tokens * DELAY * 0.9
-    assert pieces[0][0] < total / 2 and len(pieces) > 3  # the first words left long before the end
+    ids = tokenizer.encode(reply, add_special_tokens=False)
+    early = "".join(p for held, p in pieces if held)
+    assert early and tokenizer.decode(ids[: (len(ids) + 1) // 2]).startswith(early)  # from the first half
     assert "".join(p for _, p in pieces) == reply
-    assert segment.num_actions == n_tokens + 1  # EOS included, recorded once
+    assert segment.num_actions == len(ids) + 1  # EOS included, recorded once
 
 
 @pytest.mark.parametrize("reply, kwargs, content, call", [
@@ -54,7 +58,7 @@ async def test_openai_streamed_reply_equals_the_recorded_one(tokenizer, reply, k
     engine = ScriptedEngine(tokenizer, [reply], token_delay=0.002)
     async with live_capture_server(engine, tokenizer) as server:
         session = await server.open_session()
-        pieces, _, calls = await _openai_stream(session, **kwargs)
+        pieces, calls = await _openai_stream(session, **kwargs)
         api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key)
         plain = await api.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "again"}],
                                                   **kwargs)
@@ -68,20 +72,20 @@ async def test_openai_streamed_reply_equals_the_recorded_one(tokenizer, reply, k
 async def test_anthropic_text_block_streams_then_tool_use(tokenizer):
     reply = ('I will use the calculator for this one.\n<tool_call>\n{"name": "calculator", "arguments": '
              '{"expression": "12 * 7"}}\n</tool_call>')
-    engine = ScriptedEngine(tokenizer, [reply], token_delay=DELAY)
+    engine = ScriptedEngine(tokenizer, [reply], token_delay=0.001, hold=asyncio.Event())
     tools = [{"name": "calculator", "input_schema": {"type": "object", "properties": {}}}]
-    async with live_capture_server(engine, tokenizer) as server:
-        session = await server.open_session()
-        api = AsyncAnthropic(base_url=session.session_url, api_key=session.api_key)
-        t0, first = time.perf_counter(), None
+
+    async def stream_it():  # the engine holds the reply's second half until the client has text
         async with api.messages.stream(model="scripted", max_tokens=200, tools=tools,
                                        messages=[{"role": "user", "content": "12 * 7?"}]) as stream:
             async for event in stream:
-                if event.type == "text" and first is None:
-                    first = time.perf_counter() - t0
-            message = await stream.get_final_message()
-        total = time.perf_counter() - t0
-    assert first is not None and first < total / 2
+                if event.type == "text":
+                    engine.hold.set()
+            return await stream.get_final_message()
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session()
+        api = AsyncAnthropic(base_url=session.session_url, api_key=session.api_key)
+        message = await asyncio.wait_for(stream_it(), 60)
     text, use = message.content
     assert text.text == "I will use the calculator for this one."
     assert (use.name, use.input, message.stop_reason) == ("calculator", {"expression": "12 * 7"}, "tool_use")

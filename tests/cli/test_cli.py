@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,12 +27,9 @@ def _restore_env(monkeypatch):
 
 def test_help_is_fast_and_imports_nothing_heavy():
     assert MOLT.exists(), "console script missing: pip install -e . --no-deps"
-    t0 = time.perf_counter()
     out = subprocess.run([str(MOLT), "--help"], check=False, capture_output=True, text=True, timeout=60)
-    elapsed = time.perf_counter() - t0
     assert out.returncode == 0 and all(c in out.stdout for c in ("model", "generate", "demo"))
-    assert elapsed < 10.0, f"molt --help took {elapsed:.2f} s"  # ~0.1 s when idle; loose for a busy machine
-    # the deterministic part of "fast": parsing the command line loads none of the heavy libraries
+    # "fast", checked without a clock (~0.1 s when idle): parsing the command line loads no heavy library
     code = f"import sys, molt.cli; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     probe = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
                            timeout=60)

@@ -1,6 +1,4 @@
-"""Per-step metrics reach every configured sink: JSONL, TensorBoard, and W&B (offline) when installed."""
-import pytest
-
+"""Per-step metrics reach every configured sink: JSONL, TensorBoard, and W&B offline (in the dev extra)."""
 from molt.runtime.metrics import MetricsLogger, read_metrics
 
 
