@@ -11,6 +11,21 @@ TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {
     "expression": {"type": "string"}}}}}]
 
 
+class HoldingEngine(ScriptedEngine):
+    """Streams the first half of its reply, then holds the rest until `hold` is set; counts what it streamed."""
+
+    def __init__(self, tokenizer, replies):
+        super().__init__(tokenizer, replies, token_delay=0.001, hold=asyncio.Event())
+        self.streamed = 0
+
+    async def generate(self, prompt_ids, params, session_id=None, request_id=None, *, on_tokens=None):
+        def count(ids):
+            self.streamed += len(ids)
+            on_tokens(ids)
+        return await super().generate(prompt_ids, params, session_id, request_id,
+                                      on_tokens=count if on_tokens is not None else None)
+
+
 async def _openai_stream(session, engine=None, **kwargs):
     """Stream a reply; with a holding engine, release its second half at the first delta received."""
     api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key)
@@ -20,8 +35,8 @@ async def _openai_stream(session, engine=None, **kwargs):
     calls = {}
     async for chunk in stream:
         for choice in chunk.choices:
-            if choice.delta.content:
-                pieces.append((engine is not None and not engine.hold.is_set(), choice.delta.content))
+            if choice.delta.content:  # with a holding engine: (tokens it had streamed then, text)
+                pieces.append((engine.streamed if engine else 0, choice.delta.content))
                 if engine is not None:
                     engine.hold.set()
             for call in choice.delta.tool_calls or []:
@@ -35,14 +50,13 @@ async def test_openai_deltas_arrive_while_generating(tokenizer):
     """The engine holds the second half of the reply until the client has a delta: without streaming the
     request would never finish (the wait_for fails the test)."""
     reply = "one two three four five six seven eight nine ten eleven twelve"
-    engine = ScriptedEngine(tokenizer, [reply], token_delay=0.001, hold=asyncio.Event())
+    engine = HoldingEngine(tokenizer, [reply])
     async with live_capture_server(engine, tokenizer) as server:
         session = await server.open_session()
         pieces, _ = await asyncio.wait_for(_openai_stream(session, engine), 60)
         (segment,) = await session.close()
     ids = tokenizer.encode(reply, add_special_tokens=False)
-    early = "".join(p for held, p in pieces if held)
-    assert early and tokenizer.decode(ids[: (len(ids) + 1) // 2]).startswith(early)  # from the first half
+    assert 0 < pieces[0][0] <= (len(ids) + 1) // 2  # the first delta left while the engine held the rest
     assert "".join(p for _, p in pieces) == reply
     assert segment.num_actions == len(ids) + 1  # EOS included, recorded once
 
@@ -72,20 +86,24 @@ async def test_openai_streamed_reply_equals_the_recorded_one(tokenizer, reply, k
 async def test_anthropic_text_block_streams_then_tool_use(tokenizer):
     reply = ('I will use the calculator for this one.\n<tool_call>\n{"name": "calculator", "arguments": '
              '{"expression": "12 * 7"}}\n</tool_call>')
-    engine = ScriptedEngine(tokenizer, [reply], token_delay=0.001, hold=asyncio.Event())
+    engine = HoldingEngine(tokenizer, [reply])
     tools = [{"name": "calculator", "input_schema": {"type": "object", "properties": {}}}]
+    first = []
 
     async def stream_it():  # the engine holds the reply's second half until the client has text
         async with api.messages.stream(model="scripted", max_tokens=200, tools=tools,
                                        messages=[{"role": "user", "content": "12 * 7?"}]) as stream:
             async for event in stream:
-                if event.type == "text":
+                if event.type == "text" and not first:
+                    first.append(engine.streamed)
                     engine.hold.set()
             return await stream.get_final_message()
     async with live_capture_server(engine, tokenizer) as server:
         session = await server.open_session()
         api = AsyncAnthropic(base_url=session.session_url, api_key=session.api_key)
         message = await asyncio.wait_for(stream_it(), 60)
+    n = len(tokenizer.encode(reply, add_special_tokens=False)) + 1  # + EOS
+    assert 0 < first[0] <= n // 2  # text left while the engine held the rest
     text, use = message.content
     assert text.text == "I will use the calculator for this one."
     assert (use.name, use.input, message.stop_reason) == ("calculator", {"expression": "12 * 7"}, "tool_use")

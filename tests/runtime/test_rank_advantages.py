@@ -35,12 +35,19 @@ def test_two_ranks_equal_one_window(tiny_llama_dir, ray_local, estimator):
     expected = compute_advantages(estimator, batch, AdvantageParams(**params)).advantages
     rows = list({e.rollout_id: (e.rollout_id, e.group_id, e.reward) for e in exps}.values())
     rewards = terminal_rewards(estimator, rows)
+    _assert_two_ranks_give(expected, exps, rewards, ray_local, TrainerGroup(2, estimator=estimator,
+                           advantage_params=params), {"model_name_or_path": str(tiny_llama_dir)}, atol=1e-5)
+
+
+def _assert_two_ranks_give(expected, exps, rewards, ray_local, group, *setup, atol, prepare=None):
+    """Split `exps` over the group's two ranks, compute their advantages there, compare with `expected`."""
     shares = assign_to_ranks(exps, 2)
 
     async def main():
-        group = TrainerGroup(2, estimator=estimator, advantage_params=params)
         try:
-            await group.setup({"model_name_or_path": str(tiny_llama_dir)})
+            await group.setup(*setup)
+            for rank in group.ranks if prepare else []:
+                await rank.__ray_call__.remote(*prepare)
             return await group.call("advantages", shares, [rewards, rewards])
         finally:
             for rank in group.ranks:
@@ -51,7 +58,7 @@ def test_two_ranks_equal_one_window(tiny_llama_dir, ray_local, estimator):
         assert share, "both ranks get work"
         for exp, adv in zip(share, advs):
             want = expected[index[(exp.rollout_id, exp.segment_index)], : exp.num_tokens]
-            assert torch.allclose(torch.tensor(adv, dtype=want.dtype), want, atol=1e-5), exp.rollout_id
+            assert torch.allclose(torch.tensor(adv, dtype=want.dtype), want, atol=atol), exp.rollout_id
 
 
 def _set_value_head(rank, weight: float, bias: float) -> None:
@@ -86,26 +93,10 @@ def test_gae_on_two_ranks_equals_one_window_with_independent_values(tiny_llama_d
     params = {"gamma": 0.9, "lam": 0.8}
     expected = compute_advantages("gae", AdvantageBatch.from_experiences(exps, values=values),
                                   AdvantageParams(**params)).advantages
-    rewards = {e.rollout_id: e.reward for e in exps}
-    shares = assign_to_ranks(exps, 2)
-
-    async def main():
-        group = TrainerGroup(2, estimator="gae", advantage_params=params)
-        try:
-            await group.setup({"model_name_or_path": str(tiny_llama_dir)}, {"model_name_or_path": str(tiny_llama_dir)})
-            for rank in group.ranks:
-                await rank.__ray_call__.remote(_set_value_head, w, b)
-            return await group.call("advantages", shares, [rewards, rewards])
-        finally:
-            for rank in group.ranks:
-                ray_local.kill(rank)
-    got = asyncio.run(main())
-    index = {(e.rollout_id, e.segment_index): i for i, e in enumerate(exps)}
-    assert all(shares)
-    for share, advs in zip(shares, got):
-        for exp, adv in zip(share, advs):
-            want = expected[index[(exp.rollout_id, exp.segment_index)], : exp.num_tokens]
-            assert torch.allclose(torch.tensor(adv, dtype=want.dtype), want, atol=1e-4), exp.rollout_id
+    tiny = {"model_name_or_path": str(tiny_llama_dir)}
+    _assert_two_ranks_give(expected, exps, {e.rollout_id: e.reward for e in exps}, ray_local,
+                           TrainerGroup(2, estimator="gae", advantage_params=params), tiny, tiny, atol=1e-4,
+                           prepare=(_set_value_head, w, b))
     # the values mattered: GAE with zero values (plain discounted returns) differs
     zero = compute_advantages("gae", AdvantageBatch.from_experiences(exps, values=torch.zeros_like(values)),
                               AdvantageParams(**params)).advantages
