@@ -26,6 +26,9 @@ def test_wandb_offline_run_gets_the_config_and_the_steps(tmp_path, monkeypatch):
     logger.log(2, {"rollout/reward_mean": 0.75})
     assert run.config["actor"] == {"lr": 1e-5} and run.name == "r1"
     logger.close()  # W&B keeps the latest step open until the next one or the end
+    import wandb
+
+    wandb.teardown()  # the service writes the records after finish() returns; teardown waits for it
     (record,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")  # what `wandb sync` uploads later
     data = record.read_bytes()
     assert b"rollout/reward_mean" in data and b"0.75" in data
