@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.molt-installed
 
-.PHONY: demo test test-slow gpu-check install clean
+.PHONY: demo demo-agent test test-slow gpu-check install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,6 +18,10 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/molt demo
+
+# The agentic main job: a multi-turn, tool-using agent on AsyncOpenAI learns to call its calculator.
+demo-agent: $(STAMP)
+	$(BIN)/molt demo --agent
 
 test: $(STAMP)
 	$(BIN)/pytest -q -x

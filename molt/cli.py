@@ -212,11 +212,14 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 @command("demo", "the main job on the embedded default: SmolLM2-135M-Instruct learns arithmetic with GRPO on "
-                 "this machine (recipes/math; extra flags override the recipe, e.g. --train.seed 1)", raw=True)
+                 "this machine (recipes/math; `--agent`: a multi-turn tool-using agent learns to call its calculator, "
+                 "recipes/calculator; extra flags override the recipe, e.g. --train.seed 1)", raw=True)
 def demo(args: argparse.Namespace) -> None:
     from molt.config import load_config
 
-    recipe = RECIPES / "math" / "recipe.yaml"
+    agent = "--agent" in args.rest
+    args.rest = [a for a in args.rest if a != "--agent"]
+    recipe = RECIPES / ("calculator" if agent else "math") / "recipe.yaml"
     if not recipe.is_file():
         raise ValueError(f"the demo recipe {recipe} is missing: run `molt demo` from a source checkout")
     os.chdir(RECIPES.parent)  # the recipe's paths are relative to the checkout
@@ -236,11 +239,15 @@ def _train_and_report(cfg) -> dict:
     summary = asyncio.run(run_training(cfg))
     png = plot_run(cfg.ckpt.output_dir)
     table = Table(title=f"molt run {cfg.ckpt.output_dir}")
-    for col in ("base eval accuracy", "final eval accuracy", "steps", "generated tokens", "seconds"):
+    cols = {"base eval accuracy": summary["base_eval_accuracy"], "final eval accuracy": summary["final_eval_accuracy"]}
+    if summary["evals"] and "agent/tool_call_valid" in summary["evals"][0]:  # an agent with tools
+        cols.update({"base valid calls": summary["evals"][0]["agent/tool_call_valid"],
+                     "final valid calls": summary["evals"][-1].get("agent/tool_call_valid")})
+    cols.update({k.replace("_", " "): summary[k] for k in ("steps", "generated_tokens", "seconds")})
+    for col in cols:
         table.add_column(col, justify="right")
     fmt = lambda v: "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
-    table.add_row(*(fmt(summary[k]) for k in ("base_eval_accuracy", "final_eval_accuracy", "steps",
-                                              "generated_tokens", "seconds")))
+    table.add_row(*map(fmt, cols.values()))
     Console().print(table)
     print(f"summary: {Path(cfg.ckpt.output_dir) / 'summary.json'}; curves: {png}")
     return summary

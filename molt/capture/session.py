@@ -113,7 +113,7 @@ class Session:
         self.tracker = SegmentTracker(renderer, engine.eos_token_ids)
         self.closed = False
         self.reward: float | None = None  # set through `molt serve`'s POST /s/{id}/reward
-        self.stats = {"requests": 0, "cache_hits": 0, "malformed_tool_calls": 0}
+        self.stats = {"requests": 0, "cache_hits": 0, "tool_calls": 0, "malformed_tool_calls": 0}
         self._lock = asyncio.Lock()
         self._cache: OrderedDict[str, Generation] = OrderedDict()
         self._cache_size = cache_size
@@ -229,6 +229,7 @@ class Session:
             finish, text = "stop", text[: text.find(stop, len(opening))]
         parsed = self.parser(text) if request.parse_tools else Parsed(text)
         self.stats["malformed_tool_calls"] += parsed.malformed
+        self.stats["tool_calls"] += len(parsed.calls)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.calls:
             finish, message["tool_calls"] = "tool_calls", parsed.calls

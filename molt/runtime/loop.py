@@ -194,7 +194,7 @@ class Run:
 
     async def evaluate(self) -> dict[str, float]:
         """pass@n and avg@n on the eval set (correct = score or reward > 0; avg = mean score)."""
-        from molt.runtime.metrics import pass_at_n
+        from molt.runtime.metrics import agent_metrics, info_means, pass_at_n
 
         n = self.cfg.eval.n_samples_per_prompt
         tasks = [RolloutTask(row, (-1, p), f"eval-p{p}", f"eval-v{self.version}-p{p}-s{s}", s, self.version,
@@ -211,8 +211,10 @@ class Run:
         pass_n, avg_n = pass_at_n(correct)
         name = Path(self.cfg.eval.dataset).stem
         out = {f"eval_{name}_pass{n}": pass_n, f"eval_{name}_avg{n}": avg_n, "eval/accuracy": avg_n,
-               "eval/failed": float(failed), "timing/eval": time.perf_counter() - t0}
-        self.evals.append({"step": self.step, "accuracy": avg_n, "pass": pass_n})
+               "eval/failed": float(failed), "timing/eval": time.perf_counter() - t0,
+               **agent_metrics(outcomes, "eval/agent/"), **info_means(outcomes, "eval/info/")}
+        self.evals.append({"step": self.step, "accuracy": avg_n, "pass": pass_n,
+                           **{k[5:]: v for k, v in out.items() if k.startswith("eval/agent/")}})
         return out
 
     # ------------------------------------------------------------------------------------------ training
