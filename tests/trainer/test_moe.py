@@ -89,6 +89,54 @@ async def test_a_refit_mid_request_keeps_each_positions_first_route(tiny_moe_dir
     np.testing.assert_array_equal(np.sort(c.routed_experts[cut:], -1), np.sort(new[cut:], -1))
 
 
+FAMILIES = {  # tiny configs of the four families; both normalisations of the top-k weights
+    "Qwen2MoeConfig": {"num_experts": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+                       "norm_topk_prob": True},
+    "Qwen3MoeConfig": {"num_experts": 4, "moe_intermediate_size": 16, "norm_topk_prob": False},
+    "MixtralConfig": {"num_local_experts": 4, "intermediate_size": 16},
+    "OlmoeConfig": {"num_experts": 4, "intermediate_size": 16, "norm_topk_prob": True},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_replays_its_own_routes_exactly(family):
+    """Replaying the routes the model would choose itself changes nothing (the family's weights are rebuilt
+    exactly); other routes change the log-probs."""
+    import transformers
+    from types import SimpleNamespace
+
+    from molt.trainer.batching import collate
+    from molt.trainer.logprobs import CausalLMLogProbs
+    from molt.trainer.moe import Routing
+
+    config = getattr(transformers, family)(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, num_experts_per_tok=2, **FAMILIES[family])
+    torch.manual_seed(0)
+    lm = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for router in lm.modules():  # a visible router (random init is near zero: near ties everywhere)
+        if type(router).__name__.endswith("TopKRouter"):
+            router.weight.data.normal_(0, 1.0)
+    ids = list(range(3, 40))
+    with torch.no_grad():
+        logits = lm(torch.tensor([ids]), output_router_logits=True).router_logits
+    own = torch.stack([torch.softmax(x.float(), -1).topk(2).indices for x in logits], 1).numpy()
+    cfg = SimpleNamespace(routing_replay=True, freeze_moe_router=False, aux_loss_coef=0.0)
+    model = CausalLMLogProbs(lm, routing=Routing(lm, cfg))
+    assert len(model.routing.routers) == 2
+
+    def logprobs(routes):
+        exp = Experience(rollout_id="r", group_id="g", segment_index=0, reward=0.0, num_tokens=len(ids),
+                         num_actions=len(ids) - 1, min_version=0, token_ids=ids, action_mask=[0] + [1] * (len(ids) - 1),
+                         behavior_logprobs=[0.0] * len(ids), versions=[0] * len(ids), routed_experts=routes)
+        with torch.no_grad():
+            return model(collate([exp], 0, torch.device("cpu"), need_advantages=False))[0]
+    replayed = logprobs(own)
+    model.routing.replay = False
+    torch.testing.assert_close(replayed, logprobs(own), rtol=0, atol=1e-6)
+    model.routing.replay = True
+    assert (logprobs((own + 1) % 4) - replayed).abs().max() > 1e-3
+
+
 def _actor(path, **kw):
     return Actor.from_pretrained(path, device="cpu", lr=1e-3, is_correction_level="off", **kw)
 
