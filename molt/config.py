@@ -65,6 +65,10 @@ class ActorConfig:
     """Floor of the cosine schedule, as a share of the learning rate."""
     freezing_steps: int = 0
     """Training steps at the start in which the actor does not learn (only the critic, for gae)."""
+    freeze_moe_router: bool = False
+    """MoE: the routers' weights do not train."""
+    aux_loss_coef: float = 0.0
+    """MoE: weight of the load-balancing (Switch) loss."""
 
 
 @dataclass
@@ -125,6 +129,8 @@ class TrainConfig:
     """Trainer data-parallel ranks (FSDP2)."""
     dump_trajectories_steps: int = 0
     """Write a readable trajectory dump every N steps (0: never)."""
+    routing_replay: bool = False
+    """MoE: route every token through the experts the engine chose for it (R3; docs/moe.md)."""
 
 
 @dataclass

@@ -86,6 +86,8 @@ class Completion:
     # top_logprobs[i] = [(token_id, logprob), ...] most likely first; None unless asked for
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_tokens: int = 0
+    # MoE: experts each router chose for prompt + generated tokens but the last (never run), [n, layers, k] ints
+    routed_experts: Any = None
 
 
 @dataclass(slots=True)
@@ -98,7 +100,7 @@ class Segment:
     versions: list[int]  # policy version that sampled each token; -1 on context tokens
     break_reason: str = "start"  # why this segment began: start, compaction, template_rewrite, tools_changed, ...
     temperature: float = 1.0  # temperature of its action tokens; capture seals the segment when it changes
-    routed_experts: Any = None  # optional MoE routing record for routing replay
+    routed_experts: Any = None  # MoE: numpy [len(token_ids), layers, k] expert ids (0 on the last token: never run)
     images: Any = None  # optional multimodal inputs
 
     @property

@@ -34,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from molt.capture.render import ChatRenderer
 from molt.types import Segment
 
@@ -54,6 +56,7 @@ class Action:
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
+    routes: Any = None  # MoE: the completion's routed experts (prompt and action, `Completion.routed_experts`)
 
 
 @dataclass
@@ -173,3 +176,9 @@ def _extend(segment: Segment, context: list[int], action: Action) -> None:
     segment.action_mask += [0] * n + [1] * len(action.token_ids)
     segment.behavior_logprobs += [0.0] * n + list(action.logprobs)
     segment.versions += [-1] * n + list(action.versions)
+    if action.routes is not None:  # aligned with token_ids (0 where never run); rows already there keep theirs
+        routes = np.zeros((len(segment.token_ids), *action.routes.shape[1:]), action.routes.dtype)
+        routes[:len(action.routes)] = action.routes[:len(routes)]
+        if segment.routed_experts is not None:
+            routes[:len(segment.routed_experts) - 1] = segment.routed_experts[:-1]
+        segment.routed_experts = routes

@@ -198,7 +198,8 @@ class Session:
         if self.closed or any(c.finish_reason is FinishReason.ABORT for c in completions):
             raise SessionClosed(f"session {self.session_id} was closed while generating")
         choices = [self._choice(c, request, opening) for c in completions]
-        actions = [Action(ch.action_ids, c.logprobs[: len(ch.action_ids)], c.versions[: len(ch.action_ids)])
+        actions = [Action(ch.action_ids, c.logprobs[: len(ch.action_ids)], c.versions[: len(ch.action_ids)],
+                          c.routed_experts)
                    for ch, c in zip(choices, completions)]
         self.tracker.commit(plan, actions, [ch.message for ch in choices])
         return Generation(uuid.uuid4().hex[:24], int(time.time()), plan.prompt_ids, choices)

@@ -34,6 +34,9 @@ requests' KV caches hold old-weight keys/values, so the next step prefills them 
 with the new weights: later tokens are exactly what the new policy computes over the whole sequence. For the
 same reason a refit empties the prefix cache (unless `prefix_cache_stale`; then versions record the old prefix).
 
+Mixture of experts: a hook on every `*TopKRouter` records each position's experts (docs/moe.md); a position
+keeps the first route it got (a refit's recomputation does not overwrite it), prefix-cache entries keep theirs.
+
 Sampling defaults in the model's generation_config (repetition penalty, ...) are ignored; only its EOS ids are
 used. An explicit `max_tokens` beyond the context window is capped (finish reason LENGTH).
 """
@@ -77,11 +80,20 @@ class _Request:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     finish: FinishReason | None = None
     aborted: bool = False
+    routes: list[torch.Tensor] = field(default_factory=list)  # MoE: [n, layers, k] chunks of positions 0..routed
+    routed: int = 0
+
+    def route(self, start: int, rows: torch.Tensor | None) -> None:
+        """Routes of context positions start...; a position keeps the first one it got (see module doc)."""
+        if rows is not None and start + len(rows) > self.routed:
+            self.routes.append(rows[self.routed - start:])
+            self.routed = start + len(rows)
 
     def completion(self) -> Completion:
         return Completion(list(self.tokens), list(self.logprobs), list(self.versions), self.finish,
                           top_logprobs=self.top if self.params.top_logprobs else None,
-                          prompt_tokens=len(self.prompt))
+                          prompt_tokens=len(self.prompt),
+                          routed_experts=torch.cat(self.routes).numpy() if self.routes else None)
 
 
 def _resolve(req: _Request, result: Any = None, error: BaseException | None = None) -> None:
@@ -123,6 +135,11 @@ class HFEngine(InProcessWeightReceiver):
         layer_types = {type(layer).__name__ for layer in self._new_cache().layers}
         if layer_types != {"DynamicLayer"}:  # sliding-window layers cannot be left-padded and merged
             raise EngineError(f"HFEngine supports full-attention caches only, got {sorted(layer_types)}")
+        self._routes: list[torch.Tensor] = []  # MoE: each router's top-k experts in this forward, in layer order
+        routers = [m for m in self.model.modules() if type(m).__name__.endswith("TopKRouter")]
+        for router in routers:
+            router.register_forward_hook(lambda _m, _a, out: self._routes.append(out[2]))
+        self._route_dtype = torch.uint8 if all(r.weight.shape[0] <= 256 for r in routers) else torch.int16
         self._params = self.model.state_dict()  # tensors share storage with the parameters (tied ones too)
         self._version = version
         self.prefixes = PrefixCache(prefix_cache_mb, prefix_cache_stale)  # owned by the worker thread
@@ -306,24 +323,28 @@ class HFEngine(InProcessWeightReceiver):
             self._mask = F.pad(self._mask, (0, 1), value=1)
             positions = self._mask.sum(1, keepdim=True) - 1
             ids = torch.tensor([[r.tokens[-1]] for r in self._rows], device=self.device)
-            logits = self._forward(ids, self._mask, positions, self._cache)
+            logits, routes = self._forward(ids, self._mask, positions, self._cache)
+            for i, r in enumerate(self._rows):
+                r.route(len(r.prompt) + len(r.tokens) - 1, None if routes is None else routes[i])
             self._emit(self._rows, logits, version)
         reused = {r: self.prefixes.lookup(r.session_id, r.prompt + r.tokens) for r in new}
         for group in self._prefill_groups(new, {r: len(r.prompt) + len(r.tokens) - reused[r][1] for r in new}):
             cache = self._new_cache()
             ids, mask, positions = (t.to(self.device) for t in prefill_inputs(
                 [r.prompt + r.tokens for r in group], [reused[r] for r in group], self.pad_token_id, cache))
-            for r in group:
+            logits, routes = self._forward(ids, mask, positions, cache)
+            for i, r in enumerate(group):
                 entry, n = reused[r]
                 r.kv_version = min(entry.version, version) if n else version
-            logits = self._forward(ids, mask, positions, cache)
+                r.route(0, entry.routes[:n] if n and entry.routes is not None else None)
+                r.route(n, None if routes is None else routes[i, ids.shape[1] - len(r.prompt) - len(r.tokens) + n:])
             self._emit(group, logits, version)
             self._merge(group, cache, mask)
         if self.prefixes.budget:  # finished rows leave at the sweep: keep their keys/values for the next turn
             for i, r in enumerate(self._rows):
                 if r.finish is not None and r.session_id is not None:
                     layers = row_layers(self._cache, self._mask, i)
-                    self.prefixes.store(r.session_id, (r.prompt + r.tokens)[:-1], layers, r.kv_version)
+                    self.prefixes.store(r.session_id, (r.prompt + r.tokens)[:-1], layers, r.kv_version, r.routes)
         with self._cv:
             self._sweep()
 
@@ -339,10 +360,14 @@ class HFEngine(InProcessWeightReceiver):
         if group:
             yield group
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 cache: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Last-position logits [rows, vocab] and, for MoE, the routes [rows, len, layers, k] on the CPU."""
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1, **{self._cache_kw: cache})
-        return out.logits[:, -1].float()
+        r, self._routes = self._routes, []
+        routes = torch.stack(r, 1).view(*ids.shape, len(r), -1).to("cpu", self._route_dtype) if r else None
+        return out.logits[:, -1].float(), routes
 
     def _merge(self, group: list[_Request], cache: Any, mask: torch.Tensor) -> None:
         """Append a prefilled group's rows to the running batch, left-padding the shorter cache."""

@@ -117,6 +117,8 @@ class Run:
             engine_options = {"tensor_parallel_size": v.tensor_parallel_size, "max_model_len": cfg.data.max_len,
                               "gpu_memory_utilization": v.gpu_memory_utilization,
                               **{k: yaml.safe_load(x) for k, x in v.engine_args.items()}}
+            if cfg.train.routing_replay:  # vLLM >= 0.21: CompletionOutput.routed_experts (docs/moe.md)
+                engine_options["enable_return_routed_experts"] = True
             n_workers, gpus = v.num_engines, v.tensor_parallel_size
         worker_cls = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=10_000)(RolloutWorker)
         self.workers = [worker_cls.remote(self.model_path, str(Path(cfg.train.agent_path).resolve()),

@@ -92,6 +92,7 @@ def trainer_fields(cfg: Any, model_path: str, critic_path: str | None) -> tuple[
         share_prefix=cfg.train.share_prefix, attn_implementation=cfg.fsdp.attn_implementation,
         gradient_checkpoint=a.gradient_checkpoint, param_dtype=a.dtype, tp_size=cfg.fsdp.tp_size,
         offload=cfg.fsdp.offload, packing_samples=cfg.fsdp.packing_samples, seed=cfg.train.seed,
+        routing_replay=cfg.train.routing_replay, freeze_moe_router=a.freeze_moe_router, aux_loss_coef=a.aux_loss_coef,
     )
     critic = {**optimizer(cfg.critic, cfg.critic.max_epochs or cfg.train.max_epochs),
               "model_name_or_path": critic_path, "value_clip": cfg.critic.value_clip}

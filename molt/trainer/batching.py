@@ -33,6 +33,7 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from molt.types import Experience
@@ -110,6 +111,7 @@ class MicroBatch:
     prefix: SharedPrefix | None = None  # rows that share their first tokens (share_prefix=True)
     seq_ids: Tensor | None = None  # [1, T] int64 sequence index of each token (packed)
     packing: dict | None = None  # packed: position_ids and the attention's arguments (`_pack`)
+    routes: Tensor | None = None  # [R, L, layers, k] int64 experts the engine routed to (`Segment.routed_experts`)
 
     def decoder_inputs(self, mask_4d: bool = False) -> dict:
         """Keyword arguments of a Hugging Face decoder's forward for this micro-batch. `mask_4d` (see
@@ -135,12 +137,14 @@ def prebuilt_mask(config) -> bool:
     return config._attn_implementation == "sdpa" and not sliding
 
 
-def _pad(rows: list[list], value, dtype: torch.dtype, length: int) -> Tensor:
-    return torch.tensor([list(r) + [value] * (length - len(r)) for r in rows], dtype=dtype)
+def _pad(rows: list, value, dtype: torch.dtype, length: int) -> Tensor:
+    # rows: lists, or arrays of per-token vectors (routes); right-padded to [B, length, ...]
+    rows = [torch.as_tensor(r, dtype=dtype) for r in rows]
+    return torch.stack([F.pad(r, (0, 0) * (r.dim() - 1) + (0, length - len(r)), value=value) for r in rows])
 
 
-def _cat(rows: list[list], dtype: torch.dtype) -> Tensor:
-    return torch.tensor([[x for r in rows for x in r]], dtype=dtype)
+def _cat(rows: list, dtype: torch.dtype) -> Tensor:
+    return torch.cat([torch.as_tensor(r, dtype=dtype) for r in rows])[None]
 
 
 def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
@@ -166,6 +170,8 @@ def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
                  "advantages": ([e.advantages or [0.0] * n for e, n in zip(exps, lens)], 0.0, torch.float32),
                  "temperature": ([[e.temperature] * n for e, n in zip(exps, lens)], 1.0, torch.float32),
                  **{k: (v, 0.0, torch.float32) for k, v in (extra or {}).items()}}
+    if exps and all(e.routed_experts is not None for e in exps):
+        per_token["routes"] = ([e.routed_experts for e in exps], 0, torch.long)
     if pack:
         t, spans, packing = _pack(per_token, exps, share_prefix)
     else:
@@ -182,10 +188,11 @@ def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
     act_index = t["action_mask"].flatten().nonzero()[:, 0]  # host tensors: no device sync
     mb = MicroBatch(t["input_ids"], t.get("attention_mask"), t["action_mask"], t["behavior_logprobs"],
                     t["advantages"], act_index, t["temperature"].flatten()[act_index],
-                    0 if ghost else len(act_index), spans, extra={k: t[k] for k in extra or {}}, ghost=ghost)
+                    0 if ghost else len(act_index), spans, extra={k: t[k] for k in extra or {}}, ghost=ghost,
+                    routes=t.get("routes"))
     if pack:
         mb.seq_ids, mb.packing = t["seq_ids"], packing
-    elif share_prefix and not ghost:
+    elif share_prefix and not ghost and mb.routes is None:  # one decoder call: the routes' layout
         mb.prefix = shared_prefix([e.token_ids for e in exps], [e.action_mask for e in exps])
     return to_device(mb, device)
 
@@ -242,7 +249,7 @@ def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
         return (x.pin_memory() if device.type == "cuda" else x).to(device, non_blocking=True)
 
     for name in ("input_ids", "attention_mask", "action_mask", "behavior_logprobs", "advantages", "act_index",
-                 "act_temperature", "seq_ids"):
+                 "act_temperature", "seq_ids", "routes"):
         setattr(mb, name, move(getattr(mb, name)))
     mb.extra = {k: move(v) for k, v in (mb.extra or {}).items()}
     if mb.packing is not None:
