@@ -34,6 +34,14 @@ requests' KV caches hold old-weight keys/values, so the next step prefills them 
 with the new weights: later tokens are exactly what the new policy computes over the whole sequence. For the
 same reason a refit empties the prefix cache (unless `prefix_cache_stale`; then versions record the old prefix).
 
+Vision-language models (a config with a `vision_config`, loaded with `AutoModelForImageTextToText`; LLaVA-style
+families whose image features replace placeholder tokens at 1-D positions): a request's `images` (processor
+inputs, one entry per image along dim 0, in token order) join its prefill forward, the rows of a prefill group
+concatenated in row order, which is the order the model scatters image features into the placeholder tokens.
+Requests with images neither use nor fill the prefix cache: it matches tokens, and every image's placeholder
+tokens are the same ids, so a prefix computed with another image would match. A refit's re-prefill passes the
+images again. Families with multi-dimensional rope positions (Qwen2-VL's M-RoPE) are not supported here.
+
 Sampling defaults in the model's generation_config (repetition penalty, ...) are ignored; only its EOS ids are
 used. An explicit `max_tokens` beyond the context window is capped (finish reason LENGTH).
 """
@@ -55,7 +63,7 @@ from molt.engine.base import EngineError, check_request
 from molt.engine.prefix_cache import PrefixCache, left_pad, prefill_inputs, row_layers
 from molt.engine.sampling import sample
 from molt.engine.weight_group import InProcessWeightReceiver
-from molt.types import Completion, FinishReason, SamplingParams
+from molt.types import Completion, FinishReason, SamplingParams, join_inputs
 
 
 @dataclass(eq=False)
@@ -69,6 +77,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     on_tokens: Any = None  # called on `loop` with each new token id (streaming)
+    images: Any = None  # processor inputs of the prompt's images (vision-language models)
     session_id: str | None = None  # key of the prefix cache
     kv_version: int = 0  # policy version of the oldest keys/values in this request's cache (stale prefixes)
     tokens: list[int] = field(default_factory=list)
@@ -98,15 +107,17 @@ class HFEngine(InProcessWeightReceiver):
     def __init__(self, model_path: str, *, model_name: str | None = None, dtype: str = "float32",
                  device: str = "cpu", max_batch_size: int = 64, version: int = 0,
                  max_prefill_tokens: int = 8192, prefix_cache_mb: float = 1024, prefix_cache_stale: bool = False):
-        from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+        import transformers as tf
 
         if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
             raise EngineError(f"unknown dtype {dtype!r} (use e.g. 'float32', 'bfloat16')")
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
+        self.vision = hasattr(tf.AutoConfig.from_pretrained(model_path), "vision_config")
+        auto = tf.AutoModelForImageTextToText if self.vision else tf.AutoModelForCausalLM
+        self.model = auto.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
         self.model.eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        config = self.model.config
+        self.tokenizer = tf.AutoTokenizer.from_pretrained(model_path)
+        config = self.model.config.get_text_config()
         self.model_name = model_name or Path(model_path).name
         self.max_model_len = int(config.max_position_embeddings)
         self.vocab_size = int(config.vocab_size)
@@ -119,7 +130,7 @@ class HFEngine(InProcessWeightReceiver):
         self.max_prefill_tokens = max_prefill_tokens
         # transformers 5.x renamed `past_key_values` to `cache`; accept either
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        self._new_cache = lambda: DynamicCache(config=config)
+        self._new_cache = lambda: tf.DynamicCache(config=config)
         layer_types = {type(layer).__name__ for layer in self._new_cache().layers}
         if layer_types != {"DynamicLayer"}:  # sliding-window layers cannot be left-padded and merged
             raise EngineError(f"HFEngine supports full-attention caches only, got {sorted(layer_types)}")
@@ -151,9 +162,11 @@ class HFEngine(InProcessWeightReceiver):
         return len(self._active)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
+                       request_id: str | None = None, *, on_tokens: Any = None, images: Any = None) -> Completion:
         req = self._make_request(list(prompt_ids), params, request_id)
-        req.on_tokens, req.session_id = on_tokens, session_id
+        if images and not self.vision:
+            raise EngineError(f"{self.model_name} takes no images")
+        req.on_tokens, req.session_id, req.images = on_tokens, session_id, images
         with self._cv:
             if self._closed:
                 raise EngineError("the engine is closed")
@@ -308,7 +321,7 @@ class HFEngine(InProcessWeightReceiver):
             ids = torch.tensor([[r.tokens[-1]] for r in self._rows], device=self.device)
             logits = self._forward(ids, self._mask, positions, self._cache)
             self._emit(self._rows, logits, version)
-        reused = {r: self.prefixes.lookup(r.session_id, r.prompt + r.tokens) for r in new}
+        reused = {r: self.prefixes.lookup(None if r.images else r.session_id, r.prompt + r.tokens) for r in new}
         for group in self._prefill_groups(new, {r: len(r.prompt) + len(r.tokens) - reused[r][1] for r in new}):
             cache = self._new_cache()
             ids, mask, positions = (t.to(self.device) for t in prefill_inputs(
@@ -316,12 +329,14 @@ class HFEngine(InProcessWeightReceiver):
             for r in group:
                 entry, n = reused[r]
                 r.kv_version = min(entry.version, version) if n else version
-            logits = self._forward(ids, mask, positions, cache)
+            images = join_inputs(*(r.images for r in group))
+            logits = self._forward(ids, mask, positions, cache, **{k: v.to(self.device, self.model.dtype)
+                                   if v.is_floating_point() else v.to(self.device) for k, v in (images or {}).items()})
             self._emit(group, logits, version)
             self._merge(group, cache, mask)
         if self.prefixes.budget:  # finished rows leave at the sweep: keep their keys/values for the next turn
             for i, r in enumerate(self._rows):
-                if r.finish is not None and r.session_id is not None:
+                if r.finish is not None and r.session_id is not None and not r.images:
                     layers = row_layers(self._cache, self._mask, i)
                     self.prefixes.store(r.session_id, (r.prompt + r.tokens)[:-1], layers, r.kv_version)
         with self._cv:
@@ -339,9 +354,10 @@ class HFEngine(InProcessWeightReceiver):
         if group:
             yield group
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
+                 **images: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **{self._cache_kw: cache})
+                         logits_to_keep=1, **{self._cache_kw: cache}, **images)
         return out.logits[:, -1].float()
 
     def _merge(self, group: list[_Request], cache: Any, mask: torch.Tensor) -> None:
