@@ -94,12 +94,9 @@ TABLE: dict[str, str | Rule] = {
                                  "prompt trained once); there is no rollout state to warm",
     "ckpt.max_mem": "checkpoints are rotated by count (ckpt.max_num)",
     "actor.aux_loss_coef": "Molt adds no MoE load-balancing loss",
-    "actor.freeze_visual_encoder": "text models only so far: vision inputs come with their own issue",
     "actor.freeze_moe_router": "MoE router freezing comes with the routing-replay issue",
     "critic.freeze_moe_router": "MoE router freezing comes with the routing-replay issue",
     "data.apply_chat_template": "Molt always renders prompts with the model's chat template (Env and ChatAgent)",
-    "data.image_key": "text prompts only so far: images come with their own issue",
-    "data.max_images_per_prompt": "text prompts only so far: images come with their own issue",
     "data.disable_fast_tokenizer": "capture needs the fast (Rust) tokenizer it is tested token-exact with",
     "data.dataloader_num_workers": "prompts are read once into memory; there is no data loader",
     "vllm.sync_backend": "the refit transport is train.weight_sync (auto: an NCCL group with vLLM engines, the "

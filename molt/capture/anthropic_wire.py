@@ -94,15 +94,13 @@ def _content(blocks: str | list[Any] | None, session: Session) -> str | list[dic
     """Text and image blocks as canonical content (`molt.capture.render.content_parts`)."""
     if not isinstance(blocks, list):
         return blocks or ""
+    return content_parts([{"type": "text", "text": b.text} if isinstance(b, TextBlock) else
+                          {"type": "image_url", "image_url": {"url": _url(b.source)}}
+                          for b in blocks if isinstance(b, (TextBlock, ImageBlock))], session.renderer.image)
 
-    def part(b: Any) -> dict[str, Any]:
-        if isinstance(b, TextBlock):
-            return {"type": "text", "text": b.text}
-        src = b.source
-        url = src.get("url") if src.get("type") == "url" else f"data:{src.get('media_type')};base64,{src.get('data')}"
-        return {"type": "image_url", "image_url": {"url": str(url)}}
 
-    return content_parts([part(b) for b in blocks if isinstance(b, (TextBlock, ImageBlock))], session.renderer.image)
+def _url(src: dict[str, Any]) -> str:
+    return str(src.get("url") if src.get("type") == "url" else f"data:{src.get('media_type')};base64,{src.get('data')}")
 
 
 def _messages(req: MessagesRequest, session: Session) -> list[dict[str, Any]]:

@@ -9,16 +9,10 @@ what the segment tracker compares, so equal conversations compare equal.
 Template errors (e.g. a template that raises on roles that do not alternate) are the client's mistake: they
 surface as `RenderError` (a ValueError), which the server answers with 400.
 
-Images (vision-language models, whose processor `from_pretrained` loads when the config has a `vision_config`):
-content with an image becomes a list of {"type": "text", "text"} and {"type": "image", "image": ImageRef} parts,
-which the template renders as the processor's placeholder; text-only content stays a string. An `ImageRef`
-equals the sha256 of the image's bytes, so a resent image compares equal to the recorded one and a segment
-continues. Accepted: base64 data URLs; http(s) URLs only with `allow_remote_images` (the server fetches nothing
-on a client's word by default; the fetch then blocks the event loop); undecodable or truncated data, or more
-than `max_image_pixels` pixels, is a ValueError (400). `encode_images` runs the processor on a rendered chunk
-and its images, expanding each placeholder into the model's image tokens: its outputs besides the ids (pixel
-values, ...) hold one entry per image along dim 0, so the chunks of a segment concatenate (LLaVA, Qwen2-VL;
-processors that batch per text, like Idefics3's, are not supported). The last decoded images are cached (32).
+Images (vision-language models; docs/vision.md): content with an image is a list of {"type": "text", "text"} and
+{"type": "image", "image": ImageRef} parts (text-only content stays a string). An `ImageRef` equals the sha256
+of the image's bytes, so a resent image compares equal. Base64 data URLs only (http(s) with
+`allow_remote_images`, fetched blocking); bad data or more than `max_image_pixels` is a ValueError (400).
 """
 from __future__ import annotations
 
@@ -107,7 +101,9 @@ class ChatRenderer:
             raise ValueError(f"image_url: the base64 data is malformed ({e})") from None
 
     def encode_images(self, text: str, images: list[ImageRef]) -> tuple[list[int], dict[str, Any] | None]:
-        """(token ids, processor inputs) of a rendered chunk whose placeholders stand for `images`, in order."""
+        """(token ids, processor inputs) of a rendered chunk whose placeholders stand for `images`, in order: the
+        processor expands each placeholder into the image's tokens; its inputs have one entry per image along
+        dim 0, so a segment's chunks concatenate (LLaVA, Qwen2-VL; not Idefics3's per-text batches)."""
         if not images:
             return self.encode(text), None
         try:
@@ -145,23 +141,18 @@ class ChatRenderer:
         return text
 
 
-def content_parts(parts: list[dict[str, Any]], image: Callable[[str], ImageRef]) -> str | list[dict[str, Any]]:
+def content_parts(parts: list[dict[str, Any]], image: Any) -> str | list[dict[str, Any]]:
     """OpenAI content parts -> canonical content: their text, or with images the list of the module docstring."""
     if all(p.get("type") not in ("image_url", "image") for p in parts):
         return "".join(p.get("text") or "" for p in parts)
     out = []
     for p in parts:
         if p.get("type") == "image_url":
-            url = p["image_url"]
-            p = {"type": "image", "image": image(url["url"] if isinstance(url, dict) else url)}
+            p = {"type": "image", "image": image(p["image_url"]["url"])}
         elif p.get("type") != "image":
             p = {"type": "text", "text": p.get("text") or ""}
         out.append(p)
     return out
-
-
-def _no_image(url: str) -> ImageRef:
-    raise ValueError("images need a renderer with an image processor")
 
 
 def message_images(messages: list[dict[str, Any]]) -> list[ImageRef]:
@@ -169,7 +160,7 @@ def message_images(messages: list[dict[str, Any]]) -> list[ImageRef]:
     return [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
 
 
-def canonical_messages(messages: list[dict[str, Any]], image: Callable[[str], ImageRef] = _no_image
+def canonical_messages(messages: list[dict[str, Any]], image: Callable[[str], ImageRef] | None = None
                        ) -> list[dict[str, Any]]:
     """OpenAI-format chat messages (plain dicts) -> canonical messages; `image` loads an image_url (a
     `ChatRenderer.image`). Idempotent."""

@@ -19,11 +19,9 @@ used last: `start` (first request), `tools_changed`, `sampling_changed` (tempera
 extends the messages but the rendering of the earlier part changed), `branch` (M re-asks from an earlier
 point of the same history, or one of the n>1 choices), `compaction` (the history was rewritten).
 
-Images (vision-language models): the context appended is encoded with its new messages' images
-(`ChatRenderer.encode_images`) and their processor inputs are appended to the segment's `images`, so a segment
-holds each of its images once, in token order; the history's images are recognised by their digest
-(`molt.capture.render.ImageRef`), never processed again. A compaction that drops old images starts a new
-segment like any other rewrite.
+Images: the appended context is encoded with its new messages' images, whose processor inputs join the
+segment's `images` (each image once, in token order; the history's are recognised by digest, not processed
+again). A compaction that drops old images starts a new segment like any other rewrite.
 
 Decisions:
 - Every branch stays open for the session's life, so an agent that interleaves two conversations in one

@@ -34,13 +34,10 @@ requests' KV caches hold old-weight keys/values, so the next step prefills them 
 with the new weights: later tokens are exactly what the new policy computes over the whole sequence. For the
 same reason a refit empties the prefix cache (unless `prefix_cache_stale`; then versions record the old prefix).
 
-Vision-language models (a config with a `vision_config`, loaded with `AutoModelForImageTextToText`; LLaVA-style
-families whose image features replace placeholder tokens at 1-D positions): a request's `images` (processor
-inputs, one entry per image along dim 0, in token order) join its prefill forward, the rows of a prefill group
-concatenated in row order, which is the order the model scatters image features into the placeholder tokens.
-Requests with images neither use nor fill the prefix cache: it matches tokens, and every image's placeholder
-tokens are the same ids, so a prefix computed with another image would match. A refit's re-prefill passes the
-images again. Families with multi-dimensional rope positions (Qwen2-VL's M-RoPE) are not supported here.
+Vision-language models (`AutoModelForImageTextToText`, LLaVA-style: image features replace placeholder tokens at
+1-D positions; not Qwen2-VL's M-RoPE): a request's `images` join its prefill (re-prefill too), a group's in row
+order, the order the model fills placeholders in. Such requests neither use nor fill the prefix cache: every
+image's placeholders are the same token ids, so a prefix computed with another image would match.
 
 Sampling defaults in the model's generation_config (repetition penalty, ...) are ignored; only its EOS ids are
 used. An explicit `max_tokens` beyond the context window is capped (finish reason LENGTH).

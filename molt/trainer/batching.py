@@ -26,10 +26,9 @@ Decisions:
   and the rest of every row against its cached keys and values (`molt.trainer.logprobs`). Exact (same
   log-probs and gradients up to float rounding); with 8 samples per prompt and a prompt about as long as the
   reply it removes close to half of the decoder's tokens.
-- Images (vision-language models): the experiences' processor inputs are concatenated in row order into
-  `MicroBatch.images`, the order the model scatters image features into the placeholder tokens. Rows with
-  images share no prefix (the placeholders of different images are the same tokens), and packing them is not
-  supported yet (the packed attention arguments would reach the vision tower too): a ValueError.
+- Images: the experiences' processor inputs join `MicroBatch.images` in row order (the order the model fills
+  placeholder tokens in); such rows share no prefix (all images' placeholders are the same tokens) and are not
+  packed yet (the packed attention arguments would reach the vision tower): a ValueError.
 """
 from __future__ import annotations
 
