@@ -130,3 +130,14 @@ async def test_a_text_model_refuses_images(tokenizer):
         api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
         with pytest.raises(BadRequestError, match="takes no images"):
             await api.chat.completions.create(model="m", messages=[user("What is this?", RED)])
+
+
+def test_an_image_is_its_content_digest(vlm_renderer):
+    """A resent image is the same image whatever object or data URL carries it (the decode cache aside)."""
+    from molt.capture.render import _decode
+
+    first = vlm_renderer.image(data_url(RED))
+    _decode.cache_clear()
+    again = vlm_renderer.image(data_url(RED).replace("image/png", "image/x-png"))
+    assert first == again and first is not again and first.image.tobytes() == again.image.tobytes()
+    assert first != vlm_renderer.image(data_url(BLUE))
