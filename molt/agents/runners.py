@@ -91,8 +91,8 @@ def row_messages(row: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str]:
         raise ValueError(f"a dataset row needs 'messages' (a list of chat messages) or 'prompt' (a string); "
                          f"got keys {sorted(row)}")
     first = next((m for m in messages if m.get("role") == "user"), None)
-    if first is not None:
-        first["content"] = with_images(first.get("content") or "", row.get("images"))
+    if first is not None and row.get("images"):
+        first["content"] = with_images(first.get("content") or "", row["images"])
     prompt = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "")
     if isinstance(prompt, list):  # OpenAI content parts
         prompt = "".join(p.get("text", "") for p in prompt if isinstance(p, dict))
