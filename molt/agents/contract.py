@@ -58,7 +58,8 @@ class Env:
     """A Gym-style environment; the framework generates. A fresh instance per episode, no constructor args."""
 
     async def reset(self, state: dict[str, Any]) -> dict[str, Any] | None:
-        """Gets {"observation": prompt, "label": label, "images": the row's or None}; may return a state whose "observation" is the first input."""
+        """Gets {"observation": prompt, "label": label, "images": the row's or None}; may return a state whose
+        "observation" is the first input."""
         return None
 
     async def step(self, state: dict[str, Any]) -> Result:

@@ -124,7 +124,8 @@ class Session:
     # ---------------------------------------------------------------------- molt.agents.CaptureSession
     async def chat(self, messages: list[dict[str, Any]], params: SamplingParams,
                    tools: list[dict[str, Any]] | None = None) -> Turn:
-        request = ChatRequest(canonical_messages(messages, self.renderer.image), canonical_tools(tools), params, parse_tools=bool(tools))
+        request = ChatRequest(canonical_messages(messages, self.renderer.image), canonical_tools(tools), params,
+                              parse_tools=bool(tools))
         gen = await self.complete(request)
         choice = gen.choices[0]
         return Turn(choice.message, gen.prompt_ids, choice.action_ids, choice.finish_reason)

@@ -129,7 +129,8 @@ async def live_capture_server(engine: Any, tokenizer: Any, **kwargs: Any) -> Asy
     from molt.capture.render import ChatRenderer
     from molt.capture.server import CaptureServer
 
-    server = CaptureServer(engine, tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer), **kwargs)
+    renderer = tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)
+    server = CaptureServer(engine, renderer, **kwargs)
     await server.start()
     try:
         yield server
