@@ -259,7 +259,9 @@ def _train_and_report(cfg) -> dict:
          arg("--strict-model", action="store_true",
              help="answer a request naming another model than the served one with 400 (default: serve any name)"),
          arg("--prefix-cache-mb", type=int, default=None,
-             help="session prefix cache of the engine in MB, 0: off (default: the engine's, 1024)"))
+             help="session prefix cache of the engine in MB, 0: off (default: the engine's, 1024)"),
+         arg("--allow-remote-images", action="store_true",
+             help="fetch the http(s) image URLs clients send (default: refuse them with 400)"))
 def serve(args: argparse.Namespace) -> int:
     from molt.capture.serve import serve_main
 

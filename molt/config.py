@@ -53,6 +53,8 @@ class ActorConfig:
     """Entropy bonus coefficient."""
     gradient_checkpoint: bool = False
     """Activation checkpointing of decoder blocks."""
+    freeze_visual_encoder: bool = False
+    """Keep a vision-language model's vision tower fixed (its projector and decoder still learn)."""
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     """Learning-rate schedule."""
     lr_warmup_steps: int = 0
@@ -251,6 +253,10 @@ class DataConfig:
     """Row key of the label given to the agent."""
     tools_key: str = "tools"
     """Row key of OpenAI tool schemas (optional)."""
+    image_key: str = "images"
+    """Row key of the prompt's images (paths, file:// or data URLs, bytes), for vision-language models."""
+    max_images_per_prompt: int = 0
+    """A row with more images is an error (0: no limit)."""
     max_len: int | None = None
     """Max tokens of a rollout's context (vLLM's max_model_len; None: the model's own context length)."""
 

@@ -101,7 +101,7 @@ class Segment:
     break_reason: str = "start"  # why this segment began: start, compaction, template_rewrite, tools_changed, ...
     temperature: float = 1.0  # temperature of its action tokens; capture seals the segment when it changes
     routed_experts: Any = None  # MoE: numpy [len(token_ids), layers, k] expert ids (0 on the last token: never run)
-    images: Any = None  # optional multimodal inputs
+    images: Any = None  # processor inputs of its images in order ({"pixel_values": [n_images, ...], ...}) or None
 
     @property
     def num_actions(self) -> int:
@@ -135,6 +135,16 @@ class Trajectory:
     @property
     def effective_score(self) -> float:
         return self.reward if self.score is None else self.score
+
+
+def join_inputs(*parts: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Processor inputs of several chunks of images as one (tensors with one entry per image along dim 0)."""
+    parts = [p for p in parts if p]
+    if len(parts) < 2:
+        return parts[0] if parts else None
+    import torch
+
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
 # Heavy per-token fields of an Experience; they travel through the object store, never through queues.

@@ -124,7 +124,8 @@ class Session:
     # ---------------------------------------------------------------------- molt.agents.CaptureSession
     async def chat(self, messages: list[dict[str, Any]], params: SamplingParams,
                    tools: list[dict[str, Any]] | None = None) -> Turn:
-        request = ChatRequest(canonical_messages(messages), canonical_tools(tools), params, parse_tools=bool(tools))
+        request = ChatRequest(canonical_messages(messages, self.renderer.image), canonical_tools(tools), params,
+                              parse_tools=bool(tools))
         gen = await self.complete(request)
         choice = gen.choices[0]
         return Turn(choice.message, gen.prompt_ids, choice.action_ids, choice.finish_reason)
@@ -185,7 +186,7 @@ class Session:
         params = [request.params if request.params.seed is None else request.params.copy(seed=request.params.seed + i)
                   for i in range(request.n)]
         self._inflight.update(ids)
-        stream: dict[str, Any] = {}
+        stream: dict[str, Any] = {"images": plan.images} if plan.images else {}
         if listener is not None:
             listener.started(plan.prompt_ids)
             stream["on_tokens"] = listener.tokens

@@ -91,7 +91,8 @@ class Run:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model_path = str(resolve_model(cfg.actor.model_name_or_path))
         d = cfg.data
-        keys = {"input_key": d.input_key, "label_key": d.label_key, "tools_key": d.tools_key, "seed": cfg.train.seed}
+        keys = {"input_key": d.input_key, "label_key": d.label_key, "tools_key": d.tools_key, "seed": cfg.train.seed,
+                "image_key": d.image_key, "max_images": d.max_images_per_prompt}
         self.rows = load_prompts(d.prompt_dataset, split=d.prompt_split, probs=d.prompt_probs,
                                  max_samples=d.max_samples, **keys)
         self.eval_rows = load_prompts(cfg.eval.dataset, split=cfg.eval.split, what="eval.dataset",

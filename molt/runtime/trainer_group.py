@@ -90,7 +90,8 @@ def trainer_fields(cfg: Any, model_path: str, critic_path: str | None) -> tuple[
         ref_model_name_or_path=cfg.ref.model_name_or_path or "",
         micro_batch_size=cfg.train.micro_batch_size or None, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu,
         share_prefix=cfg.train.share_prefix, attn_implementation=cfg.fsdp.attn_implementation,
-        gradient_checkpoint=a.gradient_checkpoint, param_dtype=a.dtype, tp_size=cfg.fsdp.tp_size,
+        gradient_checkpoint=a.gradient_checkpoint, freeze_visual_encoder=a.freeze_visual_encoder,
+        param_dtype=a.dtype, tp_size=cfg.fsdp.tp_size,
         offload=cfg.fsdp.offload, packing_samples=cfg.fsdp.packing_samples, seed=cfg.train.seed,
         routing_replay=cfg.train.routing_replay, freeze_moe_router=a.freeze_moe_router, aux_loss_coef=a.aux_loss_coef,
     )

@@ -46,13 +46,12 @@ class RefitGate:
         return can_stream(self.engine)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
+                       request_id: str | None = None, **kw: Any) -> Completion:  # on_tokens, images
         await self._open.wait()
         self._inflight += 1
         self._idle.clear()
         try:
-            stream = {"on_tokens": on_tokens} if on_tokens is not None else {}
-            return await self.engine.generate(prompt_ids, params, session_id, request_id, **stream)
+            return await self.engine.generate(prompt_ids, params, session_id, request_id, **kw)
         finally:
             self._inflight -= 1
             if self._inflight == 0:

@@ -26,6 +26,9 @@ Decisions:
   and the rest of every row against its cached keys and values (`molt.trainer.logprobs`). Exact (same
   log-probs and gradients up to float rounding); with 8 samples per prompt and a prompt about as long as the
   reply it removes close to half of the decoder's tokens.
+- Images: the experiences' processor inputs join `MicroBatch.images` in row order (the order the model fills
+  placeholder tokens in); such rows share no prefix (all images' placeholders are the same tokens) and are not
+  packed yet (the packed attention arguments would reach the vision tower): a ValueError.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from molt.types import Experience
+from molt.types import Experience, join_inputs
 
 
 def plan_micro_batches(lengths: list[int], micro_batch_size: int | None = None,
@@ -112,6 +115,7 @@ class MicroBatch:
     seq_ids: Tensor | None = None  # [1, T] int64 sequence index of each token (packed)
     packing: dict | None = None  # packed: position_ids and the attention's arguments (`_pack`)
     routes: Tensor | None = None  # [R, L, layers, k] int64 experts the engine routed to (`Segment.routed_experts`)
+    images: dict | None = None  # processor inputs of the rows' images in row order (module docstring)
 
     def decoder_inputs(self, mask_4d: bool = False) -> dict:
         """Keyword arguments of a Hugging Face decoder's forward for this micro-batch. `mask_4d` (see
@@ -160,6 +164,9 @@ def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
             raise ValueError(f"experience {e.rollout_id}/{e.segment_index} has no advantages")
         if e.action_mask and e.action_mask[0]:
             raise ValueError("action_mask[0] must be 0: the first token of a sequence has no prediction")
+    images = join_inputs(*(e.images for e in exps))
+    if images and pack:
+        raise ValueError("packing_samples: experiences with images cannot be packed yet; set --fsdp.packing_samples false")
     lens = [len(e.token_ids) for e in exps]
     for k, v in (extra or {}).items():  # a short list would shift every later sequence of a packed row
         if [len(row) for row in v] != lens:
@@ -189,10 +196,10 @@ def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
     mb = MicroBatch(t["input_ids"], t.get("attention_mask"), t["action_mask"], t["behavior_logprobs"],
                     t["advantages"], act_index, t["temperature"].flatten()[act_index],
                     0 if ghost else len(act_index), spans, extra={k: t[k] for k in extra or {}}, ghost=ghost,
-                    routes=t.get("routes"))
+                    routes=t.get("routes"), images=images)
     if pack:
         mb.seq_ids, mb.packing = t["seq_ids"], packing
-    elif share_prefix and not ghost and mb.routes is None:  # one decoder call: the routes' layout
+    elif share_prefix and not ghost and mb.routes is None and not images:  # one decoder call: the routes' layout
         mb.prefix = shared_prefix([e.token_ids for e in exps], [e.action_mask for e in exps])
     return to_device(mb, device)
 
@@ -252,6 +259,7 @@ def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
                  "act_temperature", "seq_ids", "routes"):
         setattr(mb, name, move(getattr(mb, name)))
     mb.extra = {k: move(v) for k, v in (mb.extra or {}).items()}
+    mb.images = mb.images and {k: move(v) for k, v in mb.images.items()}
     if mb.packing is not None:
         mb.packing = {k: move(v) for k, v in mb.packing.items()}
     if mb.prefix is not None:

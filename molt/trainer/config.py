@@ -62,6 +62,7 @@ class ActorConfig:
     packing_samples: bool = False  # --fsdp.packing_samples: pack sequences into rows (no padding)
     # model and parallelism (--actor.*, --fsdp.*)
     gradient_checkpoint: bool = False  # --actor.gradient_checkpoint: recompute decoder blocks in backward
+    freeze_visual_encoder: bool = False  # --actor.freeze_visual_encoder: no updates to a VLM's vision tower
     param_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (compute dtype of parameters)
     attn_implementation: str = "sdpa"
     tp_size: int = 1  # --fsdp.tp_size: tensor-parallel degree (DTensor), the rest of the world is FSDP

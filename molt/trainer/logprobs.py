@@ -206,7 +206,9 @@ class CausalLMLogProbs(nn.Module):
         decoder = self.lm.get_decoder()
         if self.routing is not None:
             self.routing.set(mb)
-        if mb.prefix is None:
+        if mb.images:  # a vision-language model's base model merges the image features into the embeddings
+            hidden = self.lm.base_model(**mb.decoder_inputs(self._mask_4d), **mb.images).last_hidden_state
+        elif mb.prefix is None:
             hidden = decoder(**mb.decoder_inputs(self._mask_4d), use_cache=False).last_hidden_state
         else:
             hidden = self._hidden_with_shared_prefix(decoder, mb.input_ids, mb.attention_mask, mb.prefix)
