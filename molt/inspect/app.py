@@ -1,20 +1,18 @@
 """`molt inspect RUN_DIR`: a local web page over a run directory, live while the run writes it.
 
-The app reads files under the run directory only (`metrics.jsonl`, `ledger.jsonl`, `dumps/step_N.jsonl` of
-`molt.runtime.dump`, and files a link names, such as `config.yaml`) and imports nothing of the runtime. The page
-is one static file (`static/index.html`, vanilla JS, no build step) over these JSON routes:
-    GET /api/run                      {"name", "steps": [one merged metrics line per step], "dumped": [N, ...]}
-    GET /api/steps/{N}                {"step", "groups": [{"group_id", "prompt", "rollouts": [summary, ...]}]}
-    GET /api/steps/{N}/rollouts/{ID}  {"step", "rollout_id", "group_id", "prompt", "reward", "advantage",
-                                       "segments": [dump lines in order]}
-    GET /api/prompts/{P}              [{"step", "group_id", "rollout_id", "reward"}]: every dumped rollout of prompt P
-    GET /api/search?q=TEXT            [{"step", "group_id", "rollout_id", "segment", "snippet"}], newest steps first
-    GET /api/file?path=REL            a file of the run directory
-Decisions: a prompt is the ledger's prompt index (the same dataset row in every epoch), so rollouts of one
-prompt can be compared across steps; files are re-read when their size or modification time changes, and an
-unfinished last line (the run is writing it) is skipped; older dumps (without `pieces`, trainer log-probs or
-gate weights) open, the page says what is missing. An unknown step or rollout is 404, a path that leaves the
-run directory (`..`, absolute, a link out) 403. There is no authentication: it binds to loopback by default.
+Reads files under the run directory only (`metrics.jsonl`, `ledger.jsonl`, `dumps/step_N.jsonl` of
+`molt.runtime.dump`, files a link names such as `config.yaml`); imports nothing of the runtime. The page is one
+static file (`static/index.html`, vanilla JS, no build step) over these JSON routes:
+    /api/run                      {"name", "steps": [one merged metrics line per step], "dumped": [N, ...]}
+    /api/steps/{N}                {"step", "groups": [{"group_id", "prompt", "rollouts": [summary, ...]}]}
+    /api/steps/{N}/rollouts/{ID}  the rollout's light fields and "segments": [its dump lines in order]
+    /api/prompts/{P}              [{"step", "group_id", "rollout_id", "reward"}] of every dumped rollout of prompt P
+    /api/search?q=TEXT            [{"step", "group_id", "rollout_id", "segment", "snippet"}], newest steps first
+    /api/file?path=REL            a file of the run directory
+Decisions: a prompt is the ledger's prompt index (one dataset row in every epoch); a file is re-read when its
+size or mtime changes, an unfinished last line (being written) skipped; older dumps open without the fields
+they lack. Unknown step or rollout: 404; a path out of the run directory (`..`, absolute, a link): 403. No
+authentication: loopback by default.
 """
 from __future__ import annotations
 
@@ -24,9 +22,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import FileResponse
-
-STATIC = Path(__file__).parent / "static"
-
+from fastapi.staticfiles import StaticFiles
 
 @lru_cache(maxsize=64)
 def _parse(path: str, mtime_ns: int, size: int) -> list[dict]:
@@ -64,10 +60,6 @@ def create_app(run_dir: str | Path) -> FastAPI:
 
     def prompts() -> dict[str, int]:
         return {r["group_id"]: r["key"][1] for r in _jsonl(root / "ledger.jsonl")}
-
-    @app.get("/", include_in_schema=False)
-    def index() -> FileResponse:
-        return FileResponse(STATIC / "index.html")
 
     @app.get("/api/run")
     def run() -> dict:
@@ -132,6 +124,7 @@ def create_app(run_dir: str | Path) -> FastAPI:
             raise HTTPException(404, f"no file {path!r} in the run directory")
         return FileResponse(target)
 
+    app.mount("/", StaticFiles(directory=Path(__file__).parent / "static", html=True))  # the page at /
     return app
 
 

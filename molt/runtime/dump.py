@@ -1,13 +1,9 @@
-"""Human-readable trajectory dumps (`--train.dump_trajectories_steps`): one JSON line per segment, the input of
-`molt inspect`.
-
-Only on dump steps does the controller fetch payloads (a copy through `ray.get`, the records stay offloaded).
-Fields added for the inspector (older dumps lack them; readers treat them as optional):
-- `pieces`: each token's text, decoded incrementally (`_pieces`), so that they join to `text`;
-- `trainer_logprobs`: the trainer's log-probs of the step's tokens under the policy before the step's update
-  (the proximal policy the importance gate compares with), from one extra no-grad pass on dump steps only;
-- `is_weights`: the importance weight of each token (`molt.algo.importance_weights` with the run's
-  `algo.advantage.is_correction_*`, one segment per sequence as in training): 0 where the gate rejected it.
+"""Human-readable trajectory dumps (`--train.dump_trajectories_steps`): one JSON line per segment, which
+`molt inspect` reads. Only on dump steps does the controller fetch payloads (a copy through `ray.get`).
+Fields for the inspector (older dumps lack them): `pieces`, each token's text (`_pieces`; they join to `text`);
+`trainer_logprobs` under the policy before the step's update (the proximal policy the importance gate compares
+with; one extra no-grad pass, on dump steps only); `is_weights`, each token's importance weight with the run's
+`algo.advantage.is_correction_*`, one segment per sequence as in training (0: rejected by the gate).
 """
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ def test_rollout_carries_pieces_trainer_logprobs_and_the_gate(client, run_dir):
             r = client.get(f"/api/steps/{step}/rollouts/{row['rollout_id']}").json()
             seg = r["segments"][row["segment"]]
             assert seg["segment"] == row["segment"] and "".join(seg["pieces"]) == seg["text"]
-            assert "<|im_start|>tool\n{\"result\": 42}" in seg["text"]  # the tool turn, as the template renders it
+            assert "<|im_start|>tool\nAgain, with more e.<|im_end|>" in seg["text"]  # the tool turn, as the template renders it
             lo, hi = GATE
             for m, b, t, w in zip(seg["action_mask"], seg["behavior_logprobs"], seg["trainer_logprobs"], seg["is_weights"]):
                 ratio = math.exp(t - b)  # the gate by hand: token level, mask mode
@@ -91,9 +91,9 @@ def test_same_prompt_across_steps_and_search(client, run_dir):
     same = {r["group_id"] for r in ledger if r["key"][1] == ledger[0]["key"][1]}
     assert {r["group_id"] for r in rows} == same and len({r["step"] for r in rows}) >= 2
     assert all(len([x for x in rows if x["group_id"] == g]) == 4 for g in same)
-    hits = client.get("/api/search", params={"q": "RESULT\": 42"}).json()
+    hits = client.get("/api/search", params={"q": "WITH MORE e.<|im_end|>\n<|im_start|>assistant"}).json()
     assert len(hits) == sum(len(_dump(run_dir, s)) for s in (1, 2, 3)) and hits[0]["step"] == 3
-    assert all("result\": 42" in h["snippet"] for h in hits)
+    assert all("with more e.<|im_end|>" in h["snippet"] for h in hits)
     assert client.get("/api/search", params={"q": "no such text anywhere"}).json() == []
 
 

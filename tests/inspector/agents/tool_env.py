@@ -1,24 +1,16 @@
-"""Test Env for the inspector: two turns, the second answering a calculator tool result (a `tool` turn of the
-chat template), with a pause so that refits land mid-rollout; reward = share of 'e' letters."""
-import asyncio
+"""Test Env for the inspector: the two-turn `LettersEnv` of tests/runtime, its observation sent as a tool
+result (a `tool` turn of the chat template)."""
+import importlib.util
+from pathlib import Path
 
-from molt.agents import Env, Result, StepEnvRunner
+from molt.agents import StepEnvRunner
 
-
-class CalculatorEnv(Env):
-    def __init__(self):
-        self.turn = 0
-
-    async def step(self, state):
-        self.turn += 1
-        text = state["action_text"]
-        reward = text.count("e") / max(1, len(text))
-        if self.turn == 1:
-            await asyncio.sleep(0.2)
-            return Result(reward=reward, observation='{"result": 42}', terminated=False)
-        return Result(reward=reward, terminated=True)
+_spec = importlib.util.spec_from_file_location(
+    "letters_env", Path(__file__).parents[2] / "runtime" / "agents" / "letters_env.py")
+letters = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(letters)
 
 
 class AgentRunner(StepEnvRunner):
     def __init__(self):
-        super().__init__(CalculatorEnv, observation_role="tool")
+        super().__init__(letters.LettersEnv, observation_role="tool")
