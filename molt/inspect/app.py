@@ -24,6 +24,7 @@ from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+
 @lru_cache(maxsize=64)
 def _parse(path: str, mtime_ns: int, size: int) -> list[dict]:
     rows = []
