@@ -283,6 +283,16 @@ def plot(args: argparse.Namespace) -> None:
     print(plot_run(args.run_dir))
 
 
+@command("inspect", "browse a run directory's steps, groups and rollouts in a local web page, live while it trains",
+         arg("run_dir", help="a run directory (ckpt.output_dir)"),
+         arg("--host", default="127.0.0.1", help="address to bind (default: loopback only)"),
+         arg("--port", type=int, default=8765, help="port to listen on (default: 8765)"))
+def inspect_run(args: argparse.Namespace) -> None:
+    from molt.inspect.app import serve
+
+    serve(args.run_dir, args.host, args.port)
+
+
 @command("smoke", "engine smoke test: answer arithmetic questions concurrently with the embedded engine",
          _MODEL_ARG, arg("--max-tokens", type=_positive_int, default=48, help="max new tokens per answer"))
 def smoke(args: argparse.Namespace) -> None:

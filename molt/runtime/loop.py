@@ -252,6 +252,13 @@ class Run:
         windows = [assign_to_ranks([e for g in groups[i:i + size] for o in g.outcomes for e in o.experiences],
                                    cfg.train.num_ranks) for i in range(0, len(groups), size)]
         n = cfg.train.num_ranks
+        self._trainer_logprobs = None
+        if cfg.train.dump_trajectories_steps and (self.step + 1) % cfg.train.dump_trajectories_steps == 0:
+            # the dump's trainer log-probs, under the policy before the update: one extra pass on dump steps
+            shares = [[e for w in windows for e in w[r]] for r in range(n)]
+            lps = await self.trainer.call("logprobs", shares)
+            self._trainer_logprobs = {(e.rollout_id, e.segment_index): lp
+                                      for share, rows in zip(shares, lps) for e, lp in zip(share, rows)}
         results = await self.trainer.call(
             "train_step", [[w[r] for w in windows] for r in range(n)], [advantages] * n, [rewards] * n,
             epochs=cfg.train.max_epochs, critic_epochs=cfg.critic.max_epochs or cfg.train.max_epochs,
@@ -319,8 +326,10 @@ class Run:
                 if cfg.train.dump_trajectories_steps and self.step % cfg.train.dump_trajectories_steps == 0:
                     from molt.runtime.dump import dump_groups
 
+                    a = cfg.algo.advantage
                     dump_groups(self.dir / "dumps" / f"step_{self.step}.jsonl", groups, self.model_path,
-                                self._advantages)
+                                self._advantages, self._trainer_logprobs, (a.is_correction_level,
+                                a.is_correction_mode, *a.is_correction_threshold))
                 if self.eval_rows and cfg.eval.steps > 0 and self.step % cfg.eval.steps == 0:
                     metrics.update(await self.evaluate())
                 # the step's line first: a checkpoint then implies its line (a resume drops later lines)

@@ -139,10 +139,7 @@ class TrainerRank:
                    train_actor: bool = True) -> dict[str, float]:
         """windows: this rank's share of each optimizer window of the step (the same number on every rank);
         advantages: per rollout (group estimators); else rewards: terminal reward per rollout (rank-level)."""
-        exps = [e for w in windows for e in w]
-        for exp in exps:
-            if exp.offloaded:
-                exp.reload()
+        exps = _reload([e for w in windows for e in w])
         values = returns = []
         if advantages is not None:
             for exp in exps:
@@ -176,11 +173,12 @@ class TrainerRank:
 
     def advantages(self, experiences: list[Experience], rewards: dict[str, float]) -> list[list[float]]:
         """What `train_step` trains a rank-level estimator's experiences with (collective; for inspection)."""
-        for exp in experiences:
-            if exp.offloaded:
-                exp.reload()
-        self._rank_advantages(experiences, rewards)
+        self._rank_advantages(_reload(experiences), rewards)
         return [exp.advantages for exp in experiences]
+
+    def logprobs(self, experiences: list[Experience]) -> list[list[float]]:
+        """The policy's per-token log-probs (collective; the trainer column of trajectory dumps)."""
+        return self.actor.compute_logprobs(_reload(experiences))
 
     def _rank_advantages(self, experiences: list[Experience], rewards: dict[str, float]
                          ) -> tuple[list[list[float]], list[list[float]]]:
@@ -281,6 +279,13 @@ class TrainerRank:
 
     def step(self) -> int:
         return self.actor.step
+
+
+def _reload(experiences: list[Experience]) -> list[Experience]:
+    for exp in experiences:
+        if exp.offloaded:
+            exp.reload()
+    return experiences
 
 
 def _pad(rows: list[list[float]], length: int) -> Any:
