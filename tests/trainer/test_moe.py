@@ -102,8 +102,9 @@ FAMILIES = {  # tiny configs of the four families; both normalisations of the to
 def test_every_family_replays_its_own_routes_exactly(family):
     """Replaying the routes the model would choose itself changes nothing (the family's weights are rebuilt
     exactly); other routes change the log-probs."""
-    import transformers
     from types import SimpleNamespace
+
+    import transformers
 
     from molt.trainer.batching import collate
     from molt.trainer.logprobs import CausalLMLogProbs
@@ -170,10 +171,11 @@ def test_perturbed_router_lowers_agreement_and_replay_closes_the_gap(tiny_moe_di
 
 def test_replay_reproduces_the_engine_and_the_router_still_learns(tiny_moe_dir, sampled):
     exps = [_experience(p, c, i) for i, (p, c) in enumerate(sampled)]
-    actor = _actor(tiny_moe_dir, routing_replay=True)
-    for exp, lp in zip(exps, actor.compute_logprobs(exps)):
-        act = [i for i, m in enumerate(exp.action_mask) if m]
-        np.testing.assert_allclose([lp[i] for i in act], [exp.behavior_logprobs[i] for i in act], atol=1e-5)
+    # padded, and packed with the two turns of session s0 sharing their prefix (routes laid out like the tokens)
+    for actor in (_actor(tiny_moe_dir, routing_replay=True, packing_samples=True), _actor(tiny_moe_dir, routing_replay=True)):
+        for exp, lp in zip(exps, actor.compute_logprobs(exps)):
+            act = [i for i, m in enumerate(exp.action_mask) if m]
+            np.testing.assert_allclose([lp[i] for i in act], [exp.behavior_logprobs[i] for i in act], atol=1e-5)
     # replay is really used: other routes give other log-probs
     shifted = [_experience(p, c, i) for i, (p, c) in enumerate(sampled)]
     for exp in shifted:
