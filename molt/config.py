@@ -278,8 +278,7 @@ class CkptConfig:
     save_steps: int = 0
     """Checkpoint every N steps (0: by time only, save_interval_s)."""
     save_interval_s: float = 300.0
-    """Also checkpoint after a step that ends this many seconds after the last checkpoint (0: off); the last step
-    and a stopped run's step are always checkpointed."""
+    """Also checkpoint after a step ending this long after the last checkpoint (0: off); the last step always."""
     resume: bool = True
     """Resume from the latest checkpoint in output_dir when there is one."""
     export_hf: bool = True

@@ -15,14 +15,11 @@ step, ledger key, rollout ids), `dumps/step_N.jsonl`, `checkpoints/step_N/` (or 
 `summary.json`, `curves.png`.
 Resume: the latest checkpoint restores trainer state (model, optimizer, schedule, RNG), the step and the
 ledger; the prompt stream skips trained keys, so no prompt sample is trained twice or skipped. A run directory
-holds one run: a directory with a ledger but nothing to resume (or `ckpt.resume` off) is refused, never appended to.
-
-Stopping (docs/reliability.md). SIGINT/SIGTERM, or a worker whose engine keeps crashing (`RunStopped`), stop the
-run after the step in progress (a wait for rollouts is abandoned: they are lost, not trained), with a checkpoint
-of that step; the run then raises `RunStopped` (exit code 128 + signal for a signal, 1 otherwise). A second
-signal exits at once. A failed trainer rank (`TrainerGroup.call` names it) raises at once and saves no trainer
-state (a step may be half applied, other ranks stuck in a collective): the ledger and metrics are written step
-by step, and a rerun resumes from the last checkpoint.
+holds one run (`molt.runtime.checkpoints.resume_point`).
+Stopping (docs/reliability.md): SIGINT/SIGTERM or an engine crash loop (`RunStopped`) stop the run after the step
+in progress (a wait for rollouts is abandoned), checkpoint that step and raise `RunStopped`; a second signal exits
+at once. A failed trainer rank raises at once and saves no trainer state (a step may be half applied, other ranks
+stuck in a collective); the ledger and metrics are written step by step, so a rerun resumes exactly.
 """
 from __future__ import annotations
 
@@ -37,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from molt.config import MoltConfig, save_config, to_dict
-from molt.runtime.checkpoints import complete, rotate, truncate_after
+from molt.runtime.checkpoints import resume_point, rotate, truncate_after
 from molt.runtime.data import load_prompts
 from molt.runtime.experience import assign_to_ranks
 from molt.runtime.metrics import MetricsLogger, rollout_metrics
@@ -87,7 +84,7 @@ class Run:
         self.ledger: list[tuple[int, int]] = []
         self.evals: list[dict[str, float]] = []
         self._inflight: list[int] = []
-        self._created = time.perf_counter()
+        self._created = self._saved = time.perf_counter()
         self._stop, self._stopping = asyncio.Event(), None
 
     def stop(self, reason: RunStopped) -> None:
@@ -111,7 +108,7 @@ class Run:
         from molt.runtime.worker import RolloutWorker
 
         cfg = self.cfg
-        self._resume()
+        self._resume_from = resume_point(self.dir, self.ckpt_dir, cfg.ckpt.resume)
         if cfg.algo.advantage.estimator not in GROUP_ESTIMATORS + RANK_ESTIMATORS:
             raise ValueError(f"algo.advantage.estimator {cfg.algo.advantage.estimator!r} is not supported by the "
                              f"runtime yet (use one of {', '.join(GROUP_ESTIMATORS + RANK_ESTIMATORS)})")
@@ -174,15 +171,6 @@ class Run:
         await asyncio.gather(self.trainer.same("join_weight_group", address, world),
                              *[w.join_weight_group.remote(address, o, world) for w, o in zip(self.workers, offsets)])
         self._weight_plan = await rank0.weight_plan.remote(BUCKET_BYTES)
-
-    def _resume(self) -> None:
-        ckpts = complete(self.ckpt_dir)
-        self._resume_from = ckpts[-1] if ckpts and self.cfg.ckpt.resume else None
-        ledger = self.dir / "ledger.jsonl"
-        if self._resume_from is None and ledger.is_file() and ledger.stat().st_size:
-            why = "ckpt.resume is off" if ckpts else f"no complete checkpoint under {self.ckpt_dir} to resume it"
-            raise ValueError(f"ckpt.output_dir {self.dir} holds another run (ledger.jsonl) and {why}: pass a new "
-                             "ckpt.output_dir or remove the old run")
 
     async def _load_checkpoint(self) -> None:
         path = self._resume_from
@@ -336,12 +324,11 @@ class Run:
         pool.set_version(self.version)
         pool.start()
         metrics: dict[str, float] = {}
-        self._saved = time.perf_counter()
         try:
             while self.step < cfg.train.max_steps and not self._stop.is_set():
                 t0 = time.perf_counter()
-                groups = await self._unless_stopped(pool.next_step_groups())
-                if groups is None:  # the rollouts in flight are abandoned
+                groups = await pool.next_step_groups(self._stop)
+                if groups is None:  # stopped: the rollouts in flight are abandoned
                     break
                 t_gen = time.perf_counter() - t0
                 metrics = await self._train_step(groups)
@@ -381,16 +368,6 @@ class Run:
         if self._stopping is not None:
             raise RunStopped(f"{self._stopping}; step {self.step} is checkpointed: run the same command again to "
                              "resume", getattr(self._stopping, "exit_code", 1))
-
-    async def _unless_stopped(self, coro: Any) -> Any:
-        """coro's result, or None (coro cancelled) once a stop is requested."""
-        task, stop = asyncio.ensure_future(coro), asyncio.ensure_future(self._stop.wait())
-        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if not task.done():
-            task.cancel()
-            return None
-        return task.result()
 
     def _record(self, groups: list[Group]) -> None:
         with open(self.dir / "ledger.jsonl", "a") as f:

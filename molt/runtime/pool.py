@@ -168,10 +168,13 @@ class RolloutPool:
         self._wake.set()
 
     # -- trainer side ---------------------------------------------------------------------------------------
-    async def next_step_groups(self) -> list[Group]:
-        """Wait for `groups_per_step` complete, kept, fresh-enough groups and hand them out."""
+    async def next_step_groups(self, stop: asyncio.Event | None = None) -> list[Group] | None:
+        """Wait for `groups_per_step` complete, kept, fresh-enough groups and hand them out; None once `stop` is
+        set (within a second)."""
         out: list[Group] = []
         while len(out) < self.groups_per_step:
+            if stop is not None and stop.is_set():
+                return None
             if self._dispatcher is not None and self._dispatcher.done():
                 self._dispatcher.result()  # surface a dispatcher crash instead of waiting forever
             try:

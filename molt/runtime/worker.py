@@ -14,13 +14,12 @@ Weights arrive either as Ray object references of buckets `[(hf_name, tensor), .
 the object store (the worker fetches them one bucket at a time), or over the collective refit group of
 `molt.engine.weight_group` (trainer rank 0 broadcasts each bucket; NCCL on GPU, gloo on CPU).
 
-Engine crash (an embedded engine in its own process, `molt.engine.process`): a rollout that fails while the engine
-process is dead, or that overlapped a restart, comes back as `engine_restart` (the pool counts and retries it
-under its group policy). The first to notice starts a new engine process and loads the current weights (the
-last refit's buckets, whose object references the worker keeps: one model copy in the object store) at their
-version; a crash found at a refit boundary is handled the same way. More than `max_restarts` deaths within
-`RESTART_WINDOW_S` raise `RunStopped` (the controller then stops the run with a checkpoint). Not revived: an
-engine in the collective refit group (its weights only arrive over the group), and a vLLM engine.
+Engine crash (the embedded engine in its process, `molt.engine.process`): a rollout that fails while the engine
+process is dead, or that overlapped a restart, comes back as `engine_restart` (the pool counts and retries it).
+A new engine process gets the last refit's weights (the worker keeps their object references: one model copy in
+the object store) and version, also within a refit. More than `max_restarts` deaths within `RESTART_WINDOW_S`
+raise `RunStopped` (the run stops with a checkpoint), as does any death with the collective refit group (whose
+weights only arrive over the group). A vLLM engine is not revived.
 """
 from __future__ import annotations
 
@@ -133,8 +132,7 @@ class RolloutWorker:
             code = getattr(self.engine.engine, "exitcode", None)
             if code is None:
                 return False
-            now = time.monotonic()
-            self._deaths = [t for t in self._deaths if now - t < RESTART_WINDOW_S] + [now]
+            self._deaths = [t for t in self._deaths if time.monotonic() - t < RESTART_WINDOW_S] + [time.monotonic()]
             if len(self._deaths) > self.max_restarts or self._joined:
                 raise RunStopped(f"the engine process died (exit code {code}), {len(self._deaths)} time(s) within "
                                  f"{RESTART_WINDOW_S:.0f} s; rollout.engine_max_restarts is {self.max_restarts}")
@@ -145,8 +143,8 @@ class RolloutWorker:
                 await new.update_weights(bucket, version)
             if not self._refitting:  # within a refit it stays paused, as the one it replaces was
                 await new.resume()
-            dead, self.engine.engine = self.engine.engine, new
-            await dead.close()
+            await self.engine.engine.close()
+            self.engine.engine = new
             self.restarts += 1
             return True
 
