@@ -126,8 +126,8 @@ class Run:
         if not ray.is_initialized():
             if cfg.ray.address:
                 ray.init(address=cfg.ray.address, log_to_driver=False)
-            else:
-                ray.init(num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, log_to_driver=False,
+            else:  # "local": a new instance, never another run's found in /tmp/ray (a shared machine)
+                ray.init("local", num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, log_to_driver=False,
                          runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
         worker_threads, trainer_threads = _threads(cfg)
         runner_options = {"timeout": cfg.rollout.timeout_s, "max_turns": cfg.rollout.max_turns}

@@ -104,7 +104,8 @@ async def test_worker_restarts_a_dead_engine_with_its_weights_and_version(tiny_l
         assert again.ok and {v for e in again.experiences for v in e.reload().versions if v >= 0} == {3}
         # a second death within the window is one more than max_restarts=1: the worker gives up
         os.kill(worker.engine.engine._proc.pid, signal.SIGKILL)
-        await asyncio.to_thread(worker.engine.engine._proc.join)
+        while worker.engine.engine.exitcode is None:  # the worker learns of it from the engine's pipe
+            await asyncio.sleep(0.01)
         with pytest.raises(RunStopped, match=r"died \(exit code -9\), 2 time\(s\)"):
             await worker.run(RolloutTask(ROW, (0, 1), "h", "h-s0-a0", 0, 3), SamplingParams(max_tokens=4))
     finally:
