@@ -7,7 +7,8 @@ stdlib-only at import time); torch, transformers, rich and the engines are impor
 functions. Subcommands with a large typed configuration (`train`, later) parse their own arguments with tyro.
 
 Errors: a user mistake (`ValueError`, which includes `molt.engine.base.EngineError`) prints one line and exits
-with status 2, like argparse's own usage errors; a failed download/conversion exits with status 1.
+with status 2, like argparse's own usage errors; a failed download/conversion exits with status 1; a training run
+stopped by a signal exits with 128 + its number, after a checkpoint (`molt.runtime.loop`).
 """
 from __future__ import annotations
 
@@ -235,8 +236,13 @@ def _train_and_report(cfg) -> dict:
 
     from molt.runtime.loop import run_training
     from molt.runtime.plot import plot_run
+    from molt.runtime.pool import RunStopped
 
-    summary = asyncio.run(run_training(cfg))
+    try:
+        summary = asyncio.run(run_training(cfg))
+    except RunStopped as e:  # a signal or an engine crash loop, after a checkpoint: one line, its exit code
+        print(f"molt: {getattr(e, 'cause', e)}", file=sys.stderr)
+        sys.exit(e.exit_code)
     png = plot_run(cfg.ckpt.output_dir)
     table = Table(title=f"molt run {cfg.ckpt.output_dir}")
     cols = {"base eval accuracy": summary["base_eval_accuracy"], "final eval accuracy": summary["final_eval_accuracy"]}

@@ -163,6 +163,8 @@ class RolloutConfig:
     """Turn limit of an Env episode."""
     max_failed_retries: int = 2
     """Re-runs of failed rollouts within a group before the group is dropped."""
+    engine_max_restarts: int = 3
+    """Deaths of a worker's engine process within 10 minutes that it survives (by a restart); one more stops the run."""
 
 
 @dataclass
@@ -286,7 +288,9 @@ class CkptConfig:
     output_dir: str = "runs/molt"
     """Run directory: config, metrics, dumps, checkpoints."""
     save_steps: int = 0
-    """Checkpoint every N steps (0: never)."""
+    """Checkpoint every N steps (0: by time only, save_interval_s)."""
+    save_interval_s: float = 300.0
+    """Also checkpoint after a step ending this long after the last checkpoint (0: off); the last step always."""
     resume: bool = True
     """Resume from the latest checkpoint in output_dir when there is one."""
     export_hf: bool = True

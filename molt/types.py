@@ -30,6 +30,7 @@ class RolloutStatus(str, enum.Enum):
     TIMEOUT = "timeout"  # the rollout ran past its time limit
     INVALID_REWARD = "invalid_reward"  # the agent returned no usable reward
     ABORTED = "aborted"
+    ENGINE_RESTART = "engine_restart"  # its engine process died mid-rollout and was restarted
 
 
 @dataclass(slots=True)

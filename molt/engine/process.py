@@ -18,7 +18,8 @@ Streaming: a request with `on_tokens` gets ("tokens", id, ids) messages before i
 
 Decisions: `torch_threads` sets the child's intra-op threads (a spawned process does not inherit the
 parent's setting). The child is a daemon (it dies with its parent); if it exits, every waiting request fails with an
-EngineError naming the exit code. `close()` closes the engine in the child, then the child itself.
+EngineError naming the exit code, and `exitcode` turns from None to that code (the rollout worker then starts a
+new engine: `molt.runtime.worker`). `close()` closes the engine in the child, then the child itself.
 """
 from __future__ import annotations
 
@@ -69,13 +70,18 @@ class EngineProcess:
         self._ids = itertools.count()
         self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future, Any]] = {}
         self._send_lock = threading.Lock()
-        self._closed = False
+        self._closed = self._gone = False
         self._reader = threading.Thread(target=self._read, name="molt-engine-reader", daemon=True)
         self._reader.start()
 
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while the child runs (set once the reader has seen it go, before any request fails)."""
+        return self._proc.exitcode if self._gone else None
 
     @property
     def num_requests(self) -> int:
@@ -166,6 +172,8 @@ class EngineProcess:
                     loop.call_soon_threadsafe(on_tokens, value)
             else:
                 loop.call_soon_threadsafe(_settle, future, kind, value)
+        self._proc.join(10)  # its end of the pipe closed: it is exiting
+        self._gone = True
         error = EngineError(f"the engine process exited (exit code {self._proc.exitcode})")
         for loop, future, _ in list(self._waiting.values()):
             loop.call_soon_threadsafe(_settle, future, "error", error)

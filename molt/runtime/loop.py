@@ -5,7 +5,8 @@ to the staleness bound), compute group advantages from the light records, send e
 share of experience references, run the optimizer steps (one per `train.batch_size` rollouts, `train.max_epochs`
 times; `molt.runtime.trainer_group`), stream the new weights to every worker through the
 object store, and bump the policy version (which lets the pool dispatch further). Evaluation runs before,
-every `eval.steps`, and after training; checkpoints every `ckpt.save_steps` (`molt.runtime.checkpoints`).
+every `eval.steps`, and after training; checkpoints every `ckpt.save_steps`, whenever `ckpt.save_interval_s`
+passed since the last one, and at the end (`molt.runtime.checkpoints`).
 Rewards are clamped into `reward.clip_range` before advantages; with `algo.kl.target` the KL coefficient
 adapts after each step (`molt.algo.adaptive_kl_coef`), and is checkpointed.
 
@@ -13,23 +14,31 @@ Run directory (`ckpt.output_dir`): `config.yaml`, `metrics.jsonl`, `ledger.jsonl
 step, ledger key, rollout ids), `dumps/step_N.jsonl`, `checkpoints/step_N/` (or `ckpt.path`), `policy/` (the final policy as a Hugging Face checkpoint),
 `summary.json`, `curves.png`.
 Resume: the latest checkpoint restores trainer state (model, optimizer, schedule, RNG), the step and the
-ledger; the prompt stream skips trained keys, so no prompt sample is trained twice or skipped.
+ledger; the prompt stream skips trained keys, so no prompt sample is trained twice or skipped. A run directory
+holds one run (`molt.runtime.checkpoints.resume_point`).
+Stopping (docs/reliability.md): SIGINT/SIGTERM or an engine crash loop (`RunStopped`) stop the run after the step
+in progress (a wait for rollouts is abandoned), checkpoint that step and raise `RunStopped`; a second signal exits
+at once. A failed trainer rank raises at once and saves no trainer state (a step may be half applied, other ranks
+stuck in a collective); the ledger and metrics are written step by step, so a rerun resumes exactly.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from molt.config import MoltConfig, save_config, to_dict
-from molt.runtime.checkpoints import complete, rotate, truncate_after
+from molt.runtime.checkpoints import resume_point, rotate, truncate_after
 from molt.runtime.data import load_prompts
 from molt.runtime.experience import assign_to_ranks
 from molt.runtime.metrics import MetricsLogger, rollout_metrics
-from molt.runtime.pool import Group, PromptStream, RolloutPool, RolloutTask
+from molt.runtime.pool import Group, PromptStream, RolloutPool, RolloutTask, RunStopped
 from molt.runtime.trainer_group import (
     RANK_ESTIMATORS,
     TrainerGroup,
@@ -75,7 +84,21 @@ class Run:
         self.ledger: list[tuple[int, int]] = []
         self.evals: list[dict[str, float]] = []
         self._inflight: list[int] = []
-        self._created = time.perf_counter()
+        self._created = self._saved = time.perf_counter()
+        self._stop, self._stopping = asyncio.Event(), None
+
+    def stop(self, reason: RunStopped) -> None:
+        """Stop after the step in progress with a checkpoint, then raise `reason` (module docstring)."""
+        if self._stopping is None:
+            self._stopping = getattr(reason, "cause", reason)  # a worker's, through Ray
+            self._stop.set()
+
+    def _on_signal(self, signum: int) -> None:
+        if self._stopping is not None:
+            os._exit(128 + signum)
+        name = signal.Signals(signum).name
+        print(f"molt: {name}: stopping after the step in progress with a checkpoint (again: exit now)", file=sys.stderr)
+        self.stop(RunStopped(f"stopped by {name}", 128 + signum))
 
     # ------------------------------------------------------------------------------------------ set-up
     async def setup(self) -> None:
@@ -85,6 +108,7 @@ class Run:
         from molt.runtime.worker import RolloutWorker
 
         cfg = self.cfg
+        self._resume_from = resume_point(self.dir, self.ckpt_dir, cfg.ckpt.resume)
         if cfg.algo.advantage.estimator not in GROUP_ESTIMATORS + RANK_ESTIMATORS:
             raise ValueError(f"algo.advantage.estimator {cfg.algo.advantage.estimator!r} is not supported by the "
                              f"runtime yet (use one of {', '.join(GROUP_ESTIMATORS + RANK_ESTIMATORS)})")
@@ -103,8 +127,8 @@ class Run:
         if not ray.is_initialized():
             if cfg.ray.address:
                 ray.init(address=cfg.ray.address, log_to_driver=False)
-            else:
-                ray.init(num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, log_to_driver=False,
+            else:  # "local": a new instance, never another run's found in /tmp/ray (a shared machine)
+                ray.init("local", num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, log_to_driver=False,
                          runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
         worker_threads, trainer_threads = _threads(cfg)
         runner_options = {"timeout": cfg.rollout.timeout_s, "max_turns": cfg.rollout.max_turns}
@@ -124,7 +148,8 @@ class Run:
         worker_cls = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=10_000)(RolloutWorker)
         self.workers = [worker_cls.remote(self.model_path, str(Path(cfg.train.agent_path).resolve()),
                                           engine_kind=cfg.rollout.engine, torch_threads=worker_threads,
-                                          runner_options=runner_options, engine_options=engine_options)
+                                          runner_options=runner_options, engine_options=engine_options,
+                                          max_restarts=cfg.rollout.engine_max_restarts)
                         for _ in range(n_workers)]
         self._inflight = [0] * len(self.workers)
         self.trainer = TrainerGroup(cfg.train.num_ranks, torch_threads=trainer_threads,
@@ -139,7 +164,6 @@ class Run:
         self._weight_plan = None
         if sync == "collective" or (sync == "auto" and cfg.rollout.engine == "vllm"):
             await self._join_weight_group()
-        self._resume()
 
     async def _join_weight_group(self) -> None:
         """Trainer rank 0 (the sender, rank 0) and every engine process form the refit group."""
@@ -150,10 +174,6 @@ class Run:
         await asyncio.gather(self.trainer.same("join_weight_group", address, world),
                              *[w.join_weight_group.remote(address, o, world) for w, o in zip(self.workers, offsets)])
         self._weight_plan = await rank0.weight_plan.remote(BUCKET_BYTES)
-
-    def _resume(self) -> None:
-        ckpts = complete(self.ckpt_dir)
-        self._resume_from = ckpts[-1] if ckpts and self.cfg.ckpt.resume else None
 
     async def _load_checkpoint(self) -> None:
         path = self._resume_from
@@ -178,6 +198,7 @@ class Run:
                  "counters": counters, "kl_coef": self.kl_coef, "metrics": metrics}
         (path / "state.json").write_text(json.dumps(state))  # written last: marks the checkpoint complete
         rotate(self.ckpt_dir, self.cfg.ckpt.max_num, self.cfg.ckpt.best_metric_key)
+        self._saved = time.perf_counter()
 
     # ------------------------------------------------------------------------------------------ rollouts
     def _params(self, *, eval: bool = False) -> SamplingParams:
@@ -192,6 +213,9 @@ class Run:
         self._inflight[i] += 1
         try:
             return await self.workers[i].run.remote(task, self._params(eval=not train), train)
+        except RunStopped as e:  # its engine keeps crashing
+            self.stop(e)
+            raise
         finally:
             self._inflight[i] -= 1
 
@@ -280,6 +304,10 @@ class Run:
             await self._load_checkpoint()
         logger = MetricsLogger(self.dir, cfg.train.max_steps, tensorboard_dir=cfg.logger.tensorboard_dir,
                                wandb=to_dict(cfg.logger.wandb), config=to_dict(cfg), start_step=self.step)
+        loop, signals = asyncio.get_running_loop(), (signal.SIGINT, signal.SIGTERM)
+        if threading.current_thread() is threading.main_thread():  # after ray.init, which sets its own
+            for sig in signals:
+                loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             if self.eval_rows and (self.step == 0 or cfg.eval.only):
                 logger.log(self.step, await self.evaluate(), advance=False)
@@ -292,6 +320,8 @@ class Run:
                 await self.trainer.same("export_hf", str(self.dir / "policy"))
         finally:
             logger.close()
+            for sig in signals:
+                loop.remove_signal_handler(sig)
         return self._summary(t_start)
 
     async def _loop(self, logger: MetricsLogger) -> None:
@@ -305,19 +335,26 @@ class Run:
                            group_filter=filt, seed=cfg.train.seed)
         pool.set_version(self.version)
         pool.start()
+        metrics: dict[str, float] = {}
         try:
-            while self.step < cfg.train.max_steps:
+            while self.step < cfg.train.max_steps and not self._stop.is_set():
                 t0 = time.perf_counter()
-                groups = await pool.next_step_groups()
+                groups = await pool.next_step_groups(self._stop)
+                if groups is None:  # stopped: the rollouts in flight are abandoned
+                    break
                 t_gen = time.perf_counter() - t0
                 metrics = await self._train_step(groups)
                 t_train = time.perf_counter() - t0 - t_gen
                 trained_version = self.version
                 self.version += 1
                 self.step += 1
-                t_refit = await self._refit()
+                self._record(groups)  # before the refit: a crash loop found there still saves a whole step
+                try:
+                    t_refit = await self._refit()
+                except RunStopped as e:
+                    self.stop(e)
+                    t_refit = 0.0
                 pool.set_version(self.version)
-                self._record(groups)
                 metrics.update(rollout_metrics(groups, trained_version))
                 metrics.update({f"rollout/{k}": float(v) for k, v in pool.counters.items()})
                 metrics.update({"timing/generation": t_gen, "timing/policy_train": t_train,
@@ -334,10 +371,17 @@ class Run:
                     metrics.update(await self.evaluate())
                 # the step's line first: a checkpoint then implies its line (a resume drops later lines)
                 logger.log(self.step, metrics)
-                if cfg.ckpt.save_steps > 0 and self.step % cfg.ckpt.save_steps == 0:  # the reference's -1: never
+                c = cfg.ckpt  # save_steps: the reference's -1 is never
+                if (c.save_steps > 0 and self.step % c.save_steps == 0 or
+                        0 < c.save_interval_s <= time.perf_counter() - self._saved):
                     await self._save_checkpoint(dict(pool.counters), metrics)
         finally:
             await pool.stop()
+        if not (self.ckpt_dir / f"step_{self.step}" / "state.json").is_file():  # the last step: final or stopped
+            await self._save_checkpoint(dict(pool.counters), metrics)
+        if self._stopping is not None:
+            raise RunStopped(f"{self._stopping}; step {self.step} is checkpointed: run the same command again to "
+                             "resume", getattr(self._stopping, "exit_code", 1))
 
     def _record(self, groups: list[Group]) -> None:
         with open(self.dir / "ledger.jsonl", "a") as f:

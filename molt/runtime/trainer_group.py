@@ -28,6 +28,7 @@ over the whole step, and the PPO ratio's proximal policy is the policy before th
 """
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import socket
@@ -328,9 +329,17 @@ class TrainerGroup:
         await self.same("setup", master, actor_fields, critic_path)
 
     async def call(self, method: str, *per_rank_args: list[Any], **kwargs: Any) -> list[Any]:
-        refs = [getattr(rank, method).remote(*(a[i] for a in per_rank_args), **kwargs)
-                for i, rank in enumerate(self.ranks)]
-        return [await ref for ref in refs]
+        """Every rank's result; the first rank to fail (an exception, a dead actor) raises at once, naming itself:
+        the other ranks may wait in a collective for it forever."""
+        futures = [asyncio.ensure_future(getattr(rank, method).remote(*(a[i] for a in per_rank_args), **kwargs))
+                   for i, rank in enumerate(self.ranks)]
+        await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+        for rank, f in enumerate(futures):
+            if f.done() and (error := f.exception()) is not None:
+                cause = error.cause if isinstance(getattr(error, "cause", None), BaseException) else error
+                reason = (str(cause).strip().splitlines() or [""])[0]  # a Ray error's first line
+                raise RuntimeError(f"trainer rank {rank} failed in {method}: {type(cause).__name__}: {reason}") from error
+        return [f.result() for f in futures]
 
     async def same(self, method: str, *args: Any) -> list[Any]:
         return await self.call(method, *([a] * len(self.ranks) for a in args))
