@@ -117,10 +117,13 @@ class MetricsLogger:
                 print("molt: note: logger.wandb.project is set but wandb is not installed (pip install "
                       "'molt[wandb]'): W&B logging is off", file=sys.stderr)
             else:
-                if w.get("key"):
-                    wb.login(key=w["key"])
-                self._wandb = wb.init(project=w["project"], entity=w.get("org") or None, group=w.get("group") or None,
-                                      name=w.get("run_name") or None, config=config, dir=str(self.run_dir))
+                try:  # no API key, no network: the run goes on, logged everywhere else
+                    if w.get("key"):
+                        wb.login(key=w["key"])
+                    self._wandb = wb.init(project=w["project"], entity=w.get("org") or None, name=w.get("run_name")
+                                          or None, group=w.get("group") or None, config=config, dir=str(self.run_dir))
+                except Exception as e:  # noqa: BLE001 (wandb raises its own error types, and more)
+                    print(f"molt: note: W&B logging is off: {e}", file=sys.stderr)
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:

@@ -78,3 +78,17 @@ def test_curves_get_an_agent_panel(tmp_path):
     logger.close()
     wide = Image.open(plot_run(tmp_path)).size
     assert wide[0] > narrow[0] and wide[1] == narrow[1]  # a second panel beside the first
+
+
+def test_wandb_that_cannot_start_leaves_the_run_logging(tmp_path, monkeypatch, capsys):
+    wandb = pytest.importorskip("wandb")
+
+    def refuse(**kwargs):
+        raise wandb.errors.UsageError("No API key configured")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    logger = MetricsLogger(tmp_path, 1, wandb={"project": "p"})
+    logger.log(1, {"rollout/reward_mean": 0.5})
+    logger.close()
+    assert "W&B logging is off: No API key configured" in capsys.readouterr().err
+    assert read_metrics(tmp_path) == [{"step": 1, "rollout/reward_mean": 0.5}]
