@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.molt-installed
 
-.PHONY: demo test test-slow gpu-check install clean
+.PHONY: demo demo-agent test test-slow test-chaos gpu-check install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,11 +19,20 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/molt demo
 
+# The agentic main job: a multi-turn, tool-using agent on AsyncOpenAI learns to call its calculator.
+demo-agent: $(STAMP)
+	$(BIN)/molt demo --agent
+
 test: $(STAMP)
 	$(BIN)/pytest -q -x
 
 test-slow: $(STAMP)
 	$(BIN)/pytest -q -m slow
+
+# Kill an engine process, then the whole run, at random steps of a tiny-model run; resume; check the ledger
+# (docs/reliability.md). CHAOS_SEEDS="0 1 2" by default.
+test-chaos: $(STAMP)
+	$(BIN)/pytest -q -m chaos tests/runtime/test_chaos.py
 
 # On a machine with a GPU: the CUDA tests and the GPU benches (needs torch, transformers and pytest only).
 gpu-check:

@@ -7,7 +7,8 @@ stdlib-only at import time); torch, transformers, rich and the engines are impor
 functions. Subcommands with a large typed configuration (`train`, later) parse their own arguments with tyro.
 
 Errors: a user mistake (`ValueError`, which includes `molt.engine.base.EngineError`) prints one line and exits
-with status 2, like argparse's own usage errors; a failed download/conversion exits with status 1.
+with status 2, like argparse's own usage errors; a failed download/conversion exits with status 1; a training run
+stopped by a signal exits with 128 + its number, after a checkpoint (`molt.runtime.loop`).
 """
 from __future__ import annotations
 
@@ -212,11 +213,14 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 @command("demo", "the main job on the embedded default: SmolLM2-135M-Instruct learns arithmetic with GRPO on "
-                 "this machine (recipes/math; extra flags override the recipe, e.g. --train.seed 1)", raw=True)
+                 "this machine (recipes/math; `--agent`: a multi-turn tool-using agent learns to call its calculator, "
+                 "recipes/calculator; extra flags override the recipe, e.g. --train.seed 1)", raw=True)
 def demo(args: argparse.Namespace) -> None:
     from molt.config import load_config
 
-    recipe = RECIPES / "math" / "recipe.yaml"
+    agent = "--agent" in args.rest
+    args.rest = [a for a in args.rest if a != "--agent"]
+    recipe = RECIPES / ("calculator" if agent else "math") / "recipe.yaml"
     if not recipe.is_file():
         raise ValueError(f"the demo recipe {recipe} is missing: run `molt demo` from a source checkout")
     os.chdir(RECIPES.parent)  # the recipe's paths are relative to the checkout
@@ -232,15 +236,24 @@ def _train_and_report(cfg) -> dict:
 
     from molt.runtime.loop import run_training
     from molt.runtime.plot import plot_run
+    from molt.runtime.pool import RunStopped
 
-    summary = asyncio.run(run_training(cfg))
+    try:
+        summary = asyncio.run(run_training(cfg))
+    except RunStopped as e:  # a signal or an engine crash loop, after a checkpoint: one line, its exit code
+        print(f"molt: {getattr(e, 'cause', e)}", file=sys.stderr)
+        sys.exit(e.exit_code)
     png = plot_run(cfg.ckpt.output_dir)
     table = Table(title=f"molt run {cfg.ckpt.output_dir}")
-    for col in ("base eval accuracy", "final eval accuracy", "steps", "generated tokens", "seconds"):
+    cols = {"base eval accuracy": summary["base_eval_accuracy"], "final eval accuracy": summary["final_eval_accuracy"]}
+    if summary["evals"] and "agent/tool_call_valid" in summary["evals"][0]:  # an agent with tools
+        cols.update({"base valid calls": summary["evals"][0]["agent/tool_call_valid"],
+                     "final valid calls": summary["evals"][-1].get("agent/tool_call_valid")})
+    cols.update({k.replace("_", " "): summary[k] for k in ("steps", "generated_tokens", "seconds")})
+    for col in cols:
         table.add_column(col, justify="right")
     fmt = lambda v: "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
-    table.add_row(*(fmt(summary[k]) for k in ("base_eval_accuracy", "final_eval_accuracy", "steps",
-                                              "generated_tokens", "seconds")))
+    table.add_row(*map(fmt, cols.values()))
     Console().print(table)
     print(f"summary: {Path(cfg.ckpt.output_dir) / 'summary.json'}; curves: {png}")
     return summary
@@ -252,7 +265,9 @@ def _train_and_report(cfg) -> dict:
          arg("--strict-model", action="store_true",
              help="answer a request naming another model than the served one with 400 (default: serve any name)"),
          arg("--prefix-cache-mb", type=int, default=None,
-             help="session prefix cache of the engine in MB, 0: off (default: the engine's, 1024)"))
+             help="session prefix cache of the engine in MB, 0: off (default: the engine's, 1024)"),
+         arg("--allow-remote-images", action="store_true",
+             help="fetch the http(s) image URLs clients send (default: refuse them with 400)"))
 def serve(args: argparse.Namespace) -> int:
     from molt.capture.serve import serve_main
 
@@ -272,6 +287,16 @@ def plot(args: argparse.Namespace) -> None:
     from molt.runtime.plot import plot_run
 
     print(plot_run(args.run_dir))
+
+
+@command("inspect", "browse a run directory's steps, groups and rollouts in a local web page, live while it trains",
+         arg("run_dir", help="a run directory (ckpt.output_dir)"),
+         arg("--host", default="127.0.0.1", help="address to bind (default: loopback only)"),
+         arg("--port", type=int, default=8765, help="port to listen on (default: 8765)"))
+def inspect_run(args: argparse.Namespace) -> None:
+    from molt.inspect.app import serve
+
+    serve(args.run_dir, args.host, args.port)
 
 
 @command("smoke", "engine smoke test: answer arithmetic questions concurrently with the embedded engine",

@@ -53,6 +53,8 @@ class ActorConfig:
     """Entropy bonus coefficient."""
     gradient_checkpoint: bool = False
     """Activation checkpointing of decoder blocks."""
+    freeze_visual_encoder: bool = False
+    """Keep a vision-language model's vision tower fixed (its projector and decoder still learn)."""
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     """Learning-rate schedule."""
     lr_warmup_steps: int = 0
@@ -65,6 +67,10 @@ class ActorConfig:
     """Floor of the cosine schedule, as a share of the learning rate."""
     freezing_steps: int = 0
     """Training steps at the start in which the actor does not learn (only the critic, for gae)."""
+    freeze_moe_router: bool = False
+    """MoE: the routers' weights do not train."""
+    aux_loss_coef: float = 0.0
+    """MoE: weight of the load-balancing (Switch) loss."""
 
 
 @dataclass
@@ -125,6 +131,8 @@ class TrainConfig:
     """Trainer data-parallel ranks (FSDP2)."""
     dump_trajectories_steps: int = 0
     """Write a readable trajectory dump every N steps (0: never)."""
+    routing_replay: bool = False
+    """MoE: route every token through the experts the engine chose for it (R3; docs/moe.md)."""
 
 
 @dataclass
@@ -155,6 +163,8 @@ class RolloutConfig:
     """Turn limit of an Env episode."""
     max_failed_retries: int = 2
     """Re-runs of failed rollouts within a group before the group is dropped."""
+    engine_max_restarts: int = 3
+    """Deaths of a worker's engine process within 10 minutes that it survives (by a restart); one more stops the run."""
 
 
 @dataclass
@@ -245,6 +255,10 @@ class DataConfig:
     """Row key of the label given to the agent."""
     tools_key: str = "tools"
     """Row key of OpenAI tool schemas (optional)."""
+    image_key: str = "images"
+    """Row key of the prompt's images (paths, file:// or data URLs, bytes), for vision-language models."""
+    max_images_per_prompt: int = 0
+    """A row with more images is an error (0: no limit)."""
     max_len: int | None = None
     """Max tokens of a rollout's context (vLLM's max_model_len; None: the model's own context length)."""
 
@@ -274,7 +288,9 @@ class CkptConfig:
     output_dir: str = "runs/molt"
     """Run directory: config, metrics, dumps, checkpoints."""
     save_steps: int = 0
-    """Checkpoint every N steps (0: never)."""
+    """Checkpoint every N steps (0: by time only, save_interval_s)."""
+    save_interval_s: float = 300.0
+    """Also checkpoint after a step ending this long after the last checkpoint (0: off); the last step always."""
     resume: bool = True
     """Resume from the latest checkpoint in output_dir when there is one."""
     export_hf: bool = True

@@ -93,13 +93,8 @@ TABLE: dict[str, str | Rule] = {
     "ckpt.warm_resume_rollouts": "a resume re-runs the rollouts that were in flight (the ledger keeps every "
                                  "prompt trained once); there is no rollout state to warm",
     "ckpt.max_mem": "checkpoints are rotated by count (ckpt.max_num)",
-    "actor.aux_loss_coef": "Molt adds no MoE load-balancing loss",
-    "actor.freeze_visual_encoder": "text models only so far: vision inputs come with their own issue",
-    "actor.freeze_moe_router": "MoE router freezing comes with the routing-replay issue",
-    "critic.freeze_moe_router": "MoE router freezing comes with the routing-replay issue",
+    "critic.freeze_moe_router": "the critic's routers train (router freezing is an actor option)",
     "data.apply_chat_template": "Molt always renders prompts with the model's chat template (Env and ChatAgent)",
-    "data.image_key": "text prompts only so far: images come with their own issue",
-    "data.max_images_per_prompt": "text prompts only so far: images come with their own issue",
     "data.disable_fast_tokenizer": "capture needs the fast (Rust) tokenizer it is tested token-exact with",
     "data.dataloader_num_workers": "prompts are read once into memory; there is no data loader",
     "vllm.sync_backend": "the refit transport is train.weight_sync (auto: an NCCL group with vLLM engines, the "
@@ -114,7 +109,6 @@ TABLE: dict[str, str | Rule] = {
     "train.dynamic_batch_enable": "micro-batches are always cut by train.max_tokens_per_gpu (the loss does not "
                                   "depend on the split)",
     "train.colocate_fsdp_models": "actor, reference and critic always share the trainer ranks",
-    "train.routing_replay": "routing replay comes with its own issue",
     "train.rollout_replay_dir": "replaying dumped rollouts is not built",
     "train.check_weight_update_equal": "no per-run refit check (the tests compare engine and trainer weights)",
     "ref.num_nodes": "the reference model is sharded with the actor on its ranks (train.num_ranks)",

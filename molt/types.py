@@ -30,6 +30,7 @@ class RolloutStatus(str, enum.Enum):
     TIMEOUT = "timeout"  # the rollout ran past its time limit
     INVALID_REWARD = "invalid_reward"  # the agent returned no usable reward
     ABORTED = "aborted"
+    ENGINE_RESTART = "engine_restart"  # its engine process died mid-rollout and was restarted
 
 
 @dataclass(slots=True)
@@ -86,6 +87,8 @@ class Completion:
     # top_logprobs[i] = [(token_id, logprob), ...] most likely first; None unless asked for
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_tokens: int = 0
+    # MoE: experts each router chose for prompt + generated tokens but the last (never run), [n, layers, k] ints
+    routed_experts: Any = None
 
 
 @dataclass(slots=True)
@@ -98,8 +101,8 @@ class Segment:
     versions: list[int]  # policy version that sampled each token; -1 on context tokens
     break_reason: str = "start"  # why this segment began: start, compaction, template_rewrite, tools_changed, ...
     temperature: float = 1.0  # temperature of its action tokens; capture seals the segment when it changes
-    routed_experts: Any = None  # optional MoE routing record for routing replay
-    images: Any = None  # optional multimodal inputs
+    routed_experts: Any = None  # MoE: numpy [len(token_ids), layers, k] expert ids (0 on the last token: never run)
+    images: Any = None  # processor inputs of its images in order ({"pixel_values": [n_images, ...], ...}) or None
 
     @property
     def num_actions(self) -> int:
@@ -133,6 +136,16 @@ class Trajectory:
     @property
     def effective_score(self) -> float:
         return self.reward if self.score is None else self.score
+
+
+def join_inputs(*parts: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Processor inputs of several chunks of images as one (tensors with one entry per image along dim 0)."""
+    parts = [p for p in parts if p]
+    if len(parts) < 2:
+        return parts[0] if parts else None
+    import torch
+
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
 # Heavy per-token fields of an Experience; they travel through the object store, never through queues.

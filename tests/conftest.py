@@ -30,6 +30,13 @@ def tiny_moe_dir(tmp_path_factory):
     return build_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
 
 
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory):
+    from molt.testing.models import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
+
+
 @pytest.fixture
 def ray_local():
     """A local Ray instance shared by the tests that need one (starting one takes seconds; Ray shuts it down

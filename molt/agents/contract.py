@@ -25,7 +25,7 @@ class Result:
     truncated: bool = False  # cut off by a limit
     info: dict[str, Any] = field(default_factory=dict)  # scalar diagnostics (numbers or 1-element tensors)
     score: Any = None  # for dynamic filtering and dashboards; falls back to reward
-    images: Any = None  # next-turn images (kept for compatibility; no engine here is multimodal yet)
+    images: Any = None  # next-turn images (Env): paths, URLs, bytes or PIL images (`runners.image_part`)
     sampling_params: SamplingParams | Mapping[str, Any] | None = None  # override for the following turns
 
 
@@ -58,7 +58,8 @@ class Env:
     """A Gym-style environment; the framework generates. A fresh instance per episode, no constructor args."""
 
     async def reset(self, state: dict[str, Any]) -> dict[str, Any] | None:
-        """Gets {"observation": prompt, "label": label}; may return a state whose "observation" is the first input."""
+        """Gets {"observation": prompt, "label": label, "images": the row's or None}; may return a state whose
+        "observation" is the first input."""
         return None
 
     async def step(self, state: dict[str, Any]) -> Result:

@@ -6,6 +6,8 @@ reason is in `Trajectory.error`, and the segments captured so far are kept (the 
 train on them). The capture session is always closed, which aborts requests still in flight.
 
 StepEnvRunner departs from the reference where it was weak:
+- images: the row's go into the first user message and reach `reset` as "images"; `Result.images` of a step
+  go into the next observation's message (`image_url` parts);
 - observations are appended as a chat turn (`observation_role="user"` or `"tool"`) through the model's chat
   template, via the same in-process capture path SDK agents use; `observation_role="raw"` appends the text's
   tokens as-is (the reference behavior);
@@ -17,8 +19,11 @@ StepEnvRunner departs from the reference where it was weak:
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import math
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from molt.agents.contract import CaptureSession, ChatContext, Result, Runner, SessionProvider, Turn
@@ -53,8 +58,31 @@ def to_float(value: Any, what: str = "reward") -> float:
     return result
 
 
+def image_part(image: Any) -> dict[str, Any]:
+    """An `image_url` part of an image: a data or http(s) URL as is; a path, file:// URL, bytes, PIL image or
+    `datasets` dict {"bytes", "path"} as a base64 data URL (labelled PNG; capture decodes by content)."""
+    if isinstance(image, Mapping):
+        image = image.get("bytes") or image.get("path")
+    if hasattr(image, "save"):  # a PIL image
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        image = buffer.getvalue()
+    if isinstance(image, str) and not image.startswith(("data:", "http://", "https://")):
+        image = Path(image.removeprefix("file://")).read_bytes()
+    url = image if isinstance(image, str) else "data:image/png;base64," + base64.b64encode(image).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def with_images(content: Any, images: list[Any] | None) -> Any:
+    """Message content with `images` put before its text (content unchanged without images)."""
+    if not images:
+        return content
+    return [*map(image_part, images), *([{"type": "text", "text": content}] if isinstance(content, str) else content)]
+
+
 def row_messages(row: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str]:
-    """(messages, prompt) of a dataset row: `messages` (OpenAI chat) or a plain `prompt` string."""
+    """(messages, prompt) of a dataset row: `messages` (OpenAI chat) or a plain `prompt` string; the row's
+    `images` go into its first user message as `image_url` parts."""
     if row.get("messages"):
         messages = [dict(m) for m in row["messages"]]
     elif isinstance(row.get("prompt"), str):
@@ -62,6 +90,9 @@ def row_messages(row: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str]:
     else:
         raise ValueError(f"a dataset row needs 'messages' (a list of chat messages) or 'prompt' (a string); "
                          f"got keys {sorted(row)}")
+    first = next((m for m in messages if m.get("role") == "user"), None)
+    if first is not None and row.get("images"):
+        first["content"] = with_images(first.get("content") or "", row["images"])
     prompt = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "")
     if isinstance(prompt, list):  # OpenAI content parts
         prompt = "".join(p.get("text", "") for p in prompt if isinstance(p, dict))
@@ -178,13 +209,13 @@ class StepEnvRunner(_RunnerBase):
         env = self.env_cls()
         messages, prompt = row_messages(row)
         label, tools = row.get("label"), row.get("tools") or None
-        state = await env.reset({"observation": prompt, "label": label})
+        state = await env.reset({"observation": prompt, "label": label, "images": row.get("images")})
         if isinstance(state, Mapping) and state.get("observation") not in (None, prompt):
             if messages[-1].get("role") == "user":
                 messages = messages[:-1]
             messages.append({"role": "user", "content": str(state["observation"])})
         name = f"{getattr(self.env_cls, '__name__', 'env')}.step"
-        used, turn, observation = 0, None, ""
+        used, turn, observation, images = 0, None, "", None
         for _ in range(self.max_turns):
             turn_params = self._turn_params(params, used)
             if turn_params is None:  # token budget spent
@@ -195,7 +226,7 @@ class StepEnvRunner(_RunnerBase):
             elif self.observation_role == "raw":
                 turn = await session.extend(observation, turn_params)
             else:
-                messages += [turn.message, self._observation_message(observation, turn)]
+                messages += [turn.message, self._observation_message(with_images(observation, images), turn)]
                 turn = await session.chat(messages, turn_params, tools)
             used += len(turn.action_ids)
             result = episode.add(await env.step({
@@ -210,7 +241,7 @@ class StepEnvRunner(_RunnerBase):
                 episode.traj.truncated = True  # the context is exhausted
                 return
             params = _merge_params(params, result.sampling_params)
-            observation = result.observation
+            observation, images = result.observation, result.images
         episode.traj.truncated = True  # turn limit
 
     def _turn_params(self, params: SamplingParams, used: int) -> SamplingParams | None:
@@ -221,7 +252,7 @@ class StepEnvRunner(_RunnerBase):
             return None
         return params.copy(max_tokens=left if params.max_tokens is None else min(params.max_tokens, left))
 
-    def _observation_message(self, text: str, turn: Turn) -> dict[str, Any]:
+    def _observation_message(self, text: Any, turn: Turn) -> dict[str, Any]:
         if self.observation_role == "user":
             return {"role": "user", "content": text}
         calls = turn.message.get("tool_calls") or [{}]

@@ -1,6 +1,7 @@
 """The Anthropic Messages wire: request schema, conversion to a `ChatRequest`, response and SSE event stream.
 
-Supported: `system` (string or text blocks), `messages` with text, `tool_use` and `tool_result` blocks,
+Supported: `system` (string or text blocks), `messages` with text, `image` (base64 or url sources, for
+vision-language models: `molt.capture.render`), `tool_use` and `tool_result` blocks (results may hold images),
 `tools` (converted to OpenAI function definitions so the chat template sees one format), `tool_choice`
 (`none` disables parsing; `any` and `tool` force a call, see `molt.capture.session`), `max_tokens`, `temperature`, `top_p`,
 `top_k`, `stop_sequences`, `stream`. `stop_reason` is `tool_use`, `stop_sequence`, `max_tokens` or
@@ -20,7 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from molt.capture.errors import WireError, client_error
-from molt.capture.render import canonical_tools
+from molt.capture.render import canonical_tools, content_parts
 from molt.capture.session import ChatRequest, Choice, Generation, Session, SessionClosed, text_pieces
 from molt.capture.streaming import LiveReply
 from molt.capture.tools import tool_call
@@ -42,14 +43,19 @@ class ToolUseBlock(_Model):
     input: dict[str, Any]
 
 
+class ImageBlock(_Model):
+    type: Literal["image"]
+    source: dict[str, Any]  # {"type": "base64", "media_type", "data"} or {"type": "url", "url"}
+
+
 class ToolResultBlock(_Model):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] | None = None
+    content: str | list[TextBlock | ImageBlock] | None = None
     is_error: bool | None = None
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
 class Message(_Model):
@@ -84,7 +90,20 @@ def _text(content: str | list[TextBlock] | None) -> str:
     return content if isinstance(content, str) else "".join(b.text for b in content or [])
 
 
-def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
+def _content(blocks: str | list[Any] | None, session: Session) -> str | list[dict[str, Any]]:
+    """Text and image blocks as canonical content (`molt.capture.render.content_parts`)."""
+    if not isinstance(blocks, list):
+        return blocks or ""
+    return content_parts([{"type": "text", "text": b.text} if isinstance(b, TextBlock) else
+                          {"type": "image_url", "image_url": {"url": _url(b.source)}}
+                          for b in blocks if isinstance(b, (TextBlock, ImageBlock))], session.renderer.image)
+
+
+def _url(src: dict[str, Any]) -> str:
+    return str(src.get("url") if src.get("type") == "url" else f"data:{src.get('media_type')};base64,{src.get('data')}")
+
+
+def _messages(req: MessagesRequest, session: Session) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _text(req.system)})
@@ -98,9 +117,11 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
             out.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
             continue
         results = [b for b in m.content if isinstance(b, ToolResultBlock)]
-        out += [{"role": "tool", "content": _text(b.content), "tool_call_id": b.tool_use_id} for b in results]
-        if text or not results:
-            out.append({"role": "user", "content": text})
+        out += [{"role": "tool", "content": _content(b.content, session), "tool_call_id": b.tool_use_id}
+                for b in results]
+        content = _content(m.content, session)
+        if content or not results:
+            out.append({"role": "user", "content": content})
     return out
 
 
@@ -122,7 +143,7 @@ def to_chat(req: MessagesRequest, data: dict[str, Any], session: Session) -> Cha
     if choice is None or (choice == "function" and not isinstance(name, str)):
         raise WireError(400, 'tool_choice.type must be "auto", "any", "none" or "tool" (with a name)',
                         param="tool_choice")
-    return ChatRequest(_messages(req), tools, params, list(req.stop_sequences or []), 1,
+    return ChatRequest(_messages(req, session), tools, params, list(req.stop_sequences or []), 1,
                        parse_tools=bool(tools) and choice != "none", tool_choice=choice, tool_name=name)
 
 

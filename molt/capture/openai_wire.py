@@ -1,6 +1,7 @@
 """The OpenAI Chat Completions wire: request schema, conversion to a `ChatRequest`, response and SSE stream.
 
-Supported: messages (system/developer/user/assistant/tool; text content parts; assistant `tool_calls`), `tools`
+Supported: messages (system/developer/user/assistant/tool; text and `image_url` content parts, images for
+vision-language models as `molt.capture.render` says; assistant `tool_calls`), `tools`
 and `tool_choice`, `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `stop`, `n`, `seed`,
 `logprobs` / `top_logprobs`, `stream` with `stream_options.include_usage`, and the vLLM-style extensions
 `top_k`, `min_tokens`. Unknown fields (penalties, `user`, ...) are ignored; fields left out take the session's
@@ -36,6 +37,15 @@ class TextPart(_Model):
     text: str
 
 
+class ImageURL(_Model):
+    url: str
+
+
+class ImagePart(_Model):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(_Model):
     name: str
     arguments: str | dict[str, Any] = "{}"
@@ -49,7 +59,7 @@ class ToolCall(_Model):
 
 class Message(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -114,7 +124,7 @@ def to_chat(req: ChatCompletionRequest, data: dict[str, Any], session: Session) 
             raise WireError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
                             '"function": {"name": ...}}', code="invalid_request", param="tool_choice")
         choice = "function"
-    return ChatRequest(canonical_messages(data["messages"]), tools, params,
+    return ChatRequest(canonical_messages(data["messages"], session.renderer.image), tools, params,
                        stop, req.n, parse_tools=bool(tools) and choice != "none", tool_choice=choice, tool_name=name)
 
 

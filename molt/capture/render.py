@@ -8,9 +8,20 @@ what the segment tracker compares, so equal conversations compare equal.
 
 Template errors (e.g. a template that raises on roles that do not alternate) are the client's mistake: they
 surface as `RenderError` (a ValueError), which the server answers with 400.
+
+Images (vision-language models; docs/vision.md): content with an image is a list of {"type": "text", "text"} and
+{"type": "image", "image": ImageRef} parts (text-only content stays a string). An `ImageRef` equals the sha256
+of the image's bytes, so a resent image compares equal. Base64 data URLs only (http(s) with
+`allow_remote_images`, fetched blocking); bad data or more than `max_image_pixels` is a ValueError (400).
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import functools
+import hashlib
+import io
+from collections.abc import Callable
 from typing import Any
 
 from jinja2 import TemplateError
@@ -20,13 +31,40 @@ class RenderError(ValueError):
     """The chat template rejected the conversation."""
 
 
-class ChatRenderer:
-    """Renders canonical messages with a Hugging Face tokenizer's chat template and (de)tokenizes text."""
+class ImageRef(str):
+    """An image part's identity (the sha256 of its bytes) carrying the decoded RGB image in `image`."""
 
-    def __init__(self, tokenizer: Any):
-        if not getattr(tokenizer, "chat_template", None):
+    image: Any
+
+
+@functools.lru_cache(maxsize=32)
+def _decode(data: bytes, max_pixels: int) -> ImageRef:
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            if im.width * im.height > max_pixels:
+                raise ValueError(f"image_url: a {im.width}x{im.height} image is over the limit of {max_pixels} pixels "
+                                 "(max_image_pixels)")
+            rgb = im.convert("RGB")  # decodes it all: truncated data fails here
+    except (OSError, SyntaxError, Image.DecompressionBombError) as e:
+        raise ValueError(f"image_url: the image cannot be decoded ({e})") from None
+    ref = ImageRef(hashlib.sha256(data).hexdigest())
+    ref.image = rgb
+    return ref
+
+
+class ChatRenderer:
+    """Renders canonical messages with a Hugging Face tokenizer's chat template and (de)tokenizes text; with a
+    `processor` (vision-language models) also images (module docstring)."""
+
+    def __init__(self, tokenizer: Any, processor: Any = None, *, max_image_pixels: int = 1 << 24,
+                 allow_remote_images: bool = False):
+        self.template = getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
+        if not self.template:
             raise ValueError("the tokenizer has no chat template; capture needs one to render conversations")
-        self.tokenizer = tokenizer
+        self.tokenizer, self.processor = tokenizer, processor
+        self.max_image_pixels, self.allow_remote_images = max_image_pixels, allow_remote_images
         self._token_text: dict[int, str] = {}
         # The Rust tokenizer directly when decoding needs no Python post-processing: the per-call overhead of
         # the transformers wrapper is larger than the tokenization itself at chat-turn sizes.
@@ -34,16 +72,53 @@ class ChatRenderer:
         self._backend = backend if not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None
 
     @classmethod
-    def from_pretrained(cls, path: str) -> ChatRenderer:
-        from transformers import AutoTokenizer
+    def from_pretrained(cls, path: str, **options: Any) -> ChatRenderer:
+        from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(path))
+        if hasattr(AutoConfig.from_pretrained(path), "vision_config"):
+            processor = AutoProcessor.from_pretrained(path)
+            return cls(processor.tokenizer, processor, **options)
+        return cls(AutoTokenizer.from_pretrained(path), **options)
+
+    def image(self, url: str) -> ImageRef:
+        """The image of an `image_url` (module docstring); ValueError naming the problem."""
+        if self.processor is None:
+            raise ValueError("this model takes no images (it has no image processor)")
+        if url.startswith(("http://", "https://")):
+            if not self.allow_remote_images:
+                raise ValueError("image_url: remote URLs are refused (allow_remote_images is off); send the image "
+                                 "inline as a data URL, data:image/png;base64,...")
+            import urllib.request
+
+            with urllib.request.urlopen(url, timeout=30) as response:
+                return _decode(response.read(), self.max_image_pixels)
+        head, _, data = url.partition(",")
+        if not (head.startswith("data:") and head.endswith(";base64")):
+            raise ValueError("image_url must be a base64 data URL (data:image/png;base64,...)")
+        try:
+            return _decode(base64.b64decode(data, validate=True), self.max_image_pixels)
+        except binascii.Error as e:
+            raise ValueError(f"image_url: the base64 data is malformed ({e})") from None
+
+    def encode_images(self, text: str, images: list[ImageRef]) -> tuple[list[int], dict[str, Any] | None]:
+        """(token ids, processor inputs) of a rendered chunk whose placeholders stand for `images`, in order: the
+        processor expands each placeholder into the image's tokens; its inputs have one entry per image along
+        dim 0, so a segment's chunks concatenate (LLaVA, Qwen2-VL; not Idefics3's per-text batches)."""
+        if not images:
+            return self.encode(text), None
+        try:
+            out = self.processor(text=[text], images=[i.image for i in images], add_special_tokens=False,
+                                 return_tensors="pt")
+        except (ValueError, IndexError) as e:
+            raise RenderError(f"the images do not match the conversation's image placeholders: {e}") from None
+        out.pop("attention_mask", None)
+        return out.pop("input_ids")[0].tolist(), dict(out)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                add_generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=self.template,
+                                                      add_generation_prompt=add_generation_prompt)
         except (TemplateError, TypeError, ValueError, KeyError) as e:  # incl. a template's raise_exception(...)
             raise RenderError(f"the model's chat template rejected the conversation: {e}") from None
 
@@ -66,16 +141,37 @@ class ChatRenderer:
         return text
 
 
-def canonical_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI-format chat messages (plain dicts) -> canonical messages. Idempotent."""
+def content_parts(parts: list[dict[str, Any]], image: Any) -> str | list[dict[str, Any]]:
+    """OpenAI content parts -> canonical content: their text, or with images the list of the module docstring."""
+    if all(p.get("type") not in ("image_url", "image") for p in parts):
+        return "".join(p.get("text") or "" for p in parts)
+    out = []
+    for p in parts:
+        if p.get("type") == "image_url":
+            p = {"type": "image", "image": image(p["image_url"]["url"])}
+        elif p.get("type") != "image":
+            p = {"type": "text", "text": p.get("text") or ""}
+        out.append(p)
+    return out
+
+
+def message_images(messages: list[dict[str, Any]]) -> list[ImageRef]:
+    """The images of canonical messages, in order."""
+    return [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
+
+
+def canonical_messages(messages: list[dict[str, Any]], image: Callable[[str], ImageRef] | None = None
+                       ) -> list[dict[str, Any]]:
+    """OpenAI-format chat messages (plain dicts) -> canonical messages; `image` loads an image_url (a
+    `ChatRenderer.image`). Idempotent."""
     from molt.capture.tools import tool_call
 
     out = []
     for m in messages:
         role = "system" if m["role"] == "developer" else m["role"]
         content = m.get("content")
-        if isinstance(content, list):  # text content parts
-            content = "".join(part.get("text") or "" for part in content)
+        if isinstance(content, list):  # content parts
+            content = content_parts(content, image)
         msg: dict[str, Any] = {"role": role, "content": content or ""}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = [tool_call(c.get("id") or "", c["function"]["name"], c["function"].get("arguments") or {})

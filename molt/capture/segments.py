@@ -19,6 +19,10 @@ used last: `start` (first request), `tools_changed`, `sampling_changed` (tempera
 extends the messages but the rendering of the earlier part changed), `branch` (M re-asks from an earlier
 point of the same history, or one of the n>1 choices), `compaction` (the history was rewritten).
 
+Images: the appended context is encoded with its new messages' images, whose processor inputs join the
+segment's `images` (each image once, in token order; the history's are recognised by digest, not processed
+again). A compaction that drops old images starts a new segment like any other rewrite.
+
 Decisions:
 - Every branch stays open for the session's life, so an agent that interleaves two conversations in one
   session (sub-agents) gets one segment per conversation, each continued correctly.
@@ -34,8 +38,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from molt.capture.render import ChatRenderer
-from molt.types import Segment
+import numpy as np
+
+from molt.capture.render import ChatRenderer, message_images
+from molt.types import Segment, join_inputs
 
 
 @dataclass(eq=False)
@@ -54,6 +60,7 @@ class Action:
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
+    routes: Any = None  # MoE: the completion's routed experts (prompt and action, `Completion.routed_experts`)
 
 
 @dataclass
@@ -69,6 +76,7 @@ class Plan:
     temperature: float
     prompt_text: str = ""
     rewrite: bool = field(default=False, repr=False)
+    images: Any = None  # processor inputs of the images of prompt_ids (what the engine and the segment get)
 
 
 class SegmentTracker:
@@ -98,20 +106,22 @@ class SegmentTracker:
                 continue
             context = self._continuation(branch, text_c)
             if context is not None:
-                ids = self.renderer.encode(context)
-                return Plan(branch.segment.token_ids + ids, ids, branch, "", messages, tools, temperature, text_c)
+                ids, images = self.renderer.encode_images(context, message_images(messages[len(known):]))
+                return Plan(branch.segment.token_ids + ids, ids, branch, "", messages, tools, temperature, text_c,
+                            images=join_inputs(branch.segment.images, images))
             rewrite = True
             break
-        ids = self.renderer.encode(text_c)
+        ids, images = self.renderer.encode_images(text_c, message_images(messages))
         reason = self._break_reason(messages, tools, temperature, rewrite)
-        return Plan(ids, ids, None, reason, messages, tools, temperature, text_c, rewrite)
+        return Plan(ids, ids, None, reason, messages, tools, temperature, text_c, rewrite, images)
 
     def plan_raw(self, text: str) -> Plan:
         if self._last is None:
             raise ValueError("raw-text continuation needs an earlier turn in this session")
         seg = self._last.segment
         ids = self.renderer.encode(text)
-        return Plan(seg.token_ids + ids, ids, self._last, "", None, self._last.tools, seg.temperature)
+        return Plan(seg.token_ids + ids, ids, self._last, "", None, self._last.tools, seg.temperature,
+                    images=seg.images)
 
     def commit(self, plan: Plan, actions: list[Action], replies: list[dict[str, Any]] | None) -> None:
         """Record the sampled choices of a planned request (choice 0 continues or starts; others branch)."""
@@ -121,10 +131,11 @@ class SegmentTracker:
             if i == 0 and plan.branch is not None:
                 branch = plan.branch
                 _extend(branch.segment, plan.context_ids, action)
+                branch.segment.images = plan.images
                 branch.messages, branch.prompt_text, branch.ended_turn = messages, plan.prompt_text, ended
             else:
                 segment = Segment([], [], [], [], break_reason=plan.break_reason if i == 0 else "branch",
-                                  temperature=plan.temperature)
+                                  temperature=plan.temperature, images=plan.images)
                 _extend(segment, plan.prompt_ids, action)
                 branch = _Branch(segment, messages, plan.tools, plan.prompt_text, ended)
                 self.branches.append(branch)
@@ -173,3 +184,9 @@ def _extend(segment: Segment, context: list[int], action: Action) -> None:
     segment.action_mask += [0] * n + [1] * len(action.token_ids)
     segment.behavior_logprobs += [0.0] * n + list(action.logprobs)
     segment.versions += [-1] * n + list(action.versions)
+    if action.routes is not None:  # aligned with token_ids (0 where never run); rows already there keep theirs
+        routes = np.zeros((len(segment.token_ids), *action.routes.shape[1:]), action.routes.dtype)
+        routes[:len(action.routes)] = action.routes[:len(routes)]
+        if segment.routed_experts is not None:
+            routes[:len(segment.routed_experts) - 1] = segment.routed_experts[:-1]
+        segment.routed_experts = routes

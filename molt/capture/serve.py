@@ -1,7 +1,7 @@
-"""`molt serve --model REF [--host 127.0.0.1] [--port N] [--strict-model] [--prefix-cache-mb MB]`: the engine and
-capture server as a standalone service, for debugging agents and for external harnesses. The engine keeps each
-session's last turn in its prefix cache (`molt.engine.prefix_cache`), so an agent's next turn prefills only its
-new tokens.
+"""`molt serve --model REF [--host 127.0.0.1] [--port N] [--strict-model] [--prefix-cache-mb MB]
+[--allow-remote-images]`: the engine and capture server as a standalone service, for debugging agents and for
+external harnesses. The engine keeps each session's last turn in its prefix cache (`molt.engine.prefix_cache`),
+so an agent's next turn prefills only its new tokens. Remote image URLs are refused unless allowed.
 
 Routes added to the capture server's:
 - POST /sessions (body optional: {"rollout_id": str, "sampling_params": {...}}) -> {"session_id", "base_url",
@@ -73,7 +73,8 @@ def add_service_routes(server: CaptureServer) -> None:
 
 
 async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: Any = None,
-                ready: Any = print, strict_model: bool = False, **engine_options: Any) -> None:
+                ready: Any = print, strict_model: bool = False, allow_remote_images: bool = False,
+                **engine_options: Any) -> None:
     """Run the service until SIGINT/SIGTERM. `engine` defaults to an HFEngine on `model` (a path) in a process
     of its own (`molt.engine.process`), leaving one core to the server, built with `engine_options`."""
     from molt.capture.render import ChatRenderer
@@ -86,7 +87,8 @@ async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: A
 
         engine = EngineProcess("molt.engine.hf:HFEngine", model, torch_threads=max(1, (os.cpu_count() or 2) - 1),
                                **engine_options)
-    server = CaptureServer(engine, ChatRenderer.from_pretrained(model), host=host, port=port,
+    renderer = ChatRenderer.from_pretrained(model, allow_remote_images=allow_remote_images)
+    server = CaptureServer(engine, renderer, host=host, port=port,
                            strict_model=strict_model)
     add_service_routes(server)
     await server.start()
@@ -112,5 +114,6 @@ def serve_main(args: Any) -> int:
     cache_mb = getattr(args, "prefix_cache_mb", None)
     options = {} if cache_mb is None else {"prefix_cache_mb": cache_mb}
     asyncio.run(serve(str(resolve_model(args.model)), args.host, args.port,
-                      strict_model=getattr(args, "strict_model", False), **options))
+                      strict_model=getattr(args, "strict_model", False),
+                      allow_remote_images=getattr(args, "allow_remote_images", False), **options))
     return 0

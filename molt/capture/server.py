@@ -159,9 +159,9 @@ class CaptureServer:
         if self.strict_model and req.model not in self.model_names:
             raise WireError(400, f"unknown model {req.model!r}; this server serves {sorted(self.model_names)}",
                             code="model_not_found", param="model")
-        chat = module.to_chat(req, data, session)
         key, lookup = cache_key(wire, raw, request.headers)
         try:
+            chat = module.to_chat(req, data, session)  # ValueError: e.g. an image that cannot be decoded
             if req.stream:  # tokens go out as they are sampled (streaming.py); errors before the first byte
                 live = LiveReply(session, chat, key, lookup)
                 await live.begin()

@@ -113,7 +113,7 @@ class Session:
         self.tracker = SegmentTracker(renderer, engine.eos_token_ids)
         self.closed = False
         self.reward: float | None = None  # set through `molt serve`'s POST /s/{id}/reward
-        self.stats = {"requests": 0, "cache_hits": 0, "malformed_tool_calls": 0}
+        self.stats = {"requests": 0, "cache_hits": 0, "tool_calls": 0, "malformed_tool_calls": 0}
         self._lock = asyncio.Lock()
         self._cache: OrderedDict[str, Generation] = OrderedDict()
         self._cache_size = cache_size
@@ -124,7 +124,8 @@ class Session:
     # ---------------------------------------------------------------------- molt.agents.CaptureSession
     async def chat(self, messages: list[dict[str, Any]], params: SamplingParams,
                    tools: list[dict[str, Any]] | None = None) -> Turn:
-        request = ChatRequest(canonical_messages(messages), canonical_tools(tools), params, parse_tools=bool(tools))
+        request = ChatRequest(canonical_messages(messages, self.renderer.image), canonical_tools(tools), params,
+                              parse_tools=bool(tools))
         gen = await self.complete(request)
         choice = gen.choices[0]
         return Turn(choice.message, gen.prompt_ids, choice.action_ids, choice.finish_reason)
@@ -185,7 +186,7 @@ class Session:
         params = [request.params if request.params.seed is None else request.params.copy(seed=request.params.seed + i)
                   for i in range(request.n)]
         self._inflight.update(ids)
-        stream: dict[str, Any] = {}
+        stream: dict[str, Any] = {"images": plan.images} if plan.images else {}
         if listener is not None:
             listener.started(plan.prompt_ids)
             stream["on_tokens"] = listener.tokens
@@ -198,7 +199,8 @@ class Session:
         if self.closed or any(c.finish_reason is FinishReason.ABORT for c in completions):
             raise SessionClosed(f"session {self.session_id} was closed while generating")
         choices = [self._choice(c, request, opening) for c in completions]
-        actions = [Action(ch.action_ids, c.logprobs[: len(ch.action_ids)], c.versions[: len(ch.action_ids)])
+        actions = [Action(ch.action_ids, c.logprobs[: len(ch.action_ids)], c.versions[: len(ch.action_ids)],
+                          c.routed_experts)
                    for ch, c in zip(choices, completions)]
         self.tracker.commit(plan, actions, [ch.message for ch in choices])
         return Generation(uuid.uuid4().hex[:24], int(time.time()), plan.prompt_ids, choices)
@@ -229,6 +231,7 @@ class Session:
             finish, text = "stop", text[: text.find(stop, len(opening))]
         parsed = self.parser(text) if request.parse_tools else Parsed(text)
         self.stats["malformed_tool_calls"] += parsed.malformed
+        self.stats["tool_calls"] += len(parsed.calls)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.calls:
             finish, message["tool_calls"] = "tool_calls", parsed.calls

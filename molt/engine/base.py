@@ -20,6 +20,9 @@ Streaming: `on_tokens`, when given, is called on the caller's event loop with ea
 token ids, in order, before `generate` returns the whole completion (the capture server streams replies from
 it). Engines may batch tokens; the completion stays the record.
 
+Images: a vision-language engine takes `images=`, the processor inputs of the prompt's images in token order
+(`molt.capture.render`); callers pass it only when there are images, so text-only engines need no parameter.
+
 Output: the stop token (EOS or one of `stop_token_ids`) that ended a completion is included in
 `token_ids` with its log-probability, finish reason STOP. Hitting `max_tokens` or the context window
 gives LENGTH.
@@ -81,6 +84,7 @@ class Engine(Protocol):
         request_id: str | None = None,  # for abort(); cancelling the awaiting task aborts as well
         *,
         on_tokens: Callable[[list[int]], None] | None = None,  # new token ids as they are sampled
+        # images: dict | None, vision-language engines only (module docstring)
     ) -> Completion: ...
 
     async def abort(self, request_id: str) -> None: ...  # finishes the request with FinishReason.ABORT

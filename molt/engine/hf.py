@@ -34,6 +34,14 @@ requests' KV caches hold old-weight keys/values, so the next step prefills them 
 with the new weights: later tokens are exactly what the new policy computes over the whole sequence. For the
 same reason a refit empties the prefix cache (unless `prefix_cache_stale`; then versions record the old prefix).
 
+Mixture of experts: a hook on every `*TopKRouter` records each position's experts (docs/moe.md); a position
+keeps the first route it got (a refit's recomputation does not overwrite it), prefix-cache entries keep theirs.
+
+Vision-language models (`AutoModelForImageTextToText`, LLaVA-style: image features replace placeholder tokens at
+1-D positions; not Qwen2-VL's M-RoPE): a request's `images` join its prefill (re-prefill too), a group's in row
+order, the order the model fills placeholders in. Such requests neither use nor fill the prefix cache: every
+image's placeholders are the same token ids, so a prefix computed with another image would match.
+
 Sampling defaults in the model's generation_config (repetition penalty, ...) are ignored; only its EOS ids are
 used. An explicit `max_tokens` beyond the context window is capped (finish reason LENGTH).
 """
@@ -55,7 +63,7 @@ from molt.engine.base import EngineError, check_request
 from molt.engine.prefix_cache import PrefixCache, left_pad, prefill_inputs, row_layers
 from molt.engine.sampling import sample
 from molt.engine.weight_group import InProcessWeightReceiver
-from molt.types import Completion, FinishReason, SamplingParams
+from molt.types import Completion, FinishReason, SamplingParams, join_inputs
 
 
 @dataclass(eq=False)
@@ -69,6 +77,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     on_tokens: Any = None  # called on `loop` with each new token id (streaming)
+    images: Any = None  # processor inputs of the prompt's images (vision-language models)
     session_id: str | None = None  # key of the prefix cache
     kv_version: int = 0  # policy version of the oldest keys/values in this request's cache (stale prefixes)
     tokens: list[int] = field(default_factory=list)
@@ -77,11 +86,20 @@ class _Request:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     finish: FinishReason | None = None
     aborted: bool = False
+    routes: list[torch.Tensor] = field(default_factory=list)  # MoE: [n, layers, k] chunks of positions 0..routed
+    routed: int = 0
+
+    def route(self, start: int, rows: torch.Tensor | None) -> None:
+        """Routes of context positions start...; a position keeps the first one it got (see module doc)."""
+        if rows is not None and start + len(rows) > self.routed:
+            self.routes.append(rows[self.routed - start:])
+            self.routed = start + len(rows)
 
     def completion(self) -> Completion:
         return Completion(list(self.tokens), list(self.logprobs), list(self.versions), self.finish,
                           top_logprobs=self.top if self.params.top_logprobs else None,
-                          prompt_tokens=len(self.prompt))
+                          prompt_tokens=len(self.prompt),
+                          routed_experts=torch.cat(self.routes).numpy() if self.routes else None)
 
 
 def _resolve(req: _Request, result: Any = None, error: BaseException | None = None) -> None:
@@ -98,15 +116,17 @@ class HFEngine(InProcessWeightReceiver):
     def __init__(self, model_path: str, *, model_name: str | None = None, dtype: str = "float32",
                  device: str = "cpu", max_batch_size: int = 64, version: int = 0,
                  max_prefill_tokens: int = 8192, prefix_cache_mb: float = 1024, prefix_cache_stale: bool = False):
-        from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+        import transformers as tf
 
         if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
             raise EngineError(f"unknown dtype {dtype!r} (use e.g. 'float32', 'bfloat16')")
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
+        self.vision = hasattr(tf.AutoConfig.from_pretrained(model_path), "vision_config")
+        auto = tf.AutoModelForImageTextToText if self.vision else tf.AutoModelForCausalLM
+        self.model = auto.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
         self.model.eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        config = self.model.config
+        self.tokenizer = tf.AutoTokenizer.from_pretrained(model_path)
+        config = self.model.config.get_text_config()
         self.model_name = model_name or Path(model_path).name
         self.max_model_len = int(config.max_position_embeddings)
         self.vocab_size = int(config.vocab_size)
@@ -119,10 +139,15 @@ class HFEngine(InProcessWeightReceiver):
         self.max_prefill_tokens = max_prefill_tokens
         # transformers 5.x renamed `past_key_values` to `cache`; accept either
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        self._new_cache = lambda: DynamicCache(config=config)
+        self._new_cache = lambda: tf.DynamicCache(config=config)
         layer_types = {type(layer).__name__ for layer in self._new_cache().layers}
         if layer_types != {"DynamicLayer"}:  # sliding-window layers cannot be left-padded and merged
             raise EngineError(f"HFEngine supports full-attention caches only, got {sorted(layer_types)}")
+        self._routes: list[torch.Tensor] = []  # MoE: each router's top-k experts in this forward, in layer order
+        routers = [m for m in self.model.modules() if type(m).__name__.endswith("TopKRouter")]
+        for router in routers:
+            router.register_forward_hook(lambda _m, _a, out: self._routes.append(out[2]))
+        self._route_dtype = torch.uint8 if all(r.weight.shape[0] <= 256 for r in routers) else torch.int16
         self._params = self.model.state_dict()  # tensors share storage with the parameters (tied ones too)
         self._version = version
         self.prefixes = PrefixCache(prefix_cache_mb, prefix_cache_stale)  # owned by the worker thread
@@ -151,9 +176,11 @@ class HFEngine(InProcessWeightReceiver):
         return len(self._active)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
+                       request_id: str | None = None, *, on_tokens: Any = None, images: Any = None) -> Completion:
         req = self._make_request(list(prompt_ids), params, request_id)
-        req.on_tokens, req.session_id = on_tokens, session_id
+        if images and not self.vision:
+            raise EngineError(f"{self.model_name} takes no images")
+        req.on_tokens, req.session_id, req.images = on_tokens, session_id, images
         with self._cv:
             if self._closed:
                 raise EngineError("the engine is closed")
@@ -306,24 +333,30 @@ class HFEngine(InProcessWeightReceiver):
             self._mask = F.pad(self._mask, (0, 1), value=1)
             positions = self._mask.sum(1, keepdim=True) - 1
             ids = torch.tensor([[r.tokens[-1]] for r in self._rows], device=self.device)
-            logits = self._forward(ids, self._mask, positions, self._cache)
+            logits, routes = self._forward(ids, self._mask, positions, self._cache)
+            for i, r in enumerate(self._rows):
+                r.route(len(r.prompt) + len(r.tokens) - 1, None if routes is None else routes[i])
             self._emit(self._rows, logits, version)
-        reused = {r: self.prefixes.lookup(r.session_id, r.prompt + r.tokens) for r in new}
+        reused = {r: self.prefixes.lookup(None if r.images else r.session_id, r.prompt + r.tokens) for r in new}
         for group in self._prefill_groups(new, {r: len(r.prompt) + len(r.tokens) - reused[r][1] for r in new}):
             cache = self._new_cache()
             ids, mask, positions = (t.to(self.device) for t in prefill_inputs(
                 [r.prompt + r.tokens for r in group], [reused[r] for r in group], self.pad_token_id, cache))
-            for r in group:
+            images = join_inputs(*(r.images for r in group))
+            logits, routes = self._forward(ids, mask, positions, cache, **{k: v.to(self.device, self.model.dtype)
+                                           if v.is_floating_point() else v.to(self.device) for k, v in (images or {}).items()})
+            for i, r in enumerate(group):
                 entry, n = reused[r]
                 r.kv_version = min(entry.version, version) if n else version
-            logits = self._forward(ids, mask, positions, cache)
+                r.route(0, entry.routes[:n] if n and entry.routes is not None else None)
+                r.route(n, None if routes is None else routes[i, ids.shape[1] - len(r.prompt) - len(r.tokens) + n:])
             self._emit(group, logits, version)
             self._merge(group, cache, mask)
         if self.prefixes.budget:  # finished rows leave at the sweep: keep their keys/values for the next turn
             for i, r in enumerate(self._rows):
-                if r.finish is not None and r.session_id is not None:
+                if r.finish is not None and r.session_id is not None and not r.images:
                     layers = row_layers(self._cache, self._mask, i)
-                    self.prefixes.store(r.session_id, (r.prompt + r.tokens)[:-1], layers, r.kv_version)
+                    self.prefixes.store(r.session_id, (r.prompt + r.tokens)[:-1], layers, r.kv_version, r.routes)
         with self._cv:
             self._sweep()
 
@@ -339,10 +372,14 @@ class HFEngine(InProcessWeightReceiver):
         if group:
             yield group
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
+                 **images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Last-position logits [rows, vocab] and, for MoE, the routes [rows, len, layers, k] on the CPU."""
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **{self._cache_kw: cache})
-        return out.logits[:, -1].float()
+                         logits_to_keep=1, **{self._cache_kw: cache}, **images)
+        r, self._routes = self._routes, []
+        routes = torch.stack(r, 1).view(*ids.shape, len(r), -1).to("cpu", self._route_dtype) if r else None
+        return out.logits[:, -1].float(), routes
 
     def _merge(self, group: list[_Request], cache: Any, mask: torch.Tensor) -> None:
         """Append a prefilled group's rows to the running batch, left-padding the shorter cache."""

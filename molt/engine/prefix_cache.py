@@ -50,6 +50,7 @@ class Prefix:
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [1, kv_heads, len(tokens), head_dim]
     version: int  # policy version of the oldest keys/values
     nbytes: int
+    routes: Any = None  # MoE: the experts each token was routed to [len(tokens), layers, k] (molt.engine.hf)
 
 
 class PrefixCache:
@@ -75,7 +76,7 @@ class PrefixCache:
         return entry, n
 
     def store(self, session_id: str, tokens: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]],
-              version: int) -> None:
+              version: int, routes: list[torch.Tensor] | None = None) -> None:
         assert all(k.shape[-2] == len(tokens) for k, _ in layers), "keys/values must cover exactly `tokens`"
         self.drop(session_id)
         nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
@@ -83,7 +84,7 @@ class PrefixCache:
             return
         while self.nbytes + nbytes > self.budget:
             self.drop(next(iter(self.entries)))
-        self.entries[session_id] = Prefix(tokens, layers, version, nbytes)
+        self.entries[session_id] = Prefix(tokens, layers, version, nbytes, torch.cat(routes) if routes else None)
         self.nbytes += nbytes
 
     def drop(self, session_id: str) -> None:

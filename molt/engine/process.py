@@ -18,7 +18,8 @@ Streaming: a request with `on_tokens` gets ("tokens", id, ids) messages before i
 
 Decisions: `torch_threads` sets the child's intra-op threads (a spawned process does not inherit the
 parent's setting). The child is a daemon (it dies with its parent); if it exits, every waiting request fails with an
-EngineError naming the exit code. `close()` closes the engine in the child, then the child itself.
+EngineError naming the exit code, and `exitcode` turns from None to that code (the rollout worker then starts a
+new engine: `molt.runtime.worker`). `close()` closes the engine in the child, then the child itself.
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ class EngineProcess:
         self._ids = itertools.count()
         self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future, Any]] = {}
         self._send_lock = threading.Lock()
-        self._closed = False
+        self._closed = self._gone = False
         self._reader = threading.Thread(target=self._read, name="molt-engine-reader", daemon=True)
         self._reader.start()
 
@@ -78,15 +79,20 @@ class EngineProcess:
         return self._version
 
     @property
+    def exitcode(self) -> int | None:
+        """None while the child runs (set once the reader has seen it go, before any request fails)."""
+        return self._proc.exitcode if self._gone else None
+
+    @property
     def num_requests(self) -> int:
         return len(self._waiting)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
+                       request_id: str | None = None, *, on_tokens: Any = None, images: Any = None) -> Completion:
         request_id = request_id or f"p{next(self._ids)}"
         try:
             return await self._request("generate", request_id, list(prompt_ids), params, session_id,
-                                       on_tokens is not None, on_tokens=on_tokens)
+                                       on_tokens is not None, images, on_tokens=on_tokens)
         except asyncio.CancelledError:
             self._send(("abort", None, request_id))
             raise
@@ -166,6 +172,8 @@ class EngineProcess:
                     loop.call_soon_threadsafe(on_tokens, value)
             else:
                 loop.call_soon_threadsafe(_settle, future, kind, value)
+        self._proc.join(10)  # its end of the pipe closed: it is exiting
+        self._gone = True
         error = EngineError(f"the engine process exited (exit code {self._proc.exitcode})")
         for loop, future, _ in list(self._waiting.values()):
             loop.call_soon_threadsafe(_settle, future, "error", error)
@@ -222,10 +230,11 @@ async def _serve(conn: Any, factory: str, args: tuple, kwargs: dict) -> None:
         if kind == "exit":
             break
         if kind == "generate":
-            request_id, prompt, params, session_id, stream = payload
+            request_id, prompt, params, session_id, stream, images = payload
             on_tokens = (lambda ids, key=key: conn.send(("tokens", key, ids))) if stream else None
+            extra = {"images": images} if images else {}  # engines without images take no such argument
             task = loop.create_task(run(key, engine.generate(prompt, params, session_id, request_id=request_id,
-                                                             on_tokens=on_tokens)))
+                                                             on_tokens=on_tokens, **extra)))
             requests[request_id] = task
             task.add_done_callback(lambda _, rid=request_id: requests.pop(rid, None))
         elif kind == "abort":

@@ -42,14 +42,13 @@ class Router:
         return all(can_stream(e) for e in self.engines)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
+                       request_id: str | None = None, **kw: Any) -> Completion:  # on_tokens, images
         index = self.pick(session_id)
         request_id = request_id or uuid.uuid4().hex
         self._owner[request_id] = index
         self._load[index] += 1
         try:
-            stream = {"on_tokens": on_tokens} if on_tokens is not None else {}
-            return await self.engines[index].generate(prompt_ids, params, session_id, request_id, **stream)
+            return await self.engines[index].generate(prompt_ids, params, session_id, request_id, **kw)
         finally:
             self._load[index] -= 1
             self._owner.pop(request_id, None)

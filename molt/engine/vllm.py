@@ -51,6 +51,9 @@ refused. Pre-quantized checkpoints are unsupported (the trainer sends unquantize
 the prefix cache (old-weight keys and values); a failed reset is an error. vLLM's weight-transfer engine is not
 used: its transport wants vLLM's own sender in the trainer, and its loading half is the layerwise reload above.
 Pipeline and data parallelism are refused until the refit group gives their workers ranks.
+
+MoE routes: with `enable_return_routed_experts` (vLLM >= 0.21) a completion keeps `CompletionOutput.routed_experts`
+when it covers the whole sequence (prompt + generated - 1 rows), else has none (docs/moe.md; untested on a GPU).
 """
 from __future__ import annotations
 
@@ -132,6 +135,7 @@ class _Request:
     segments: int = 0  # vLLM requests submitted so far (one per refit crossed, plus one)
     task: asyncio.Task | None = None  # streams the current vLLM request
     on_tokens: Any = None  # streaming callback (new token ids)
+    routes: Any = None  # MoE, with enable_return_routed_experts: vLLM's latest [positions, layers, k] routes
 
     def receive(self, out: Any, version: int) -> list[int]:
         """Keep one output of vLLM's DELTA stream (the tokens new since the previous one), produced by the
@@ -141,14 +145,16 @@ class _Request:
         self.logprobs += logprobs
         self.versions += [version] * len(tokens)
         self.top += tops
+        self.routes = self.routes if getattr(out, "routed_experts", None) is None else out.routed_experts
         if out.finish_reason is not None:
             self.finish = finish_reason(out.finish_reason)
         return tokens
 
     def completion(self) -> Completion:
+        whole = self.routes is not None and len(self.routes) == len(self.prompt) + len(self.tokens) - 1
         return Completion(list(self.tokens), list(self.logprobs), list(self.versions), self.finish,
                           top_logprobs=self.top if self.params.top_logprobs else None,
-                          prompt_tokens=len(self.prompt))
+                          prompt_tokens=len(self.prompt), routed_experts=self.routes if whole else None)
 
 
 def _import_vllm() -> tuple[Any, Any]:

@@ -22,6 +22,18 @@ def complete(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("_")[1]))
 
 
+def resume_point(run_dir: Path, root: Path, resume: bool) -> Path | None:
+    """The checkpoint to resume from, if any. A run directory holds one run: one with a ledger but nothing to
+    resume (or `ckpt.resume` off) is refused rather than appended to."""
+    ckpts = complete(root)
+    ledger = run_dir / "ledger.jsonl"
+    if ckpts and resume or not (ledger.is_file() and ledger.stat().st_size):
+        return ckpts[-1] if ckpts and resume else None
+    why = "ckpt.resume is off" if ckpts else f"no complete checkpoint under {root} to resume it"
+    raise ValueError(f"ckpt.output_dir {run_dir} holds another run (ledger.jsonl) and {why}: pass a new "
+                     "ckpt.output_dir or remove the old run")
+
+
 def rotate(root: Path, max_num: int, best_metric_key: str = "") -> list[Path]:
     """Remove what `ckpt.max_num` does not keep (module docstring); returns the removed directories."""
     ckpts = complete(root)

@@ -12,7 +12,8 @@ Each comma-separated entry is loaded as:
 Rows from Arrow lose null-valued keys in their messages and tools (nulls there are Arrow's filling, never the
 author's). Several entries are interleaved by `datasets.interleave_datasets` with `prompt_probs` (equal
 probabilities when none are given) until every entry is exhausted, as the reference does; `max_samples` then
-keeps the first rows. Mistakes are `ValueError`s naming the flag.
+keeps the first rows. A row's images (`image_key`) pass through as a list, at most `max_images` of them.
+Mistakes are `ValueError`s naming the flag.
 """
 from __future__ import annotations
 
@@ -80,9 +81,9 @@ def mix(sources: list[list[dict[str, Any]]], probs: list[float] | None, seed: in
 
 
 def load_prompts(spec: str, *, input_key: str, label_key: str | None, tools_key: str | None, split: str = "train",
-                 probs: str = "", max_samples: int | None = None, seed: int = 42,
-                 what: str = "data.prompt_dataset") -> list[dict[str, Any]]:
-    """Runner rows {"messages" | "prompt", "label", "tools"} of `spec` (comma-separated entries)."""
+                 probs: str = "", max_samples: int | None = None, seed: int = 42, what: str = "data.prompt_dataset",
+                 image_key: str | None = None, max_images: int = 0) -> list[dict[str, Any]]:
+    """Runner rows {"messages" | "prompt", "label", "tools", "images"?} of `spec` (comma-separated entries)."""
     entries = [e.strip() for e in spec.split(",") if e.strip()]
     weights = [float(p) for p in probs.split(",")] if probs else None
     if weights is not None and (len(weights) != len(entries) or min(weights) < 0 or sum(weights) <= 0):
@@ -102,5 +103,11 @@ def load_prompts(spec: str, *, input_key: str, label_key: str | None, tools_key:
             raise ValueError(f"{what}: row {n} has no {input_key!r} value (data.input_key); keys: {sorted(raw)}")
         row = {"messages": prompt} if isinstance(prompt, list) else {"prompt": str(prompt)}
         row.update(label=raw.get(label_key) if label_key else None, tools=raw.get(tools_key) if tools_key else None)
+        images = raw.get(image_key) if image_key else None
+        if images is not None:
+            row["images"] = images if isinstance(images, list) else [images]
+            if 0 < max_images < len(row["images"]):
+                raise ValueError(f"{what}: row {n} has {len(row['images'])} images, more than "
+                                 f"data.max_images_per_prompt={max_images}")
         out.append(row)
     return out

@@ -1,6 +1,9 @@
-"""Human-readable trajectory dumps (`--train.dump_trajectories_steps`): one JSON line per segment.
-
-Only on dump steps does the controller fetch payloads (a copy through `ray.get`, the records stay offloaded).
+"""Human-readable trajectory dumps (`--train.dump_trajectories_steps`): one JSON line per segment, which
+`molt inspect` reads. Only on dump steps does the controller fetch payloads (a copy through `ray.get`).
+Fields for the inspector (older dumps lack them): `pieces`, each token's text (`_pieces`; they join to `text`);
+`trainer_logprobs` under the policy before the step's update (the proximal policy the importance gate compares
+with; one extra no-grad pass, on dump steps only); `is_weights`, each token's importance weight with the run's
+`algo.advantage.is_correction_*`, one segment per sequence as in training (0: rejected by the gate).
 """
 from __future__ import annotations
 
@@ -18,9 +21,30 @@ def _tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def dump_groups(path: Path, groups: list[Group], model_path: str, advantages: dict[str, float] | None = None) -> None:
-    """`advantages`: the per-rollout advantage of a group estimator (token-level estimators: omitted)."""
+def _pieces(tok, ids: list[int]) -> list[str]:
+    """Per-token text. A token decoded alone loses context (SentencePiece's leading space, the bytes of a
+    character split over tokens), so each token's text is what it adds to a window that starts at the previous
+    emitted token; a token that leaves an incomplete character (U+FFFD) waits, and the token that completes it
+    carries the whole character."""
+    out, prefix, read = [], 0, 0
+    for i in range(len(ids)):
+        before, after = tok.decode(ids[prefix:read]), tok.decode(ids[prefix:i + 1])
+        done = len(after) > len(before) and not after.endswith("\ufffd")
+        out.append(after[len(before):] if done else "")
+        prefix, read = (read, i + 1) if done else (prefix, read)
+    if read < len(ids):  # trailing bytes that never formed a character
+        out[-1] += tok.decode(ids[prefix:])[len(tok.decode(ids[prefix:read])):]
+    return out
+
+
+def dump_groups(path: Path, groups: list[Group], model_path: str, advantages: dict[str, float] | None = None,
+                trainer_logprobs: dict[tuple[str, int], list[float]] | None = None, gate: tuple = ("off",)) -> None:
+    """`advantages`: the per-rollout advantage of a group estimator (token-level estimators: omitted);
+    `trainer_logprobs` by (rollout id, segment index); `gate`: (level, mode, low, high) of the importance gate."""
     import ray
+    import torch
+
+    from molt.algo import importance_weights
 
     tok = _tokenizer(model_path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -31,12 +55,18 @@ def dump_groups(path: Path, groups: list[Group], model_path: str, advantages: di
                     payload = ray.get(e.payload_ref) if e.offloaded else {"token_ids": e.token_ids,
                         "action_mask": e.action_mask, "behavior_logprobs": e.behavior_logprobs, "versions": e.versions}
                     ids, mask = payload["token_ids"], payload["action_mask"]
-                    f.write(json.dumps({
+                    line = {
                         "group_id": g.group_id, "rollout_id": o.rollout_id, "segment": e.segment_index,
                         "break_reason": o.break_reasons[e.segment_index] if o.break_reasons else "start",
                         "reward": o.reward, "advantage": (advantages or {}).get(o.rollout_id),
-                        "text": tok.decode(ids),
+                        "text": tok.decode(ids), "pieces": _pieces(tok, ids),
                         "action_text": tok.decode([t for t, m in zip(ids, mask) if m]),
                         "token_ids": ids, "action_mask": mask, "behavior_logprobs": payload["behavior_logprobs"],
                         "versions": payload["versions"],
-                    }) + "\n")
+                    }
+                    lp = (trainer_logprobs or {}).get((o.rollout_id, e.segment_index))
+                    if lp is not None:
+                        w, _ = importance_weights(*(torch.tensor([x], dtype=torch.float64) for x in
+                                                    (lp, payload["behavior_logprobs"], mask)), *gate)
+                        line.update(trainer_logprobs=lp, is_weights=w[0].tolist())
+                    f.write(json.dumps(line) + "\n")

@@ -5,7 +5,8 @@ to the staleness bound), compute group advantages from the light records, send e
 share of experience references, run the optimizer steps (one per `train.batch_size` rollouts, `train.max_epochs`
 times; `molt.runtime.trainer_group`), stream the new weights to every worker through the
 object store, and bump the policy version (which lets the pool dispatch further). Evaluation runs before,
-every `eval.steps`, and after training; checkpoints every `ckpt.save_steps` (`molt.runtime.checkpoints`).
+every `eval.steps`, and after training; checkpoints every `ckpt.save_steps`, whenever `ckpt.save_interval_s`
+passed since the last one, and at the end (`molt.runtime.checkpoints`).
 Rewards are clamped into `reward.clip_range` before advantages; with `algo.kl.target` the KL coefficient
 adapts after each step (`molt.algo.adaptive_kl_coef`), and is checkpointed.
 
@@ -13,23 +14,31 @@ Run directory (`ckpt.output_dir`): `config.yaml`, `metrics.jsonl`, `ledger.jsonl
 step, ledger key, rollout ids), `dumps/step_N.jsonl`, `checkpoints/step_N/` (or `ckpt.path`), `policy/` (the final policy as a Hugging Face checkpoint),
 `summary.json`, `curves.png`.
 Resume: the latest checkpoint restores trainer state (model, optimizer, schedule, RNG), the step, the ledger
-and the pool's counters; the prompt stream skips trained keys: no prompt sample is trained twice or skipped.
+and the pool's counters; the prompt stream skips trained keys: no prompt sample is trained twice or skipped. A
+run directory holds one run (`molt.runtime.checkpoints.resume_point`).
+Stopping (docs/reliability.md): SIGINT/SIGTERM or an engine crash loop (`RunStopped`) stop the run after the step
+in progress (a wait for rollouts is abandoned), checkpoint that step and raise `RunStopped`; a second signal exits
+at once. A failed trainer rank raises at once and saves no trainer state (a step may be half applied, other ranks
+stuck in a collective); the ledger and metrics are written step by step, so a rerun resumes exactly.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from molt.config import MoltConfig, save_config, to_dict
-from molt.runtime.checkpoints import complete, rotate, truncate_after
+from molt.runtime.checkpoints import resume_point, rotate, truncate_after
 from molt.runtime.data import load_prompts
 from molt.runtime.experience import assign_to_ranks
 from molt.runtime.metrics import MetricsLogger, rollout_metrics
-from molt.runtime.pool import Group, PromptStream, RolloutPool, RolloutTask
+from molt.runtime.pool import Group, PromptStream, RolloutPool, RolloutTask, RunStopped
 from molt.runtime.trainer_group import (
     RANK_ESTIMATORS,
     TrainerGroup,
@@ -76,7 +85,21 @@ class Run:
         self.counters: dict[str, int] = {}  # the pool's, restored on resume
         self.evals: list[dict[str, float]] = []
         self._inflight: list[int] = []
-        self._created = time.perf_counter()
+        self._created = self._saved = time.perf_counter()
+        self._stop, self._stopping = asyncio.Event(), None
+
+    def stop(self, reason: RunStopped) -> None:
+        """Stop after the step in progress with a checkpoint, then raise `reason` (module docstring)."""
+        if self._stopping is None:
+            self._stopping = getattr(reason, "cause", reason)  # a worker's, through Ray
+            self._stop.set()
+
+    def _on_signal(self, signum: int) -> None:
+        if self._stopping is not None:
+            os._exit(128 + signum)
+        name = signal.Signals(signum).name
+        print(f"molt: {name}: stopping after the step in progress with a checkpoint (again: exit now)", file=sys.stderr)
+        self.stop(RunStopped(f"stopped by {name}", 128 + signum))
 
     # ------------------------------------------------------------------------------------------ set-up
     async def setup(self) -> None:
@@ -86,13 +109,15 @@ class Run:
         from molt.runtime.worker import RolloutWorker
 
         cfg = self.cfg
+        self._resume_from = resume_point(self.dir, self.ckpt_dir, cfg.ckpt.resume)
         if cfg.algo.advantage.estimator not in GROUP_ESTIMATORS + RANK_ESTIMATORS:
             raise ValueError(f"algo.advantage.estimator {cfg.algo.advantage.estimator!r} is not supported by the "
                              f"runtime yet (use one of {', '.join(GROUP_ESTIMATORS + RANK_ESTIMATORS)})")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model_path = str(resolve_model(cfg.actor.model_name_or_path))
         d = cfg.data
-        keys = {"input_key": d.input_key, "label_key": d.label_key, "tools_key": d.tools_key, "seed": cfg.train.seed}
+        keys = {"input_key": d.input_key, "label_key": d.label_key, "tools_key": d.tools_key, "seed": cfg.train.seed,
+                "image_key": d.image_key, "max_images": d.max_images_per_prompt}
         self.rows = load_prompts(d.prompt_dataset, split=d.prompt_split, probs=d.prompt_probs,
                                  max_samples=d.max_samples, **keys)
         self.eval_rows = load_prompts(cfg.eval.dataset, split=cfg.eval.split, what="eval.dataset",
@@ -103,8 +128,8 @@ class Run:
         if not ray.is_initialized():
             if cfg.ray.address:
                 ray.init(address=cfg.ray.address, log_to_driver=False)
-            else:
-                ray.init(num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, log_to_driver=False,
+            else:  # "local": a new instance, never another run's found in /tmp/ray (a shared machine)
+                ray.init("local", num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, log_to_driver=False,
                          runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
         worker_threads, trainer_threads = _threads(cfg)
         runner_options = {"timeout": cfg.rollout.timeout_s, "max_turns": cfg.rollout.max_turns}
@@ -118,11 +143,14 @@ class Run:
             engine_options = {"tensor_parallel_size": v.tensor_parallel_size, "max_model_len": cfg.data.max_len,
                               "gpu_memory_utilization": v.gpu_memory_utilization,
                               **{k: yaml.safe_load(x) for k, x in v.engine_args.items()}}
+            if cfg.train.routing_replay:  # vLLM >= 0.21: CompletionOutput.routed_experts (docs/moe.md)
+                engine_options["enable_return_routed_experts"] = True
             n_workers, gpus = v.num_engines, v.tensor_parallel_size
         worker_cls = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=10_000)(RolloutWorker)
         self.workers = [worker_cls.remote(self.model_path, str(Path(cfg.train.agent_path).resolve()),
                                           engine_kind=cfg.rollout.engine, torch_threads=worker_threads,
-                                          runner_options=runner_options, engine_options=engine_options)
+                                          runner_options=runner_options, engine_options=engine_options,
+                                          max_restarts=cfg.rollout.engine_max_restarts)
                         for _ in range(n_workers)]
         self._inflight = [0] * len(self.workers)
         self.trainer = TrainerGroup(cfg.train.num_ranks, torch_threads=trainer_threads,
@@ -137,7 +165,6 @@ class Run:
         self._weight_plan = None
         if sync == "collective" or (sync == "auto" and cfg.rollout.engine == "vllm"):
             await self._join_weight_group()
-        self._resume()
 
     async def _join_weight_group(self) -> None:
         """Trainer rank 0 (the sender, rank 0) and every engine process form the refit group."""
@@ -148,10 +175,6 @@ class Run:
         await asyncio.gather(self.trainer.same("join_weight_group", address, world),
                              *[w.join_weight_group.remote(address, o, world) for w, o in zip(self.workers, offsets)])
         self._weight_plan = await rank0.weight_plan.remote(BUCKET_BYTES)
-
-    def _resume(self) -> None:
-        ckpts = complete(self.ckpt_dir)
-        self._resume_from = ckpts[-1] if ckpts and self.cfg.ckpt.resume else None
 
     async def _load_checkpoint(self) -> None:
         path = self._resume_from
@@ -176,6 +199,7 @@ class Run:
                  "counters": counters, "kl_coef": self.kl_coef, "metrics": metrics}
         (path / "state.json").write_text(json.dumps(state))  # written last: marks the checkpoint complete
         rotate(self.ckpt_dir, self.cfg.ckpt.max_num, self.cfg.ckpt.best_metric_key)
+        self._saved = time.perf_counter()
 
     # ------------------------------------------------------------------------------------------ rollouts
     def _params(self, *, eval: bool = False) -> SamplingParams:
@@ -190,12 +214,15 @@ class Run:
         self._inflight[i] += 1
         try:
             return await self.workers[i].run.remote(task, self._params(eval=not train), train)
+        except RunStopped as e:  # its engine keeps crashing
+            self.stop(e)
+            raise
         finally:
             self._inflight[i] -= 1
 
     async def evaluate(self) -> dict[str, float]:
         """pass@n and avg@n on the eval set (correct = score or reward > 0; avg = mean score)."""
-        from molt.runtime.metrics import pass_at_n
+        from molt.runtime.metrics import agent_metrics, info_means, pass_at_n
 
         n = self.cfg.eval.n_samples_per_prompt
         tasks = [RolloutTask(row, (-1, p), f"eval-p{p}", f"eval-v{self.version}-p{p}-s{s}", s, self.version,
@@ -212,8 +239,10 @@ class Run:
         pass_n, avg_n = pass_at_n(correct)
         name = Path(self.cfg.eval.dataset).stem
         out = {f"eval_{name}_pass{n}": pass_n, f"eval_{name}_avg{n}": avg_n, "eval/accuracy": avg_n,
-               "eval/failed": float(failed), "timing/eval": time.perf_counter() - t0}
-        self.evals.append({"step": self.step, "accuracy": avg_n, "pass": pass_n})
+               "eval/failed": float(failed), "timing/eval": time.perf_counter() - t0,
+               **agent_metrics(outcomes, "eval/agent/"), **info_means(outcomes, "eval/info/")}
+        self.evals.append({"step": self.step, "accuracy": avg_n, "pass": pass_n,
+                           **{k[5:]: v for k, v in out.items() if k.startswith("eval/agent/")}})
         return out
 
     # ------------------------------------------------------------------------------------------ training
@@ -248,6 +277,13 @@ class Run:
         windows = [assign_to_ranks([e for g in groups[i:i + size] for o in g.outcomes for e in o.experiences],
                                    cfg.train.num_ranks) for i in range(0, len(groups), size)]
         n = cfg.train.num_ranks
+        self._trainer_logprobs = None
+        if cfg.train.dump_trajectories_steps and (self.step + 1) % cfg.train.dump_trajectories_steps == 0:
+            # the dump's trainer log-probs, under the policy before the update: one extra pass on dump steps
+            shares = [[e for w in windows for e in w[r]] for r in range(n)]
+            lps = await self.trainer.call("logprobs", shares)
+            self._trainer_logprobs = {(e.rollout_id, e.segment_index): lp
+                                      for share, rows in zip(shares, lps) for e, lp in zip(share, rows)}
         results = await self.trainer.call(
             "train_step", [[w[r] for w in windows] for r in range(n)], [advantages] * n, [rewards] * n,
             epochs=cfg.train.max_epochs, critic_epochs=cfg.critic.max_epochs or cfg.train.max_epochs,
@@ -269,6 +305,10 @@ class Run:
             await self._load_checkpoint()
         logger = MetricsLogger(self.dir, cfg.train.max_steps, tensorboard_dir=cfg.logger.tensorboard_dir,
                                wandb=to_dict(cfg.logger.wandb), config=to_dict(cfg), start_step=self.step)
+        loop, signals = asyncio.get_running_loop(), (signal.SIGINT, signal.SIGTERM)
+        if threading.current_thread() is threading.main_thread():  # after ray.init, which sets its own
+            for sig in signals:
+                loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             if self.eval_rows and (self.step == 0 or cfg.eval.only):
                 logger.log(self.step, await self.evaluate(), advance=False)
@@ -281,6 +321,8 @@ class Run:
                 await self.trainer.same("export_hf", str(self.dir / "policy"))
         finally:
             logger.close()
+            for sig in signals:
+                loop.remove_signal_handler(sig)
         return self._summary(t_start)
 
     async def _loop(self, logger: MetricsLogger) -> None:
@@ -295,19 +337,26 @@ class Run:
         pool.counters.update(self.counters)
         pool.set_version(self.version)
         pool.start()
+        metrics: dict[str, float] = {}
         try:
-            while self.step < cfg.train.max_steps:
+            while self.step < cfg.train.max_steps and not self._stop.is_set():
                 t0 = time.perf_counter()
-                groups = await pool.next_step_groups()
+                groups = await pool.next_step_groups(self._stop)
+                if groups is None:  # stopped: the rollouts in flight are abandoned
+                    break
                 t_gen = time.perf_counter() - t0
                 metrics = await self._train_step(groups)
                 t_train = time.perf_counter() - t0 - t_gen
                 trained_version = self.version
                 self.version += 1
                 self.step += 1
-                t_refit = await self._refit()
+                self._record(groups)  # before the refit: a crash loop found there still saves a whole step
+                try:
+                    t_refit = await self._refit()
+                except RunStopped as e:
+                    self.stop(e)
+                    t_refit = 0.0
                 pool.set_version(self.version)
-                self._record(groups)
                 metrics.update(rollout_metrics(groups, trained_version))
                 metrics.update({f"rollout/{k}": float(v) for k, v in pool.counters.items()})
                 metrics.update({"timing/generation": t_gen, "timing/policy_train": t_train,
@@ -316,16 +365,25 @@ class Run:
                 if cfg.train.dump_trajectories_steps and self.step % cfg.train.dump_trajectories_steps == 0:
                     from molt.runtime.dump import dump_groups
 
+                    a = cfg.algo.advantage
                     dump_groups(self.dir / "dumps" / f"step_{self.step}.jsonl", groups, self.model_path,
-                                self._advantages)
+                                self._advantages, self._trainer_logprobs, (a.is_correction_level,
+                                a.is_correction_mode, *a.is_correction_threshold))
                 if self.eval_rows and cfg.eval.steps > 0 and self.step % cfg.eval.steps == 0:
                     metrics.update(await self.evaluate())
                 # the step's line first: a checkpoint then implies its line (a resume drops later lines)
                 logger.log(self.step, metrics)
-                if cfg.ckpt.save_steps > 0 and self.step % cfg.ckpt.save_steps == 0:  # the reference's -1: never
+                c = cfg.ckpt  # save_steps: the reference's -1 is never
+                if (c.save_steps > 0 and self.step % c.save_steps == 0 or
+                        0 < c.save_interval_s <= time.perf_counter() - self._saved):
                     await self._save_checkpoint(dict(pool.counters), metrics)
         finally:
             await pool.stop()
+        if not (self.ckpt_dir / f"step_{self.step}" / "state.json").is_file():  # the last step: final or stopped
+            await self._save_checkpoint(dict(pool.counters), metrics)
+        if self._stopping is not None:
+            raise RunStopped(f"{self._stopping}; step {self.step} is checkpointed: run the same command again to "
+                             "resume", getattr(self._stopping, "exit_code", 1))
 
     def _record(self, groups: list[Group]) -> None:
         with open(self.dir / "ledger.jsonl", "a") as f:

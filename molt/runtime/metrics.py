@@ -42,9 +42,32 @@ def rollout_metrics(groups: Iterable[Group], version: int) -> dict[str, float]:
         "rollout/count": float(len(outcomes)),
     }
     out.update({f"rollout/break/{reason}": float(n) for reason, n in breaks.items()})
-    for key in sorted({k for o in outcomes for k in o.info}):
-        values = [float(o.info[key]) for o in outcomes if key in o.info]
-        out[f"rollout/info/{key}"] = statistics.fmean(values)
+    out.update(agent_metrics(outcomes, "agent/"))
+    out.update(info_means(outcomes, "rollout/info/"))
+    return out
+
+
+def info_means(outcomes: list[Any], prefix: str) -> dict[str, float]:
+    """The mean of each `Result.info` key (and capture counter) over the rollouts that report it."""
+    keys = sorted({k for o in outcomes for k in o.info})
+    return {prefix + k: statistics.fmean(float(o.info[k]) for o in outcomes if k in o.info) for k in keys}
+
+
+def agent_metrics(outcomes: list[Any], prefix: str) -> dict[str, float]:
+    """What an agent did per rollout, from the capture server's counters: model calls (`turns`), tool calls
+    (parsed ones plus malformed attempts) and the fraction of calls that parsed and ran. "Ran" uses the agent's
+    own `tool_errors` count in `Result.info` when it reports one (a call the tool refused); the capture server
+    cannot know it. Env rollouts without tools report turns only."""
+    def total(key: str) -> float:
+        return sum(float(o.info.get(key, 0.0)) for o in outcomes)
+
+    if not outcomes or not any("capture/requests" in o.info for o in outcomes):
+        return {}
+    parsed, malformed = total("capture/tool_calls"), total("capture/malformed_tool_calls")
+    out = {f"{prefix}turns": total("capture/requests") / len(outcomes),
+           f"{prefix}tool_calls": (parsed + malformed) / len(outcomes)}
+    if parsed + malformed:
+        out[f"{prefix}tool_call_valid"] = max(0.0, parsed - total("tool_errors")) / (parsed + malformed)
     return out
 
 
@@ -64,7 +87,8 @@ def _fmt(value: float) -> str:
 _CONSOLE = [
     ("rollout/reward_mean", "reward"), ("group_reward_std", "grp_std"), ("eval/accuracy", "eval_acc"),
     ("rollout/response_length_mean", "len"), ("policy_loss", "loss"), ("actor_grad_norm", "gnorm"),
-    ("is_filter_ratio", "gate"), ("rollout/staleness_mean", "stale"), ("timing/generation", "gen_s"),
+    ("agent/turns", "turns"), ("agent/tool_calls", "calls"), ("agent/tool_call_valid", "valid"),
+    ("rollout/segments_per_rollout", "segs"), ("is_filter_ratio", "gate"), ("rollout/staleness_mean", "stale"), ("timing/generation", "gen_s"),
     ("timing/policy_train", "train_s"), ("timing/broadcast", "refit_s"), ("timing/step_total", "step_s"),
 ]
 
@@ -93,10 +117,13 @@ class MetricsLogger:
                 print("molt: note: logger.wandb.project is set but wandb is not installed (pip install "
                       "'molt[wandb]'): W&B logging is off", file=sys.stderr)
             else:
-                if w.get("key"):
-                    wb.login(key=w["key"])
-                self._wandb = wb.init(project=w["project"], entity=w.get("org") or None, group=w.get("group") or None,
-                                      name=w.get("run_name") or None, config=config, dir=str(self.run_dir))
+                try:  # no API key, no network: the run goes on, logged everywhere else
+                    if w.get("key"):
+                        wb.login(key=w["key"])
+                    self._wandb = wb.init(project=w["project"], entity=w.get("org") or None, name=w.get("run_name")
+                                          or None, group=w.get("group") or None, config=config, dir=str(self.run_dir))
+                except Exception as e:  # noqa: BLE001 (wandb raises its own error types, and more)
+                    print(f"molt: note: W&B logging is off: {e}", file=sys.stderr)
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:

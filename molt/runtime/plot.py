@@ -1,4 +1,6 @@
-"""`molt plot RUN_DIR`: reward and held-out accuracy curves of a run, from its metrics.jsonl, into curves.png."""
+"""`molt plot RUN_DIR`: reward and held-out accuracy curves of a run, from its metrics.jsonl, into curves.png.
+Agent runs (tool calls recorded by the capture server) get a second panel: valid tool calls, held-out valid
+tool calls, tool calls and segments per rollout."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,18 +15,28 @@ def plot_run(run_dir: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
-    reward = [(r["step"], r["rollout/reward_mean"]) for r in rows if "rollout/reward_mean" in r]
-    acc = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    if reward:
-        ax.plot(*zip(*reward), label="train reward (mean)", color="tab:blue", alpha=0.8)
-    if acc:
-        ax.plot(*zip(*acc), "o-", label="held-out accuracy", color="tab:red")
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward / accuracy")
-    ax.set_title(Path(run_dir).name)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best")
+
+    def series(key: str) -> list[tuple[float, float]]:
+        return [(r["step"], r[key]) for r in rows if key in r]
+
+    agent = any("agent/tool_calls" in r for r in rows)
+    fig, axes = plt.subplots(1, 1 + agent, figsize=(7 + 6 * agent, 4), dpi=110, squeeze=False)
+    panels = [("reward / accuracy", [("rollout/reward_mean", "train reward (mean)", "-"),
+                                     ("eval/accuracy", "held-out accuracy", "o-")])]
+    if agent:
+        panels.append(("per rollout", [("agent/tool_call_valid", "valid tool calls (fraction)", "-"),
+                                       ("eval/agent/tool_call_valid", "held-out valid tool calls", "o-"),
+                                       ("agent/tool_calls", "tool calls", "-"),
+                                       ("rollout/segments_per_rollout", "segments", "-")]))
+    for ax, (ylabel, lines) in zip(axes[0], panels):
+        for key, label, style in lines:
+            if points := series(key):
+                ax.plot(*zip(*points), style, label=label, alpha=0.85)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best")
+    axes[0][0].set_title(Path(run_dir).name)
     out = Path(run_dir) / "curves.png"
     fig.tight_layout()
     fig.savefig(out)

@@ -12,7 +12,8 @@ Staleness. `max_staleness` (policy versions) bounds how old the oldest token of 
 - at hand-out, a group whose oldest action token is older than `version - max_staleness` is dropped (counted
   as `stale`) and its slot is backfilled. With multi-turn agents or partial rollout this can happen.
 
-Failures (one documented policy). A failed rollout (agent error, timeout, invalid reward) is counted under
+Failures (one documented policy). A failed rollout (agent error, timeout, invalid reward, `engine_restart`: its
+engine process died) is counted under
 `failed/<status>` and re-run within its group with a fresh rollout id, up to `max_retries` re-runs per group;
 past that the group is dropped (`dropped/group_failed`) and its slot backfilled with a new prompt. Dynamic
 filtering (`group_filter`) drops complete groups by reason (`dropped/<reason>`), also backfilled. Nothing is
@@ -33,6 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from molt.types import Experience, RolloutStatus
+
+
+class RunStopped(RuntimeError):
+    """The run must stop with a checkpoint (a signal, an engine crash loop); `exit_code` is the process's."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass(slots=True)
@@ -159,10 +168,13 @@ class RolloutPool:
         self._wake.set()
 
     # -- trainer side ---------------------------------------------------------------------------------------
-    async def next_step_groups(self) -> list[Group]:
-        """Wait for `groups_per_step` complete, kept, fresh-enough groups and hand them out."""
+    async def next_step_groups(self, stop: asyncio.Event | None = None) -> list[Group] | None:
+        """Wait for `groups_per_step` complete, kept, fresh-enough groups and hand them out; None once `stop` is
+        set (within a second)."""
         out: list[Group] = []
         while len(out) < self.groups_per_step:
+            if stop is not None and stop.is_set():
+                return None
             if self._dispatcher is not None and self._dispatcher.done():
                 self._dispatcher.result()  # surface a dispatcher crash instead of waiting forever
             try:

@@ -28,6 +28,7 @@ over the whole step, and the PPO ratio's proximal policy is the policy before th
 """
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import socket
@@ -90,8 +91,10 @@ def trainer_fields(cfg: Any, model_path: str, critic_path: str | None) -> tuple[
         ref_model_name_or_path=cfg.ref.model_name_or_path or "",
         micro_batch_size=cfg.train.micro_batch_size or None, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu,
         share_prefix=cfg.train.share_prefix, attn_implementation=cfg.fsdp.attn_implementation,
-        gradient_checkpoint=a.gradient_checkpoint, param_dtype=a.dtype, tp_size=cfg.fsdp.tp_size,
+        gradient_checkpoint=a.gradient_checkpoint, freeze_visual_encoder=a.freeze_visual_encoder,
+        param_dtype=a.dtype, tp_size=cfg.fsdp.tp_size,
         offload=cfg.fsdp.offload, packing_samples=cfg.fsdp.packing_samples, seed=cfg.train.seed,
+        routing_replay=cfg.train.routing_replay, freeze_moe_router=a.freeze_moe_router, aux_loss_coef=a.aux_loss_coef,
     )
     critic = {**optimizer(cfg.critic, cfg.critic.max_epochs or cfg.train.max_epochs),
               "model_name_or_path": critic_path, "value_clip": cfg.critic.value_clip}
@@ -137,10 +140,7 @@ class TrainerRank:
                    train_actor: bool = True) -> dict[str, float]:
         """windows: this rank's share of each optimizer window of the step (the same number on every rank);
         advantages: per rollout (group estimators); else rewards: terminal reward per rollout (rank-level)."""
-        exps = [e for w in windows for e in w]
-        for exp in exps:
-            if exp.offloaded:
-                exp.reload()
+        exps = _reload([e for w in windows for e in w])
         values = returns = []
         if advantages is not None:
             for exp in exps:
@@ -174,11 +174,12 @@ class TrainerRank:
 
     def advantages(self, experiences: list[Experience], rewards: dict[str, float]) -> list[list[float]]:
         """What `train_step` trains a rank-level estimator's experiences with (collective; for inspection)."""
-        for exp in experiences:
-            if exp.offloaded:
-                exp.reload()
-        self._rank_advantages(experiences, rewards)
+        self._rank_advantages(_reload(experiences), rewards)
         return [exp.advantages for exp in experiences]
+
+    def logprobs(self, experiences: list[Experience]) -> list[list[float]]:
+        """The policy's per-token log-probs (collective; the trainer column of trajectory dumps)."""
+        return self.actor.compute_logprobs(_reload(experiences))
 
     def _rank_advantages(self, experiences: list[Experience], rewards: dict[str, float]
                          ) -> tuple[list[list[float]], list[list[float]]]:
@@ -281,6 +282,13 @@ class TrainerRank:
         return self.actor.step
 
 
+def _reload(experiences: list[Experience]) -> list[Experience]:
+    for exp in experiences:
+        if exp.offloaded:
+            exp.reload()
+    return experiences
+
+
 def _pad(rows: list[list[float]], length: int) -> Any:
     import torch
 
@@ -321,9 +329,17 @@ class TrainerGroup:
         await self.same("setup", master, actor_fields, critic_path)
 
     async def call(self, method: str, *per_rank_args: list[Any], **kwargs: Any) -> list[Any]:
-        refs = [getattr(rank, method).remote(*(a[i] for a in per_rank_args), **kwargs)
-                for i, rank in enumerate(self.ranks)]
-        return [await ref for ref in refs]
+        """Every rank's result; the first rank to fail (an exception, a dead actor) raises at once, naming itself:
+        the other ranks may wait in a collective for it forever."""
+        futures = [asyncio.ensure_future(getattr(rank, method).remote(*(a[i] for a in per_rank_args), **kwargs))
+                   for i, rank in enumerate(self.ranks)]
+        await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+        for rank, f in enumerate(futures):
+            if f.done() and (error := f.exception()) is not None:
+                cause = error.cause if isinstance(getattr(error, "cause", None), BaseException) else error
+                reason = (str(cause).strip().splitlines() or [""])[0]  # a Ray error's first line
+                raise RuntimeError(f"trainer rank {rank} failed in {method}: {type(cause).__name__}: {reason}") from error
+        return [f.result() for f in futures]
 
     async def same(self, method: str, *args: Any) -> list[Any]:
         return await self.call(method, *([a] * len(self.ranks) for a in args))

@@ -13,18 +13,28 @@ Refit, the two modes of DESIGN.md:
 Weights arrive either as Ray object references of buckets `[(hf_name, tensor), ...]` that the trainer put into
 the object store (the worker fetches them one bucket at a time), or over the collective refit group of
 `molt.engine.weight_group` (trainer rank 0 broadcasts each bucket; NCCL on GPU, gloo on CPU).
+
+Engine crash (the embedded engine in its process, `molt.engine.process`): a rollout that fails while the engine
+process is dead, or that overlapped a restart, comes back as `engine_restart` (the pool counts and retries it).
+A new engine process gets the last refit's weights (the worker keeps their object references: one model copy in
+the object store) and version, also within a refit. More than `max_restarts` deaths within `RESTART_WINDOW_S`
+raise `RunStopped` (the run stops with a checkpoint), as does any death with the collective refit group (whose
+weights only arrive over the group). A vLLM engine is not revived.
 """
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Iterable
 from typing import Any
 
-from molt.engine.base import Engine, can_stream
+from molt.engine.base import Engine, EngineError, can_stream
 from molt.runtime.experience import outcome_from_trajectory
-from molt.runtime.pool import RolloutOutcome, RolloutTask
-from molt.types import Completion, SamplingParams
+from molt.runtime.pool import RolloutOutcome, RolloutTask, RunStopped
+from molt.types import Completion, RolloutStatus, SamplingParams
+
+RESTART_WINDOW_S = 600.0
 
 
 class RefitGate:
@@ -46,13 +56,12 @@ class RefitGate:
         return can_stream(self.engine)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
+                       request_id: str | None = None, **kw: Any) -> Completion:  # on_tokens, images
         await self._open.wait()
         self._inflight += 1
         self._idle.clear()
         try:
-            stream = {"on_tokens": on_tokens} if on_tokens is not None else {}
-            return await self.engine.generate(prompt_ids, params, session_id, request_id, **stream)
+            return await self.engine.generate(prompt_ids, params, session_id, request_id, **kw)
         finally:
             self._inflight -= 1
             if self._inflight == 0:
@@ -68,14 +77,18 @@ class RefitGate:
 
 class RolloutWorker:
     def __init__(self, model_path: str, agent_path: str, *, engine_kind: str = "hf", torch_threads: int = 0,
-                 runner_options: dict[str, Any] | None = None, engine_options: dict[str, Any] | None = None):
+                 runner_options: dict[str, Any] | None = None, engine_options: dict[str, Any] | None = None,
+                 max_restarts: int = 3):
         self.model_path, self.agent_path, self.engine_kind = model_path, agent_path, engine_kind
-        self.torch_threads = torch_threads
+        self.torch_threads, self.max_restarts = torch_threads, max_restarts
         self.runner_options = runner_options or {}
         self.engine_options = engine_options or {}
         self.engine: Any = None
         self.server: Any = None
         self.runner: Any = None
+        self.restarts, self._deaths, self._joined, self._refitting = 0, [], False, False
+        self._restart_lock = asyncio.Lock()
+        self._weights: tuple[list, int] | None = None  # the last refit's buckets and version
 
     async def start(self) -> str:
         """Build the engine, start the capture server, load the agent file; returns the server URL."""
@@ -88,22 +101,7 @@ class RolloutWorker:
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        if self.engine_kind == "vllm":
-            from molt.engine.vllm import VLLMEngine
-
-            engine = VLLMEngine(self.model_path, **self.engine_options)
-        else:
-            options = dict(self.engine_options)
-            if options.pop("process", True):  # the default: see molt.engine.process
-                from molt.engine.process import EngineProcess
-
-                engine = EngineProcess("molt.engine.hf:HFEngine", self.model_path, torch_threads=self.torch_threads,
-                                       **options)
-            else:
-                from molt.engine.hf import HFEngine
-
-                engine = HFEngine(self.model_path, **options)
-        self.engine = RefitGate(engine)
+        self.engine = RefitGate(self._new_engine())
         self.server = CaptureServer(self.engine, ChatRenderer.from_pretrained(self.model_path))
         await self.server.start()
         self.runner = load_agent(self.agent_path)
@@ -112,11 +110,60 @@ class RolloutWorker:
                 setattr(self.runner, name, value)  # e.g. timeout, max_turns: the runtime's limits win
         return self.server.url
 
+    def _new_engine(self) -> Engine:
+        if self.engine_kind == "vllm":
+            from molt.engine.vllm import VLLMEngine
+
+            return VLLMEngine(self.model_path, **self.engine_options)
+        options = dict(self.engine_options)
+        if options.pop("process", True):  # the default: see molt.engine.process
+            from molt.engine.process import EngineProcess
+
+            return EngineProcess("molt.engine.hf:HFEngine", self.model_path, torch_threads=self.torch_threads,
+                                 **options)
+        from molt.engine.hf import HFEngine
+
+        return HFEngine(self.model_path, **options)
+
+    async def revive(self) -> bool:
+        """Start a new engine if the engine process died (module docstring); whether it did."""
+        async with self._restart_lock:
+            code = getattr(self.engine.engine, "exitcode", None)
+            if code is None:
+                return False
+            self._deaths = [t for t in self._deaths if time.monotonic() - t < RESTART_WINDOW_S] + [time.monotonic()]
+            if len(self._deaths) > self.max_restarts or self._joined:
+                raise RunStopped(f"the engine process died (exit code {code}), {len(self._deaths)} time(s) within "
+                                 f"{RESTART_WINDOW_S:.0f} s; rollout.engine_max_restarts is {self.max_restarts}")
+            new = await asyncio.to_thread(self._new_engine)
+            await new.pause()
+            refs, version = self._weights or ([], 0)
+            async for bucket in self._buckets(refs):
+                await new.update_weights(bucket, version)
+            if not self._refitting:  # within a refit it stays paused, as the one it replaces was
+                await new.resume()
+            await self.engine.engine.close()
+            self.engine.engine = new
+            self.restarts += 1
+            return True
+
+    async def _engine(self, method: str, *args: Any) -> None:
+        """A refit call on the engine; if its process died, the new one (holding the refit's weights) stands in."""
+        try:
+            await getattr(self.engine.engine, method)(*args)
+        except EngineError:
+            if not await self.revive():
+                raise
+
     async def run(self, task: RolloutTask, params: SamplingParams, train: bool = True) -> RolloutOutcome:
         """One rollout. For training its segments are offloaded into this node's object store; for evaluation
         only the light fields come back."""
+        await self.revive()  # a request sent now would fail on a dead engine; wait for its successor
+        restarts = self.restarts
         traj = await self.runner.run(task.row, sessions=self.server, rollout_id=task.rollout_id,
                                      group_id=task.group_id, sampling_params=params.copy(seed=task.seed))
+        if not traj.ok and (await self.revive() or self.restarts != restarts):
+            traj.status = RolloutStatus.ENGINE_RESTART
         outcome = outcome_from_trajectory(traj, offload=train)
         if not train:
             outcome.experiences = []
@@ -129,26 +176,33 @@ class RolloutWorker:
         gate: RefitGate = self.engine
         if not partial:
             await gate.drain()
-        await gate.engine.pause()
+        self._refitting = True
+        await self._engine("pause")
 
     async def end_refit(self) -> None:
-        gate: RefitGate = self.engine
-        await gate.engine.resume()
-        gate.reopen()
+        self._refitting = False
+        await self._engine("resume")
+        self.engine.reopen()
 
     async def update_weights(self, bucket_refs: Iterable[Any], version: int) -> None:
         """Between begin_refit and end_refit: object refs (or plain lists) of [(name, tensor), ...]."""
+        self._weights = list(bucket_refs), version
+        async for bucket in self._buckets(self._weights[0]):
+            await self._engine("update_weights", bucket, version)
+
+    @staticmethod
+    async def _buckets(refs: list) -> Any:
         import ray
 
-        for ref in bucket_refs:
-            bucket = await ref if isinstance(ref, ray.ObjectRef) else ref  # one bucket in memory at a time
-            await self.engine.engine.update_weights(bucket, version)
+        for ref in refs:
+            yield await ref if isinstance(ref, ray.ObjectRef) else ref  # one bucket in memory at a time
 
     async def weight_group_size(self) -> int:
         return int(getattr(self.engine.engine, "weight_group_size", 1))
 
     async def join_weight_group(self, address: str, rank: int, world: int) -> None:
         """Join the collective refit group (`molt.engine.weight_group`) as ranks rank .. rank + size - 1."""
+        self._joined = True
         await self.engine.engine.join_weight_group(address, rank, world)
 
     async def receive_weights(self, plan: list, version: int) -> None:

@@ -12,8 +12,12 @@ fast tokenizer with a chat template) that loads back through `AutoModelForCausal
   `<tool_call>{json}</tool_call>` blocks and `tool` turns; `QWEN3_THINK_TEMPLATE` is the same but drops
   `<think>...</think>` from assistant turns before the last user turn (so history is rewritten between
   turns, which the capture server must detect as a `template_rewrite`).
-- Models: a dense Llama-style model (tied embeddings like SmolLM2) and a small Qwen2-MoE model (for routing
-  replay later). Weights are random but seeded.
+- Models: a dense Llama-style model (tied embeddings like SmolLM2), a small Qwen2-MoE model (for routing
+  replay later) and a LLaVA vision-language model (`build_tiny_vlm`: a 1-layer CLIP vision tower on 28x28
+  pixels, 14-pixel patches, so each image is 4 `<image>` tokens; loads with `AutoModelForImageTextToText` and
+  `AutoProcessor`, whose PIL image processor needs no torchvision). LLaVA because its image features replace
+  placeholder tokens in 1-D positions: the engine's batching and the trainer's forward stay as for text.
+  Weights are random but seeded.
 """
 from __future__ import annotations
 
@@ -74,6 +78,10 @@ _TEMPLATE_BODY = r"""
 """
 
 CHATML_TOOLS_TEMPLATE = (_TEMPLATE_HEAD + _TEMPLATE_BODY.replace("DROP_THINK", "false")).strip()
+# content may be a list of parts: text parts as their text, image parts as the processor's placeholder
+VLM_TEMPLATE = ("{%- macro show(c) -%}{%- if c is string -%}{{ c }}{%- else -%}{%- for p in c -%}{%- if p.type == "
+                "'image' -%}<image>{%- else -%}{{ p.text }}{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}"
+                + CHATML_TOOLS_TEMPLATE.replace("{{ m.content }}", "{{ show(m.content) }}"))
 QWEN3_THINK_TEMPLATE = (_TEMPLATE_HEAD + _TEMPLATE_BODY.replace("DROP_THINK", "true")).strip()
 
 _CORPUS = [
@@ -153,4 +161,30 @@ def build_tiny_moe(path: str | Path, *, seed: int = 0, template: str = CHATML_TO
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return _save(model, tokenizer, Path(path))
+
+
+def build_tiny_vlm(path: str | Path, *, seed: int = 0) -> Path:
+    """Save a tiny LLaVA (CLIP vision tower + Llama decoder) with its processor and tokenizer to `path`."""
+    import torch
+    import transformers as tf
+    from tokenizers import AddedToken
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    tokenizer = build_tokenizer(template=VLM_TEMPLATE)
+    tokenizer.add_tokens([AddedToken("<image>", special=True, normalized=False)], special_tokens=True)
+    text = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=28, patch_size=14)
+    config = tf.LlavaConfig(vision_config=vision, text_config=text, vision_feature_layer=-1,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                            vision_feature_select_strategy="default", tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    pixels = LlavaImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    tf.LlavaProcessor(pixels, tokenizer, patch_size=14, vision_feature_select_strategy="default",
+                      num_additional_image_tokens=1, chat_template=VLM_TEMPLATE).save_pretrained(path)
     return _save(model, tokenizer, Path(path))

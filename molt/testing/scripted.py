@@ -116,10 +116,8 @@ class RecordingEngine:
         return can_stream(self.inner)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
-        stream = {"on_tokens": on_tokens} if on_tokens is not None else {}
-        completion = await self.inner.generate(prompt_ids, params, session_id=session_id, request_id=request_id,
-                                               **stream)
+                       request_id: str | None = None, **kw: Any) -> Completion:  # on_tokens, images
+        completion = await self.inner.generate(prompt_ids, params, session_id=session_id, request_id=request_id, **kw)
         self.records.append((session_id, list(prompt_ids), completion))
         return completion
 
@@ -129,11 +127,13 @@ class RecordingEngine:
 
 @contextlib.asynccontextmanager
 async def live_capture_server(engine: Any, tokenizer: Any, **kwargs: Any) -> AsyncIterator[Any]:
-    """A capture server for `engine` on 127.0.0.1 (an ephemeral port), stopped on exit."""
+    """A capture server for `engine` on 127.0.0.1 (an ephemeral port), stopped on exit. `tokenizer` may be a
+    `ChatRenderer` (one with a processor, for images)."""
     from molt.capture.render import ChatRenderer
     from molt.capture.server import CaptureServer
 
-    server = CaptureServer(engine, ChatRenderer(tokenizer), **kwargs)
+    renderer = tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer(tokenizer)
+    server = CaptureServer(engine, renderer, **kwargs)
     await server.start()
     try:
         yield server

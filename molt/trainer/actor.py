@@ -41,6 +41,7 @@ from molt.trainer import parallel
 from molt.trainer.base import ShardedModelTrainer
 from molt.trainer.config import GROUP_ESTIMATORS, ActorConfig
 from molt.trainer.logprobs import CausalLMLogProbs
+from molt.trainer.moe import Routing
 from molt.trainer.optim import build_optimizer
 from molt.types import Experience
 
@@ -56,7 +57,10 @@ class Actor(ShardedModelTrainer):
         KL_ESTIMATORS.get_fn(cfg.kl_estimator)
         super().__init__(cfg)
         self.lm = self.load_lm(cfg.model_name_or_path)
-        self.model = self.wrap(CausalLMLogProbs(self.lm, cfg.logprob_chunk_size), self.lm, trainable=True)
+        self.routing = Routing(self.lm, cfg)
+        self.routing = self.routing if self.routing.routers else None  # a dense model
+        self.model = self.wrap(CausalLMLogProbs(self.lm, cfg.logprob_chunk_size, self.routing), self.lm,
+                               trainable=True)
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg,
                                                          foreach=False if cfg.tp_size > 1 else None)
         self.loss_params = PolicyLossParams(
@@ -87,6 +91,9 @@ class Actor(ShardedModelTrainer):
         dp = parallel.dp_size(self.mesh)
         for _, mb in self.micro_batches(experiences, plan, n_passes, extra={"old_logprobs": old_logprobs}):
             lp, ent = self.model(mb, True)
+            if self.routing is not None:
+                aux = self.routing.aux_loss()  # before `observe`'s own forward
+                self.routing.observe(self.model, mb, lp)
             old = mb.extra.get("old_logprobs", lp.detach())
             mask = mb.action_mask
             weights, metrics = importance_weights(
@@ -102,6 +109,9 @@ class Actor(ShardedModelTrainer):
                                                params=self.loss_params, is_weights=weights, entropy=ent, kl=kl,
                                                seq_ids=mb.seq_ids)
             loss, _ = window_normalize(tok_loss, mask, global_count, dp_size=dp)
+            if self.cfg.aux_loss_coef > 0:  # token-weighted over the window's micro-batches, as the policy loss
+                loss = loss + self.cfg.aux_loss_coef * aux * mb.num_actions * dp / global_count.clamp(min=1)
+                metrics["moe/aux_loss"] = aux
             if mb.ghost:
                 loss = loss * 0.0
             loss.backward()
@@ -112,10 +122,11 @@ class Actor(ShardedModelTrainer):
         if self.ref is not None:
             self.end_pass(self.ref)
         step_metrics = self.optimizer_step()
-        out = self.reduce_metrics(sums, tokens, {"policy_loss": window_loss})
-        for src, dst in ALIASES.items():
-            if src in out:
-                out[dst] = out[src]
+        totals = self.routing.totals() if self.routing is not None else {}
+        out = self.reduce_metrics(sums, tokens, {"policy_loss": window_loss, **totals})
+        if totals:
+            self.routing.finish(out)
+        out.update({dst: out[src] for src, dst in ALIASES.items() if src in out})
         if "is/retained_frac" in out:
             out["is_filter_ratio"] = 1.0 - out["is/retained_frac"]
         elapsed = time.perf_counter() - t0

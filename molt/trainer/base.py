@@ -28,6 +28,7 @@ Decisions:
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import torch
@@ -72,17 +73,26 @@ class ShardedModelTrainer:
 
     # ---- models ----------------------------------------------------------------------------------------
     def load_lm(self, path: str, auto_class=None) -> nn.Module:
-        """`from_pretrained` in fp32 on CPU (the master weights; compute dtype comes from mixed precision)."""
-        from transformers import AutoModelForCausalLM
+        """`from_pretrained` in fp32 on CPU (the master weights; compute dtype comes from mixed precision);
+        `--actor.freeze_visual_encoder` freezes a vision-language model's vision tower."""
+        import transformers as tf
 
         attn = self.cfg.attn_implementation
         if self.cfg.packing_samples:
             from molt.trainer.packing import register
 
             attn = register()
-        lm = (auto_class or AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+        if auto_class is None:  # a vision-language model when the config has a vision tower
+            vision = hasattr(tf.AutoConfig.from_pretrained(path), "vision_config")
+            auto_class = tf.AutoModelForImageTextToText if vision else tf.AutoModelForCausalLM
+        lm = auto_class.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
         lm.config.use_cache = False
-        pad = lm.config.pad_token_id if lm.config.pad_token_id is not None else lm.config.eos_token_id
+        text = lm.config.get_text_config()
+        pad = text.pad_token_id if text.pad_token_id is not None else text.eos_token_id
+        frozen = [p.requires_grad_(False) for n, p in lm.named_parameters() if self.cfg.freeze_visual_encoder
+                  and re.search(r"\.(vision_tower|visual|vision_model)\.", n)]  # LLaVA, Qwen2-VL, Idefics3
+        if self.cfg.freeze_visual_encoder and not frozen:
+            raise ValueError(f"freeze_visual_encoder: {path} has no vision encoder")
         self.pad_id = int(pad[0] if isinstance(pad, (list, tuple)) else (pad or 0))
         return lm
 

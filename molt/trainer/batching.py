@@ -26,6 +26,9 @@ Decisions:
   and the rest of every row against its cached keys and values (`molt.trainer.logprobs`). Exact (same
   log-probs and gradients up to float rounding); with 8 samples per prompt and a prompt about as long as the
   reply it removes close to half of the decoder's tokens.
+- Images: the experiences' processor inputs join `MicroBatch.images` in row order (the order the model fills
+  placeholder tokens in); such rows share no prefix (all images' placeholders are the same tokens) and are not
+  packed yet (the packed attention arguments would reach the vision tower): a ValueError.
 """
 from __future__ import annotations
 
@@ -33,9 +36,10 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from molt.types import Experience
+from molt.types import Experience, join_inputs
 
 
 def plan_micro_batches(lengths: list[int], micro_batch_size: int | None = None,
@@ -110,6 +114,8 @@ class MicroBatch:
     prefix: SharedPrefix | None = None  # rows that share their first tokens (share_prefix=True)
     seq_ids: Tensor | None = None  # [1, T] int64 sequence index of each token (packed)
     packing: dict | None = None  # packed: position_ids and the attention's arguments (`_pack`)
+    routes: Tensor | None = None  # [R, L, layers, k] int64 experts the engine routed to (`Segment.routed_experts`)
+    images: dict | None = None  # processor inputs of the rows' images in row order (module docstring)
 
     def decoder_inputs(self, mask_4d: bool = False) -> dict:
         """Keyword arguments of a Hugging Face decoder's forward for this micro-batch. `mask_4d` (see
@@ -135,12 +141,14 @@ def prebuilt_mask(config) -> bool:
     return config._attn_implementation == "sdpa" and not sliding
 
 
-def _pad(rows: list[list], value, dtype: torch.dtype, length: int) -> Tensor:
-    return torch.tensor([list(r) + [value] * (length - len(r)) for r in rows], dtype=dtype)
+def _pad(rows: list, value, dtype: torch.dtype, length: int) -> Tensor:
+    # rows: lists, or arrays of per-token vectors (routes); right-padded to [B, length, ...]
+    rows = [torch.as_tensor(r, dtype=dtype) for r in rows]
+    return torch.stack([F.pad(r, (0, 0) * (r.dim() - 1) + (0, length - len(r)), value=value) for r in rows])
 
 
-def _cat(rows: list[list], dtype: torch.dtype) -> Tensor:
-    return torch.tensor([[x for r in rows for x in r]], dtype=dtype)
+def _cat(rows: list, dtype: torch.dtype) -> Tensor:
+    return torch.cat([torch.as_tensor(r, dtype=dtype) for r in rows])[None]
 
 
 def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
@@ -156,6 +164,9 @@ def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
             raise ValueError(f"experience {e.rollout_id}/{e.segment_index} has no advantages")
         if e.action_mask and e.action_mask[0]:
             raise ValueError("action_mask[0] must be 0: the first token of a sequence has no prediction")
+    images = join_inputs(*(e.images for e in exps))
+    if images and pack:
+        raise ValueError("packing_samples: experiences with images cannot be packed yet; set --fsdp.packing_samples false")
     lens = [len(e.token_ids) for e in exps]
     for k, v in (extra or {}).items():  # a short list would shift every later sequence of a packed row
         if [len(row) for row in v] != lens:
@@ -166,6 +177,8 @@ def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
                  "advantages": ([e.advantages or [0.0] * n for e, n in zip(exps, lens)], 0.0, torch.float32),
                  "temperature": ([[e.temperature] * n for e, n in zip(exps, lens)], 1.0, torch.float32),
                  **{k: (v, 0.0, torch.float32) for k, v in (extra or {}).items()}}
+    if exps and all(e.routed_experts is not None for e in exps):
+        per_token["routes"] = ([e.routed_experts for e in exps], 0, torch.long)
     if pack:
         t, spans, packing = _pack(per_token, exps, share_prefix)
     else:
@@ -182,10 +195,11 @@ def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
     act_index = t["action_mask"].flatten().nonzero()[:, 0]  # host tensors: no device sync
     mb = MicroBatch(t["input_ids"], t.get("attention_mask"), t["action_mask"], t["behavior_logprobs"],
                     t["advantages"], act_index, t["temperature"].flatten()[act_index],
-                    0 if ghost else len(act_index), spans, extra={k: t[k] for k in extra or {}}, ghost=ghost)
+                    0 if ghost else len(act_index), spans, extra={k: t[k] for k in extra or {}}, ghost=ghost,
+                    routes=t.get("routes"), images=images)
     if pack:
         mb.seq_ids, mb.packing = t["seq_ids"], packing
-    elif share_prefix and not ghost:
+    elif share_prefix and not ghost and mb.routes is None and not images:  # one decoder call: the routes' layout
         mb.prefix = shared_prefix([e.token_ids for e in exps], [e.action_mask for e in exps])
     return to_device(mb, device)
 
@@ -242,9 +256,10 @@ def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
         return (x.pin_memory() if device.type == "cuda" else x).to(device, non_blocking=True)
 
     for name in ("input_ids", "attention_mask", "action_mask", "behavior_logprobs", "advantages", "act_index",
-                 "act_temperature", "seq_ids"):
+                 "act_temperature", "seq_ids", "routes"):
         setattr(mb, name, move(getattr(mb, name)))
     mb.extra = {k: move(v) for k, v in (mb.extra or {}).items()}
+    mb.images = mb.images and {k: move(v) for k, v in mb.images.items()}
     if mb.packing is not None:
         mb.packing = {k: move(v) for k, v in mb.packing.items()}
     if mb.prefix is not None:

@@ -50,6 +50,10 @@ class ActorConfig:
     is_correction_mode: str = "mask"  # --algo.advantage.is_correction_mode: mask | mis | clip | trunc
     is_correction_threshold: tuple[float, float] = (0.5, 2.0)  # --algo.advantage.is_correction_threshold
     ref_model_name_or_path: str = ""  # --ref.model_name_or_path; empty = the actor's checkpoint
+    # mixture of experts (molt.trainer.moe)
+    routing_replay: bool = False  # --train.routing_replay: route each token to the experts the engine used
+    freeze_moe_router: bool = False  # --actor.freeze_moe_router: the routers' weights do not train
+    aux_loss_coef: float = 0.0  # --actor.aux_loss_coef: weight of the load-balancing loss
     # micro-batching (--train.*)
     micro_batch_size: int | None = None  # sequences per micro-batch
     max_tokens_per_gpu: int | None = None  # padded tokens per micro-batch (wins over micro_batch_size)
@@ -58,6 +62,7 @@ class ActorConfig:
     packing_samples: bool = False  # --fsdp.packing_samples: pack sequences into rows (no padding)
     # model and parallelism (--actor.*, --fsdp.*)
     gradient_checkpoint: bool = False  # --actor.gradient_checkpoint: recompute decoder blocks in backward
+    freeze_visual_encoder: bool = False  # --actor.freeze_visual_encoder: no updates to a VLM's vision tower
     param_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (compute dtype of parameters)
     attn_implementation: str = "sdpa"
     tp_size: int = 1  # --fsdp.tp_size: tensor-parallel degree (DTensor), the rest of the world is FSDP

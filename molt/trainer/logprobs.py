@@ -189,11 +189,12 @@ class CausalLMLogProbs(nn.Module):
     """Wraps a Hugging Face causal LM so that one `forward` (hence one FSDP root unshard) returns action-token
     log-probs instead of logits. `self.lm` keeps Hugging Face parameter names (`self.lm.state_dict()`)."""
 
-    def __init__(self, lm: nn.Module, chunk_size: int = 512):
+    def __init__(self, lm: nn.Module, chunk_size: int = 512, routing=None):
         super().__init__()
         check_supported(lm.config)
         self.lm = lm
         self.chunk_size = chunk_size
+        self.routing = routing  # a `molt.trainer.moe.Routing` on lm's routers (MoE), told each micro-batch
         # transformers 5.x renamed the decoder's `past_key_values` to `cache`; accept either
         params = inspect.signature(lm.get_decoder().forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -203,7 +204,11 @@ class CausalLMLogProbs(nn.Module):
         """mb: a `molt.trainer.batching.MicroBatch` (padded, packed, or padded with a shared prefix).
         Returns [R, L] fp32 log-probs (and entropy), zero off the action tokens."""
         decoder = self.lm.get_decoder()
-        if mb.prefix is None:
+        if self.routing is not None:
+            self.routing.set(mb)
+        if mb.images:  # a vision-language model's base model merges the image features into the embeddings
+            hidden = self.lm.base_model(**mb.decoder_inputs(self._mask_4d), **mb.images).last_hidden_state
+        elif mb.prefix is None:
             hidden = decoder(**mb.decoder_inputs(self._mask_4d), use_cache=False).last_hidden_state
         else:
             hidden = self._hidden_with_shared_prefix(decoder, mb.input_ids, mb.attention_mask, mb.prefix)

@@ -104,8 +104,9 @@ def export_hf(lm: nn.Module, path: str | Path, *, tokenizer_from: str | None = N
     config.save_pretrained(path)
     if getattr(lm, "generation_config", None) is not None:
         lm.generation_config.save_pretrained(path)
-    if tokenizer_from:
-        from transformers import AutoTokenizer
+    if tokenizer_from:  # with a vision-language model's processor (image processor, chat template) too
+        from transformers import AutoProcessor, AutoTokenizer
 
-        AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
+        auto = AutoProcessor if hasattr(config, "vision_config") else AutoTokenizer
+        auto.from_pretrained(tokenizer_from).save_pretrained(path)
     return path

@@ -1,10 +1,20 @@
 """What the calculator agents share, whatever SDK they speak: the task, the tool, grading, compaction and the
 episode loop. `agent.py` (AsyncOpenAI) and `anthropic_agent.py` (AsyncAnthropic) only adapt their wire to it.
 
-The task is a chain of arithmetic steps. A label is the chain's signed numbers, e.g. [3, 4, -2, 6]:
-"What is 3 + 4?" (the dataset prompt), "Now subtract 2. What is the result?", "Now add 6. What is the result?".
-The true running values are 7, 5, 11; each step is right when the last number of the step's final reply equals
-its running value, and the reward is the fraction of steps right.
+The task is a chain of arithmetic steps that a 135M model cannot do in its head: a label such as
+[23, "* 41", "* 7"] asks "What is 23 * 41?" (the dataset prompt), then "Now multiply the result by 7. What is
+the result?". The true running values are 943, 6601; each step is right when the last number of the step's final
+reply equals its running value, and the reward is the fraction of steps right. Without the calculator the base
+model gets almost none right, so the reward is a measure of tool use.
+
+How a small model finds the tool (the recipe's choice): the conversation opens with the system prompt and one
+worked example, a question answered by a calculator call, its result and the answer, exactly as the model's own
+turns will look. SmolLM2's chat template does not render `tools` or structured tool calls, so the example's call
+is written in the assistant's text in the Hermes form that the capture server parses; the tool result is a real
+tool message (an OpenAI `tool` message, an Anthropic `tool_result` block). With it, about 1 reply in 8 of the
+base model is a well-formed call; without it none is. `tool_choice` stays "auto": forcing a call ("required")
+would make every call valid from the start and leave nothing to learn about when and how to call. Compaction
+keeps the system prompt and the example, so later segments still show it.
 
 The helper has a distinctive module name because agent folders go on `sys.path`: a plain `helpers.py` could
 shadow another recipe's.
@@ -36,8 +46,8 @@ ANTHROPIC_TOOLS = [{"name": TOOL_NAME, "description": TOOL_DESCRIPTION, "input_s
 # Short on purpose: a 135M model loses the question in a long prompt, and it rambles unless asked for the number
 # alone (the reward reads the last number of the reply).
 SYSTEM_PROMPT = (
-    'To compute, you may reply <tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call> '
-    "and read the result. Answer each question with just the number."
+    'You can use a calculator. To use it, reply <tool_call>{"name": "calculator", "arguments": {"expression": '
+    '"..."}}</tool_call> and read the result. Answer with just the number.'
 )
 
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
@@ -119,45 +129,53 @@ def run_tool(name: str, arguments: Any) -> str:
 
 # ----------------------------------------------------------------------------------------------- the task
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_TERM = re.compile(r"^([+\-*])\s*(\d+)$")
+_VERB = {"+": "add {n}", "-": "subtract {n}", "*": "multiply the result by {n}"}
 
 
-def parse_chain(label: Any) -> list[int]:
-    """The chain's signed numbers from a label: a list, or its JSON text."""
-    numbers = json.loads(label) if isinstance(label, str) else label
-    if not isinstance(numbers, list) or len(numbers) < 2 or not all(isinstance(n, int) for n in numbers):
-        raise ValueError(f"a calculator label is a list of at least two integers, got {label!r}")
-    return numbers
+def parse_chain(label: Any) -> list[str]:
+    """The chain's terms from a label (a list, or its JSON text): a first number, then operations such as
+    "* 41", "+ 7", "- 2". A plain integer n after the first stands for "+ n" or "- |n|", so the additive chains
+    of earlier datasets ([3, 4, -2, 6]) still load. -> ["23", "* 41", "* 7"]"""
+    items = json.loads(label) if isinstance(label, str) else label
+    if not isinstance(items, list) or len(items) < 2 or not isinstance(items[0], int):
+        raise ValueError(f"a calculator label is a list: a first integer, then operations; got {label!r}")
+    terms = [str(items[0])]
+    for item in items[1:]:
+        term = (f"+ {item}" if item >= 0 else f"- {-item}") if isinstance(item, int) else str(item).strip()
+        match = _TERM.match(term)
+        if not match or isinstance(item, bool):
+            raise ValueError(f"a calculator operation is an integer or '+ n', '- n', '* n'; got {item!r}")
+        terms.append(f"{match.group(1)} {match.group(2)}")
+    return terms
 
 
-def running_values(numbers: list[int]) -> list[int]:
-    """The answer of each step: [3, 4, -2, 6] -> [7, 5, 11]."""
-    values, total = [], numbers[0]
-    for n in numbers[1:]:
-        total += n
+def running_values(terms: list[str]) -> list[int]:
+    """The answer of each step: ["3", "+ 4", "- 2", "* 6"] -> [7, 5, 30] (each operation applies to the result)."""
+    values, total = [], int(terms[0])
+    for term in terms[1:]:
+        total = int(calculate(f"{total} {term}"))
         values.append(total)
     return values
 
 
-def _op(n: int) -> str:
-    return f"+ {n}" if n >= 0 else f"- {-n}"
-
-
-def questions(numbers: list[int]) -> list[str]:
-    """The user turn of each step: [3, 4, -2, 6] -> "What is 3 + 4?", "Now subtract 2. ...", "Now add 6. ..."."""
-    out = [f"What is {numbers[0]} {_op(numbers[1])}?"]
-    for n in numbers[2:]:
-        out.append(f"Now {'add' if n >= 0 else 'subtract'} {abs(n)}. What is the result?")
+def questions(terms: list[str]) -> list[str]:
+    """The user turn of each step: "What is 23 * 41?", "Now multiply the result by 7. What is the result?", ..."""
+    out = [f"What is {terms[0]} {terms[1]}?"]
+    for term in terms[2:]:
+        op, n = term.split()
+        out.append(f"Now {_VERB[op].format(n=n)}. What is the result?")
     return out
 
 
-def summary(numbers: list[int], steps_done: int) -> str:
-    """One line standing for the first `steps_done` steps: "So far: 3 + 4 = 7, then - 2 = 5."
+def summary(terms: list[str], steps_done: int) -> str:
+    """One line standing for the first `steps_done` steps: "So far: 23 * 41 = 943, then * 7 = 6601."
 
     It states the true running values, not the model's answers: the agent keeps the task's state, so a wrong
     early answer does not make every later step ungradable (each step keeps its own learning signal)."""
-    values = running_values(numbers)
-    parts = [f"{numbers[0]} {_op(numbers[1])} = {values[0]}"]
-    parts += [f"then {_op(n)} = {v}" for n, v in zip(numbers[2:steps_done + 1], values[1:steps_done])]
+    values = running_values(terms)
+    parts = [f"{terms[0]} {terms[1]} = {values[0]}"]
+    parts += [f"then {t} = {v}" for t, v in zip(terms[2:steps_done + 1], values[1:steps_done])]
     return "So far: " + ", ".join(parts) + "."
 
 
@@ -168,25 +186,26 @@ def grade(text: str | None, value: float) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- compaction
-def needs_compaction(history: list[dict[str, Any]], max_history_messages: int) -> bool:
-    """Whether adding one more user turn would take the history (system messages not counted) past the limit.
-    Counted in messages, not tokens, so it triggers the same way whatever the model writes."""
-    return sum(m.get("role") != "system" for m in history) + 1 > max_history_messages
+def needs_compaction(history: list[dict[str, Any]], keep: int, max_history_messages: int) -> bool:
+    """Whether adding one more user turn would take the history past the limit; the first `keep` messages (the
+    system prompt and the worked example) are not counted. Counted in messages, not tokens, so it triggers the
+    same way whatever the model writes."""
+    return len(history) - keep + 1 > max_history_messages
 
 
-def compact(history: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
-    """The system messages, then one user turn `text` in place of everything else."""
-    return [m for m in history if m.get("role") == "system"] + [{"role": "user", "content": text}]
+def compact(history: list[dict[str, Any]], keep: int, text: str) -> list[dict[str, Any]]:
+    """The first `keep` messages, then one user turn `text` in place of everything else."""
+    return history[:keep] + [{"role": "user", "content": text}]
 
 
-def next_turn(history: list[dict[str, Any]], numbers: list[int], step: int,
+def next_turn(history: list[dict[str, Any]], keep: int, terms: list[str], step: int,
               max_history_messages: int) -> tuple[list[dict[str, Any]], bool]:
     """(history with the user turn of `step` (>= 1) added, whether it was compacted first). A compacted history
-    is the system prompt and one user turn: the summary of the steps done, then the new question (one turn, so
+    is the kept preamble and one user turn: the summary of the steps done, then the new question (one turn, so
     roles keep alternating for templates and APIs that require it)."""
-    question = questions(numbers)[step]
-    if needs_compaction(history, max_history_messages):
-        return compact(history, f"{summary(numbers, step)} {question}"), True
+    question = questions(terms)[step]
+    if needs_compaction(history, keep, max_history_messages):
+        return compact(history, keep, f"{summary(terms, step)} {question}"), True
     return history + [{"role": "user", "content": question}], False
 
 
@@ -206,6 +225,7 @@ class Outcome:
     correct: list[float] = field(default_factory=list)  # per step
     tool_calls: int = 0
     tool_errors: int = 0
+    valid_call_steps: int = 0  # steps in which at least one call ran without error
     compactions: int = 0
     model_calls: int = 0
 
@@ -214,25 +234,28 @@ class Outcome:
         return sum(self.correct) / len(self.correct) if self.correct else 0.0
 
     def info(self) -> dict[str, float]:
-        return {"steps_correct": float(sum(self.correct)), "tool_calls": float(self.tool_calls),
-                "tool_errors": float(self.tool_errors), "compactions": float(self.compactions),
-                "model_calls": float(self.model_calls)}
+        steps = max(1, len(self.correct))
+        return {"step_accuracy": self.reward, "steps_correct": float(sum(self.correct)), "tool_calls": float(self.tool_calls),
+                "tool_errors": float(self.tool_errors), "valid_call_rate": self.valid_call_steps / steps,
+                "compactions": float(self.compactions), "model_calls": float(self.model_calls)}
 
 
 Ask = Callable[[list[dict[str, Any]]], Awaitable[Reply]]  # history -> the model's reply
 ToolResults = Callable[[list[tuple[str, str]]], list[dict[str, Any]]]  # [(call id, result)] -> messages
 
 
-async def play(ask: Ask, tool_results: ToolResults, history: list[dict[str, Any]], numbers: list[int], *,
-               max_history_messages: int = 4, max_tool_rounds: int = 2) -> Outcome:
-    """Run every step of the chain. `history` holds the first question already (the dataset prompt). Within a
-    step the model may call the calculator up to `max_tool_rounds` times before it must answer; the step is
-    graded on its last reply. Before each later step the history is compacted when it is too long."""
-    out, values = Outcome(), running_values(numbers)
+async def play(ask: Ask, tool_results: ToolResults, history: list[dict[str, Any]], terms: list[str], *,
+               keep: int = 1, max_history_messages: int = 4, max_tool_rounds: int = 2) -> Outcome:
+    """Run every step of the chain. `history` holds the first question already (the dataset prompt) after a
+    preamble of `keep` messages that compaction keeps. Within a step the model may call the calculator up to
+    `max_tool_rounds` times before it must answer; the step is graded on its last reply. Before each later step
+    the history is compacted when it is too long."""
+    out, values = Outcome(), running_values(terms)
     for step, value in enumerate(values):
         if step:
-            history, compacted = next_turn(history, numbers, step, max_history_messages)
+            history, compacted = next_turn(history, keep, terms, step, max_history_messages)
             out.compactions += compacted
+        ran = False
         for _ in range(max_tool_rounds + 1):
             reply = await ask(history)
             out.model_calls += 1
@@ -241,20 +264,32 @@ async def play(ask: Ask, tool_results: ToolResults, history: list[dict[str, Any]
                 break
             results = [(call_id, run_tool(name, args)) for call_id, name, args in reply.calls]
             out.tool_calls += len(results)
-            out.tool_errors += sum(r.startswith("error:") for _, r in results)
+            errors = sum(r.startswith("error:") for _, r in results)
+            out.tool_errors += errors
+            ran |= errors < len(results)
             # every call gets its result, even past the last round, so the history stays valid for any API
             history = history + tool_results(results)
+        out.valid_call_steps += ran
         out.correct.append(grade(reply.text, value))
     return out
 
 
 # ----------------------------------------------------------------------------------------------- the agent
+EXAMPLE = ("What is 23 * 41?", "23 * 41", "943")  # the worked example: question, expression, result
+
+
+def example_call(expression: str) -> str:
+    """A calculator call as the model writes it (the Hermes form the capture server parses)."""
+    return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
+
+
 class CalculatorChatAgent(ChatAgent):
     """The agent, less its wire: a subclass says how to ask the model (`asker`) and how tool results are sent
     back (`tool_results`) in its SDK's message format. Class attributes are the agent's knobs."""
 
-    max_history_messages = 4  # compact before a step when the history (system prompt excluded) would pass this
+    max_history_messages = 4  # compact before a step when the history (preamble excluded) would pass this
     max_tool_rounds = 2  # calculator results the model may get per step before it has to answer
+    worked_example = True  # open the conversation with EXAMPLE (see the module docstring)
 
     def asker(self, ctx) -> Ask:
         raise NotImplementedError
@@ -263,11 +298,19 @@ class CalculatorChatAgent(ChatAgent):
     def tool_results(results: list[tuple[str, str]]) -> list[dict[str, Any]]:
         raise NotImplementedError
 
+    def preamble(self) -> list[dict[str, Any]]:
+        """The system prompt and, if enabled, the worked example: what compaction keeps."""
+        out = [{"role": "system", "content": SYSTEM_PROMPT}]
+        if self.worked_example:
+            question, expression, result = EXAMPLE
+            out += [{"role": "user", "content": question}, {"role": "assistant", "content": example_call(expression)},
+                    *self.tool_results([("call_example", result)]), {"role": "assistant", "content": result}]
+        return out
+
     async def run(self, ctx) -> Result:
-        numbers = parse_chain(ctx.label)
-        history = [dict(m) for m in ctx.messages]  # the first question, from the dataset row
-        if not any(m.get("role") == "system" for m in history):
-            history.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
-        out = await play(self.asker(ctx), self.tool_results, history, numbers,
+        terms = parse_chain(ctx.label)
+        task = [dict(m) for m in ctx.messages if m.get("role") != "system"]  # the first question, from the row
+        history = self.preamble() + task
+        out = await play(self.asker(ctx), self.tool_results, history, terms, keep=len(history) - len(task),
                          max_history_messages=self.max_history_messages, max_tool_rounds=self.max_tool_rounds)
         return Result(reward=out.reward, info=out.info())

@@ -1,9 +1,10 @@
 """Write the calculator chains as JSONL: `python make_data.py OUT_DIR [--steps 3] [--seed 0]`.
 
-A chain starts with a single-digit sum and then adds or subtracts single digits, staying at or above zero (the
-135M base model is weak even at single-digit sums; the calculator is there to help). 200 chains to train, 30
-held out, all distinct. Rows: {"prompt": [{"role": "user", "content": "What is 3 + 4?"}], "label": "[3, 4, -2, 6]"}:
-the label is the chain's signed numbers as JSON text; the agent asks the later steps itself.
+A chain starts with a product of two two-digit numbers, then multiplies the result by a one-digit number and adds
+a three-digit one, e.g. [23, "* 41", "* 7", "+ 386"]: beyond a 135M model's mental arithmetic, easy with the
+calculator. 200 chains to train, 30 held out, all distinct. Rows: {"prompt": [{"role": "user", "content":
+"What is 23 * 41?"}], "label": "[23, \"* 41\", \"* 7\", \"+ 386\"]"}: the label is the chain as JSON text; the
+agent asks the later steps itself.
 """
 import argparse
 import json
@@ -13,26 +14,22 @@ from pathlib import Path
 from calculator_task import questions
 
 
-def chain(rng: random.Random, steps: int) -> list[int]:
-    numbers = [rng.randint(0, 9), rng.randint(0, 9)]
-    total = sum(numbers)
-    for _ in range(steps - 1):
-        n = rng.randint(1, 9)
-        if n <= total and rng.random() < 0.5:  # subtract only while the result stays >= 0
-            n = -n
-        numbers.append(n)
-        total += n
-    return numbers
+def chain(rng: random.Random, steps: int) -> list:
+    items: list = [rng.randint(12, 99), f"* {rng.randint(12, 99)}"]
+    for k in range(steps - 1):  # later steps alternate: multiply by one digit, add three
+        items.append(f"* {rng.randint(3, 9)}" if k % 2 == 0 else f"+ {rng.randint(100, 999)}")
+    return items
 
 
 def rows(n_train: int = 200, n_test: int = 30, steps: int = 3, seed: int = 0) -> tuple[list[dict], list[dict]]:
     rng = random.Random(seed)
-    chains: dict[tuple[int, ...], None] = {}  # insertion-ordered set: distinct chains, reproducible order
+    chains: dict[str, list] = {}  # insertion-ordered: distinct chains, reproducible order
     while len(chains) < n_train + n_test:
-        chains[tuple(chain(rng, steps))] = None
+        c = chain(rng, steps)
+        chains.setdefault(json.dumps(c), c)
     # the first question comes from the agent's own helper, so the data and the agent cannot disagree
-    out = [{"prompt": [{"role": "user", "content": questions(list(c))[0]}], "label": json.dumps(list(c))}
-           for c in chains]
+    out = [{"prompt": [{"role": "user", "content": questions([str(c[0]), *c[1:]])[0]}], "label": label}
+           for label, c in chains.items()]
     return out[:n_train], out[n_train:]
 
 

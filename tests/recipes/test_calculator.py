@@ -17,7 +17,8 @@ RECIPE = Path(__file__).parents[2] / "recipes" / "calculator"
 sys.path.insert(0, str(RECIPE))  # the helper imports by plain name, as it does next to the agent files
 import calculator_task as ct
 
-CHAIN = [3, 4, -2, 6]  # 3 + 4 = 7, - 2 = 5, + 6 = 11
+CHAIN = [3, 4, -2, 6]  # 3 + 4 = 7, - 2 = 5, + 6 = 11 (the additive label form of earlier datasets)
+TERMS = ["3", "+ 4", "- 2", "+ 6"]
 
 
 # ------------------------------------------------------------------------------------------------ the calculator
@@ -51,15 +52,34 @@ def test_run_tool_answers_mistakes_with_text():
 
 # ------------------------------------------------------------------------------------------------ task and grading
 def test_chain_questions_and_summaries():
-    assert ct.parse_chain("[3, 4, -2, 6]") == ct.parse_chain(CHAIN) == CHAIN
-    for bad in ("[3]", '["3", 4]', "7", None):
+    assert ct.parse_chain("[3, 4, -2, 6]") == ct.parse_chain(CHAIN) == TERMS
+    for bad in ("[3]", '["3", 4]', "7", None, '[3, "/ 2"]', '[3, "* x"]', "[3, true]"):
         with pytest.raises((ValueError, TypeError)):
             ct.parse_chain(bad)
-    assert ct.running_values(CHAIN) == [7, 5, 11]
-    assert ct.questions(CHAIN) == ["What is 3 + 4?", "Now subtract 2. What is the result?",
+    assert ct.running_values(TERMS) == [7, 5, 11]
+    assert ct.questions(TERMS) == ["What is 3 + 4?", "Now subtract 2. What is the result?",
                                    "Now add 6. What is the result?"]
-    assert ct.summary(CHAIN, 1) == "So far: 3 + 4 = 7."
-    assert ct.summary(CHAIN, 2) == "So far: 3 + 4 = 7, then - 2 = 5."
+    assert ct.summary(TERMS, 1) == "So far: 3 + 4 = 7."
+    assert ct.summary(TERMS, 2) == "So far: 3 + 4 = 7, then - 2 = 5."
+    product = ct.parse_chain('[23, "* 41", "*7", "+ 386"]')
+    assert product == ["23", "* 41", "* 7", "+ 386"]
+    assert ct.running_values(product) == [943, 6601, 6987]  # 23 * 41 = 943; 943 * 7 = 6601; + 386 = 6987
+    assert ct.questions(product)[1:] == ["Now multiply the result by 7. What is the result?",
+                                         "Now add 386. What is the result?"]
+    assert ct.summary(product, 2) == "So far: 23 * 41 = 943, then * 7 = 6601."
+
+
+def test_the_data_needs_the_tool():
+    sys.path.insert(0, str(RECIPE))
+    import make_data
+
+    train, test = make_data.rows(n_train=20, n_test=5, steps=3, seed=1)
+    assert len({r["label"] for r in train + test}) == 25
+    for row in train + test:
+        terms = ct.parse_chain(row["label"])
+        assert row["prompt"][0]["content"] == ct.questions(terms)[0]
+        a, b = int(terms[0]), int(terms[1].split()[1])
+        assert 12 <= a <= 99 and 12 <= b <= 99 and terms[2].startswith("* ") and terms[3].startswith("+ ")
 
 
 @pytest.mark.parametrize("text, value, score", [
@@ -70,20 +90,20 @@ def test_grade_reads_the_last_number(text, value, score):
     assert ct.grade(text, value) == score
 
 
-def test_compaction_keeps_the_system_prompt_and_summarizes():
-    sys_msg = {"role": "system", "content": "S"}
-    history = [sys_msg, {"role": "user", "content": "What is 3 + 4?"}, {"role": "assistant", "content": "7"}]
-    # 2 messages + the next question = 3 <= 4: appended as is
-    grown, compacted = ct.next_turn(history, CHAIN, 1, max_history_messages=4)
+def test_compaction_keeps_the_preamble_and_summarizes():
+    pre = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A"}]
+    history = pre + [{"role": "user", "content": "What is 3 + 4?"}, {"role": "assistant", "content": "7"}]
+    # 2 messages after the 3 kept + the next question = 3 <= 4: appended as is
+    grown, compacted = ct.next_turn(history, 3, TERMS, 1, max_history_messages=4)
     assert not compacted
     assert grown == history + [{"role": "user", "content": "Now subtract 2. What is the result?"}]
     grown.append({"role": "assistant", "content": "5"})
-    # 4 messages + the next question = 5 > 4: compacted into one user turn after the system prompt
-    compacted_history, compacted = ct.next_turn(grown, CHAIN, 2, max_history_messages=4)
+    # 4 messages + the next question = 5 > 4: compacted into one user turn after the preamble
+    compacted_history, compacted = ct.next_turn(grown, 3, TERMS, 2, max_history_messages=4)
     assert compacted
-    assert compacted_history == [sys_msg, {"role": "user", "content":
-                                           "So far: 3 + 4 = 7, then - 2 = 5. Now add 6. What is the result?"}]
-    assert ct.compact([{"role": "user", "content": "a"}], "b") == [{"role": "user", "content": "b"}]
+    assert compacted_history == pre + [{"role": "user", "content":
+                                        "So far: 3 + 4 = 7, then - 2 = 5. Now add 6. What is the result?"}]
+    assert ct.compact([{"role": "user", "content": "a"}], 0, "b") == [{"role": "user", "content": "b"}]
 
 
 async def test_play_runs_tools_grades_each_step_and_compacts():
@@ -104,9 +124,10 @@ async def test_play_runs_tools_grades_each_step_and_compacts():
         return [{"role": "tool", "tool_call_id": i, "content": r} for i, r in results]
 
     start = [{"role": "system", "content": "S"}, {"role": "user", "content": "What is 3 + 4?"}]
-    out = await ct.play(ask, tool_results, start, CHAIN, max_history_messages=4, max_tool_rounds=2)
+    out = await ct.play(ask, tool_results, start, TERMS, max_history_messages=4, max_tool_rounds=2)
     assert out.correct == [1.0, 0.0, 1.0] and out.reward == pytest.approx(2 / 3)
     assert (out.tool_calls, out.tool_errors, out.compactions, out.model_calls) == (1, 0, 1, 4)
+    assert out.info()["valid_call_rate"] == pytest.approx(1 / 3)  # one step of three made a call that ran
     assert seen[1][-1] == {"role": "tool", "tool_call_id": "c1", "content": "7"}  # the tool's result went back
     # step 2: the history had 4 messages (question, call, result, answer), so it was compacted first
     assert seen[2] == [{"role": "system", "content": "S"},
@@ -121,9 +142,10 @@ async def test_play_bounds_tool_rounds():
     def tool_results(results):
         return [{"role": "tool", "tool_call_id": i, "content": r} for i, r in results]
 
-    out = await ct.play(ask, tool_results, [{"role": "user", "content": "What is 3 + 4?"}], CHAIN,
-                        max_tool_rounds=1)
+    out = await ct.play(ask, tool_results, [{"role": "user", "content": "What is 3 + 4?"}], TERMS,
+                        keep=0, max_tool_rounds=1)
     assert out.model_calls == 6 and out.tool_calls == 6 and out.reward == 0.0
+    assert out.info()["valid_call_rate"] == 1.0 and out.info()["tool_errors"] == 0
 
 
 # ------------------------------------------------------------------------------------------------ scripted round trip
@@ -156,9 +178,13 @@ async def test_scripted_tool_calls_round_trip(tokenizer, file):
     # steps 2 and 3 start compacted
     assert [s.break_reason for s in traj.segments] == ["start", "compaction", "compaction"]
     texts = [tokenizer.decode(s.token_ids) for s in traj.segments]
+    example = (f"<|im_start|>user\n{ct.EXAMPLE[0]}<|im_end|>\n<|im_start|>assistant\n{ct.example_call(ct.EXAMPLE[1])}"
+               f"<|im_end|>\n<|im_start|>tool\n{ct.EXAMPLE[2]}<|im_end|>\n<|im_start|>assistant\n{ct.EXAMPLE[2]}<|im_end|>")
     for text, value in zip(texts, [7, 5, 11]):
         assert f"<|im_start|>tool\n{value}<|im_end|>" in text and text.endswith(f"The result is {value}<|im_end|>")
-        assert text.count("<|im_start|>assistant") == 2  # the call and the answer, continued in one segment
+        assert example in text  # the worked example opens every segment: compaction keeps it
+        # the example's call and answer, then the model's call and answer, continued in one segment
+        assert text.count("<|im_start|>assistant") == 4
     assert "So far: 3 + 4 = 7, then - 2 = 5. Now add 6. What is the result?" in texts[2]
 
 

@@ -44,3 +44,51 @@ def test_wandb_without_the_package_logs_the_rest(tmp_path, monkeypatch, capsys):
     logger.close()
     assert logger._wandb is None and "wandb is not installed" in capsys.readouterr().err
     assert read_metrics(tmp_path) == [{"step": 1, "rollout/reward_mean": 0.5}]
+
+
+def test_agent_metrics_by_hand():
+    """Two rollouts: 3 parsed calls (1 refused by the tool) and 1 malformed attempt over 6 model calls."""
+    from types import SimpleNamespace
+
+    from molt.runtime.metrics import agent_metrics, info_means
+
+    a = SimpleNamespace(info={"capture/requests": 4.0, "capture/tool_calls": 2.0, "capture/malformed_tool_calls": 1.0,
+                              "tool_errors": 1.0})
+    b = SimpleNamespace(info={"capture/requests": 2.0, "capture/tool_calls": 1.0, "capture/malformed_tool_calls": 0.0})
+    m = agent_metrics([a, b], "agent/")
+    # turns (4 + 2) / 2; attempts (2 + 1 + 1) / 2; valid = (3 parsed - 1 refused) / 4 attempts
+    assert m == {"agent/turns": 3.0, "agent/tool_calls": 2.0, "agent/tool_call_valid": 0.5}
+    assert info_means([a, b], "x/")["x/tool_errors"] == 1.0  # the mean over the rollouts that report it
+    env = SimpleNamespace(info={"capture/requests": 1.0})
+    assert agent_metrics([env], "agent/") == {"agent/turns": 1.0, "agent/tool_calls": 0.0}  # no calls: no rate
+    assert agent_metrics([SimpleNamespace(info={})], "agent/") == {}  # not through the capture server
+
+
+def test_curves_get_an_agent_panel(tmp_path):
+    from PIL import Image
+
+    from molt.runtime.plot import plot_run
+
+    logger = MetricsLogger(tmp_path, 2)
+    logger.log(1, {"rollout/reward_mean": 0.1})
+    logger.close()
+    narrow = Image.open(plot_run(tmp_path)).size
+    logger = MetricsLogger(tmp_path, 2)
+    logger.log(2, {"rollout/reward_mean": 0.2, "agent/tool_calls": 1.5, "agent/tool_call_valid": 0.5})
+    logger.close()
+    wide = Image.open(plot_run(tmp_path)).size
+    assert wide[0] > narrow[0] and wide[1] == narrow[1]  # a second panel beside the first
+
+
+def test_wandb_that_cannot_start_leaves_the_run_logging(tmp_path, monkeypatch, capsys):
+    import wandb
+
+    def refuse(**kwargs):
+        raise wandb.errors.UsageError("No API key configured")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    logger = MetricsLogger(tmp_path, 1, wandb={"project": "p"})
+    logger.log(1, {"rollout/reward_mean": 0.5})
+    logger.close()
+    assert "W&B logging is off: No API key configured" in capsys.readouterr().err
+    assert read_metrics(tmp_path) == [{"step": 1, "rollout/reward_mean": 0.5}]

@@ -1,0 +1,84 @@
+"""The embedded engine and the actor on image-conditioned replies of the tiny LLaVA: the prefix cache never
+carries keys/values across images, the engine's behavior log-probs and the trainer's recomputed ones agree to
+1e-5 in fp32 (after the experiences went through the object store), and `freeze_visual_encoder` freezes
+exactly the vision tower."""
+import pytest
+import torch
+from openai import AsyncOpenAI
+from vision_helpers import png, user
+
+from molt.capture.render import canonical_messages, message_images
+from molt.testing.scripted import live_capture_server
+from molt.trainer import Actor
+from molt.types import Experience, SamplingParams, Trajectory
+
+FP32 = {"device": "cpu", "param_dtype": "float32"}
+
+
+def prompt(renderer, *images):
+    messages = canonical_messages([user("What is this?", *images)], renderer.image)
+    return renderer.encode_images(renderer.render(messages, None, True), message_images(messages))
+
+
+async def test_prefix_cache_is_not_reused_across_images(vlm_engine, vlm_renderer):
+    (ids, red), (same_ids, blue) = prompt(vlm_renderer, png("red")), prompt(vlm_renderer, png("blue", "square"))
+    assert ids == same_ids  # the placeholder tokens are the same: only the pixels differ
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    before = vlm_engine.prefixes.stats()["reused_tokens"]
+    a = await vlm_engine.generate(ids, greedy, session_id="s", images=red)
+    b = await vlm_engine.generate(ids, greedy, session_id="s", images=blue)
+    fresh = await vlm_engine.generate(ids, greedy, images=blue)
+    assert b.token_ids == fresh.token_ids and b.logprobs == pytest.approx(fresh.logprobs, abs=1e-5)
+    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) > 1e-3  # the image matters
+    assert vlm_engine.prefixes.stats()["reused_tokens"] == before
+
+
+async def two_turn_rollouts(engine, renderer, colours):
+    """One two-turn rollout per colour (an image each turn) through the capture server: its segment."""
+    async with live_capture_server(engine, renderer) as server:
+        out = []
+        for i, colour in enumerate(colours):
+            session = await server.open_session(f"r{i}", SamplingParams(max_tokens=6, temperature=0.7, seed=i))
+            api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key)
+            messages = [user("What is this?", png(colour))]
+            text = (await api.chat.completions.create(model="m", messages=messages)).choices[0].message.content
+            messages += [{"role": "assistant", "content": text}, user("And this?", png(colour, "square"))]
+            await api.chat.completions.create(model="m", messages=messages)
+            (segment,) = await session.close()
+            out.append(segment)
+    return out
+
+
+async def test_engine_and_trainer_logprobs_agree_on_image_replies(vlm_engine, vlm_renderer, tiny_vlm_dir, ray_local):
+    segments = await two_turn_rollouts(vlm_engine, vlm_renderer, ["red", "green"])
+    exps = [Experience.from_segment(Trajectory(f"r{i}", "g", [s]), 0).offload() for i, s in enumerate(segments)]
+    assert all(e.images is None for e in exps)  # the pixels travel with the payload
+    exps = [e.reload() for e in exps]
+    assert [e.images["pixel_values"].shape[0] for e in exps] == [2, 2]
+    actor = Actor.from_pretrained(str(tiny_vlm_dir), **FP32)
+    for batch in (exps, exps[:1], exps[1:]):  # one padded micro-batch of both rows, and each alone
+        for exp, lps in zip(batch, actor.compute_logprobs(batch)):
+            acts = [(lp, b) for lp, b, m in zip(lps, exp.behavior_logprobs, exp.action_mask) if m]
+            assert len(acts) == exp.num_actions > 0
+            assert max(abs(lp - b) for lp, b in acts) < 1e-5
+    blind = Experience.from_segment(Trajectory("r0", "g", [segments[0]]), 0)
+    blind.images = None  # the same tokens without the pixels: the image tokens' plain embeddings
+    lps = actor.compute_logprobs([blind])[0]
+    assert max(abs(lp - b) for lp, b, m in zip(lps, blind.behavior_logprobs, blind.action_mask) if m) > 1e-3
+    packed = Actor.from_pretrained(str(tiny_vlm_dir), packing_samples=True, **FP32)
+    with pytest.raises(ValueError, match="packing_samples"):
+        packed.compute_logprobs(exps)
+
+
+async def test_freeze_visual_encoder(vlm_engine, vlm_renderer, tiny_vlm_dir, tiny_llama_dir):
+    (segment,) = await two_turn_rollouts(vlm_engine, vlm_renderer, ["blue"])
+    exp = Experience.from_segment(Trajectory("r", "g", [segment]), 0)
+    exp.advantages = [1.0 if m else 0.0 for m in exp.action_mask]
+    actor = Actor.from_pretrained(str(tiny_vlm_dir), freeze_visual_encoder=True, lr=1e-2, **FP32)
+    before = {n: p.detach().clone() for n, p in actor.lm.named_parameters()}
+    actor.train_step([exp])
+    changed = {n for n, p in actor.lm.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and not any(".vision_tower." in n for n in changed)
+    assert any(".multi_modal_projector." in n for n in changed) and any(".language_model." in n for n in changed)
+    with pytest.raises(ValueError, match="freeze_visual_encoder: .* has no vision encoder"):
+        Actor.from_pretrained(str(tiny_llama_dir), freeze_visual_encoder=True, **FP32)
