@@ -37,10 +37,27 @@ class AdamConfig:
 
 
 @dataclass
+class MuonConfig:
+    lr: float = 0.02
+    """Muon learning rate (the 2-D weights of the decoder blocks; the rest keeps AdamW)."""
+    momentum: float = 0.95
+    """Muon momentum."""
+    weight_decay: float | None = None
+    """Muon decoupled weight decay (None: adam.weight_decay)."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations of the orthogonalization."""
+    nesterov: bool = True
+    """Nesterov momentum."""
+
+
+@dataclass
 class ActorConfig:
     model_name_or_path: str = "smollm2-135m-instruct"
     """Policy model: a local HF checkpoint directory, a built-in alias, or a hub id."""
     adam: AdamConfig = field(default_factory=AdamConfig)
+    optim: Literal["adam", "muon"] = "adam"
+    """Optimizer: AdamW, or torch.optim.Muon for the decoder blocks' 2-D weights and AdamW for the rest."""
+    muon: MuonConfig = field(default_factory=MuonConfig)
     max_norm: float = 1.0
     """Gradient clipping norm (0 disables)."""
     eps_clip_low_high: tuple[float, float] = (0.2, 0.28)
@@ -78,6 +95,9 @@ class CriticConfig(ModelRefConfig):
     """The value model of `gae`, with an optimizer of its own (reference defaults)."""
 
     adam: AdamConfig = field(default_factory=lambda: AdamConfig(lr=5e-6))
+    optim: Literal["adam", "muon"] = "adam"
+    """Optimizer (as actor.optim)."""
+    muon: MuonConfig = field(default_factory=MuonConfig)
     max_norm: float = 1.0
     """Gradient clipping norm (0 disables)."""
     lr_scheduler: Literal["constant", "cosine"] = "constant"

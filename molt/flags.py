@@ -72,7 +72,6 @@ def _dumps(values: list[str], given: dict[str, list[str]]) -> list[str]:
     return ["--train.dump_trajectories_steps", "1"]
 
 
-MUON = "muon is not built: the optimizer is AdamW (--actor.adam.*, --critic.adam.*)"
 TABLE: dict[str, str | Rule] = {
     # the same knobs under Molt's names or value syntax
     "actor.loss_mode": _to("actor.policy_loss"),
@@ -124,10 +123,6 @@ TABLE: dict[str, str | Rule] = {
     "fsdp.pp_size": "the FSDP2 trainer has no pipeline parallelism",
     "fsdp.sequence_parallel": "tensor parallelism is plain DTensor TP, without sequence parallelism",
     "logger.logging_steps": "every step's metrics are written (metrics.jsonl, TensorBoard, W&B)",
-    "actor.optim": MUON,
-    "critic.optim": MUON,
-    **{f"{role}.muon.{k}": MUON for role in ("actor", "critic")
-       for k in ("lr", "momentum", "weight_decay", "ns_steps", "nesterov", "no_nesterov")},
 }
 # reference flag -> vllm.AsyncEngineArgs keyword ("key=template" formats the value into it)
 VLLM_ARGS = {f"vllm.{k}": k for k in (

@@ -28,6 +28,7 @@ over the whole step, and the PPO ratio's proximal policy is the policy before th
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import socket
@@ -79,7 +80,7 @@ def trainer_fields(cfg: Any, model_path: str, critic_path: str | None) -> tuple[
         return dict(lr=o.adam.lr, betas=tuple(o.adam.betas), adam_eps=o.adam.eps,  # noqa: C408 (ActorConfig's call)
                     weight_decay=o.adam.weight_decay, lr_scheduler=o.lr_scheduler, total_steps=total,
                     lr_warmup_steps=max(getattr(o, "lr_warmup_steps", 0), math.ceil(o.lr_warmup_ratio * total)),
-                    min_lr_ratio=o.min_lr_ratio, max_norm=o.max_norm)
+                    min_lr_ratio=o.min_lr_ratio, max_norm=o.max_norm, optim=o.optim, muon=dataclasses.asdict(o.muon))
 
     actor = dict(
         model_name_or_path=model_path, **optimizer(a, cfg.train.max_epochs), policy_loss=a.policy_loss,

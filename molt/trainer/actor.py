@@ -57,8 +57,8 @@ class Actor(ShardedModelTrainer):
         super().__init__(cfg)
         self.lm = self.load_lm(cfg.model_name_or_path)
         self.model = self.wrap(CausalLMLogProbs(self.lm, cfg.logprob_chunk_size), self.lm, trainable=True)
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg,
-                                                         foreach=False if cfg.tp_size > 1 else None)
+        self.optimizers, self.schedulers = build_optimizer(self.model.parameters(), cfg,
+                                                           blocks=parallel.decoder_layers(self.lm))
         self.loss_params = PolicyLossParams(
             eps_low=cfg.eps_clip_low_high[0], eps_high=cfg.eps_clip_low_high[1], dual_clip=cfg.dual_clip,
             entropy_coef=cfg.entropy_coef, kl_coef=cfg.kl_coef if cfg.kl_use_loss else 0.0).validate()

@@ -52,8 +52,8 @@ class Critic(ShardedModelTrainer):
         self.value_clip = value_clip
         backbone = self.load_lm(cfg.model_name_or_path, AutoModel)
         self.model = self.wrap(ValueModel(backbone), backbone, trainable=True)
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg,
-                                                         foreach=False if cfg.tp_size > 1 else None)
+        self.optimizers, self.schedulers = build_optimizer(self.model.parameters(), cfg,
+                                                           blocks=parallel.decoder_layers(backbone))
 
     @torch.no_grad()
     def compute_values(self, experiences: list[Experience]) -> list[list[float]]:
