@@ -221,7 +221,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return plain(dataclasses.asdict(cfg))
 
 
-def load_config(argv: list[str] | None = None, *, check_files: bool = True, prog: str = "molt train") -> Any:
+def load_config(argv: list[str] | None = None, *, check_files: bool = True, prog: str = "molt train",
+                sft: bool = False) -> Any:
     """`[--config recipe.yaml] [--group.field value ...]` -> validated MoltConfig."""
     import tyro
     import yaml
@@ -245,7 +246,7 @@ def load_config(argv: list[str] | None = None, *, check_files: bool = True, prog
                                "Every flag of the reference's train_rl_ray is accepted too (molt.flags).")
     cfg.vllm.engine_args = {**engine_args, **cfg.vllm.engine_args}
     after_parse(cfg.rollout.engine, given)
-    return validate(cfg, check_files=check_files)
+    return validate(cfg, check_files=check_files, sft=sft)
 
 
 def save_config(cfg: Any, path: str | Path) -> None:

@@ -63,6 +63,7 @@ def _fmt(value: float) -> str:
 # (metric key, console label) for the one-line summary, in order; missing keys are skipped.
 _CONSOLE = [
     ("rollout/reward_mean", "reward"), ("group_reward_std", "grp_std"), ("eval/accuracy", "eval_acc"),
+    ("train/loss", "loss"), ("eval/loss", "eval_loss"),
     ("rollout/response_length_mean", "len"), ("policy_loss", "loss"), ("actor_grad_norm", "gnorm"),
     ("is_filter_ratio", "gate"), ("rollout/staleness_mean", "stale"), ("timing/generation", "gen_s"),
     ("timing/policy_train", "train_s"), ("timing/broadcast", "refit_s"), ("timing/step_total", "step_s"),

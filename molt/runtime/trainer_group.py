@@ -17,6 +17,9 @@ With `algo.kl.use_loss` false the KL enters as a token reward (REINFORCE++): eac
 over its rollouts and takes the KL of the behavior log-probabilities (the policy that sampled the tokens) to
 the reference's, with `algo.kl.estimator`, weighted by the (adaptive) coefficient. Group estimators take no
 token rewards; the configuration refuses that pairing.
+On-policy distillation (`on_policy_distill`) is this KL reward with the teacher as the reference model: k1 of
+the student's sampled tokens, on each token as it is (no discount, no whitening), the group-centred reward
+mixed in by `algo.advantage.reward_coef`.
 GAE uses a critic (`molt.trainer.Critic`, `--critic.model_name_or_path`, default the actor's checkpoint) built
 next to the actor on every rank with an optimizer of its own (`--critic.adam.*`): values before the step, then
 critic steps on the GAE returns after the policy steps; its state is saved and restored with the actor's.
@@ -37,7 +40,7 @@ from typing import Any
 
 from molt.types import Experience
 
-RANK_ESTIMATORS = ("reinforce", "reinforce_baseline", "gae")
+RANK_ESTIMATORS = ("reinforce", "reinforce_baseline", "gae", "on_policy_distill")
 
 
 def rollout_advantages(estimator: str, rollouts: list[tuple[str, str, float]], params: Any = None) -> dict[str, float]:
@@ -58,9 +61,9 @@ def rollout_advantages(estimator: str, rollouts: list[tuple[str, str, float]], p
 
 
 def terminal_rewards(estimator: str, rollouts: list[tuple[str, str, float]]) -> dict[str, float]:
-    """{rollout_id: reward a rank-level estimator starts from}: reinforce_baseline's group mean is subtracted
-    here, where whole groups are known."""
-    if estimator == "reinforce_baseline":
+    """{rollout_id: reward a rank-level estimator starts from}: reinforce_baseline's (and on_policy_distill's)
+    group mean is subtracted here, where whole groups are known."""
+    if estimator in ("reinforce_baseline", "on_policy_distill"):
         return rollout_advantages("dr_grpo", rollouts)  # r - group mean
     return {rid: r for rid, _, r in rollouts}
 

@@ -32,8 +32,7 @@ class _TrainState(Stateful):
 
     def load_state_dict(self, sd: dict) -> None:
         set_state_dict(self.t.model, self.t.optimizers, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        states = sd["scheduler"] if isinstance(sd["scheduler"], list) else [sd["scheduler"]]  # older: AdamW only
-        for schedule, state in zip(self.t.schedulers, states, strict=True):
+        for schedule, state in zip(self.t.schedulers, sd["scheduler"], strict=True):
             schedule.load_state_dict(state)
         self.t.step = int(sd["step"])
 

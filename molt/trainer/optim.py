@@ -1,14 +1,10 @@
 """Optimizers (AdamW, or Muon with AdamW) and learning-rate schedules (constant, cosine with linear warm-up),
 shared by actor and critic.
 
-Decisions:
-- Schedules are `LambdaLR` multipliers of each optimizer's lr, stepped once per optimizer step, so their whole
-  state is `last_epoch` and checkpoints/resumes through `scheduler.state_dict()`.
-- `optim="muon"`: `torch.optim.Muon` takes the 2-D weights inside the decoder blocks (attention and MLP
-  matrices); everything else (embeddings, the LM head or value head, norms, biases, 3-D stacked expert weights)
-  stays with AdamW, as Muon's authors prescribe. Both optimizers follow the same schedule (Muon from
-  `muon["lr"]`, AdamW from `lr`); weight decay None means AdamW's. Muon works on FSDP2/TP DTensors (its
-  Newton-Schulz matmuls then gather through DTensor ops). Callers hold lists of optimizers and schedules.
+Decisions: schedules are `LambdaLR` multipliers of each optimizer's lr, stepped once per optimizer step (their
+state is `last_epoch`). `optim="muon"`: `torch.optim.Muon` takes the 2-D weights inside the decoder blocks
+(attention and MLP matrices); embeddings, LM or value head, norms, biases and 3-D expert weights stay with
+AdamW. Both follow the schedule; Muon's weight decay None means AdamW's. Muon runs on FSDP2/TP DTensors.
 """
 from __future__ import annotations
 
