@@ -115,3 +115,25 @@ def test_sft_needs_a_batch_size():
 
     with pytest.raises(ValueError, match="train.batch_size"):
         load_config(["--data.prompt_dataset", "x.jsonl"], prog="molt sft", sft=True, check_files=False)
+
+
+@pytest.mark.slow
+def test_molt_train_starts_from_the_sft_export(tiny_llama_dir, tmp_path, ray_local):
+    """The SFT export is a policy `molt train` loads (engine, capture, trainer) and trains further."""
+    import asyncio
+
+    from molt.config import load_config
+    from molt.runtime.loop import run_training
+    from molt.runtime.sft import run_sft
+
+    train, test = _make_data(tmp_path / "data", n=48)
+    run_sft(load_config(["--actor.model_name_or_path", str(tiny_llama_dir), "--data.prompt_dataset", str(train),
+                         "--data.input_key", "messages", "--train.batch_size", "8", "--train.max_steps", "2",
+                         "--ckpt.output_dir", str(tmp_path / "sft")], prog="molt sft", sft=True))
+    agent = Path(__file__).parent / "agents" / "letters_env.py"
+    data = Path(__file__).parents[2] / "recipes" / "math" / "data" / "single_train.jsonl"
+    cfg = load_config(["--actor.model_name_or_path", str(tmp_path / "sft" / "policy"), "--train.agent_path",
+                       str(agent), "--data.prompt_dataset", str(data), "--train.max_steps", "2",
+                       "--rollout.n_samples_per_prompt", "4", "--rollout.max_new_tokens", "8",
+                       "--ckpt.output_dir", str(tmp_path / "rl")])
+    assert asyncio.run(run_training(cfg))["steps"] == 2
