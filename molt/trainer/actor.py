@@ -56,9 +56,9 @@ class Actor(ShardedModelTrainer):
         KL_ESTIMATORS.get_fn(cfg.kl_estimator)
         super().__init__(cfg)
         self.lm = self.load_lm(cfg.model_name_or_path)
+        blocks = parallel.decoder_layers(self.lm) if cfg.optim == "muon" else ()  # before FSDP2 renames their classes
         self.model = self.wrap(CausalLMLogProbs(self.lm, cfg.logprob_chunk_size), self.lm, trainable=True)
-        self.optimizers, self.schedulers = build_optimizer(self.model.parameters(), cfg,
-                                                           blocks=parallel.decoder_layers(self.lm))
+        self.optimizers, self.schedulers = build_optimizer(self.model.parameters(), cfg, blocks=blocks)
         self.loss_params = PolicyLossParams(
             eps_low=cfg.eps_clip_low_high[0], eps_high=cfg.eps_clip_low_high[1], dual_clip=cfg.dual_clip,
             entropy_coef=cfg.entropy_coef, kl_coef=cfg.kl_coef if cfg.kl_use_loss else 0.0).validate()

@@ -29,6 +29,16 @@ def test_parameter_groups(tiny_llama_dir):
     assert _groups(Actor.from_pretrained(tiny_llama_dir, **BASE)) == {"AdamW": every}  # the default: AdamW only
 
 
+def test_groups_under_fsdp2(tiny_llama_dir):
+    """bf16 parameters put even one CPU process on an FSDP2 mesh (which renames the block classes): the groups are
+    the same, over DTensors, and a step runs."""
+    from molt.trainer import Actor
+
+    actor = Actor.from_pretrained(tiny_llama_dir, **MUON, param_dtype="bfloat16")
+    assert actor.mesh is not None and len(_groups(actor)["Muon"]) == 14
+    assert actor.train_step(make_window(tiny_llama_dir, seed=1))["actor_grad_norm"] > 0
+
+
 def test_muon_update_is_orthogonalized(tiny_llama_dir):
     """One step moves each hidden matrix by lr * sqrt(max(1, rows/cols)) * NS(momentum), whose singular values
     Newton-Schulz (Keller's coefficients) brings into about [0.7, 1.2]: the top one sits there, whatever the
