@@ -126,7 +126,7 @@ def test_molt_train_starts_from_the_sft_export(tiny_llama_dir, tmp_path, ray_loc
     from molt.runtime.loop import run_training
     from molt.runtime.sft import run_sft
 
-    train, test = _make_data(tmp_path / "data", n=48)
+    train, _ = _make_data(tmp_path / "data", n=48)
     run_sft(load_config(["--actor.model_name_or_path", str(tiny_llama_dir), "--data.prompt_dataset", str(train),
                          "--data.input_key", "messages", "--train.batch_size", "8", "--train.max_steps", "2",
                          "--ckpt.output_dir", str(tmp_path / "sft")], prog="molt sft", sft=True))
