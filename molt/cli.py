@@ -209,6 +209,17 @@ def train(args: argparse.Namespace) -> None:
     _train_and_report(load_config(args.rest))
 
 
+@command("sft", "supervised fine-tuning on chats (assistant tokens only) with the RL trainer: [--config RECIPE.yaml] "
+                "[--group.field VALUE ...] (molt.runtime.sft)", raw=True)
+def sft(args: argparse.Namespace) -> None:
+    from molt.config import load_config
+    from molt.runtime.plot import plot_run
+    from molt.runtime.sft import run_sft
+
+    cfg = load_config(args.rest, prog="molt sft", sft=True)
+    print(f"{run_sft(cfg)}\ncurves: {plot_run(cfg.ckpt.output_dir)}")
+
+
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 

@@ -14,7 +14,9 @@ Decisions where the reference is silent:
   `train.max_epochs` optimizer passes over each step's rollouts, `train.batch_size` rollouts a pass.
 - Defaults are Molt's where they differ from the reference's (docs/from-reference.md lists them); new groups
   and fields that come from the reference take its defaults (`reward.clip_range` [-10, 10], `critic.adam.lr`).
-- New knobs of this project: `train.max_staleness`, `train.max_steps`, `rollout.engine`, `rollout.timeout_s`,
+- `on_policy_distill` (docs/algo.md) forces the KL into the advantage (`algo.kl.use_loss` off, k1, no whitening;
+  `algo.kl.init_coef` 0 means 1); without `train.agent_path` a built-in agent answers each prompt once.
+- New knobs of this project: `algo.advantage.reward_coef`, `train.max_staleness`, `train.max_steps`, `rollout.engine`, `rollout.timeout_s`,
   `rollout.max_turns`, `rollout.num_workers`, `rollout.max_failed_retries`, `eval.temperature`.
 """
 from __future__ import annotations
@@ -37,10 +39,27 @@ class AdamConfig:
 
 
 @dataclass
+class MuonConfig:
+    lr: float = 0.02
+    """Muon learning rate (the 2-D weights of the decoder blocks; the rest keeps AdamW)."""
+    momentum: float = 0.95
+    """Muon momentum."""
+    weight_decay: float | None = None
+    """Muon decoupled weight decay (None: adam.weight_decay)."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations of the orthogonalization."""
+    nesterov: bool = True
+    """Nesterov momentum."""
+
+
+@dataclass
 class ActorConfig:
     model_name_or_path: str = "smollm2-135m-instruct"
     """Policy model: a local HF checkpoint directory, a built-in alias, or a hub id."""
     adam: AdamConfig = field(default_factory=AdamConfig)
+    optim: Literal["adam", "muon"] = "adam"
+    """Optimizer: AdamW, or torch.optim.Muon for the decoder blocks' 2-D weights and AdamW for the rest."""
+    muon: MuonConfig = field(default_factory=MuonConfig)
     max_norm: float = 1.0
     """Gradient clipping norm (0 disables)."""
     eps_clip_low_high: tuple[float, float] = (0.2, 0.28)
@@ -84,6 +103,9 @@ class CriticConfig(ModelRefConfig):
     """The value model of `gae`, with an optimizer of its own (reference defaults)."""
 
     adam: AdamConfig = field(default_factory=lambda: AdamConfig(lr=5e-6))
+    optim: Literal["adam", "muon"] = "adam"
+    """Optimizer (as actor.optim)."""
+    muon: MuonConfig = field(default_factory=MuonConfig)
     max_norm: float = 1.0
     """Gradient clipping norm (0 disables)."""
     lr_scheduler: Literal["constant", "cosine"] = "constant"
@@ -170,7 +192,8 @@ class RolloutConfig:
 @dataclass
 class AdvantageConfig:
     estimator: str = "grpo"
-    """Advantage estimator by registered name (reinforce, reinforce_baseline, rloo, grpo, dr_grpo, gae)."""
+    """Advantage estimator by registered name (reinforce, reinforce_baseline, rloo, grpo, dr_grpo, gae,
+    on_policy_distill)."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0
@@ -184,6 +207,8 @@ class AdvantageConfig:
     """Importance-ratio band (low, high)."""
     no_whiten: bool = False
     """Do not whiten the advantages of reinforce, reinforce_baseline and gae over the batch."""
+    reward_coef: float = 0.0
+    """on_policy_distill: weight of the group-centred reward next to the teacher's KL (0: reward ignored)."""
 
 
 @dataclass
@@ -370,15 +395,13 @@ def _get(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
-def validate(cfg: MoltConfig, *, check_files: bool = True) -> MoltConfig:
-    """Raise ValueError naming the field for anything that cannot run; return cfg."""
+def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) -> MoltConfig:
+    """Raise ValueError naming the field for anything that cannot run (`molt sft`'s run with `sft`); return cfg."""
     _positive(cfg, "rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
               "train.num_episodes", "train.max_epochs", "train.num_ranks", "rollout.num_workers", "rollout.max_turns")
-    for name in ("train.max_staleness", "train.max_steps"):
+    for name in ("train.max_staleness", "train.max_steps", "rollout.temperature"):
         if _get(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0 (got {_get(cfg, name)})")
-    if cfg.rollout.temperature < 0:
-        raise ValueError(f"rollout.temperature must be >= 0 (got {cfg.rollout.temperature})")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ValueError(f"rollout.top_p must be in (0, 1] (got {cfg.rollout.top_p})")
     if cfg.actor.adam.lr <= 0:
@@ -390,6 +413,11 @@ def validate(cfg: MoltConfig, *, check_files: bool = True) -> MoltConfig:
         raise ValueError("train.partial_rollout_enable needs importance correction: set "
                          "algo.advantage.is_correction_level to token, seq or geo")
     kl = cfg.algo.kl
+    distill = cfg.algo.advantage.estimator == "on_policy_distill"
+    if distill:
+        if not cfg.ref.model_name_or_path:
+            raise ValueError("ref.model_name_or_path: on_policy_distill needs the teacher model")
+        kl.use_loss, kl.estimator, cfg.algo.advantage.no_whiten, kl.init_coef = False, "k1", True, kl.init_coef or 1.0
     if kl.init_coef and kl.use_loss and kl.estimator == "k1":  # fail now, not at the first optimizer step
         raise ValueError("algo.kl.estimator k1 has zero expected gradient as a loss: use k2 or k3 with "
                          "algo.kl.use_loss")
@@ -405,16 +433,18 @@ def validate(cfg: MoltConfig, *, check_files: bool = True) -> MoltConfig:
     if cfg.train.num_ranks > total:
         raise ValueError(f"train.num_ranks ({cfg.train.num_ranks}) exceeds the rollouts of a step "
                          f"(rollout.batch_size x n_samples_per_prompt = {total}): every rank needs a rollout")
-    if cfg.train.batch_size and (total % cfg.train.batch_size or cfg.train.batch_size % cfg.rollout.n_samples_per_prompt):
+    if sft and cfg.train.batch_size < 1:
+        raise ValueError("train.batch_size: chats per optimizer step, must be >= 1 for molt sft")
+    if not sft and cfg.train.batch_size and (total % cfg.train.batch_size or cfg.train.batch_size % cfg.rollout.n_samples_per_prompt):
         raise ValueError(f"train.batch_size ({cfg.train.batch_size}) must divide rollout.batch_size * "
                          f"rollout.n_samples_per_prompt ({total}) in whole groups of {cfg.rollout.n_samples_per_prompt}")
     if check_files:
         from molt.runtime.data import BUILDERS
 
-        for name in ("train.agent_path", "data.prompt_dataset"):
+        for name in ("train.agent_path", "data.prompt_dataset")[distill or sft:]:  # distillation: a built-in agent
             if not _get(cfg, name):
                 raise ValueError(f"{name} is required")
-        if not Path(cfg.train.agent_path).is_file():
+        if cfg.train.agent_path and not Path(cfg.train.agent_path).is_file():
             raise ValueError(f"train.agent_path: no such file: {cfg.train.agent_path}")
         for name in ("data.prompt_dataset", "eval.dataset"):  # a directory or a hub name is checked at load
             for entry in _get(cfg, name).split(","):

@@ -72,7 +72,6 @@ def _dumps(values: list[str], given: dict[str, list[str]]) -> list[str]:
     return ["--train.dump_trajectories_steps", "1"]
 
 
-MUON = "muon is not built: the optimizer is AdamW (--actor.adam.*, --critic.adam.*)"
 TABLE: dict[str, str | Rule] = {
     # the same knobs under Molt's names or value syntax
     "actor.loss_mode": _to("actor.policy_loss"),
@@ -118,10 +117,6 @@ TABLE: dict[str, str | Rule] = {
     "fsdp.pp_size": "the FSDP2 trainer has no pipeline parallelism",
     "fsdp.sequence_parallel": "tensor parallelism is plain DTensor TP, without sequence parallelism",
     "logger.logging_steps": "every step's metrics are written (metrics.jsonl, TensorBoard, W&B)",
-    "actor.optim": MUON,
-    "critic.optim": MUON,
-    **{f"{role}.muon.{k}": MUON for role in ("actor", "critic")
-       for k in ("lr", "momentum", "weight_decay", "ns_steps", "nesterov", "no_nesterov")},
 }
 # reference flag -> vllm.AsyncEngineArgs keyword ("key=template" formats the value into it)
 VLLM_ARGS = {f"vllm.{k}": k for k in (
@@ -220,7 +215,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return plain(dataclasses.asdict(cfg))
 
 
-def load_config(argv: list[str] | None = None, *, check_files: bool = True, prog: str = "molt train") -> Any:
+def load_config(argv: list[str] | None = None, *, check_files: bool = True, prog: str = "molt train",
+                sft: bool = False) -> Any:
     """`[--config recipe.yaml] [--group.field value ...]` -> validated MoltConfig."""
     import tyro
     import yaml
@@ -244,7 +240,7 @@ def load_config(argv: list[str] | None = None, *, check_files: bool = True, prog
                                "Every flag of the reference's train_rl_ray is accepted too (molt.flags).")
     cfg.vllm.engine_args = {**engine_args, **cfg.vllm.engine_args}
     after_parse(cfg.rollout.engine, given)
-    return validate(cfg, check_files=check_files)
+    return validate(cfg, check_files=check_files, sft=sft)
 
 
 def save_config(cfg: Any, path: str | Path) -> None:

@@ -2,7 +2,8 @@
 
 The file is imported as a fresh module under a unique name (two agent files may share a basename), with its
 directory on `sys.path` so that helper modules next to it import the way they do when the file is run
-directly. It must define `AgentRunner`, a `Runner` subclass built with no arguments.
+directly. It must define `AgentRunner`, a `Runner` subclass built with no arguments. No path gives the built-in
+agent `Generate` (one model turn, reward 0) of on-policy distillation, whose signal is the teacher's.
 """
 from __future__ import annotations
 
@@ -11,11 +12,19 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from molt.agents.contract import Runner
+from molt.agents.contract import Env, Result, Runner
+from molt.agents.runners import StepEnvRunner
+
+
+class Generate(Env):
+    async def step(self, state: dict) -> Result:
+        return Result()
 
 
 def load_agent(path: str | Path) -> Runner:
     """Import the agent file at `path` and return `AgentRunner()`; ValueError with the reason otherwise."""
+    if not path:
+        return StepEnvRunner(Generate, max_turns=1)
     file = Path(path).expanduser().resolve()
     if not file.is_file() or file.suffix != ".py":
         raise ValueError(f"agent path {str(path)!r} is not a .py file")

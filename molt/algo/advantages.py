@@ -15,6 +15,9 @@ Registered names:
 - `dr_grpo`: r - group mean (no std).
 - `gae`: generalized advantage estimation from critic values, gamma and lambda; returns = raw advantage +
   value (the critic's target); advantages whitened.
+- `on_policy_distill`: -kl_coef * kl_t on each action token, kl_t = log pi(a_t) - log pi_teacher(a_t) of the
+  student's sampled token (the per-token reverse KL to the teacher, the reference model), plus
+  reward_coef * the rollout's reward on all its action tokens; no discount, no whitening.
 
 Decisions (the issue is silent on these):
 - Group statistics count each rollout once (deduplicated by rollout id) and the rollout's advantage goes to
@@ -65,6 +68,7 @@ class AdvantageParams:
     kl_coef: float = 0.0  # weight of the KL token reward (token-level estimators); 0 = off
     whiten: bool = True  # global whitening over action tokens (reinforce, reinforce_baseline, gae)
     std_eps: float = 1e-6  # grpo: (r - mean) / (std + std_eps)
+    reward_coef: float = 0.0  # on_policy_distill: weight of the reward next to the teacher's KL
 
     def validate(self) -> AdvantageParams:
         for name in ("gamma", "lam"):
@@ -129,9 +133,7 @@ class AdvantageBatch:
 @dataclass(slots=True)
 class AdvantageResult:
     advantages: Tensor  # [N, T], 0 off action tokens
-    returns: Tensor | None = (
-        None  # [N, T] unwhitened returns (gae: the critic's targets); None for group ones
-    )
+    returns: Tensor | None = None  # [N, T] unwhitened returns (gae: the critic's targets); None for group ones
     metrics: dict = field(default_factory=dict)
 
 
@@ -150,12 +152,8 @@ class RolloutStats:
 def _per_rollout(values: Tensor, row_rollout: Tensor, num: int, name: str) -> Tensor:
     """Collapse a per-row value to one per rollout; ValueError when a rollout's rows disagree."""
     v = values.double()
-    hi = torch.full((num,), -torch.inf, dtype=v.dtype, device=v.device).scatter_reduce(
-        0, row_rollout, v, "amax"
-    )
-    lo = torch.full((num,), torch.inf, dtype=v.dtype, device=v.device).scatter_reduce(
-        0, row_rollout, v, "amin"
-    )
+    hi, lo = (torch.full((num,), fill, dtype=v.dtype, device=v.device).scatter_reduce(0, row_rollout, v, how)
+              for fill, how in ((-torch.inf, "amax"), (torch.inf, "amin")))
     if (hi != lo).any():
         raise ValueError(f"{name} must be equal on all segment rows of a rollout")
     return hi
@@ -194,11 +192,8 @@ class ActionSequences:
     @classmethod
     def build(cls, batch: AdvantageBatch, stats: RolloutStats) -> ActionSequences:
         mask, row_r = batch.action_mask, stats.row_rollout
-        seg = (
-            batch.segment_index
-            if batch.segment_index is not None
-            else torch.arange(len(row_r), device=mask.device)
-        )
+        seg = batch.segment_index
+        seg = torch.arange(len(row_r), device=mask.device) if seg is None else seg
         order = torch.argsort(seg, stable=True)
         order = order[torch.argsort(row_r[order], stable=True)]  # by rollout, then by segment index
         same = (row_r[order][1:] == row_r[order][:-1]) & (seg[order][1:] == seg[order][:-1])
@@ -246,9 +241,7 @@ class ActionSequences:
 
 def _no_kl_reward(params: AdvantageParams, name: str) -> None:
     if params.kl_coef > 0:
-        raise ValueError(
-            f"kl_coef: {name} takes no KL token reward; put KL in the loss (kl placement 'loss')"
-        )
+        raise ValueError(f"kl_coef: {name} takes no KL token reward; put KL in the loss (kl placement 'loss')")
 
 
 def _float_like(batch: AdvantageBatch) -> Tensor:
@@ -297,6 +290,16 @@ def gae(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     return AdvantageResult(masked_whiten(adv, batch.action_mask) if params.whiten else adv, returns)
 
 
+@register_estimator("on_policy_distill")
+def on_policy_distill(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
+    """Per-token reverse KL to the teacher as the advantage (see the module docstring)."""
+    if batch.kl is None and params.kl_coef > 0:
+        raise ValueError("kl: on_policy_distill needs the per-token KL to the teacher in the batch")
+    s, kl = rollout_stats(batch), 0.0 if batch.kl is None else batch.kl
+    adv = params.reward_coef * to_tokens(s.reward, s, batch) - params.kl_coef * kl
+    return AdvantageResult(torch.where(batch.action_mask, adv, 0.0))
+
+
 def _group_result(per_rollout: Tensor, stats: RolloutStats, batch: AdvantageBatch) -> AdvantageResult:
     single = stats.group_size < 2
     adv = torch.where(single, 0.0, per_rollout)  # a group of one has no baseline: advantage 0
@@ -327,9 +330,7 @@ def rloo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     return _group_result((s.reward - s.group_mean) * s.group_size / (s.group_size - 1).clamp(min=1), s, batch)
 
 
-def compute_advantages(
-    name: str, batch: AdvantageBatch, params: AdvantageParams | None = None
-) -> AdvantageResult:
+def compute_advantages(name: str, batch: AdvantageBatch, params: AdvantageParams | None = None) -> AdvantageResult:
     """Run the estimator registered as `name` on `batch` and add common metrics:
     "advantage/mean", "advantage/abs_mean" (over action tokens), "advantage/num_rollouts",
     "advantage/degenerate_group_frac" (groups of one or with all-equal rewards)."""
@@ -345,13 +346,11 @@ def compute_advantages(
     num_groups = int(stats.group.max()) + 1 if len(stats.group) else 0
     per_group = degenerate.new_zeros(num_groups).scatter_reduce(0, stats.group, degenerate, "amax")
     m = batch.action_mask
-    result.metrics = detach_all(
-        {
-            "advantage/mean": masked_mean(result.advantages, m),
-            "advantage/abs_mean": masked_mean(result.advantages.abs(), m),
-            "advantage/num_rollouts": float(len(stats.reward)),
-            "advantage/degenerate_group_frac": per_group.mean() if len(per_group) else torch.zeros(()),
-            **result.metrics,
-        }
-    )
+    result.metrics = detach_all({
+        "advantage/mean": masked_mean(result.advantages, m),
+        "advantage/abs_mean": masked_mean(result.advantages.abs(), m),
+        "advantage/num_rollouts": float(len(stats.reward)),
+        "advantage/degenerate_group_frac": per_group.mean() if len(per_group) else torch.zeros(()),
+        **result.metrics,
+    })
     return result

@@ -17,6 +17,7 @@ Registered names:
   over the sequence's action tokens); the gradient flows through the mean to every token of the sequence.
 - `cispo`: -sg(clip(r, 1 - eps_low, 1 + eps_high)) A logprobs: the clipped ratio is a detached weight, so
   every token keeps a gradient.
+- `sft`: -logprobs, the cross entropy of the action tokens (`molt sft`: the assistant's); advantages unused.
 
 Decisions:
 - GSPO places its sequence loss on every action token of the sequence; under the window's token mean a
@@ -138,6 +139,12 @@ def cispo(
     loss = -weight * advantages * torch.where(mask, logprobs, 0.0)
     clipped = (weight != ratio).float()
     return loss, {"policy/clip_frac": masked_mean(clipped, mask), **_ratio_metrics(log_ratio, mask)}
+
+
+@register_policy_loss("sft")
+def sft(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, params: PolicyLossParams,
+        seq_ids: Tensor | None = None) -> tuple[Tensor, dict]:
+    return torch.where(mask, -logprobs, 0.0), {}
 
 
 def policy_loss(

@@ -72,6 +72,16 @@ def _dynamic_filter(group_size: int, score_range: tuple[float, float]):
     return keep
 
 
+def _same_tokenizer(student: str, teacher: str) -> None:
+    """Distillation compares log-probabilities of the same token ids: the vocabularies must agree."""
+    from transformers import AutoTokenizer
+
+    s, t = (AutoTokenizer.from_pretrained(p).get_vocab() for p in (student, teacher))
+    if s != t:
+        raise ValueError(f"ref.model_name_or_path: the teacher's tokenizer ({teacher}: {len(t)} tokens) differs "
+                         f"from the student's ({len(s)} tokens); on_policy_distill needs the same one")
+
+
 class Run:
     def __init__(self, cfg: MoltConfig):
         self.cfg = cfg
@@ -125,6 +135,10 @@ class Run:
         if not cfg.train.max_steps:  # num_episodes passes over the prompts, as the reference counts them
             cfg.train.max_steps = max(1, cfg.train.num_episodes * len(self.rows) // cfg.rollout.batch_size)
         save_config(cfg, self.dir / "config.yaml")
+        if cfg.ref.model_name_or_path:
+            cfg.ref.model_name_or_path = str(resolve_model(cfg.ref.model_name_or_path))
+            if cfg.algo.advantage.estimator == "on_policy_distill":
+                _same_tokenizer(self.model_path, cfg.ref.model_name_or_path)
         if not ray.is_initialized():
             if cfg.ray.address:
                 ray.init(address=cfg.ray.address, log_to_driver=False)
@@ -147,7 +161,8 @@ class Run:
                 engine_options["enable_return_routed_experts"] = True
             n_workers, gpus = v.num_engines, v.tensor_parallel_size
         worker_cls = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=10_000)(RolloutWorker)
-        self.workers = [worker_cls.remote(self.model_path, str(Path(cfg.train.agent_path).resolve()),
+        agent = cfg.train.agent_path and str(Path(cfg.train.agent_path).resolve())  # "": the built-in agent
+        self.workers = [worker_cls.remote(self.model_path, agent,
                                           engine_kind=cfg.rollout.engine, torch_threads=worker_threads,
                                           runner_options=runner_options, engine_options=engine_options,
                                           max_restarts=cfg.rollout.engine_max_restarts)
@@ -157,7 +172,8 @@ class Run:
                                     num_gpus_per_rank=1 if cfg.rollout.engine == "vllm" else 0,
                                     estimator=cfg.algo.advantage.estimator,
                                     advantage_params={"gamma": cfg.algo.advantage.gamma, "lam": cfg.algo.advantage.lam,
-                                                      "whiten": not cfg.algo.advantage.no_whiten})
+                                                      "whiten": not cfg.algo.advantage.no_whiten,
+                                                      "reward_coef": cfg.algo.advantage.reward_coef})
         critic_path = str(resolve_model(cfg.critic.model_name_or_path)) if cfg.algo.advantage.estimator == "gae" else None
         await asyncio.gather(*[w.start.remote() for w in self.workers],
                              self.trainer.setup(*trainer_fields(cfg, self.model_path, critic_path)))

@@ -86,6 +86,7 @@ def _fmt(value: float) -> str:
 # (metric key, console label) for the one-line summary, in order; missing keys are skipped.
 _CONSOLE = [
     ("rollout/reward_mean", "reward"), ("group_reward_std", "grp_std"), ("eval/accuracy", "eval_acc"),
+    ("train/loss", "loss"), ("eval/loss", "eval_loss"),
     ("rollout/response_length_mean", "len"), ("policy_loss", "loss"), ("actor_grad_norm", "gnorm"),
     ("agent/turns", "turns"), ("agent/tool_calls", "calls"), ("agent/tool_call_valid", "valid"),
     ("rollout/segments_per_rollout", "segs"), ("is_filter_ratio", "gate"), ("rollout/staleness_mean", "stale"), ("timing/generation", "gen_s"),

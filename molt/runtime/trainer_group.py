@@ -17,6 +17,9 @@ With `algo.kl.use_loss` false the KL enters as a token reward (REINFORCE++): eac
 over its rollouts and takes the KL of the behavior log-probabilities (the policy that sampled the tokens) to
 the reference's, with `algo.kl.estimator`, weighted by the (adaptive) coefficient. Group estimators take no
 token rewards; the configuration refuses that pairing.
+On-policy distillation (`on_policy_distill`) is this KL reward with the teacher as the reference model: k1 of
+the student's sampled tokens, on each token as it is (no discount, no whitening), the group-centred reward
+mixed in by `algo.advantage.reward_coef`.
 GAE uses a critic (`molt.trainer.Critic`, `--critic.model_name_or_path`, default the actor's checkpoint) built
 next to the actor on every rank with an optimizer of its own (`--critic.adam.*`): values before the step, then
 critic steps on the GAE returns after the policy steps; its state is saved and restored with the actor's.
@@ -29,6 +32,7 @@ over the whole step, and the PPO ratio's proximal policy is the policy before th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import socket
@@ -37,7 +41,7 @@ from typing import Any
 
 from molt.types import Experience
 
-RANK_ESTIMATORS = ("reinforce", "reinforce_baseline", "gae")
+RANK_ESTIMATORS = ("reinforce", "reinforce_baseline", "gae", "on_policy_distill")
 
 
 def rollout_advantages(estimator: str, rollouts: list[tuple[str, str, float]], params: Any = None) -> dict[str, float]:
@@ -58,9 +62,9 @@ def rollout_advantages(estimator: str, rollouts: list[tuple[str, str, float]], p
 
 
 def terminal_rewards(estimator: str, rollouts: list[tuple[str, str, float]]) -> dict[str, float]:
-    """{rollout_id: reward a rank-level estimator starts from}: reinforce_baseline's group mean is subtracted
-    here, where whole groups are known."""
-    if estimator == "reinforce_baseline":
+    """{rollout_id: reward a rank-level estimator starts from}: reinforce_baseline's (and on_policy_distill's)
+    group mean is subtracted here, where whole groups are known."""
+    if estimator in ("reinforce_baseline", "on_policy_distill"):
         return rollout_advantages("dr_grpo", rollouts)  # r - group mean
     return {rid: r for rid, _, r in rollouts}
 
@@ -80,7 +84,7 @@ def trainer_fields(cfg: Any, model_path: str, critic_path: str | None) -> tuple[
         return dict(lr=o.adam.lr, betas=tuple(o.adam.betas), adam_eps=o.adam.eps,  # noqa: C408 (ActorConfig's call)
                     weight_decay=o.adam.weight_decay, lr_scheduler=o.lr_scheduler, total_steps=total,
                     lr_warmup_steps=max(getattr(o, "lr_warmup_steps", 0), math.ceil(o.lr_warmup_ratio * total)),
-                    min_lr_ratio=o.min_lr_ratio, max_norm=o.max_norm)
+                    min_lr_ratio=o.min_lr_ratio, max_norm=o.max_norm, optim=o.optim, muon=dataclasses.asdict(o.muon))
 
     actor = dict(
         model_name_or_path=model_path, **optimizer(a, cfg.train.max_epochs), policy_loss=a.policy_loss,

@@ -59,10 +59,10 @@ class Actor(ShardedModelTrainer):
         self.lm = self.load_lm(cfg.model_name_or_path)
         self.routing = Routing(self.lm, cfg)
         self.routing = self.routing if self.routing.routers else None  # a dense model
+        blocks = parallel.decoder_layers(self.lm) if cfg.optim == "muon" else ()  # before FSDP2 renames their classes
         self.model = self.wrap(CausalLMLogProbs(self.lm, cfg.logprob_chunk_size, self.routing), self.lm,
                                trainable=True)
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg,
-                                                         foreach=False if cfg.tp_size > 1 else None)
+        self.optimizers, self.schedulers = build_optimizer(self.model.parameters(), cfg, blocks=blocks)
         self.loss_params = PolicyLossParams(
             eps_low=cfg.eps_clip_low_high[0], eps_high=cfg.eps_clip_low_high[1], dual_clip=cfg.dual_clip,
             entropy_coef=cfg.entropy_coef, kl_coef=cfg.kl_coef if cfg.kl_use_loss else 0.0).validate()

@@ -204,12 +204,13 @@ class ShardedModelTrainer:
     # ---- optimizer step ----------------------------------------------------------------------------------
     def optimizer_step(self) -> dict[str, float]:
         """Clip (DTensor-aware), step the optimizer and the schedule; returns grad norm and the lr used."""
-        lr = self.scheduler.get_last_lr()[0]
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        lr = self.schedulers[0].get_last_lr()[0]  # AdamW's (Muon's is muon["lr"] times the same factor)
+        params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
         norm = parallel.clip_grad_norm(params, self.cfg.max_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        for opt, schedule in zip(self.optimizers, self.schedulers):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            schedule.step()
         self.step += 1
         return {"grad_norm": norm, "lr": lr, "clip_coef": min(1.0, self.cfg.max_norm / (norm + 1e-6))
                 if self.cfg.max_norm > 0 else 1.0}

@@ -26,13 +26,14 @@ class _TrainState(Stateful):
         self.t = trainer
 
     def state_dict(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.t.model, self.t.optimizer)
-        return {"model": model_sd, "optim": optim_sd, "scheduler": self.t.scheduler.state_dict(),
+        model_sd, optim_sd = get_state_dict(self.t.model, self.t.optimizers)  # AdamW and Muon in one dict
+        return {"model": model_sd, "optim": optim_sd, "scheduler": [s.state_dict() for s in self.t.schedulers],
                 "step": self.t.step}
 
     def load_state_dict(self, sd: dict) -> None:
-        set_state_dict(self.t.model, self.t.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        self.t.scheduler.load_state_dict(sd["scheduler"])
+        set_state_dict(self.t.model, self.t.optimizers, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        for schedule, state in zip(self.t.schedulers, sd["scheduler"], strict=True):
+            schedule.load_state_dict(state)
         self.t.step = int(sd["step"])
 
 

@@ -18,7 +18,7 @@ Decisions:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SCHEDULERS = ("constant", "cosine")
 GROUP_ESTIMATORS = ("rloo", "grpo", "dr_grpo")  # they use rewards only, so a KL placed in the reward is lost
@@ -36,6 +36,8 @@ class ActorConfig:
     lr_warmup_steps: int = 0
     total_steps: int = 0  # optimizer steps of the run; required by cosine
     min_lr_ratio: float = 0.0
+    optim: str = "adam"  # --actor.optim: adam | muon (molt.trainer.optim)
+    muon: dict = field(default_factory=dict)  # --actor.muon.*: torch.optim.Muon keywords
     max_norm: float = 1.0  # --actor.max_norm: gradient clipping threshold; <= 0 disables clipping
     # policy loss (--actor.* and --algo.*)
     policy_loss: str = "ppo"  # name in molt.algo's policy-loss registry
@@ -78,6 +80,7 @@ class ActorConfig:
 
         need(bool(self.model_name_or_path), "model_name_or_path", "must name a checkpoint")
         need(self.lr >= 0, "lr", "must be >= 0")
+        need(self.optim in ("adam", "muon"), "optim", "must be adam or muon")
         need(self.lr_scheduler in SCHEDULERS, "lr_scheduler", f"must be one of {SCHEDULERS}")
         need(self.lr_warmup_steps >= 0, "lr_warmup_steps", "must be >= 0")
         need(self.lr_scheduler != "cosine" or self.total_steps > self.lr_warmup_steps, "total_steps",

@@ -51,9 +51,9 @@ class Critic(ShardedModelTrainer):
         self.share_prefix = False  # the value model runs whole rows: finding shared prefixes would be wasted work
         self.value_clip = value_clip
         backbone = self.load_lm(cfg.model_name_or_path, AutoModel)
+        blocks = parallel.decoder_layers(backbone) if cfg.optim == "muon" else ()  # before FSDP2 renames them
         self.model = self.wrap(ValueModel(backbone), backbone, trainable=True)
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg,
-                                                         foreach=False if cfg.tp_size > 1 else None)
+        self.optimizers, self.schedulers = build_optimizer(self.model.parameters(), cfg, blocks=blocks)
 
     @torch.no_grad()
     def compute_values(self, experiences: list[Experience]) -> list[list[float]]:

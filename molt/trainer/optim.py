@@ -1,7 +1,10 @@
-"""AdamW and learning-rate schedules (constant, cosine with linear warm-up), shared by actor and critic.
+"""Optimizers (AdamW, or Muon with AdamW) and learning-rate schedules (constant, cosine with linear warm-up),
+shared by actor and critic.
 
-Decision: schedules are `LambdaLR` multipliers of the configured lr, stepped once per optimizer step, so their
-whole state is `last_epoch` and checkpoints/resumes through `scheduler.state_dict()`.
+Decisions: schedules are `LambdaLR` multipliers of each optimizer's lr, stepped once per optimizer step (their
+state is `last_epoch`). `optim="muon"`: `torch.optim.Muon` takes the 2-D weights inside the decoder blocks
+(attention and MLP matrices); embeddings, LM or value head, norms, biases and 3-D expert weights stay with
+AdamW. Both follow the schedule; Muon's weight decay None means AdamW's. Muon runs on FSDP2/TP DTensors.
 """
 from __future__ import annotations
 
@@ -27,12 +30,21 @@ def lr_multiplier(cfg: ActorConfig):
     return f
 
 
-def build_optimizer(params, cfg: ActorConfig, *, foreach: bool | None = None):
-    """(AdamW, LambdaLR) over the trainable `params`. `foreach=False` is needed when parameters live on
-    different device meshes (tensor parallelism: 2-D block weights next to 1-D root weights)."""
+def build_optimizer(params, cfg: ActorConfig, *, blocks=()):
+    """([AdamW, Muon if cfg.optim is muon], [their LambdaLRs]) over the trainable `params`; `blocks`: the decoder
+    blocks, whose 2-D weights Muon takes."""
     params = [p for p in params if p.requires_grad]
+    # tensor parallelism puts parameters on different device meshes (2-D block weights next to 1-D root
+    # weights), which the foreach kernels cannot mix
+    foreach = False if cfg.tp_size > 1 else None
+    hidden = {id(p) for b in blocks for p in b.parameters() if p.ndim == 2} if cfg.optim == "muon" else set()
+    adam = [p for p in params if id(p) not in hidden]
     # on GPUs the fused kernel: one launch for all parameters, step counts on the device (no host reads)
-    fused = foreach is None and bool(params) and all(p.is_cuda for p in params)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
-                            weight_decay=cfg.weight_decay, foreach=foreach, fused=fused or None)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(cfg))
+    fused = foreach is None and bool(adam) and all(p.is_cuda for p in adam)
+    opts = [torch.optim.AdamW(adam, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
+                              weight_decay=cfg.weight_decay, foreach=foreach, fused=fused or None)]
+    if hidden:
+        decay = cfg.muon.get("weight_decay")
+        opts.append(torch.optim.Muon([p for p in params if id(p) in hidden], **{
+            **cfg.muon, "weight_decay": cfg.weight_decay if decay is None else decay}))
+    return opts, [torch.optim.lr_scheduler.LambdaLR(o, lr_multiplier(cfg)) for o in opts]

@@ -260,3 +260,20 @@ def test_integer_rewards_give_float_advantages():
         rewards=T([1, 0]), group_ids=T([0, 0]), rollout_ids=T([0, 1]), action_mask=torch.ones(2, 1)
     )
     assert compute_advantages("dr_grpo", batch).advantages.tolist() == [[0.5], [-0.5]]
+
+
+def test_on_policy_distill_is_the_teachers_log_ratio_per_token():
+    # two segments of rollout 0 (reward 0.5) and rollout 1 (reward -1); kl = log pi - log pi_teacher per token:
+    # A_t = -kl_coef * kl_t + reward_coef * reward, on action tokens only, no discount, no whitening
+    batch = AdvantageBatch(
+        rewards=T([0.5, 0.5, -1.0]), group_ids=T([0, 0, 0]), rollout_ids=T([0, 0, 1]),
+        action_mask=T([[0, 1, 1], [0, 0, 1], [1, 1, 0]]),
+        kl=T([[9.0, 0.4, -0.2], [9.0, 9.0, 1.0], [0.0, 2.0, 9.0]]),
+    )
+    out = compute_advantages("on_policy_distill", batch, AdvantageParams(kl_coef=2.0, reward_coef=0.1))
+    assert out.advantages.flatten().tolist() == pytest.approx([0, -0.75, 0.45, 0, 0, -1.95, -0.1, -4.1, 0])
+    pure = compute_advantages("on_policy_distill", batch, AdvantageParams(kl_coef=1.0))  # the reward ignored
+    assert pure.advantages.flatten().tolist() == pytest.approx([0, -0.4, 0.2, 0, 0, -1.0, 0.0, -2.0, 0])
+    batch.kl = None
+    with pytest.raises(ValueError, match="kl"):
+        compute_advantages("on_policy_distill", batch, AdvantageParams(kl_coef=1.0))
