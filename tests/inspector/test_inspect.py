@@ -188,11 +188,16 @@ def test_page_in_headless_chromium(run_dir):
             page.select_option("#color", "gate")
             page.wait_for_url("**color=gate*")
             page.wait_for_selector(".tok.act")
-            rejected = page.eval_on_selector_all(".tok.act", "els => els.filter(e => "
-                                                 "getComputedStyle(e).backgroundColor === 'rgba(230, 60, 60, 0.8)').length")
             rollout = page.url.split("rollout=")[1].split("&")[0]
             seg = [x for x in _dump(run_dir, 3) if x["rollout_id"] == rollout]
-            assert rejected == sum(m and w == 0 for x in seg for m, w in zip(x["action_mask"], x["is_weights"]))
+            expected = sum(m and w == 0 for x in seg for m, w in zip(x["action_mask"], x["is_weights"]))
+            count_red = ("() => [...document.querySelectorAll('.tok.act')].filter(e => "
+                         "getComputedStyle(e).backgroundColor === 'rgba(230, 60, 60, 0.8)').length")
+            try:  # the page redraws after the URL changes: wait for the redraw (an event), not a fixed time
+                page.wait_for_function(f"{count_red}() === {expected}", timeout=20_000)
+            except Exception:  # noqa: BLE001 (report the count it settled on)
+                pass
+            assert page.evaluate(count_red) == expected
             page.hover(".tok.act:not(:empty) >> nth=0")
             assert "id " in page.inner_text("#tip") and "gate weight" in page.inner_text("#tip")
             page.select_option("select >> nth=1", index=1)  # compare with another rollout of the same prompt

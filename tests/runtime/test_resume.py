@@ -63,12 +63,12 @@ def _rank_state(rank):
         return (t.to_local() if hasattr(t, "to_local") else t).double()
 
     a = rank.actor
-    state = list(a.optimizer.state.values())
+    state = list(a.optimizers[0].state.values())  # AdamW (the only optimizer without muon)
     return {"weights": sum(float(local(p).sum()) for p in a.model.parameters()),
             "exp_avg": sum(float(local(s["exp_avg"]).abs().sum()) for s in state),
             "exp_avg_sq": sum(float(local(s["exp_avg_sq"]).sum()) for s in state),
             "adam_steps": {float(torch.as_tensor(s["step"])) for s in state},
-            "step": a.step, "schedule": a.scheduler.last_epoch, "lr": a.scheduler.get_last_lr()[0]}
+            "step": a.step, "schedule": a.schedulers[0].last_epoch, "lr": a.schedulers[0].get_last_lr()[0]}
 
 
 async def _states(run) -> list[dict]:
