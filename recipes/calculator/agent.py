@@ -1,10 +1,10 @@
 """A tool-using, history-compacting `ChatAgent` on the stock `AsyncOpenAI` client.
 
-Each rollout is a chain of three arithmetic steps ("What is 3 + 4?", "Now subtract 2. What is the result?",
-"Now add 6. What is the result?"). The model may call a `calculator` tool; the agent runs it and sends the
+Each rollout is a chain of three arithmetic steps ("What is 23 * 41?", "Now multiply 943 by 7. What is the
+result?", "Now add 386 to 6601. What is the result?"). The model may call a `calculator` tool; the agent runs it and sends the
 result back as a `tool` message, and the model answers. Before a step, when the history has grown past
 `max_history_messages`, the agent compacts it: the system prompt stays, the earlier turns become one user turn
-"So far: 3 + 4 = 7, then - 2 = 5." followed by the next question. The capture server sees the rewritten
+"The result so far is 6601." followed by the next question. The capture server sees the rewritten
 history and starts a new segment (break reason `compaction`), so a rollout trains as several segments that
 share its reward: the fraction of steps answered right.
 

@@ -2,8 +2,8 @@
 episode loop. `agent.py` (AsyncOpenAI) and `anthropic_agent.py` (AsyncAnthropic) only adapt their wire to it.
 
 The task is a chain of arithmetic steps that a 135M model cannot do in its head: a label such as
-[23, "* 41", "* 7"] asks "What is 23 * 41?" (the dataset prompt), then "Now multiply the result by 7. What is
-the result?". The true running values are 943, 6601; each step is right when the last number of the step's final
+[23, "* 41", "* 7"] asks "What is 23 * 41?" (the dataset prompt), then "Now multiply 943 by 7. What is the
+result?". The true running values are 943, 6601; each step is right when the last number of the step's final
 reply equals its running value, and the reward is the fraction of steps right. Without the calculator the base
 model gets almost none right, so the reward is a measure of tool use.
 
@@ -130,7 +130,7 @@ def run_tool(name: str, arguments: Any) -> str:
 # ----------------------------------------------------------------------------------------------- the task
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _TERM = re.compile(r"^([+\-*])\s*(\d+)$")
-_VERB = {"+": "add {n}", "-": "subtract {n}", "*": "multiply the result by {n}"}
+_VERB = {"+": "add {n} to {v}", "-": "subtract {n} from {v}", "*": "multiply {v} by {n}"}
 
 
 def parse_chain(label: Any) -> list[str]:
@@ -160,23 +160,27 @@ def running_values(terms: list[str]) -> list[int]:
 
 
 def questions(terms: list[str]) -> list[str]:
-    """The user turn of each step: "What is 23 * 41?", "Now multiply the result by 7. What is the result?", ..."""
+    """The user turn of each step: "What is 23 * 41?", "Now multiply 943 by 7. What is the result?", ...
+
+    A later question names the running value it applies to (the agent keeps the task's state). Asked as "multiply
+    the result by 7", the 135M model learned to call the calculator within ten steps but then copied the first
+    question's expression on every later step and never left that habit (step accuracy stuck at 1/3); with both
+    operands in the question, each step is a call it can learn."""
+    values = running_values(terms)
     out = [f"What is {terms[0]} {terms[1]}?"]
-    for term in terms[2:]:
+    for term, previous in zip(terms[2:], values):
         op, n = term.split()
-        out.append(f"Now {_VERB[op].format(n=n)}. What is the result?")
+        out.append(f"Now {_VERB[op].format(n=n, v=previous)}. What is the result?")
     return out
 
 
 def summary(terms: list[str], steps_done: int) -> str:
-    """One line standing for the first `steps_done` steps: "So far: 23 * 41 = 943, then * 7 = 6601."
+    """One line standing for the first `steps_done` steps: "The result so far is 6601."
 
-    It states the true running values, not the model's answers: the agent keeps the task's state, so a wrong
-    early answer does not make every later step ungradable (each step keeps its own learning signal)."""
-    values = running_values(terms)
-    parts = [f"{terms[0]} {terms[1]} = {values[0]}"]
-    parts += [f"then {t} = {v}" for t, v in zip(terms[2:steps_done + 1], values[1:steps_done])]
-    return "So far: " + ", ".join(parts) + "."
+    It states the true running value, not the model's answer: the agent keeps the task's state, so a wrong early
+    answer does not make every later step ungradable (each step keeps its own learning signal). The earlier
+    expressions are left out on purpose: a small model copies the first expression it sees into its call."""
+    return f"The result so far is {running_values(terms)[steps_done - 1]}."
 
 
 def grade(text: str | None, value: float) -> float:

@@ -57,16 +57,16 @@ def test_chain_questions_and_summaries():
         with pytest.raises((ValueError, TypeError)):
             ct.parse_chain(bad)
     assert ct.running_values(TERMS) == [7, 5, 11]
-    assert ct.questions(TERMS) == ["What is 3 + 4?", "Now subtract 2. What is the result?",
-                                   "Now add 6. What is the result?"]
-    assert ct.summary(TERMS, 1) == "So far: 3 + 4 = 7."
-    assert ct.summary(TERMS, 2) == "So far: 3 + 4 = 7, then - 2 = 5."
+    assert ct.questions(TERMS) == ["What is 3 + 4?", "Now subtract 2 from 7. What is the result?",
+                                   "Now add 6 to 5. What is the result?"]
+    assert ct.summary(TERMS, 1) == "The result so far is 7."
+    assert ct.summary(TERMS, 2) == "The result so far is 5."
     product = ct.parse_chain('[23, "* 41", "*7", "+ 386"]')
     assert product == ["23", "* 41", "* 7", "+ 386"]
     assert ct.running_values(product) == [943, 6601, 6987]  # 23 * 41 = 943; 943 * 7 = 6601; + 386 = 6987
-    assert ct.questions(product)[1:] == ["Now multiply the result by 7. What is the result?",
-                                         "Now add 386. What is the result?"]
-    assert ct.summary(product, 2) == "So far: 23 * 41 = 943, then * 7 = 6601."
+    assert ct.questions(product)[1:] == ["Now multiply 943 by 7. What is the result?",
+                                         "Now add 386 to 6601. What is the result?"]
+    assert ct.summary(product, 2) == "The result so far is 6601."
 
 
 def test_the_data_needs_the_tool():
@@ -96,13 +96,13 @@ def test_compaction_keeps_the_preamble_and_summarizes():
     # 2 messages after the 3 kept + the next question = 3 <= 4: appended as is
     grown, compacted = ct.next_turn(history, 3, TERMS, 1, max_history_messages=4)
     assert not compacted
-    assert grown == history + [{"role": "user", "content": "Now subtract 2. What is the result?"}]
+    assert grown == history + [{"role": "user", "content": "Now subtract 2 from 7. What is the result?"}]
     grown.append({"role": "assistant", "content": "5"})
     # 4 messages + the next question = 5 > 4: compacted into one user turn after the preamble
     compacted_history, compacted = ct.next_turn(grown, 3, TERMS, 2, max_history_messages=4)
     assert compacted
     assert compacted_history == pre + [{"role": "user", "content":
-                                        "So far: 3 + 4 = 7, then - 2 = 5. Now add 6. What is the result?"}]
+                                        "The result so far is 5. Now add 6 to 5. What is the result?"}]
     assert ct.compact([{"role": "user", "content": "a"}], 0, "b") == [{"role": "user", "content": "b"}]
 
 
@@ -131,8 +131,8 @@ async def test_play_runs_tools_grades_each_step_and_compacts():
     assert seen[1][-1] == {"role": "tool", "tool_call_id": "c1", "content": "7"}  # the tool's result went back
     # step 2: the history had 4 messages (question, call, result, answer), so it was compacted first
     assert seen[2] == [{"role": "system", "content": "S"},
-                       {"role": "user", "content": "So far: 3 + 4 = 7. Now subtract 2. What is the result?"}]
-    assert seen[3][-1] == {"role": "user", "content": "Now add 6. What is the result?"}
+                       {"role": "user", "content": "The result so far is 7. Now subtract 2 from 7. What is the result?"}]
+    assert seen[3][-1] == {"role": "user", "content": "Now add 6 to 5. What is the result?"}
 
 
 async def test_play_bounds_tool_rounds():
@@ -185,7 +185,7 @@ async def test_scripted_tool_calls_round_trip(tokenizer, file):
         assert example in text  # the worked example opens every segment: compaction keeps it
         # the example's call and answer, then the model's call and answer, continued in one segment
         assert text.count("<|im_start|>assistant") == 4
-    assert "So far: 3 + 4 = 7, then - 2 = 5. Now add 6. What is the result?" in texts[2]
+    assert "The result so far is 5. Now add 6 to 5. What is the result?" in texts[2]
 
 
 # ------------------------------------------------------------------------------------------------ end to end
