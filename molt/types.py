@@ -1,15 +1,6 @@
 """Records that cross rooms: sampling parameters, engine completions, captured segments, trajectories, experiences.
 
-Every room may import this module; it imports nothing of molt and no torch/ray at module level (`import
-molt.agents` stays light). Records are slots dataclasses; lists are plain Python lists so that they pickle
-cheaply and print readably. Heavy per-token fields of an `Experience` move to Ray's object store with
-`offload()` and come back with `reload()` (ray is imported lazily there).
-
-Decisions:
-- Per-token fields of a `Segment` are aligned with `token_ids` (same length). On context tokens
-  (`action_mask == 0`) `behavior_logprobs` is 0.0 and `versions` is -1.
-- `SamplingParams.max_tokens is None` means "up to the context window" (the engine caps it).
-- `top_k <= 0` and `top_p == 1.0` disable those filters. `temperature == 0` means greedy.
+Design notes and decisions: docs/internals.md, section `molt/types.py`.
 """
 from __future__ import annotations
 

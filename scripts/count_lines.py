@@ -17,7 +17,7 @@ def count(path: Path) -> int:
 
 
 if __name__ == "__main__":
-    root = Path(sys.argv[1] if len(sys.argv) > 1 else "molt")
+    root = Path(next((a for a in sys.argv[1:] if not a.startswith("-")), "molt"))
     per = {p: count(p) for p in sorted(root.rglob("*.py"))}
     if "-v" in sys.argv:
         for p, n in sorted(per.items(), key=lambda kv: -kv[1]):

@@ -1,36 +1,6 @@
 """Advantage estimators, selected by name from the `ESTIMATORS` registry.
 
-Input layout (`AdvantageBatch`): one row per *segment*, right-padded to [N, T] and aligned with the segment's
-`token_ids`. A rollout split into several segments has several rows that share its `rollout_id`, `group_id`
-and reward. The estimator returns per-token advantages [N, T] (0 off action tokens), which the runtime
-writes into `Experience.advantages`.
-
-Registered names:
-- `reinforce`: REINFORCE++. Token rewards are -kl_coef * kl on every action token plus the rollout reward on
-  its last action token; returns are discounted (gamma) over the rollout's action tokens, then whitened over
-  all action tokens of the batch.
-- `reinforce_baseline`: as `reinforce`, with the group mean reward subtracted from the terminal reward.
-- `rloo`: r - mean of the other rollouts of the group = n/(n-1) * (r - group mean).
-- `grpo`: (r - group mean) / (group std + std_eps).
-- `dr_grpo`: r - group mean (no std).
-- `gae`: generalized advantage estimation from critic values, gamma and lambda; returns = raw advantage +
-  value (the critic's target); advantages whitened.
-- `on_policy_distill`: -kl_coef * kl_t on each action token, kl_t = log pi(a_t) - log pi_teacher(a_t) of the
-  student's sampled token (the per-token reverse KL to the teacher, the reference model), plus
-  reward_coef * the rollout's reward on all its action tokens; no discount, no whitening.
-
-Decisions (the issue is silent on these):
-- Group statistics count each rollout once (deduplicated by rollout id) and the rollout's advantage goes to
-  every action token of all its segments (DESIGN.md, "Group advantages over segments").
-- A group of one gets advantage 0 from every group estimator (it carries no relative signal); all-equal
-  rewards give 0; the group std is the unbiased (Bessel) one. Rollouts with empty masks still count in their
-  group's statistics but receive no tokens.
-- Time for gamma/lambda runs over a rollout's action tokens only, across its segments in order
-  (`segment_index`); context tokens (prompts, tool outputs) take no time step and get advantage 0. The
-  terminal reward sits on the rollout's last action token, and GAE bootstraps with V = 0 after it.
-- Whitening ("global") is over all action tokens of the batch passed in: pass a whole training batch.
-- KL as a token reward is only meaningful for the token-level estimators (reinforce, reinforce_baseline,
-  gae); the group estimators raise ValueError when kl_coef > 0 (put KL in the loss instead, see `kl.py`).
+Design notes and decisions: docs/internals.md, section `molt/algo/advantages.py`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """Group filters applied before training: complete groups only, and DAPO dynamic filtering.
 
-A group is kept when it is complete and informative. Each dropped group is counted under the FIRST reason
-that applies, in this order:
-    incomplete    fewer than `group_size` distinct rollouts with status ok (failed rollouts do not count)
-    all_equal     every score equal (within `tol`): a group estimator would give it zero advantage
-    out_of_range  the mean score lies outside [low, high] (closed band; `score_range`)
-The score of a rollout is `Trajectory.effective_score` (its `score`, falling back to its reward). The runtime
-uses the counts to backfill: it dispatches that many new prompts and logs `rollout/dropped/<reason>`.
-
-Decision: a group with more than `group_size` ok rollouts is kept whole (e.g. after a retry); only missing
-rollouts make a group incomplete. Dynamic filtering off means drop_all_equal=False and score_range=None,
-which keeps every complete group.
+Design notes and decisions: docs/internals.md, section `molt/algo/filters.py`.
 """
 
 from __future__ import annotations

@@ -1,31 +1,6 @@
 """Importance correction for the training-inference mismatch (and for tokens sampled by older policies).
 
-The per-token ratio is rho_t = exp(trainer_logprob_t - behavior_logprob_t): the trainer's recomputed
-probability of the sampled token over the probability recorded by the engine when it was sampled. A *level*
-turns it into the ratio the rule looks at, broadcast to every action token of the sequence:
-    token   rho_t
-    seq     prod_t rho_t over the sequence's action tokens
-    geo     (prod_t rho_t)^(1 / n), the geometric mean
-    off     no correction: weights are 1
-A *mode* turns that ratio into a weight with the band [low, high]:
-    mask    a gate: where the level's ratio is inside the band each token keeps its OWN token ratio rho_t as
-            its weight, outside it gets 0 (rejected, yet still in the loss's token count). At the token level
-            this is IcePop; at seq/geo it is a sequence gate over token-level weights, the reference's
-            semantics (seq-mask-tis with geo).
-    mis     masked importance sampling with the level's ratio as the weight: inside the band every token of
-            the sequence is weighted by the sequence (seq) or geometric-mean (geo) ratio, outside 0 (the
-            sequence-level MIS of Liu et al. 2025). Same as mask at the token level.
-    clip    clamp(rho, low, high)
-    trunc   min(rho, high), truncated importance sampling (one-sided; `low` is ignored)
-
-Known recipes: TIS = (token, trunc); IcePop = (token, mask) with a two-sided band such as [0.5, 5];
-seq-mask-tis = (geo, mask) (a sequence is gated by its geometric-mean ratio, e.g. band [1 - 1e-3, 1 + 1e-3]
-for a sequence trust region, and its surviving tokens keep their token ratios); Seq-MIS = (seq, mis).
-
-Decisions: "retained" means inside the band for mask and mis (the gate's pass rate) and unclipped for clip and
-trunc, so "is/retained_frac" is the consistency gate's pass rate for mask. Weights are detached, 1 off action
-tokens, and computed in log space (float64) so that a sequence product cannot overflow. A "sequence" is a row,
-or a `seq_ids` run when rows are packed.
+Design notes and decisions: docs/internals.md, section `molt/algo/importance.py`.
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """KL estimators against a reference policy: k1, k2, k3 (Schulman's approximations), per token.
 
-With log_r = logprob - ref_logprob on a token sampled from the policy:
-    k1 = log_r                       unbiased for KL(pi || ref), can be negative, high variance
-    k2 = log_r^2 / 2                 biased, non-negative; its gradient is the reverse-KL gradient on-policy
-    k3 = exp(-log_r) - 1 + log_r     unbiased for KL(pi || ref), non-negative, low variance (GRPO's choice)
-
-Placement (`placement=`):
-- "reward": the KL enters the advantage as a token reward -kl_coef * kl (estimators reinforce,
-  reinforce_baseline, gae; `AdvantageBatch.kl`). The value is what matters there, so use k1 (default,
-  unbiased; REINFORCE++ and PPO-RLHF) or k3. The result is detached.
-- "loss": kl_coef * kl is added to the per-token loss (`policy_loss(kl=...)`), for group estimators (grpo).
-  The gradient is what matters there, so use k2 or k3. k1 is refused: the expected gradient of
-  log pi under samples from pi is zero, so a k1 loss adds noise and no KL pull.
-
-Adaptive coefficient (`--algo.kl.target`, `--algo.kl.horizon`): `adaptive_kl_coef` is the proportional
-controller of Ziegler et al. 2019, the reference's: the coefficient moves toward keeping the measured KL at the
-target, by at most 20% of the error per horizon of rollouts.
-
-Decision: k3 clamps log_r to [-clamp, clamp] (default 20) before the exponential so that one token with a
-tiny reference probability cannot overflow the loss; the clamp stops that token's gradient.
+Design notes and decisions: docs/internals.md, section `molt/algo/kl.py`.
 """
 
 from __future__ import annotations

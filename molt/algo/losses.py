@@ -1,31 +1,6 @@
 """Policy losses (registered by name in `POLICY_LOSSES`) and the clipped value loss for the critic.
 
-Every loss returns PER-TOKEN contributions [N, T] (0 off action tokens) and a metrics dict; the caller
-reduces them with `window_normalize` (normalize.py), so no loss here divides by a token count.
-
-Inputs shared by the policy losses, all [N, T] and aligned with the tokens:
-    logprobs      the trainer's log-probabilities of the sampled tokens under the current weights (with grad)
-    old_logprobs  the same under the policy that the ratio is taken against (the proximal/old policy: the
-                  trainer's recomputation at the start of the step, or the behavior log-probabilities)
-    advantages    per-token advantages (from advantages.py)
-    action_mask   1 on tokens the policy sampled
-
-Registered names:
-- `ppo`: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(logprobs - old_logprobs); with `dual_clip`
-  = c > 1, tokens with A < 0 are further bounded by -c A (dual-clip PPO).
-- `gspo`: the same clipped surrogate with a sequence-level ratio s = exp(mean of (logprobs - old_logprobs)
-  over the sequence's action tokens); the gradient flows through the mean to every token of the sequence.
-- `cispo`: -sg(clip(r, 1 - eps_low, 1 + eps_high)) A logprobs: the clipped ratio is a detached weight, so
-  every token keeps a gradient.
-- `sft`: -logprobs, the cross entropy of the action tokens (`molt sft`: the assistant's); advantages unused.
-
-Decisions:
-- GSPO places its sequence loss on every action token of the sequence; under the window's token mean a
-  sequence therefore weighs by its length (GSPO-token with token-mean normalization). A "sequence" is a row,
-  or a `seq_ids` run when rows are packed. Advantages may vary along a sequence; each token uses its own.
-- `policy_loss` composes: registered loss * is_weights (importance correction, pg term only)
-  - entropy_coef * entropy + kl_coef * kl. The importance weights do not multiply the entropy or KL terms.
-- Metrics are token means over this micro-batch (for logging; the optimized value is window-normalized).
+Design notes and decisions: docs/internals.md, section `molt/algo/losses.py`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """Window normalization: the token mean over the whole optimizer window (DESIGN.md, "Loss normalization").
 
-The loss of one optimizer step is sum_{i in W} l_i / |W|, where W is every action token of every micro-batch
-on every data-parallel rank of the step. The trainer
-1. counts the action tokens of all its micro-batches (`count_action_tokens`),
-2. all-reduces (SUM) that count over the data-parallel group once, before the first backward,
-3. calls `window_normalize(loss, mask, global_count, dp_size=...)` on every micro-batch and backpropagates
-   each result (gradients accumulate).
-The result does not depend on how W is split. Rejected tokens (importance weight 0) keep their place in the
-denominator because the count is taken from the action mask, not from the weights.
-
-Decision: data-parallel wrappers (FSDP2, DDP) AVERAGE gradients over ranks; to make the step's gradient the
-gradient of the window loss, the per-rank loss is scaled by `dp_size`. Pass dp_size=1 when gradients are
-summed instead. A window without action tokens gives loss 0 and zero gradients (denominator at least 1).
+Design notes and decisions: docs/internals.md, section `molt/algo/normalize.py`.
 """
 
 from __future__ import annotations

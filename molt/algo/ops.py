@@ -1,15 +1,7 @@
 """Small tensor helpers shared by the algorithm files: the named registry, masked reductions, whitening,
 per-sequence sums for packed rows, and the reverse discounted scan.
 
-Layout used throughout `molt.algo`: per-token tensors are [N, T], right-padded, aligned with a row's
-`token_ids` (entry t is about token t). `action_mask` [N, T] (bool or 0/1) is true on tokens the policy
-sampled. Values at masked-out positions may be anything, even inf or NaN: every function here selects with
-`torch.where` before arithmetic, so garbage in padding never reaches a result or a gradient.
-
-Decisions:
-- Reductions over an empty mask return 0 (not NaN); whitening of an empty or constant set returns zeros.
-- Statistics for whitening are computed in float64 and use the population variance (every action token is a
-  sample), then cast back to the input dtype.
+Design notes and decisions: docs/internals.md, section `molt/algo/ops.py`.
 """
 
 from __future__ import annotations

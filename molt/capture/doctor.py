@@ -1,10 +1,6 @@
 """`molt doctor --model REF`: will multi-turn capture of this model's chat template stay in one segment?
 
-Each check plays a short conversation through the capture path itself (`SegmentTracker`: the same rendering,
-prefix test and splice the server uses), with the assistant's replies standing in as sampled tokens, and
-reports whether every later turn continued the segment or which break it caused. Checks: a plain multi-turn
-chat, several messages appended at once, tool calls with tool results, reasoning (`<think>`) blocks in
-earlier replies, and whether `tools=[]` renders like no tools (capture treats them the same).
+Design notes and decisions: docs/internals.md, section `molt/capture/doctor.py`.
 """
 from __future__ import annotations
 

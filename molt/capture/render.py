@@ -1,18 +1,6 @@
 """Chat rendering: the model's own chat template and tokenizer, behind one small class.
 
-Messages reaching the template are *canonical* (both wires convert to this form, so one conversation renders
-the same whichever SDK sent it): {"role": system|user|assistant|tool, "content": str} plus, on assistant turns,
-"tool_calls": [{"id", "type": "function", "function": {"name", "arguments": dict}}] and, on tool turns,
-"tool_call_id". Arguments are dicts because Hugging Face templates `tojson` them. Canonical messages are also
-what the segment tracker compares, so equal conversations compare equal.
-
-Template errors (e.g. a template that raises on roles that do not alternate) are the client's mistake: they
-surface as `RenderError` (a ValueError), which the server answers with 400.
-
-Images (vision-language models; docs/vision.md): content with an image is a list of {"type": "text", "text"} and
-{"type": "image", "image": ImageRef} parts (text-only content stays a string). An `ImageRef` equals the sha256
-of the image's bytes, so a resent image compares equal. Base64 data URLs only (http(s) with
-`allow_remote_images`, fetched blocking); bad data or more than `max_image_pixels` is a ValueError (400).
+Design notes and decisions: docs/internals.md, section `molt/capture/render.py`.
 """
 from __future__ import annotations
 

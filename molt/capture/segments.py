@@ -1,37 +1,6 @@
 """Segment tracking: the capture continuation rule (DESIGN.md) for one session.
 
-A session holds *branches*: segments still open to continuation, each remembering the canonical messages it
-was rendered from (ending with the recorded assistant reply), its tools and its sampling temperature. For a
-request with messages M:
-
-1. Pick the most recent branch whose messages M strictly extends (same tools, same temperature).
-2. Template check: with text_A = the rendered prompt of the branch's last request, text_B = the rendering of
-   the branch's messages (reply included, no generation prompt) and text_C = the rendering of M (with the
-   generation prompt), require text_B to start with text_A and text_C with text_B: appending messages must not
-   change how the earlier conversation renders (a template dropping earlier `<think>` blocks fails here).
-3. Splice: the reply's sampled tokens stand in for the template's rendering of the reply, up to its
-   end-of-turn token. The context tokens appended (mask 0) are the encoding of the template's text after the
-   reply's end-of-turn token (if the model sampled it; otherwise the end-of-turn token itself plus that text)
-   followed by text_C[len(text_B):]. Sampled tokens are never decoded and re-encoded.
-
-Otherwise a new segment starts from the rendering of M, and `break_reason` says why, relative to the branch
-used last: `start` (first request), `tools_changed`, `sampling_changed` (temperature), `template_rewrite` (M
-extends the messages but the rendering of the earlier part changed), `branch` (M re-asks from an earlier
-point of the same history, or one of the n>1 choices), `compaction` (the history was rewritten).
-
-Images: the appended context is encoded with its new messages' images, whose processor inputs join the
-segment's `images` (each image once, in token order; the history's are recognised by digest, not processed
-again). A compaction that drops old images starts a new segment like any other rewrite.
-
-Decisions:
-- Every branch stays open for the session's life, so an agent that interleaves two conversations in one
-  session (sub-agents) gets one segment per conversation, each continued correctly.
-- An action token is trained once: a `branch` segment created for choice i>0 of an n>1 request holds the
-  shared context with mask 0, so earlier actions are not duplicated.
-- top_p/top_k changes do not seal a segment: the recorded behavior log-probability is taken before
-  truncation (`molt.engine.base`), so the trainer recomputes it from the temperature alone.
-- Raw-text continuation (`plan_raw`, for Envs) appends the encoded text to the newest branch; that branch
-  can then no longer be continued by chat messages (its messages are unknown).
+Design notes and decisions: docs/internals.md, section `molt/capture/segments.py`.
 """
 from __future__ import annotations
 

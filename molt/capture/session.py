@@ -1,27 +1,6 @@
 """One capture session (one rollout): wire-independent request handling, generation and recording.
 
-Both wires turn a request into a `ChatRequest` and get a `Generation` back; `StepEnvRunner` calls `chat` /
-`extend` in-process, so SDK agents and Envs share one rendering and capture path.
-
-Decisions:
-- Requests of one session are serialized (a lock around plan, generate, record): segments never interleave
-  half-recorded turns. Sub-agents sharing a session still get correct segments (one per conversation, see
-  `segments.py`); they just do not generate concurrently. Different sessions run fully concurrently.
-- Retries: the response to each request is cached under a hash of (wire, body). An identical body arriving
-  again is answered from the cache and recorded once, unless the request says it is a first attempt (the
-  official SDKs send `x-stainless-retry-count: 0`), so an agent that deliberately asks the same question twice
-  gets two samples. A retry that arrives while the original is still generating waits for it (the lock).
-- Stop strings (`stop`, `stop_sequences`) are applied after generation: the Engine contract has stop token ids
-  only. The kept tokens end with the token that completes the stop string (later tokens are discarded, never
-  recorded); the returned text ends before the stop string, as OpenAI and Anthropic do. The cost is tokens
-  generated past the stop, a throughput matter only.
-- n > 1: choices are generated concurrently (choice i uses seed + i when a seed is given); choice 0 continues
-  the segment, the others become `branch` segments.
-- `tool_choice` "required" or a named function is honoured by prefilling the reply with the tool parser's call
-  opening (`molt.capture.tools`); those tokens are recorded as context (mask 0), the model's continuation as
-  the action, and the text parsed is opening + continuation.
-- A prompt that leaves no room in the context window is a client error (`ContextTooLong`, answered 400); a
-  max_tokens beyond the room left is capped by the engine (finish reason length).
+Design notes and decisions: docs/internals.md, section `molt/capture/session.py`.
 """
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
 """Tool-call parsers: generated text -> (content, tool calls). A registry, so models with other formats plug in.
 
-A parser gets the reply text (special tokens skipped) and returns `Parsed(content, calls, malformed)`. Calls
-are canonical (see `render.py`), with fresh ids. A call the parser cannot read (bad JSON, no name, a block
-that never closes) stays in `content` as text and is counted in `malformed`: the model's mistake is the
-agent's to see, never a server error.
-
-Built in: `hermes` (Hermes/Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, several per reply)
-and `none` (no parsing).
-
-Forcing a call (`tool_choice` "required" / a named function on the OpenAI wire, `any` / `tool` on the
-Anthropic one): without constrained decoding, the session prefills the reply with the parser's call opening
-(`call_opening`: for hermes `<tool_call>\n`, or up to `"arguments": ` for a named function) as context tokens
-(mask 0, never trained) and the model continues from there; the text parsed is opening + generated text. A
-model that then writes no valid call gets its text back as content, counted as malformed, like any other.
+Design notes and decisions: docs/internals.md, section `molt/capture/tools.py`.
 """
 from __future__ import annotations
 

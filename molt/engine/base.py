@@ -1,31 +1,6 @@
 """The engine contract: token IDs in; sampled token IDs, behavior log-probabilities and policy versions out.
 
-Which distribution the behavior log-probability comes from (every engine must follow this, the trainer
-recomputes exactly this quantity):
-
-    logprob_i = log_softmax(logits_i / T)[token_i]        (T = the request's temperature; T = 0 -> T = 1)
-
-i.e. the full-vocabulary distribution after temperature and *before* top-k / top-p truncation. With
-top_k disabled and top_p = 1 this is exactly the distribution the token was sampled from. With truncation the
-sampling distribution is the renormalized truncated one; we still record the untruncated value because it is
-what the trainer can recompute from the policy alone, and the difference is a training-inference mismatch
-that importance correction (`molt.algo`) handles. Greedy requests (T = 0) record log_softmax(logits).
-
-Versions: every generated token carries the policy version of the weights that produced its logits.
-`pause()` stops scheduling new tokens but keeps in-flight requests; `update_weights(named_tensors, version)`
-loads weights while paused; `resume()` continues the retained requests, whose later tokens carry the new
-version. Generation never blocks the asyncio event loop.
-
-Streaming: `on_tokens`, when given, is called on the caller's event loop with each batch of newly sampled
-token ids, in order, before `generate` returns the whole completion (the capture server streams replies from
-it). Engines may batch tokens; the completion stays the record.
-
-Images: a vision-language engine takes `images=`, the processor inputs of the prompt's images in token order
-(`molt.capture.render`); callers pass it only when there are images, so text-only engines need no parameter.
-
-Output: the stop token (EOS or one of `stop_token_ids`) that ended a completion is included in
-`token_ids` with its log-probability, finish reason STOP. Hitting `max_tokens` or the context window
-gives LENGTH.
+Design notes and decisions: docs/internals.md, section `molt/engine/base.py`.
 """
 from __future__ import annotations
 

@@ -1,38 +1,7 @@
 """The embedded engine's session prefix cache: a multi-turn agent resends its whole history every turn, and the
 engine keeps the keys/values of the session's last turn so that the next turn prefills only its new tokens.
 
-What is kept. When a request that carries a session id finishes (STOP or LENGTH), `molt.engine.hf` copies its row
-of the batch KV cache - the real columns only, no padding - with the token ids it covers: the prompt and every
-generated token but the last (the engine's invariant: the last sampled token is never in the cache). One entry
-per session; the session's next finished request replaces it. Aborted and failed requests store nothing.
-
-How it is reused. A new request of the session compares its context with the entry token by token and takes the
-longest common prefix, at most the whole context minus its last token (whose logits it needs). A rewritten
-history (compaction, a template rewrite) reuses what still matches; the stored tensors are only read (sliced),
-so two requests of one session (n > 1 choices) may share an entry.
-
-How cached rows join a prefill. Row i of a prefill group is [pad, cached_i, pad, new_i]: the cached blocks are
-left-padded to the group's longest reuse (C columns), the new tokens to its longest suffix (S), as the engine
-left-pads any prefill. The 2-D mask marks the real columns and positions are the mask's running count, so the
-gap in the middle is just masked keys: the same math as a full prefill, nothing recomputed. The gap stays in
-the running batch until the row leaves; the engine trims only columns that no row uses. Prefill groups are
-formed by suffix length, so the cost of a turn is its new tokens.
-
-Budget: the bytes of the stored tensors, least recently stored or used evicted first; an entry larger than the
-whole budget is not kept; 0 turns the cache off.
-
-Refit: keys/values computed with old weights are wrong under new ones, so `update_weights` drops every entry.
-With `stale=True` (a run that accepts it) entries survive a refit; each remembers the policy version of its
-oldest keys/values, and every token sampled on top of it carries that older version (staleness control and
-importance correction then see it as the mixed-policy token it is).
-
-Exactness: with and without the cache, fp32 log-probs agree to float rounding and seeded requests give the same
-tokens (tests/engine/test_prefix_cache.py).
-
-Measured (`bench/engine.py --multi-turn`, docs/benchmarks.md; SmolLM2-135M fp32, 2 CPU cores): a cached turn's
-latency follows its new tokens, not the history. At a 2K-token history an 80-token turn with 16 sampled tokens
-takes 0.30x the cold time, a 288-token turn with 32 sampled 0.49x: its prefill shrinks to 0.18x, and what remains
-is decode (about 60 ms a token here), which the cache does not change.
+Design notes and decisions: docs/internals.md, section `molt/engine/prefix_cache.py`.
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """Session-sticky routing over several engines; the router is itself an `Engine`.
 
-A request with a `session_id` always goes to the same engine, chosen by a stable hash of the id (crc32, not
-Python's per-process salted `hash`), so that a multi-turn agent finds its earlier turns in that engine's prefix
-cache and no routing table has to be kept or evicted. A request without a session goes to the engine with the
-fewest requests in flight through this router. Control calls (pause, update_weights, resume, close) fan out to
-every engine; the weights iterable is materialized once because it may be a one-shot generator.
+Design notes and decisions: docs/internals.md, section `molt/engine/router.py`.
 """
 from __future__ import annotations
 

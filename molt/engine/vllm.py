@@ -1,59 +1,6 @@
 """The GPU engine: vLLM's V1 `AsyncLLM` behind the `Engine` protocol (targets vLLM >= 0.10.2, public API only).
 
-vLLM is imported lazily: importing this module needs neither vLLM nor torch, and constructing `VLLMEngine`
-without vLLM (or without a GPU) raises an `EngineError` that says what to install.
-
-Behavior log-probability. vLLM runs with `logprobs_mode="processed_logprobs"` and `SamplingParams(logprobs=N)`:
-vLLM then reports log_softmax over the logits *after* its logits processors, temperature and top-k/top-p
-masking, i.e. the distribution the token was really drawn from. `molt.engine.base` fixes
-log_softmax(logits / T) over the full vocabulary before any truncation. No vLLM mode gives exactly that for
-every request ("raw_logprobs" is log_softmax(logits) without temperature; the "*_logits" modes return
-unnormalized values for the top-N only), so we take the closest one. Precisely, for the sampled token t:
-
-    vllm_logprob(t) = molt_logprob(t) - log(sum of softmax(logits / T) over the kept set K)
-
-where K is the vocabulary minus what top-k, top-p and the min_tokens suppression of stop tokens removed (Molt
-sets no penalties, bias, min_p or bad words). The two agree exactly when K is the whole vocabulary: top_k
-disabled, top_p = 1, and past min_tokens (or min_tokens = 0); also T must be 0 or >= 0.01 (vLLM raises smaller
-ones to 0.01). Greedy requests (T = 0) record log_softmax(logits) in both. Otherwise vLLM's value is
-larger by the log of the kept mass, a mismatch that importance correction sees like any other. `top_logprobs`
-come from the same (processed) distribution.
-
-Reading the stream: `RequestOutputKind.DELTA`, each output kept on arrival. vLLM's default cumulative outputs
-reuse the same `token_ids` / `logprobs` lists and extend them in place (vllm/v1/engine/output_processor.py): a
-kept output would grow behind our back, up to tokens (the final one included) never received.
-
-Pause and refit: two paths, chosen by feature detection and logged at construction. Either way new requests wait
-at the Molt level, weights load while vLLM generates nothing, and tokens after a refit are computed by the new
-weights over the whole sequence (one prefill per retained request, like `molt.engine.hf`).
-- Keep, where vLLM has `pause_generation(mode="keep")` (vllm-project/vllm#32351) and
-  `reset_prefix_cache(reset_running_requests=True)` (#28827), as in vllm/v1/engine/async_llm.py and core.py on
-  main: vLLM freezes the requests and sends their outputs so far before `pause_generation` returns; `resume()`
-  resets the prefix cache including the kept requests' blocks (vLLM preempts them and recomputes them under the
-  new weights; keep mode's own clear_cache missed those blocks at first, #34382), then `resume_generation()`.
-  A token carries the version current when it arrives, which only `resume()` moves: exact as long as vLLM's output
-  handler (it runs at every await of the refit) delivered the pre-pause tokens before `resume()`.
-- Resubmit, otherwise: `pause()` cancels the stream of each vLLM request (vLLM aborts it); the Molt request keeps
-  what it received, and `resume()` submits it again as a continuation (prompt + tokens so far; max_tokens and
-  min_tokens reduced), so each vLLM request runs under one set of weights. A seeded request is reproducible only
-  without refits (a continuation reseeds with seed + tokens so far).
-
-Weights: `update_weights` ships each bucket of (HF name, tensor) as raw bytes (vLLM's msgpack transport carries
-them without pickling) with `collective_rpc` to a worker extension (`molt.engine.vllm_worker`, the
-`worker_extension_cls` engine arg) that calls `model.load_weights`, vLLM's loader for HF checkpoints (fuses
-q/k/v and gate/up, shards for tensor parallelism, casts). The GPU path skips that hop: `join_weight_group` /
-`receive_weights` put every worker into the trainer's refit group (`molt.engine.weight_group`, NCCL) and receive
-the buckets straight into GPU memory. Where vLLM has layerwise reload (vllm/model_executor/model_loader/reload,
-v0.18 and main), one refit's buckets load inside one reload, opened by the first bucket and finished by
-`resume()` as vllm/v1/worker/gpu_worker.py's start/update/finish_weight_update do: it reruns vLLM's post-load
-processing (online fp8, MoE kernel layouts) that a bare `load_weights` skips; without it quantized engines are
-refused. Pre-quantized checkpoints are unsupported (the trainer sends unquantized weights). Then `resume()` drops
-the prefix cache (old-weight keys and values); a failed reset is an error. vLLM's weight-transfer engine is not
-used: its transport wants vLLM's own sender in the trainer, and its loading half is the layerwise reload above.
-Pipeline and data parallelism are refused until the refit group gives their workers ranks.
-
-MoE routes: with `enable_return_routed_experts` (vLLM >= 0.21) a completion keeps `CompletionOutput.routed_experts`
-when it covers the whole sequence (prompt + generated - 1 rows), else has none (docs/moe.md; untested on a GPU).
+Design notes and decisions: docs/internals.md, section `molt/engine/vllm.py`.
 """
 from __future__ import annotations
 

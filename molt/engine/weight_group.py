@@ -1,20 +1,7 @@
 """A dedicated collective group for weight refit: trainer rank 0 broadcasts each bucket of full weights to every
 engine at once (NCCL between GPUs, gloo on CPU), instead of passing it through the Ray object store.
 
-Why a group of its own. The trainer ranks already share a default torch.distributed group (FSDP), and vLLM's
-workers have theirs; an engine process cannot join the trainer's world. So the refit group is built directly
-from a `TCPStore` hosted by the sender (rank 0) and the backend's process-group class (`ProcessGroupNCCL` or
-`ProcessGroupGloo`), the way torch builds its own groups, without touching either default group.
-
-Wire. Members agree on a *plan* beforehand (`molt.trainer.weights.plan_weight_buckets`: per bucket, the HF name,
-full shape and dtype of each tensor). Per bucket the sender packs its tensors' bytes into one flat uint8 buffer
-(each at a 16-byte aligned offset) and broadcasts it once (one collective per bucket rather than per tensor: gloo
-and NCCL pay a fixed cost per call); receivers allocate the same buffer from the plan and cut it back into typed
-tensors (views of the one buffer, so a bucket costs one allocation). Ranks: the sender is 0, engines take 1..world-1; a vLLM engine with
-tensor parallelism takes one rank per worker process.
-
-Importing this module needs torch only; the runtime (sender and in-process receivers) and the vLLM worker
-extension (receivers inside vLLM's processes) both use it.
+Design notes and decisions: docs/internals.md, section `molt/engine/weight_group.py`.
 """
 from __future__ import annotations
 

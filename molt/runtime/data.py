@@ -1,19 +1,7 @@
 """Prompt datasets: files, directories or hub names through Hugging Face `datasets`, mixed and cut like the
 reference's `--data.prompt_dataset A,B --data.prompt_probs 0.7,0.3 --data.max_samples N`.
 
-Each comma-separated entry is loaded as:
-- a `.jsonl` file: read line by line here, rows kept exactly as written (Arrow would unify the rows' schemas,
-  filling absent keys of chat messages and tool schemas with nulls and rejecting a key whose type varies);
-  errors name the line;
-- another data file (parquet, json, arrow, csv): `load_dataset(<builder>, data_files={split: path})`;
-- a directory written by `Dataset.save_to_disk`: `load_from_disk`, then the split if it holds several;
-- anything else (a directory of data files, a hub name): `load_dataset(entry, split=split)`, which reaches the
-  hub only when one is reachable.
-Rows from Arrow lose null-valued keys in their messages and tools (nulls there are Arrow's filling, never the
-author's). Several entries are interleaved by `datasets.interleave_datasets` with `prompt_probs` (equal
-probabilities when none are given) until every entry is exhausted, as the reference does; `max_samples` then
-keeps the first rows. A row's images (`image_key`) pass through as a list, at most `max_images` of them.
-Mistakes are `ValueError`s naming the flag.
+Design notes and decisions: docs/internals.md, section `molt/runtime/data.py`.
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """Per-step metrics: computed from light rollout records, written to the console, a JSONL file and TensorBoard.
 
-Metric names follow the public reference where one exists (`rollout/reward_mean`, `group_reward_std`,
-`timing/generation`, `eval_<dataset>_pass<n>`, ...); everything else is slash-namespaced. One JSON object per
-step goes to `metrics.jsonl` with `step`; TensorBoard gets the same scalars; W&B when a project is configured
-(`logger.wandb.*`) and the package is installed.
-The console gets a tqdm progress bar and one readable line per step.
+Design notes and decisions: docs/internals.md, section `molt/runtime/metrics.py`.
 """
 from __future__ import annotations
 

@@ -1,33 +1,6 @@
 """The trainer group: FSDP2 ranks as Ray actors sharing one torch.distributed group (gloo on CPU, NCCL on GPU).
 
-Every call is collective: `TrainerGroup` calls the same method on every rank and waits for all. Each rank
-receives only the light records of its own experiences (balanced by `assign_to_ranks`) and `reload()`s their
-payloads from the object store itself: the controller never holds a batch's payloads.
-
-Advantages. Group estimators (`molt.trainer.config.GROUP_ESTIMATORS`: grpo, rloo, dr_grpo) depend on rewards
-only: the controller computes one value per rollout from the light records (`rollout_advantages`) and each rank
-spreads it over the action tokens of its segments. Token-level estimators (reinforce, reinforce_baseline, gae)
-need per-token data (KL, critic values) and run on each rank over its own segments, split so the result equals
-one computation over the whole window:
-- what crosses rollouts comes from the controller: the per-rollout terminal reward, for reinforce_baseline
-  already minus its group's mean (a group's rollouts may land on different ranks);
-- everything within a rollout is local: `assign_to_ranks` keeps a rollout's segments on one rank;
-- the global whitening over all action tokens of the window is one all-reduce of (sum, sum of squares, count).
-With `algo.kl.use_loss` false the KL enters as a token reward (REINFORCE++): each rank runs the reference model
-over its rollouts and takes the KL of the behavior log-probabilities (the policy that sampled the tokens) to
-the reference's, with `algo.kl.estimator`, weighted by the (adaptive) coefficient. Group estimators take no
-token rewards; the configuration refuses that pairing.
-On-policy distillation (`on_policy_distill`) is this KL reward with the teacher as the reference model: k1 of
-the student's sampled tokens, on each token as it is (no discount, no whitening), the group-centred reward
-mixed in by `algo.advantage.reward_coef`.
-GAE uses a critic (`molt.trainer.Critic`, `--critic.model_name_or_path`, default the actor's checkpoint) built
-next to the actor on every rank with an optimizer of its own (`--critic.adam.*`): values before the step, then
-critic steps on the GAE returns after the policy steps; its state is saved and restored with the actor's.
-
-Several optimizer steps per training step (`train.batch_size` smaller than the step's rollouts, or
-`train.max_epochs` > 1): each rank gets its share of every window; advantages (and their whitening) are taken
-over the whole step, and the PPO ratio's proximal policy is the policy before the step's first update
-(`Actor.compute_logprobs` once). Metrics are means over the step's optimizer steps.
+Design notes and decisions: docs/internals.md, section `molt/runtime/trainer_group.py`.
 """
 from __future__ import annotations
 

@@ -1,24 +1,7 @@
 """The policy trainer: one `train_step(experiences)` per optimizer window, log-prob passes for the runtime, and
 the weights out (refit stream, Hugging Face export).
 
-One step, per DESIGN.md "Loss normalization":
-1. plan micro-batches; ONE all-reduce gives the window's action-token count (and the longest schedule);
-2. per micro-batch: recompute log-probs (chunked, `logprobs.py`) and entropy, importance weights against the
-   behavior log-probs (`molt.algo.importance_weights`), KL against the reference when `kl_use_loss`, the
-   registered policy loss, `window_normalize` with the global count, backward;
-3. clip the gradient norm, AdamW step, schedule step.
-
-Decisions:
-- The proximal ("old") policy of the PPO ratio is, by default, the current weights before this step
-  (`old = logprobs.detach()`, ratio 1, pure importance-weighted policy gradient): with one optimizer step per
-  window that *is* the policy before the update, and the training-inference / staleness mismatch is handled by
-  the importance weights against the recorded behavior log-probs. For several optimizer steps on one batch,
-  compute `compute_logprobs(batch)` once and pass it as `old_logprobs` to each `train_step`.
-- The reference model exists only when `kl_coef > 0`. With a group estimator (rloo, grpo, dr_grpo) and KL in
-  the reward (`kl_use_loss=False`) the KL would be ignored: we warn.
-- Metric names: molt.algo's slash names (token-weighted means over the window and all ranks), plus the
-  reference names users know: policy_loss, actor_grad_norm, actor_lr, policy_clip_ratio, is_filter_ratio,
-  logprobs_diff, and actor_tokens_per_s, timing/policy_train.
+Design notes and decisions: docs/internals.md, section `molt/trainer/actor.py`.
 """
 from __future__ import annotations
 

@@ -1,30 +1,7 @@
 """What actor and critic share: joining the process group, loading and sharding a Hugging Face model, the
 per-window micro-batch schedule (with its single all-reduce), and optimizer-step bookkeeping.
 
-Decisions:
-- Every rank loads the full checkpoint on CPU with `from_pretrained` and then shards it (FSDP2 keeps only the
-  local shard on the device). Meta-device initialization with sharded loading is the path for models that do
-  not fit one host's memory; it is not needed at this project's scale.
-- Ranks may hold different numbers of micro-batches (length-aware assignment gives them different token
-  counts), but FSDP2's collectives need every rank to run the same number of forward/backward passes. The one
-  all-reduce of a window sums a vector [action tokens, n_micro(rank 0), ..., n_micro(rank D-1)], which gives the
-  global denominator and the longest schedule at once; ranks that run out pad with ghost micro-batches.
-- Tensor-parallel ranks of one data-parallel group must receive the same experiences (they split the model,
-  not the data); counts are reduced over the "dp" dimension only.
-- One GPU is a deployment too: a single CUDA process (or any single process with low-precision parameters or
-  offload) runs FSDP2 on a one-rank mesh, so the mixed-precision policy casts each block's weights to the
-  compute dtype once per pass instead of autocast casting them per use, and `offload` means something. On a
-  one-rank mesh the blocks stay unsharded across the micro-batches of a step (`reshard_after_forward=False`,
-  no reshard after backward) and are resharded once at its end: one cast per step. A single fp32 CPU process
-  keeps the plain module (nothing to cast; the exact reference path).
-- Host syncs: a step reads nothing back from the device until its end. Micro-batch metrics are summed on the
-  device (`accumulate`) and read with one all-reduce and one copy (`reduce_metrics`); collation builds every
-  index on the host. The window's action count needs one all-reduce before the first backward when there are
-  several ranks; a single process counts on the host.
-- Prefix sharing runs on the CPU path only: padded through a KV cache (a single process without a mesh), or
-  packed as a layout (any ranks). On an H200 the padded form made the step slower (1.12 s vs 1.03 s without
-  it; 0.91 vs 0.61 s with TF32: the extra decoder calls and the cache gather cost more than the saved prompt
-  tokens at a 128-token prompt), so CUDA does not use it until the packed form is measured there.
+Design notes and decisions: docs/internals.md, section `molt/trainer/base.py`.
 """
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
 """Configuration of the trainer side: one flat dataclass whose field names follow the reference flags
 (`--actor.*`, `--train.*`, `--fsdp.*`, `--algo.*`), so the CLI config maps onto it field by field.
 
-Decisions:
-- `param_dtype="auto"` means bf16 parameters for compute on CUDA (fp32 master weights and gradient reduction
-  through FSDP2's MixedPrecisionPolicy) and fp32 everywhere else: CPU bf16 matmuls are slow and the CPU path is
-  where exactness against the engine is tested.
-- Micro-batching: `max_tokens_per_gpu` (a padded-token budget) wins over `micro_batch_size` (a count) when both
-  are set; with neither, the whole window is one micro-batch.
-- `share_prefix` is a CPU option. Packed, the shared prefix is laid out once in the row (any ranks, gradient
-  checkpointing too). Padded, it needs a single plain process without gradient checkpointing: under FSDP2 a
-  micro-batch with a shared prefix runs the decoder twice, a rank with a ghost micro-batch once, and their
-  collectives would no longer pair up; gradient checkpointing disables the KV cache the sharing runs on. On
-  CUDA the padded form measured slower (`molt.trainer.base`); the packed form is unmeasured there, so off.
-- `packing_samples` (the reference's `--fsdp.packing_samples`): micro-batches are packed rows, budgeted in real
-  tokens, and attention runs through `molt.trainer.packing` whatever `attn_implementation` says (on CUDA that
-  is flash attention over the packed sequences, which is what the reference's flash_attention_2 does).
+Design notes and decisions: docs/internals.md, section `molt/trainer/config.py`.
 """
 from __future__ import annotations
 

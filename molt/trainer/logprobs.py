@@ -1,35 +1,6 @@
 """Log-probabilities and entropy of action tokens without materializing full-vocabulary logits.
 
-The engine's behavior log-probability (see `molt.engine.base`) is
-
-    logprob_t = log_softmax(logits_{t-1} / T)[token_t]      (T = 0 counts as 1)
-
-where logits_{t-1} are the logits the model produced at position t-1 (the prediction of token t). The trainer
-recomputes exactly this: the decoder backbone gives hidden states [B, L, H]; only the rows that predict an
-action token are gathered ([A, H], A = number of action tokens), and the output projection, the division by
-the temperature and an fp32 log-softmax run over chunks of `chunk_size` such rows, inside one autograd
-Function that keeps only per-row results (log-prob, log-sum-exp, entropy) and recomputes each chunk's [c, V]
-logits once in backward, forming their gradient in place: peak memory holds one chunk's logits (two [c, V]
-buffers), never a micro-batch's.
-
-Layout (same as `molt.algo`): outputs are [B, L], entry t is about token t, zero where `action_mask` is 0.
-Position 0 has no prediction and must not be an action token.
-
-Decisions:
-- Prompt tokens never reach the output projection: in agentic contexts most tokens are context, so this
-  saves most of the vocabulary projection as well as its memory.
-- Families that post-process logits (Gemma-2 soft-capping, Cohere's logit scale) are refused at load time
-  by `check_supported`, rather than silently computing a different distribution than the engine.
-- Entropy (of the full distribution at the action position, after temperature) is optional: it costs a few
-  elementwise passes over each chunk in forward; when it is only logged (not in the loss) its gradient is
-  never formed (unmaterialized gradients), so its backward costs nothing.
-- Compared with a full-logits log-softmax, the backward needs one more vocabulary matmul per chunk (the
-  recompute); fusing the softmax gradient in place saves about as much elementwise work (bench/trainer.py).
-- Shared prefixes (a `batching.SharedPrefix`): the decoder runs each distinct prefix once with a KV cache,
-  the cache is gathered out to every row (an index_select, whose backward sums the rows' gradients into the
-  one prefix pass), and the rest of each row runs against it. The cache goes through the model's own
-  `DynamicCache`, so any Hugging Face decoder with a standard cache works; gradient checkpointing turns the
-  cache off in training, so the trainer does not share prefixes then.
+Design notes and decisions: docs/internals.md, section `molt/trainer/logprobs.py`.
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """Mixture-of-experts routing in the trainer: rollout routing replay (R3), route agreement, load balancing.
 
-Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE (transformers 5) route alike: a `*TopKRouter` returns (logits, weights,
-experts), experts = top-k of softmax(logits), weights their probabilities, renormalised to sum 1 where the family
-does (`norm_topk_prob`; Mixtral always). One forward hook per router (found by type) compares the router's own
-expert set with the engine's record (`Segment.routed_experts`) and, with `--train.routing_replay`, returns the
-recorded experts weighted by the trainer's own probabilities of them under the family's normalisation: the router
-keeps its gradient, and where the record is the router's own choice nothing changes. The aux loss
-(`--actor.aux_loss_coef`) is Switch's E * sum_e f_e P_e per layer, averaged over layers, on the experts used.
-Decisions and metrics: docs/moe.md (the reference model runs unreplayed).
+Design notes and decisions: docs/internals.md, section `molt/trainer/moe.py`.
 """
 from __future__ import annotations
 

@@ -1,28 +1,6 @@
 """Process groups, device meshes, FSDP2 sharding, tensor parallelism and DTensor-aware gradient clipping.
 
-Layout: the world is a mesh ("dp", "tp") of shape (world // tp_size, tp_size) (1-D ("dp",) when tp_size is 1).
-FSDP2 (`fully_shard`) shards every decoder block and then the root over "dp"; with tp_size > 1 the blocks'
-linear layers are first split over "tp" with DTensor (`parallelize_module`), following the model family's
-own `base_model_tp_plan` from its transformers config, so FSDP2 composes with it into 2-D DTensors.
-A single process either trains the plain module (fp32 on CPU) or, on CUDA and wherever a mixed-precision or
-offload policy must apply, runs FSDP2 on a one-rank mesh over a one-rank process group created here.
-Verified on CPU with gloo: FSDP2 over 2 ranks, and TP composed with FSDP2 on a (dp=1, tp=2) mesh, both equal to
-a single process (tests/trainer/test_distributed.py); a (2, 2) mesh needs 4 processes, which this 2-core
-machine runs too slowly for a test, but it is the same code path with a larger "dp" dimension.
-
-Decisions:
-- Gradients must be the *sum* over data-parallel ranks (each rank's loss is already divided by the global
-  token count of the window), while FSDP2 averages; `dp_loss_scale` multiplies the loss by the dp size,
-  which works on every backend (gloo has no PREMUL_SUM).
-- Only the "colwise"/"rowwise" styles of a tp plan are supported (dense attention and MLPs). Packed or
-  grouped expert weights (MoE "packed_colwise", "moe_tp_experts") are refused: expert parallelism is a later
-  GPU-path option (`--fsdp.ep_size`, all-to-all token dispatch), as is context parallelism (`--fsdp.cp_size`,
-  ring attention over a "cp" mesh dimension via `torch.distributed.tensor.experimental.context_parallel`,
-  which needs SDPA kernels that only exist on CUDA).
-- Gradient norm: the sum of squares of the local gradient shards is all-reduced per device mesh, over that
-  mesh's dimensions only (one all-reduce for plain FSDP2). Under TP, root and norm weights live on the "dp"
-  sub-mesh and are copies across "tp"; reducing them over "dp" alone counts them once. A shard replicated on a
-  dimension of its own mesh is divided by its number of copies.
+Design notes and decisions: docs/internals.md, section `molt/trainer/parallel.py`.
 """
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
 """Weights out: a bucketed stream of full parameters in Hugging Face names (for refit), and a Hugging Face
 checkpoint export written from that same stream.
 
-Decisions:
-- Names are those of the Hugging Face model's own `state_dict()` (no wrapper prefix), so engines load them
-  with their usual name mapping (vLLM `load_weights`, transformers `load_state_dict`).
-- Tied embeddings: a parameter shared by several names is yielded once, under the first name in state-dict
-  order, which for every tied HF model is the input embedding (`model.embed_tokens.weight`); `lm_head.weight`
-  is skipped. Consumers tie it back: transformers through `tie_word_embeddings`, vLLM by skipping
-  `lm_head.weight` for tied models.
-- Memory: a sharded parameter (DTensor) is gathered with `full_tensor()` one parameter at a time and moved to
-  `device` (CPU by default) at once, so a rank never holds more than one bucket of full weights besides its
-  shards. The stream is collective: every rank must iterate it to the end (every rank receives full buckets;
-  usually only one of them sends them on).
-- Persistent buffers are part of the state dict and are streamed; non-persistent ones (rotary tables) are not.
-- Export writes each bucket as one safetensors shard plus `model.safetensors.index.json`, so no rank ever
-  builds the whole state dict; config, generation config and tokenizer are saved next to it.
+Design notes and decisions: docs/internals.md, section `molt/trainer/weights.py`.
 """
 from __future__ import annotations
 
