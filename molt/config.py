@@ -1,23 +1,6 @@
 """Typed configuration of a Molt run: a YAML recipe plus dotted command-line overrides.
 
-Groups and flag names follow the public reference (`--actor.model_name_or_path`, `--rollout.n_samples_per_prompt`,
-`--algo.advantage.estimator`, ...). Each field's docstring becomes its `--help` line (tyro parses the
-dataclasses; no hand-written argparse). `load_config(argv)` (in `molt.flags`, re-exported here) reads
-`--config FILE.yaml` first, uses it as the defaults, applies the overrides (the reference's other flag names
-through the table of `molt.flags`), validates, and returns a `MoltConfig`.
-
-Decisions where the reference is silent:
-- `rollout.batch_size` is prompts per training step; each prompt is sampled `rollout.n_samples_per_prompt`
-  times, and one optimizer step consumes `train.batch_size` rollouts (0 = all rollouts of a step).
-- `train.max_staleness` counts policy versions; 0 is synchronous on-policy training.
-- `train.max_steps` 0 (the default) runs `train.num_episodes` passes over the prompts, as the reference does;
-  `train.max_epochs` optimizer passes over each step's rollouts, `train.batch_size` rollouts a pass.
-- Defaults are Molt's where they differ from the reference's (docs/from-reference.md lists them); new groups
-  and fields that come from the reference take its defaults (`reward.clip_range` [-10, 10], `critic.adam.lr`).
-- `on_policy_distill` (docs/algo.md) forces the KL into the advantage (`algo.kl.use_loss` off, k1, no whitening;
-  `algo.kl.init_coef` 0 means 1); without `train.agent_path` a built-in agent answers each prompt once.
-- New knobs of this project: `algo.advantage.reward_coef`, `train.max_staleness`, `train.max_steps`, `rollout.engine`, `rollout.timeout_s`,
-  `rollout.max_turns`, `rollout.num_workers`, `rollout.max_failed_retries`, `eval.temperature`.
+Design notes and decisions: docs/internals.md, section `molt/config.py`.
 """
 from __future__ import annotations
 

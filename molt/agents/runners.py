@@ -1,20 +1,6 @@
 """`ChatAgentRunner` and `StepEnvRunner`: one rollout of a dataset row -> one `Trajectory`, never a crash.
 
-Failures become statuses: the agent or env raising -> AGENT_ERROR, running past `timeout` seconds -> TIMEOUT,
-a None / non-numeric / non-finite reward or a return value that is not a `Result` -> INVALID_REWARD; the
-reason is in `Trajectory.error`, and the segments captured so far are kept (the runtime decides whether to
-train on them). The capture session is always closed, which aborts requests still in flight.
-
-StepEnvRunner departs from the reference where it was weak:
-- images: the row's go into the first user message and reach `reset` as "images"; `Result.images` of a step
-  go into the next observation's message (`image_url` parts);
-- observations are appended as a chat turn (`observation_role="user"` or `"tool"`) through the model's chat
-  template, via the same in-process capture path SDK agents use; `observation_role="raw"` appends the text's
-  tokens as-is (the reference behavior);
-- `max_turns`, `max_episode_tokens` (sampled tokens over all turns; each turn's max_tokens is capped by what is
-  left) and `timeout` bound an episode; hitting one sets `truncated`;
-- rewards are summed over turns as in the reference; `score` is the last non-None score; `info` of later turns
-  overrides earlier keys.
+Design notes and decisions: docs/internals.md, section `molt/agents/runners.py`.
 """
 from __future__ import annotations
 

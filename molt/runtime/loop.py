@@ -1,25 +1,6 @@
 """`molt train`: the controller that wires workers, the rollout pool and the trainer group into one run.
 
-Per training step: take `rollout.batch_size` complete groups from the pool (which keeps rollouts in flight up
-to the staleness bound), compute group advantages from the light records, send each trainer rank its balanced
-share of experience references, run the optimizer steps (one per `train.batch_size` rollouts, `train.max_epochs`
-times; `molt.runtime.trainer_group`), stream the new weights to every worker through the
-object store, and bump the policy version (which lets the pool dispatch further). Evaluation runs before,
-every `eval.steps`, and after training; checkpoints every `ckpt.save_steps`, whenever `ckpt.save_interval_s`
-passed since the last one, and at the end (`molt.runtime.checkpoints`).
-Rewards are clamped into `reward.clip_range` before advantages; with `algo.kl.target` the KL coefficient
-adapts after each step (`molt.algo.adaptive_kl_coef`), and is checkpointed.
-
-Run directory (`ckpt.output_dir`): `config.yaml`, `metrics.jsonl`, `ledger.jsonl` (one line per trained group:
-step, ledger key, rollout ids), `dumps/step_N.jsonl`, `checkpoints/step_N/` (or `ckpt.path`), `policy/` (the final policy as a Hugging Face checkpoint),
-`summary.json`, `curves.png`.
-Resume: the latest checkpoint restores trainer state (model, optimizer, schedule, RNG), the step, the ledger
-and the pool's counters; the prompt stream skips trained keys: no prompt sample is trained twice or skipped. A
-run directory holds one run (`molt.runtime.checkpoints.resume_point`).
-Stopping (docs/reliability.md): SIGINT/SIGTERM or an engine crash loop (`RunStopped`) stop the run after the step
-in progress (a wait for rollouts is abandoned), checkpoint that step and raise `RunStopped`; a second signal exits
-at once. A failed trainer rank raises at once and saves no trainer state (a step may be half applied, other ranks
-stuck in a collective); the ledger and metrics are written step by step, so a rerun resumes exactly.
+Design notes and decisions: docs/internals.md, section `molt/runtime/loop.py`.
 """
 from __future__ import annotations
 

@@ -1,27 +1,6 @@
 """The persistent rollout pool: single rollouts in flight, complete prompt groups out, bounded staleness.
 
-The pool dispatches one rollout at a time (a `RolloutTask`) through an async `run` function (in a real run a
-Ray call to a rollout worker), gathers finished rollouts into prompt groups of `n_samples`, and releases a
-group only when all of its samples succeeded. Training never waits for a global rollout round: the trainer
-takes `groups_per_step` complete groups while other groups stay in flight.
-
-Staleness. `max_staleness` (policy versions) bounds how old the oldest token of a trained sample may be:
-- dispatch is throttled: groups started (and not dropped) never exceed
-  `(version + max_staleness + 1) * groups_per_step`, so with 0 the next step's rollouts start only after the
-  refit (synchronous on-policy) and with k they may run k versions ahead;
-- at hand-out, a group whose oldest action token is older than `version - max_staleness` is dropped (counted
-  as `stale`) and its slot is backfilled. With multi-turn agents or partial rollout this can happen.
-
-Failures (one documented policy). A failed rollout (agent error, timeout, invalid reward, `engine_restart`: its
-engine process died) is counted under
-`failed/<status>` and re-run within its group with a fresh rollout id, up to `max_retries` re-runs per group;
-past that the group is dropped (`dropped/group_failed`) and its slot backfilled with a new prompt. Dynamic
-filtering (`group_filter`) drops complete groups by reason (`dropped/<reason>`), also backfilled. Nothing is
-silently lost: every drop and failure is in `counters`.
-
-Resume. Prompts come from a `PromptStream` in a seeded order; a trained group's key (epoch, index) goes into
-the ledger, and a resumed stream skips the keys already trained, so no prompt sample is trained twice or
-skipped.
+Design notes and decisions: docs/internals.md, section `molt/runtime/pool.py`.
 """
 from __future__ import annotations
 

@@ -1,25 +1,6 @@
 """A rollout worker: one inference engine, one capture server, and the agent runner, inside one Ray actor.
 
-`RolloutWorker` is a plain class (testable in-process); the runtime wraps it with `ray.remote` as an async
-actor, so the capture server (uvicorn), the agent coroutines and the Ray calls share one event loop while the
-engine generates on its own thread.
-
-Refit, the two modes of DESIGN.md:
-- partial rollout: `engine.pause()`, load, `engine.resume()`: requests in flight are kept and their later tokens
-  carry the new version;
-- otherwise generation waits at the refit boundary: `RefitGate` stops admitting new requests, lets the ones in
-  flight finish, then loads the weights; no single completion mixes versions (a multi-turn rollout still may,
-  across its model calls: every token keeps its version).
-Weights arrive either as Ray object references of buckets `[(hf_name, tensor), ...]` that the trainer put into
-the object store (the worker fetches them one bucket at a time), or over the collective refit group of
-`molt.engine.weight_group` (trainer rank 0 broadcasts each bucket; NCCL on GPU, gloo on CPU).
-
-Engine crash (the embedded engine in its process, `molt.engine.process`): a rollout that fails while the engine
-process is dead, or that overlapped a restart, comes back as `engine_restart` (the pool counts and retries it).
-A new engine process gets the last refit's weights (the worker keeps their object references: one model copy in
-the object store) and version, also within a refit. More than `max_restarts` deaths within `RESTART_WINDOW_S`
-raise `RunStopped` (the run stops with a checkpoint), as does any death with the collective refit group (whose
-weights only arrive over the group). A vLLM engine is not revived.
+Design notes and decisions: docs/internals.md, section `molt/runtime/worker.py`.
 """
 from __future__ import annotations
 
