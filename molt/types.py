@@ -139,6 +139,16 @@ def join_inputs(*parts: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
+def vision_token_ids(config: Any) -> list[int]:
+    """A vision-language model's image/video placeholder and marker tokens (`image_token_id`, LLaVA's
+    `image_token_index`, Qwen2-VL's `video_token_id`, `vision_start_token_id`, ...): outside the policy's action
+    space (docs/vision.md), so the engine never samples them and the trainer's log-probs exclude them too."""
+    import re
+
+    return sorted({v for k, v in config.to_dict().items()
+                   if re.fullmatch(r"(image|video|vision)\w*_token_(id|index)", k) and isinstance(v, int) and v >= 0})
+
+
 # Heavy per-token fields of an Experience; they travel through the object store, never through queues.
 PAYLOAD_FIELDS = ("token_ids", "action_mask", "behavior_logprobs", "versions", "advantages", "routed_experts", "images")
 

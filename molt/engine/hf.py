@@ -63,7 +63,7 @@ from molt.engine.base import EngineError, check_request
 from molt.engine.prefix_cache import PrefixCache, left_pad, prefill_inputs, row_layers
 from molt.engine.sampling import sample
 from molt.engine.weight_group import InProcessWeightReceiver
-from molt.types import Completion, FinishReason, SamplingParams, join_inputs
+from molt.types import Completion, FinishReason, SamplingParams, join_inputs, vision_token_ids
 
 
 @dataclass(eq=False)
@@ -126,6 +126,7 @@ class HFEngine(InProcessWeightReceiver):
         self.model = auto.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
         self.model.eval()
         self.tokenizer = tf.AutoTokenizer.from_pretrained(model_path)
+        self.banned = vision_token_ids(self.model.config)  # never sampled (module docstring)
         config = self.model.config.get_text_config()
         self.model_name = model_name or Path(model_path).name
         self.max_model_len = int(config.max_position_embeddings)
@@ -379,7 +380,9 @@ class HFEngine(InProcessWeightReceiver):
                          logits_to_keep=1, **{self._cache_kw: cache}, **images)
         r, self._routes = self._routes, []
         routes = torch.stack(r, 1).view(*ids.shape, len(r), -1).to("cpu", self._route_dtype) if r else None
-        return out.logits[:, -1].float(), routes
+        logits = out.logits[:, -1].float()
+        logits[:, self.banned] = -float("inf")
+        return logits, routes
 
     def _merge(self, group: list[_Request], cache: Any, mask: torch.Tensor) -> None:
         """Append a prefilled group's rows to the running batch, left-padding the shorter cache."""

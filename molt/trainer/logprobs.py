@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from molt.trainer.batching import prebuilt_mask
+from molt.types import vision_token_ids
 
 
 def check_supported(config) -> None:
@@ -170,6 +171,7 @@ class CausalLMLogProbs(nn.Module):
         params = inspect.signature(lm.get_decoder().forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._mask_4d = prebuilt_mask(lm.config)
+        self.banned, self._ban = vision_token_ids(lm.config), None  # the engine never samples these: masked here too
 
     def forward(self, mb, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """mb: a `molt.trainer.batching.MicroBatch` (padded, packed, or padded with a shared prefix).
@@ -184,7 +186,13 @@ class CausalLMLogProbs(nn.Module):
         else:
             hidden = self._hidden_with_shared_prefix(decoder, mb.input_ids, mb.attention_mask, mb.prefix)
         head = self.lm.get_output_embeddings()
-        return action_logprobs(hidden, head.weight, head.bias, mb.input_ids, mb.act_index, mb.act_temperature,
+        bias = head.bias
+        if self.banned:  # -1e9 (not -inf: no inf * 0 in the backward) puts exactly 0 mass on them in fp32 and bf16
+            if self._ban is None or self._ban.device != head.weight.device:
+                self._ban = torch.zeros(head.weight.shape[0], device=head.weight.device).index_fill_(
+                    0, torch.tensor(self.banned, device=head.weight.device), -1e9)
+            bias = self._ban if bias is None else bias + self._ban
+        return action_logprobs(hidden, head.weight, bias, mb.input_ids, mb.act_index, mb.act_temperature,
                                chunk_size=self.chunk_size, with_entropy=with_entropy)
 
     def _hidden_with_shared_prefix(self, decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor,
