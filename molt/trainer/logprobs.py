@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from molt.trainer.batching import prebuilt_mask
-from molt.types import vision_token_ids
+from molt.types import rope_positions, vision_token_ids
 
 
 def check_supported(config) -> None:
@@ -180,7 +180,9 @@ class CausalLMLogProbs(nn.Module):
         if self.routing is not None:
             self.routing.set(mb)
         if mb.images:  # a vision-language model's base model merges the image features into the embeddings
-            hidden = self.lm.base_model(**mb.decoder_inputs(self._mask_4d), **mb.images).last_hidden_state
+            positions = rope_positions(self.lm, mb.input_ids, mb.attention_mask, None, mb.images)[0]  # Qwen2-VL
+            hidden = self.lm.base_model(**mb.decoder_inputs(self._mask_4d), position_ids=positions,
+                                        **mb.images).last_hidden_state
         elif mb.prefix is None:
             hidden = decoder(**mb.decoder_inputs(self._mask_4d), use_cache=False).last_hidden_state
         else:

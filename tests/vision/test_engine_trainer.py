@@ -4,11 +4,9 @@ carries keys/values across images, the engine's behavior log-probs and the train
 (the trainer masks it the same way), and `freeze_visual_encoder` freezes exactly the vision tower."""
 import pytest
 import torch
-from openai import AsyncOpenAI
-from vision_helpers import png, user
+from vision_helpers import png, two_turn_rollouts, user
 
 from molt.capture.render import canonical_messages, message_images
-from molt.testing.scripted import live_capture_server
 from molt.trainer import Actor
 from molt.types import Experience, SamplingParams, Trajectory, vision_token_ids
 
@@ -55,22 +53,6 @@ async def test_the_engine_never_samples_vision_tokens(vlm_engine, vlm_renderer, 
     masked = logits.log_softmax(-1).gather(1, picked)[:, 0]
     assert (masked - torch.tensor(out.logprobs)).abs().max() < 1e-5
     assert (masked - plain).min() > 1e-3  # renormalized without the image token's mass
-
-
-async def two_turn_rollouts(engine, renderer, colours):
-    """One two-turn rollout per colour (an image each turn) through the capture server: its segment."""
-    async with live_capture_server(engine, renderer) as server:
-        out = []
-        for i, colour in enumerate(colours):
-            session = await server.open_session(f"r{i}", SamplingParams(max_tokens=6, temperature=0.7, seed=i))
-            api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key)
-            messages = [user("What is this?", png(colour))]
-            text = (await api.chat.completions.create(model="m", messages=messages)).choices[0].message.content
-            messages += [{"role": "assistant", "content": text}, user("And this?", png(colour, "square"))]
-            await api.chat.completions.create(model="m", messages=messages)
-            (segment,) = await session.close()
-            out.append(segment)
-    return out
 
 
 async def test_engine_and_trainer_logprobs_agree_on_image_replies(vlm_engine, vlm_renderer, tiny_vlm_dir, ray_local):
