@@ -20,7 +20,7 @@ from vision_helpers import png, two_turn_rollouts, user
 from molt.capture.render import ChatRenderer, canonical_messages, message_images
 from molt.testing.models import build_tiny_qwen2_vl
 from molt.trainer import Actor, logprobs
-from molt.types import Experience, Trajectory, vision_token_ids
+from molt.types import Experience, SamplingParams, Trajectory, vision_token_ids
 
 FP32 = {"device": "cpu", "param_dtype": "float32"}
 
@@ -102,3 +102,26 @@ async def test_engine_and_trainer_logprobs_agree(qwen_engine, qwen_renderer, qwe
     # the 3-D positions matter: plain 1-D positions give other log-probs
     monkeypatch.setattr(logprobs, "rope_positions", lambda lm, ids, mask, *_: (mask.cumsum(-1) - 1, None))
     assert worst(exps) > 1e-4
+
+
+async def test_a_cached_text_prefix_and_images_in_one_prefill(qwen_engine, qwen_renderer):
+    """A text row continuing its session's cached prefix (its positions start past the prefix) and an image row
+    (M-RoPE positions) prefilled together: each gives what it gives alone."""
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    text = qwen_renderer.encode("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n")
+    first = await qwen_engine.generate(text, greedy, session_id="cached")
+    more = text + first.token_ids + qwen_renderer.encode("<|im_start|>user\nAgain?<|im_end|>\n<|im_start|>assistant\n")
+    messages = canonical_messages([user("What is this?", png("red"))], qwen_renderer.image)
+    ids, images = qwen_renderer.encode_images(qwen_renderer.render(messages, None, True), message_images(messages))
+    alone = [await qwen_engine.generate(more, greedy), await qwen_engine.generate(ids, greedy, images=images)]
+    reused = (await qwen_engine.prefix_stats())["reused_tokens"]
+    await qwen_engine.pause()  # both wait for the same step, hence one prefill group
+    tasks = [asyncio.create_task(qwen_engine.generate(more, greedy, session_id="cached")),
+             asyncio.create_task(qwen_engine.generate(ids, greedy, images=images))]
+    while qwen_engine.num_requests < 2:
+        await asyncio.sleep(0)
+    await qwen_engine.resume()
+    together = await asyncio.gather(*tasks)
+    assert (await qwen_engine.prefix_stats())["reused_tokens"] > reused  # the text row continued the cache
+    for a, b in zip(alone, together):
+        assert a.token_ids == b.token_ids and b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
