@@ -139,6 +139,34 @@ def join_inputs(*parts: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
+def rope_positions(model: Any, ids: Any, mask: Any, positions: Any, images: dict | None) -> tuple[Any, list[int]]:
+    """(position ids, per-row offsets) of a forward over `ids` [B, L] (`mask` [B, >= L], a cached prefix's
+    columns first). A model whose positions depend on its images (Qwen2-VL's M-RoPE): [3, B, L] by its own
+    `get_rope_index` (the tokens' modalities read off the placeholder ids, as its processor does), a row's next
+    position being its length + offset; rows without images keep `positions` unless None. Other models or no
+    images: (`positions`, zeros)."""
+    get = getattr(getattr(model, "model", None), "get_rope_index", None)
+    if get is None or not images:
+        return positions, [0] * len(ids)
+    kinds = (ids == model.config.image_token_id).int() + 2 * (ids == model.config.video_token_id).int()
+    rope, offsets = get(ids, kinds, image_grid_thw=images.get("image_grid_thw"),
+                        video_grid_thw=images.get("video_grid_thw"), attention_mask=mask[:, -ids.shape[1]:])
+    plain = ~kinds.bool().any(1)
+    if positions is not None:
+        rope[:, plain] = positions[plain].to(rope.device)
+    return rope, offsets[:, 0].tolist()
+
+
+def vision_token_ids(config: Any) -> list[int]:
+    """A vision-language model's image/video placeholder and marker tokens (`image_token_id`, LLaVA's
+    `image_token_index`, Qwen2-VL's `video_token_id`, `vision_start_token_id`, ...): outside the policy's action
+    space (docs/vision.md), so the engine never samples them and the trainer's log-probs exclude them too."""
+    import re
+
+    return sorted({v for k, v in config.to_dict().items()
+                   if re.fullmatch(r"(image|video|vision)\w*_token_(id|index)", k) and isinstance(v, int) and v >= 0})
+
+
 # Heavy per-token fields of an Experience; they travel through the object store, never through queues.
 PAYLOAD_FIELDS = ("token_ids", "action_mask", "behavior_logprobs", "versions", "advantages", "routed_experts", "images")
 

@@ -99,7 +99,8 @@ class ChatRenderer:
                                  return_tensors="pt")
         except (ValueError, IndexError) as e:
             raise RenderError(f"the images do not match the conversation's image placeholders: {e}") from None
-        out.pop("attention_mask", None)
+        for per_token in ("attention_mask", "mm_token_type_ids"):  # Qwen2-VL's modalities: read off the ids
+            out.pop(per_token, None)
         return out.pop("input_ids")[0].tolist(), dict(out)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

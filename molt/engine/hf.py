@@ -37,10 +37,12 @@ same reason a refit empties the prefix cache (unless `prefix_cache_stale`; then 
 Mixture of experts: a hook on every `*TopKRouter` records each position's experts (docs/moe.md); a position
 keeps the first route it got (a refit's recomputation does not overwrite it), prefix-cache entries keep theirs.
 
-Vision-language models (`AutoModelForImageTextToText`, LLaVA-style: image features replace placeholder tokens at
-1-D positions; not Qwen2-VL's M-RoPE): a request's `images` join its prefill (re-prefill too), a group's in row
-order, the order the model fills placeholders in. Such requests neither use nor fill the prefix cache: every
-image's placeholders are the same token ids, so a prefix computed with another image would match.
+Vision-language models (`AutoModelForImageTextToText`; docs/vision.md): a request's `images` join its prefill
+(re-prefill too), a group's in row order, the order the model fills placeholders in. Such requests neither use
+nor fill the prefix cache: every image's placeholders are the same token ids, so a prefix computed with another
+image would match. Positions that depend on the images (Qwen2-VL's M-RoPE) come from the model's own
+`get_rope_index` at prefill (`molt.types.rope_positions`); a decode step adds each row's offset. The model's
+image/video tokens are never sampled: their logits are -inf (the trainer masks them the same way).
 
 Sampling defaults in the model's generation_config (repetition penalty, ...) are ignored; only its EOS ids are
 used. An explicit `max_tokens` beyond the context window is capped (finish reason LENGTH).
@@ -63,7 +65,7 @@ from molt.engine.base import EngineError, check_request
 from molt.engine.prefix_cache import PrefixCache, left_pad, prefill_inputs, row_layers
 from molt.engine.sampling import sample
 from molt.engine.weight_group import InProcessWeightReceiver
-from molt.types import Completion, FinishReason, SamplingParams, join_inputs
+from molt.types import Completion, FinishReason, SamplingParams, join_inputs, rope_positions, vision_token_ids
 
 
 @dataclass(eq=False)
@@ -80,6 +82,7 @@ class _Request:
     images: Any = None  # processor inputs of the prompt's images (vision-language models)
     session_id: str | None = None  # key of the prefix cache
     kv_version: int = 0  # policy version of the oldest keys/values in this request's cache (stale prefixes)
+    rope_offset: int = 0  # M-RoPE: next position = tokens so far + rope_offset (`rope_positions`)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -126,6 +129,7 @@ class HFEngine(InProcessWeightReceiver):
         self.model = auto.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
         self.model.eval()
         self.tokenizer = tf.AutoTokenizer.from_pretrained(model_path)
+        self.banned = vision_token_ids(self.model.config)  # never sampled (module docstring)
         config = self.model.config.get_text_config()
         self.model_name = model_name or Path(model_path).name
         self.max_model_len = int(config.max_position_embeddings)
@@ -332,6 +336,8 @@ class HFEngine(InProcessWeightReceiver):
         if self._rows:
             self._mask = F.pad(self._mask, (0, 1), value=1)
             positions = self._mask.sum(1, keepdim=True) - 1
+            if any(r.rope_offset for r in self._rows):
+                positions = positions + torch.tensor([[r.rope_offset] for r in self._rows], device=self.device)
             ids = torch.tensor([[r.tokens[-1]] for r in self._rows], device=self.device)
             logits, routes = self._forward(ids, self._mask, positions, self._cache)
             for i, r in enumerate(self._rows):
@@ -343,6 +349,9 @@ class HFEngine(InProcessWeightReceiver):
             ids, mask, positions = (t.to(self.device) for t in prefill_inputs(
                 [r.prompt + r.tokens for r in group], [reused[r] for r in group], self.pad_token_id, cache))
             images = join_inputs(*(r.images for r in group))
+            positions, offsets = rope_positions(self.model, ids, mask, positions, images)
+            for r, offset in zip(group, offsets):
+                r.rope_offset = offset
             logits, routes = self._forward(ids, mask, positions, cache, **{k: v.to(self.device, self.model.dtype)
                                            if v.is_floating_point() else v.to(self.device) for k, v in (images or {}).items()})
             for i, r in enumerate(group):
@@ -379,7 +388,9 @@ class HFEngine(InProcessWeightReceiver):
                          logits_to_keep=1, **{self._cache_kw: cache}, **images)
         r, self._routes = self._routes, []
         routes = torch.stack(r, 1).view(*ids.shape, len(r), -1).to("cpu", self._route_dtype) if r else None
-        return out.logits[:, -1].float(), routes
+        logits = out.logits[:, -1].float()
+        logits[:, self.banned] = -float("inf")
+        return logits, routes
 
     def _merge(self, group: list[_Request], cache: Any, mask: torch.Tensor) -> None:
         """Append a prefilled group's rows to the running batch, left-padding the shorter cache."""

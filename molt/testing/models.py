@@ -15,9 +15,10 @@ fast tokenizer with a chat template) that loads back through `AutoModelForCausal
 - Models: a dense Llama-style model (tied embeddings like SmolLM2), a small Qwen2-MoE model (for routing
   replay later) and a LLaVA vision-language model (`build_tiny_vlm`: a 1-layer CLIP vision tower on 28x28
   pixels, 14-pixel patches, so each image is 4 `<image>` tokens; loads with `AutoModelForImageTextToText` and
-  `AutoProcessor`, whose PIL image processor needs no torchvision). LLaVA because its image features replace
-  placeholder tokens in 1-D positions: the engine's batching and the trainer's forward stay as for text.
-  Weights are random but seeded.
+  `AutoProcessor`, whose PIL image processor needs no torchvision) and a Qwen2-VL (`build_tiny_qwen2_vl`:
+  positions that depend on the images, M-RoPE; 56x56 pixels, so each image is 4 `<|image_pad|>` tokens).
+  `Qwen2VLProcessor` loads a video processor, which needs torchvision: without it, build the processor from
+  the saved image processor and tokenizer (tests/vision/test_qwen2_vl.py). Weights are random but seeded.
 """
 from __future__ import annotations
 
@@ -164,19 +165,27 @@ def build_tiny_moe(path: str | Path, *, seed: int = 0, template: str = CHATML_TO
     return _save(model, tokenizer, Path(path))
 
 
+def _vlm_tokenizer(placeholder: str, *specials: str):
+    """The ChatML tokenizer whose template shows an image part as `placeholder`, with `specials` added, and the
+    keyword arguments of a tiny decoder over it."""
+    from tokenizers import AddedToken
+
+    tokenizer = build_tokenizer(template=VLM_TEMPLATE.replace("<image>", placeholder))
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True)
+    return tokenizer, {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                       "max_position_embeddings": 512, "tie_word_embeddings": True, "bos_token_id": None,
+                       "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+
+
 def build_tiny_vlm(path: str | Path, *, seed: int = 0) -> Path:
     """Save a tiny LLaVA (CLIP vision tower + Llama decoder) with its processor and tokenizer to `path`."""
     import torch
     import transformers as tf
-    from tokenizers import AddedToken
     from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 
-    tokenizer = build_tokenizer(template=VLM_TEMPLATE)
-    tokenizer.add_tokens([AddedToken("<image>", special=True, normalized=False)], special_tokens=True)
-    text = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                          tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    tokenizer, decoder = _vlm_tokenizer("<image>", "<image>")
+    text = tf.LlamaConfig(**decoder)
     vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                  image_size=28, patch_size=14)
     config = tf.LlavaConfig(vision_config=vision, text_config=text, vision_feature_layer=-1,
@@ -187,4 +196,27 @@ def build_tiny_vlm(path: str | Path, *, seed: int = 0) -> Path:
     pixels = LlavaImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
     tf.LlavaProcessor(pixels, tokenizer, patch_size=14, vision_feature_select_strategy="default",
                       num_additional_image_tokens=1, chat_template=VLM_TEMPLATE).save_pretrained(path)
+    return _save(model, tokenizer, Path(path))
+
+
+def build_tiny_qwen2_vl(path: str | Path, *, seed: int = 0, qwen2_5: bool = False) -> Path:
+    """Save a tiny Qwen2-VL (a 1-block vision transformer with the 2x2 patch merger, an M-RoPE Qwen2 decoder;
+    `qwen2_5`: Qwen2.5-VL's, 2 blocks, windowed then full attention) with its tokenizer, chat template and image
+    processor to `path` (module docstring: its processor)."""
+    import torch
+    import transformers as tf
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    marks = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer, decoder = _vlm_tokenizer("<|vision_start|><|image_pad|><|vision_end|>", *marks)
+    start, end, image, video = tokenizer.convert_tokens_to_ids(marks)
+    decoder["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "fullatt_block_indexes": [1], "window_size": 56} if qwen2_5 else \
+        {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2}
+    config = (tf.Qwen2_5_VLConfig if qwen2_5 else tf.Qwen2VLConfig)(text_config=decoder, vision_config=vision, image_token_id=image, video_token_id=video,
+                              vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56).save_pretrained(path)
     return _save(model, tokenizer, Path(path))

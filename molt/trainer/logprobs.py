@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from molt.trainer.batching import prebuilt_mask
+from molt.types import rope_positions, vision_token_ids
 
 
 def check_supported(config) -> None:
@@ -170,6 +171,7 @@ class CausalLMLogProbs(nn.Module):
         params = inspect.signature(lm.get_decoder().forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._mask_4d = prebuilt_mask(lm.config)
+        self.banned, self._ban = vision_token_ids(lm.config), None  # the engine never samples these: masked here too
 
     def forward(self, mb, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """mb: a `molt.trainer.batching.MicroBatch` (padded, packed, or padded with a shared prefix).
@@ -178,13 +180,21 @@ class CausalLMLogProbs(nn.Module):
         if self.routing is not None:
             self.routing.set(mb)
         if mb.images:  # a vision-language model's base model merges the image features into the embeddings
-            hidden = self.lm.base_model(**mb.decoder_inputs(self._mask_4d), **mb.images).last_hidden_state
+            positions = rope_positions(self.lm, mb.input_ids, mb.attention_mask, None, mb.images)[0]  # Qwen2-VL
+            hidden = self.lm.base_model(**mb.decoder_inputs(self._mask_4d), position_ids=positions,
+                                        **mb.images).last_hidden_state
         elif mb.prefix is None:
             hidden = decoder(**mb.decoder_inputs(self._mask_4d), use_cache=False).last_hidden_state
         else:
             hidden = self._hidden_with_shared_prefix(decoder, mb.input_ids, mb.attention_mask, mb.prefix)
         head = self.lm.get_output_embeddings()
-        return action_logprobs(hidden, head.weight, head.bias, mb.input_ids, mb.act_index, mb.act_temperature,
+        bias = head.bias
+        if self.banned:  # -1e9 (not -inf: no inf * 0 in the backward) puts exactly 0 mass on them in fp32 and bf16
+            if self._ban is None or self._ban.device != head.weight.device:
+                self._ban = torch.zeros(head.weight.shape[0], device=head.weight.device).index_fill_(
+                    0, torch.tensor(self.banned, device=head.weight.device), -1e9)
+            bias = self._ban if bias is None else bias + self._ban
+        return action_logprobs(hidden, head.weight, bias, mb.input_ids, mb.act_index, mb.act_temperature,
                                chunk_size=self.chunk_size, with_entropy=with_entropy)
 
     def _hidden_with_shared_prefix(self, decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor,

@@ -1,16 +1,14 @@
 """The embedded engine and the actor on image-conditioned replies of the tiny LLaVA: the prefix cache never
 carries keys/values across images, the engine's behavior log-probs and the trainer's recomputed ones agree to
-1e-5 in fp32 (after the experiences went through the object store), and `freeze_visual_encoder` freezes
-exactly the vision tower."""
+1e-5 in fp32 (after the experiences went through the object store), the engine never samples the image token
+(the trainer masks it the same way), and `freeze_visual_encoder` freezes exactly the vision tower."""
 import pytest
 import torch
-from openai import AsyncOpenAI
-from vision_helpers import png, user
+from vision_helpers import png, two_turn_rollouts, user
 
 from molt.capture.render import canonical_messages, message_images
-from molt.testing.scripted import live_capture_server
 from molt.trainer import Actor
-from molt.types import Experience, SamplingParams, Trajectory
+from molt.types import Experience, SamplingParams, Trajectory, vision_token_ids
 
 FP32 = {"device": "cpu", "param_dtype": "float32"}
 
@@ -33,20 +31,28 @@ async def test_prefix_cache_is_not_reused_across_images(vlm_engine, vlm_renderer
     assert vlm_engine.prefixes.stats()["reused_tokens"] == before
 
 
-async def two_turn_rollouts(engine, renderer, colours):
-    """One two-turn rollout per colour (an image each turn) through the capture server: its segment."""
-    async with live_capture_server(engine, renderer) as server:
-        out = []
-        for i, colour in enumerate(colours):
-            session = await server.open_session(f"r{i}", SamplingParams(max_tokens=6, temperature=0.7, seed=i))
-            api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key)
-            messages = [user("What is this?", png(colour))]
-            text = (await api.chat.completions.create(model="m", messages=messages)).choices[0].message.content
-            messages += [{"role": "assistant", "content": text}, user("And this?", png(colour, "square"))]
-            await api.chat.completions.create(model="m", messages=messages)
-            (segment,) = await session.close()
-            out.append(segment)
-    return out
+async def test_the_engine_never_samples_vision_tokens(vlm_engine, vlm_renderer, tiny_vlm_dir):
+    """The engine samples from, and records log-probs of, the distribution without the image token: its
+    log-probs are those of that masked distribution, recomputed here by one plain forward of the whole sequence
+    with the pixels (the sampler draws from the same tensor, where the image token has probability 0). At
+    temperature 100 the tiny model is close to uniform: unmasked, the image token would hold ~1/390 of the mass."""
+    from transformers import AutoModelForImageTextToText
+
+    banned = vision_token_ids(vlm_engine.model.config)
+    assert banned == [vlm_renderer.processor.image_token_id]
+    ids, red = prompt(vlm_renderer, png("red"))
+    out = await vlm_engine.generate(ids, SamplingParams(max_tokens=40, min_tokens=40, temperature=100.0, seed=0),
+                                    images=red)
+    assert banned[0] not in out.token_ids and len(out.token_ids) == 40
+    model = AutoModelForImageTextToText.from_pretrained(str(tiny_vlm_dir))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids + out.token_ids]), **red).logits[0, len(ids) - 1:-1] / 100
+    picked = torch.tensor(out.token_ids)[:, None]
+    plain = logits.log_softmax(-1).gather(1, picked)[:, 0]
+    logits[:, banned] = -float("inf")
+    masked = logits.log_softmax(-1).gather(1, picked)[:, 0]
+    assert (masked - torch.tensor(out.logprobs)).abs().max() < 1e-5
+    assert (masked - plain).min() > 1e-3  # renormalized without the image token's mass
 
 
 async def test_engine_and_trainer_logprobs_agree_on_image_replies(vlm_engine, vlm_renderer, tiny_vlm_dir, ray_local):
