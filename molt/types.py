@@ -22,6 +22,7 @@ class RolloutStatus(str, enum.Enum):
     INVALID_REWARD = "invalid_reward"  # the agent returned no usable reward
     ABORTED = "aborted"
     ENGINE_RESTART = "engine_restart"  # its engine process died mid-rollout and was restarted
+    WORKER_RESTART = "worker_restart"  # its rollout worker actor died mid-rollout and was replaced
 
 
 @dataclass(slots=True)
@@ -181,14 +182,19 @@ class Experience:
     def offloaded(self) -> bool:
         return self.payload_ref is not None
 
+    def split(self) -> dict[str, Any]:
+        """Take the payload out of the record (its fields become None)."""
+        payload = {k: getattr(self, k) for k in PAYLOAD_FIELDS}
+        for k in PAYLOAD_FIELDS:
+            setattr(self, k, None)
+        return payload
+
     def offload(self) -> Experience:
         """Put the payload into this node's object store and clear it from the record."""
         import ray
 
         assert not self.offloaded, "experience already offloaded"
-        self.payload_ref = ray.put({k: getattr(self, k) for k in PAYLOAD_FIELDS})
-        for k in PAYLOAD_FIELDS:
-            setattr(self, k, None)
+        self.payload_ref = ray.put(self.split())
         return self
 
     def reload(self) -> Experience:

@@ -97,6 +97,9 @@ class LiveReply:
     async def result(self) -> Generation:
         return await self.task
 
+    async def cancel(self) -> None:
+        self.task.cancel()  # a no-op once the reply is recorded; aborts its engine requests before that
+
     def rest(self, choice: Choice) -> str:
         """The part of the final content not sent yet."""
         if choice.content.startswith(self.sent):
