@@ -43,8 +43,8 @@ class SamplingParams:
         """Raise ValueError naming the field on a bad value; return self."""
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 (got {self.max_tokens})")
-        if self.temperature is None or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+        if self.temperature is None or not (self.temperature == 0 or self.temperature >= 1e-30):  # logits / T: finite
+            raise ValueError(f"temperature must be 0 (greedy) or at least 1e-30 (got {self.temperature})")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
         if self.min_tokens < 0:

@@ -29,13 +29,13 @@ def args(model_dir, out, steps=6, *extra):
             "--train.max_staleness", "0", "--ckpt.output_dir", str(out), "--ray.num_cpus", "4", *extra]
 
 
-def engine_pids(root: int) -> list[int]:
-    """The embedded engines' processes (multiprocessing spawn children) among `root`'s descendants only: other
-    people's processes on this machine are never touched."""
+def engine_pids(root: int, marker: str = "spawn_main") -> list[int]:
+    """The embedded engines' processes (multiprocessing spawn children; or with marker "ray::RolloutWorker", the
+    worker actors) among `root`'s descendants only: other people's processes on this machine are never touched."""
     found = []
     for p in psutil.Process(root).children(recursive=True):
         try:
-            if "spawn_main" in " ".join(p.cmdline()):
+            if marker in " ".join(p.cmdline()):
                 found.append(p.pid)
         except psutil.Error:
             pass
@@ -277,7 +277,8 @@ def test_workers_replace_a_dead_actor_with_the_last_weights_and_keep_its_payload
         done = await workers.run(task("done"), SamplingParams(), True)
         first = workers.actors[0]
         failed = await hung(workers)
-        assert failed.status is RolloutStatus.WORKER_RESTART and failed.rollout_id == "hung" and workers.actors[0] is not first
+        assert failed.status is RolloutStatus.WORKER_RESTART and failed.rollout_id == "hung"
+        assert workers.actors[0] is not first
         assert await workers.actors[0].state.remote() == (True, (["bucket-7"], 7))  # started, with the last weights
         assert await done.experiences[0].payload_ref == {"token_ids": [4]}  # outlived the worker that made it
         assert (await workers.run(task("next"), SamplingParams(), True)).ok
