@@ -212,7 +212,7 @@ class Workers:
     def __init__(self, spawn: Callable[[], Any], n: int, max_restarts: int):
         self.spawn, self.max_restarts = spawn, max_restarts  # max_restarts 0 with the collective refit group
         self.actors, self.inflight = [spawn() for _ in range(n)], [0] * n
-        self.weights: tuple[Awaitable[list], int] | None = None  # the last refit's (trainer ranks' refs, version)
+        self.weights: tuple[asyncio.Future, int] | None = None  # the last refit's (trainer ranks' refs, version)
         self._deaths: list[float] = []
         self._lock = asyncio.Lock()  # held by refits and replacements; a dispatch waits for them
 
@@ -235,7 +235,7 @@ class Workers:
         finally:
             self.inflight[i] -= 1
 
-    async def refit(self, partial: bool, refs: Awaitable[list], version: int) -> None:
+    async def refit(self, partial: bool, refs: asyncio.Future, version: int) -> None:
         """Load the weights (a future of the trainer ranks' bucket refs) into every worker; replace dead ones."""
         from ray.exceptions import RayActorError
 
