@@ -170,6 +170,8 @@ class RolloutConfig:
     """Re-runs of failed rollouts within a group before the group is dropped."""
     engine_max_restarts: int = 3
     """Deaths of a worker's engine process within 10 minutes that it survives (by a restart); one more stops the run."""
+    worker_max_restarts: int = 3
+    """Deaths of rollout worker actors within 10 minutes that the run survives (by new actors); one more stops it."""
 
 
 @dataclass

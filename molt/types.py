@@ -22,6 +22,7 @@ class RolloutStatus(str, enum.Enum):
     INVALID_REWARD = "invalid_reward"  # the agent returned no usable reward
     ABORTED = "aborted"
     ENGINE_RESTART = "engine_restart"  # its engine process died mid-rollout and was restarted
+    WORKER_RESTART = "worker_restart"  # its rollout worker actor died mid-rollout and was replaced
 
 
 @dataclass(slots=True)
@@ -42,8 +43,8 @@ class SamplingParams:
         """Raise ValueError naming the field on a bad value; return self."""
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 (got {self.max_tokens})")
-        if self.temperature is None or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+        if self.temperature is None or not (self.temperature == 0 or self.temperature >= 1e-30):  # logits / T: finite
+            raise ValueError(f"temperature must be 0 (greedy) or at least 1e-30 (got {self.temperature})")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
         if self.min_tokens < 0:
@@ -209,14 +210,19 @@ class Experience:
     def offloaded(self) -> bool:
         return self.payload_ref is not None
 
+    def split(self) -> dict[str, Any]:
+        """Take the payload out of the record (its fields become None)."""
+        payload = {k: getattr(self, k) for k in PAYLOAD_FIELDS}
+        for k in PAYLOAD_FIELDS:
+            setattr(self, k, None)
+        return payload
+
     def offload(self) -> Experience:
         """Put the payload into this node's object store and clear it from the record."""
         import ray
 
         assert not self.offloaded, "experience already offloaded"
-        self.payload_ref = ray.put({k: getattr(self, k) for k in PAYLOAD_FIELDS})
-        for k in PAYLOAD_FIELDS:
-            setattr(self, k, None)
+        self.payload_ref = ray.put(self.split())
         return self
 
     def reload(self) -> Experience:

@@ -26,6 +26,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from molt.capture import anthropic_wire, openai_wire
@@ -165,7 +166,9 @@ class CaptureServer:
             if req.stream:  # tokens go out as they are sampled (streaming.py); errors before the first byte
                 live = LiveReply(session, chat, key, lookup)
                 await live.begin()
-                return StreamingResponse(module.stream(live, req, session), media_type="text/event-stream")
+                # run after the stream, or once the client went away mid-stream: its engine request stops
+                return StreamingResponse(module.stream(live, req, session), media_type="text/event-stream",
+                                         background=BackgroundTask(live.cancel))
             gen = await session.complete(chat, key, lookup)
         except (SessionClosed, ValueError) as e:
             raise client_error(e) from None

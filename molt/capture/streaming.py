@@ -18,7 +18,8 @@ decoded together with the batch before it, and the new text is the difference), 
 linear, not quadratic, tokenizer work. Replies that cannot stream (n > 1, a forced tool
 call, a parser without a known opening, an answer from the retry cache, an engine without `on_tokens`) are
 sent whole at the end, as before. If the final content ever failed to start with what was sent (a tokenizer
-whose decode is not prefix-stable), nothing more is sent and the session counts `stream_mismatch`.
+whose decode is not prefix-stable), nothing more is sent and the session counts `stream_mismatch`. A client
+that goes away mid-stream cancels the request (`cancel`): its engine requests are aborted, nothing is recorded.
 """
 from __future__ import annotations
 
@@ -96,6 +97,9 @@ class LiveReply:
 
     async def result(self) -> Generation:
         return await self.task
+
+    async def cancel(self) -> None:
+        self.task.cancel()  # a no-op once the reply is recorded; aborts its engine requests before that
 
     def rest(self, choice: Choice) -> str:
         """The part of the final content not sent yet."""

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from molt.runtime.trainer_group import (
     terminal_rewards,
     trainer_fields,
 )
+from molt.runtime.worker import RolloutWorker, Workers
 from molt.trainer.config import GROUP_ESTIMATORS
 from molt.types import RolloutStatus, SamplingParams
 
@@ -75,7 +77,6 @@ class Run:
         self.ledger: list[tuple[int, int]] = []
         self.counters: dict[str, int] = {}  # the pool's, restored on resume
         self.evals: list[dict[str, float]] = []
-        self._inflight: list[int] = []
         self._created = self._saved = time.perf_counter()
         self._stop, self._stopping = asyncio.Event(), None
 
@@ -97,7 +98,6 @@ class Run:
         import ray
 
         from molt.models import resolve_model
-        from molt.runtime.worker import RolloutWorker
 
         cfg = self.cfg
         self._resume_from = resume_point(self.dir, self.ckpt_dir, cfg.ckpt.resume)
@@ -143,12 +143,10 @@ class Run:
             n_workers, gpus = v.num_engines, v.tensor_parallel_size
         worker_cls = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=10_000)(RolloutWorker)
         agent = cfg.train.agent_path and str(Path(cfg.train.agent_path).resolve())  # "": the built-in agent
-        self.workers = [worker_cls.remote(self.model_path, agent,
-                                          engine_kind=cfg.rollout.engine, torch_threads=worker_threads,
-                                          runner_options=runner_options, engine_options=engine_options,
-                                          max_restarts=cfg.rollout.engine_max_restarts)
-                        for _ in range(n_workers)]
-        self._inflight = [0] * len(self.workers)
+        self.workers = Workers(partial(worker_cls.remote, self.model_path, agent, engine_kind=cfg.rollout.engine,
+                                       torch_threads=worker_threads, runner_options=runner_options,
+                                       engine_options=engine_options, max_restarts=cfg.rollout.engine_max_restarts),
+                               n_workers, cfg.rollout.worker_max_restarts)
         self.trainer = TrainerGroup(cfg.train.num_ranks, torch_threads=trainer_threads,
                                     num_gpus_per_rank=1 if cfg.rollout.engine == "vllm" else 0,
                                     estimator=cfg.algo.advantage.estimator,
@@ -156,7 +154,7 @@ class Run:
                                                       "whiten": not cfg.algo.advantage.no_whiten,
                                                       "reward_coef": cfg.algo.advantage.reward_coef})
         critic_path = str(resolve_model(cfg.critic.model_name_or_path)) if cfg.algo.advantage.estimator == "gae" else None
-        await asyncio.gather(*[w.start.remote() for w in self.workers],
+        await asyncio.gather(*[w.start.remote() for w in self.workers.actors],
                              self.trainer.setup(*trainer_fields(cfg, self.model_path, critic_path)))
         sync = cfg.train.weight_sync
         self._weight_plan = None
@@ -165,12 +163,13 @@ class Run:
 
     async def _join_weight_group(self) -> None:
         """Trainer rank 0 (the sender, rank 0) and every engine process form the refit group."""
-        rank0 = self.trainer.ranks[0]
+        rank0, workers = self.trainer.ranks[0], self.workers.actors
         address = await rank0.master_address.remote()
-        sizes = await asyncio.gather(*[w.weight_group_size.remote() for w in self.workers])
+        sizes = await asyncio.gather(*[w.weight_group_size.remote() for w in workers])
         world, offsets = 1 + sum(sizes), [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        self.workers.max_restarts = 0  # a new worker could not join the group
         await asyncio.gather(self.trainer.same("join_weight_group", address, world),
-                             *[w.join_weight_group.remote(address, o, world) for w, o in zip(self.workers, offsets)])
+                             *[w.join_weight_group.remote(address, o, world) for w, o in zip(workers, offsets)])
         self._weight_plan = await rank0.weight_plan.remote(BUCKET_BYTES)
 
     async def _load_checkpoint(self) -> None:
@@ -207,15 +206,11 @@ class Run:
         return SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
 
     async def _run_on_worker(self, task: RolloutTask, train: bool = True):
-        i = min(range(len(self.workers)), key=self._inflight.__getitem__)  # least-loaded worker
-        self._inflight[i] += 1
         try:
-            return await self.workers[i].run.remote(task, self._params(eval=not train), train)
-        except RunStopped as e:  # its engine keeps crashing
+            return await self.workers.run(task, self._params(eval=not train), train)
+        except RunStopped as e:  # its engine keeps crashing, or workers keep dying
             self.stop(e)
             raise
-        finally:
-            self._inflight[i] -= 1
 
     async def evaluate(self) -> dict[str, float]:
         """pass@n and avg@n on the eval set (correct = score or reward > 0; avg = mean score)."""
@@ -244,20 +239,17 @@ class Run:
 
     # ------------------------------------------------------------------------------------------ training
     async def _refit(self) -> float:
-        t0 = time.perf_counter()
-        begun = asyncio.gather(*[w.begin_refit.remote(self.cfg.train.partial_rollout_enable) for w in self.workers])
-        try:
-            if self._weight_plan is not None:
-                # collective: every engine is paused before rank 0 enters the broadcast, so no trainer rank
-                # waits in a collective on a worker's drain
-                await begun
-                await asyncio.gather(self.trainer.same("broadcast_weights", BUCKET_BYTES),
-                                     *[w.receive_weights.remote(self._weight_plan, self.version) for w in self.workers])
-            else:  # the buckets go into the object store while the workers drain
-                refs, _ = await asyncio.gather(self.trainer.same("weight_refs", BUCKET_BYTES), begun)
-                await asyncio.gather(*[w.update_weights.remote(refs[0], self.version) for w in self.workers])
+        t0, partial_rollout, workers = time.perf_counter(), self.cfg.train.partial_rollout_enable, self.workers.actors
+        if self._weight_plan is None:  # the buckets go into the object store while the workers drain
+            refs = asyncio.ensure_future(self.trainer.same("weight_refs", BUCKET_BYTES))
+            await self.workers.refit(partial_rollout, refs, self.version)
+            return time.perf_counter() - t0
+        try:  # collective: every engine is paused before rank 0 enters the broadcast (no rank waits on a drain)
+            await asyncio.gather(*[w.begin_refit.remote(partial_rollout) for w in workers])
+            await asyncio.gather(self.trainer.same("broadcast_weights", BUCKET_BYTES),
+                                 *[w.receive_weights.remote(self._weight_plan, self.version) for w in workers])
         finally:
-            await asyncio.gather(*[w.end_refit.remote() for w in self.workers])
+            await asyncio.gather(*[w.end_refit.remote() for w in workers])
         return time.perf_counter() - t0
 
     async def _train_step(self, groups: list[Group]) -> dict[str, float]:
@@ -406,7 +398,7 @@ class Run:
         """Stop the workers' servers and release every actor (a later run in this process starts fresh)."""
         import ray
 
-        workers = getattr(self, "workers", [])
+        workers = self.workers.actors if hasattr(self, "workers") else []
         await asyncio.gather(*[w.stop.remote() for w in workers], return_exceptions=True)
         ranks = self.trainer.ranks if hasattr(self, "trainer") else []
         for actor in [*workers, *ranks]:

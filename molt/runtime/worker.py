@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 from molt.engine.base import Engine, EngineError, can_stream
@@ -136,20 +137,21 @@ class RolloutWorker:
             if not await self.revive():
                 raise
 
-    async def run(self, task: RolloutTask, params: SamplingParams, train: bool = True) -> RolloutOutcome:
-        """One rollout. For training its segments are offloaded into this node's object store; for evaluation
-        only the light fields come back."""
+    async def run(self, task: RolloutTask, params: SamplingParams, train: bool = True) -> AsyncIterator[Any]:
+        """One rollout, for Ray's num_returns="streaming": the outcome (only its light fields for evaluation),
+        then each experience's payload: objects the caller owns, which outlive this actor (docs/internals.md)."""
         await self.revive()  # a request sent now would fail on a dead engine; wait for its successor
         restarts = self.restarts
         traj = await self.runner.run(task.row, sessions=self.server, rollout_id=task.rollout_id,
                                      group_id=task.group_id, sampling_params=params.copy(seed=task.seed))
         if not traj.ok and (await self.revive() or self.restarts != restarts):
             traj.status = RolloutStatus.ENGINE_RESTART
-        outcome = outcome_from_trajectory(traj, offload=train)
-        if not train:
-            outcome.experiences = []
-        outcome.sample_index = task.sample_index
-        return outcome
+        outcome = outcome_from_trajectory(traj, offload=False)
+        payloads = [e.split() for e in outcome.experiences] if train else []
+        outcome.experiences, outcome.sample_index = outcome.experiences if train else [], task.sample_index
+        yield outcome
+        for payload in payloads:
+            yield payload
 
     async def begin_refit(self, partial: bool) -> None:
         """The refit boundary of the module docstring: with partial rollout pause at once (requests are kept);
@@ -202,3 +204,73 @@ class RolloutWorker:
             await self.server.stop()
         if self.engine is not None:
             await self.engine.engine.close()
+
+
+class Workers:
+    """The controller's rollout worker actors: least-loaded dispatch, refits, a new actor for a dead one."""
+
+    def __init__(self, spawn: Callable[[], Any], n: int, max_restarts: int):
+        self.spawn, self.max_restarts = spawn, max_restarts  # max_restarts 0 with the collective refit group
+        self.actors, self.inflight = [spawn() for _ in range(n)], [0] * n
+        self.weights: tuple[asyncio.Future, int] | None = None  # the last refit's (trainer ranks' refs, version)
+        self._deaths: list[float] = []
+        self._lock = asyncio.Lock()  # held by refits and replacements; a dispatch waits for them
+
+    async def run(self, task: RolloutTask, params: SamplingParams, train: bool) -> RolloutOutcome:
+        from ray.exceptions import RayActorError
+
+        async with self._lock:
+            i = min(range(len(self.actors)), key=self.inflight.__getitem__)
+            actor = self.actors[i]
+        self.inflight[i] += 1
+        try:
+            stream = actor.run.options(num_returns="streaming").remote(task, params, train)
+            outcome = await (await stream.__anext__())
+            for e in outcome.experiences:
+                e.payload_ref = await stream.__anext__()
+            return outcome
+        except RayActorError as e:
+            await self._replace(i, actor, e)
+            return RolloutOutcome(task.rollout_id, task.group_id, RolloutStatus.WORKER_RESTART, error=repr(e)[:500])
+        finally:
+            self.inflight[i] -= 1
+
+    async def refit(self, partial: bool, refs: asyncio.Future, version: int) -> None:
+        """Load the weights (a future of the trainer ranks' bucket refs) into every worker; replace dead ones."""
+        from ray.exceptions import RayActorError
+
+        async with self._lock:
+            actors, self.weights = list(self.actors), (refs, version)
+            done = await asyncio.gather(*[self._refit(a, partial, refs, version) for a in actors],
+                                        return_exceptions=True)
+        for i, (actor, result) in enumerate(zip(actors, done)):
+            if isinstance(result, RayActorError):
+                await self._replace(i, actor, result)
+            elif isinstance(result, BaseException):
+                raise result
+
+    @staticmethod
+    async def _refit(actor: Any, partial: bool, refs: Awaitable[list], version: int) -> None:
+        await actor.begin_refit.remote(partial)
+        try:
+            await actor.update_weights.remote((await refs)[0], version)
+        finally:
+            await actor.end_refit.remote()
+
+    async def _replace(self, i: int, dead: Any, error: Exception) -> None:
+        import ray
+
+        async with self._lock:
+            if self.actors[i] is not dead:
+                return  # another of its rollouts found out first
+            self._deaths = [t for t in self._deaths if time.monotonic() - t < RESTART_WINDOW_S] + [time.monotonic()]
+            if len(self._deaths) > self.max_restarts:
+                raise RunStopped(f"rollout worker {i} died ({type(error).__name__}), {len(self._deaths)} time(s) within "
+                                 f"{RESTART_WINDOW_S:.0f} s; the run survives {self.max_restarts} (rollout."
+                                 "worker_max_restarts; none with the collective refit group)")
+            print(f"molt: rollout worker {i} died ({type(error).__name__}); starting a new one", file=sys.stderr)
+            ray.kill(dead)  # in case it was only unreachable
+            self.actors[i] = new = self.spawn()
+            await new.start.remote()
+            if self.weights is not None:
+                await self._refit(new, False, *self.weights)

@@ -1,9 +1,10 @@
 """Chaos (`make test-chaos`, minutes): a tiny-model `molt train` run whose engine process is SIGKILLed at a random
-step, then the whole run is stopped at a later random step (SIGKILL of its process group, or SIGTERM as a
-scheduler's preemption would), and the same command is run again until it finishes. Checked: the ledger has every
-trained group exactly once and no rollout twice, metrics.jsonl every step once, the summary and the final
-checkpoint's optimizer step count equal `train.max_steps`. CHAOS_SEEDS="0 1 2" picks the seeds; CHAOS_REPORT=PATH
-appends one JSON line per seed (docs/reliability.md's table)."""
+step, then its rollout worker actor's process (as an OOM kill would) at a later one, then the whole run is stopped
+at a later random step still (SIGKILL of its process group, or SIGTERM as a scheduler's preemption would), and the
+same command is run again until it finishes. Checked: the ledger has every trained group exactly once and no
+rollout twice, metrics.jsonl every step once, the summary and the final checkpoint's optimizer step count equal
+`train.max_steps`. CHAOS_SEEDS="0 1 2" picks the seeds; CHAOS_REPORT=PATH appends one JSON line per seed
+(docs/reliability.md's table)."""
 import json
 import os
 import random
@@ -31,7 +32,7 @@ def wait_for(predicate, proc, what):
 def test_chaos_engine_then_run_killed_resumes_exactly_once(tiny_llama_dir, tmp_path, seed):
     rng = random.Random(seed)
     out = tmp_path / "run"
-    engine_at, run_at = rng.randint(1, 3), rng.randint(4, 6)  # steps after which the faults strike
+    engine_at, worker_at, run_at = rng.randint(1, 2), rng.randint(3, 4), rng.randint(5, 6)  # after these steps
     how = ["SIGKILL", "SIGTERM"][seed % 2]
     cmd = [sys.executable, "-m", "molt.cli", "train", *args(tiny_llama_dir, out, STEPS, "--ckpt.save_interval_s", "5",
                                                          "--train.seed", str(seed), "--rollout.max_failed_retries", "4")]
@@ -41,6 +42,10 @@ def test_chaos_engine_then_run_killed_resumes_exactly_once(tiny_llama_dir, tmp_p
     time.sleep(rng.uniform(0, 2))  # anywhere in the next step: generation, training or the refit
     engine = engine_pids(proc.pid)[0]
     os.kill(engine, signal.SIGKILL)
+    wait_for(lambda: len(ledger(out)) >= 2 * worker_at and engine_pids(proc.pid, "ray::RolloutWorker"), proc,
+             "the worker kill")
+    time.sleep(rng.uniform(0, 2))
+    os.kill(engine_pids(proc.pid, "ray::RolloutWorker")[0], signal.SIGKILL)
     wait_for(lambda: len(ledger(out)) >= 2 * run_at, proc, "the run kill")
     time.sleep(rng.uniform(0, 2))
     if how == "SIGKILL":  # the driver, Ray, workers, engines and trainer ranks at once
@@ -51,7 +56,9 @@ def test_chaos_engine_then_run_killed_resumes_exactly_once(tiny_llama_dir, tmp_p
     first_rc, stopped_at = proc.returncode, len(ledger(out)) // 2
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     engine_failures = max(m.get("rollout/failed/engine_restart", 0) for m in metrics)
+    worker_failures = max(m.get("rollout/failed/worker_restart", 0) for m in metrics)
     assert first_rc == (-signal.SIGKILL if how == "SIGKILL" else 128 + signal.SIGTERM), err[-2000:]
+    assert "molt: rollout worker 0 died (ActorDiedError); starting a new one" in err  # found before the run stopped
     ckpts = sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*") if (p / "state.json").is_file())
     resumed_from = ckpts[-1]
     if how == "SIGTERM":
@@ -68,7 +75,9 @@ def test_chaos_engine_then_run_killed_resumes_exactly_once(tiny_llama_dir, tmp_p
     assert state["train"]["step"] == STEPS  # one optimizer step a training step: none lost, none repeated
     if os.environ.get("CHAOS_REPORT"):
         with open(os.environ["CHAOS_REPORT"], "a") as f:
-            f.write(json.dumps({"seed": seed, "engine_killed_in_step": engine_at + 1, "run_killed": how,
+            f.write(json.dumps({"seed": seed, "engine_killed_in_step": engine_at + 1,
+                                "worker_killed_in_step": worker_at + 1, "worker_restart_failures": worker_failures,
+                                "run_killed": how,
                                 "run_killed_in_step": run_at + 1, "first_rc": first_rc, "stopped_at": stopped_at,
                                 "resumed_from": resumed_from, "steps_redone": stopped_at - resumed_from,
                                 "engine_restart_failures": engine_failures, "final_rc": again.returncode,

@@ -14,8 +14,8 @@ import pytest
 
 from molt.config import load_config
 from molt.runtime.loop import Run, run_training
-from molt.runtime.pool import RolloutTask, RunStopped
-from molt.types import RolloutStatus, SamplingParams
+from molt.runtime.pool import RolloutOutcome, RolloutTask, RunStopped
+from molt.types import Experience, RolloutStatus, SamplingParams
 
 ROOT = Path(__file__).parents[2]
 AGENT = ROOT / "tests/runtime/agents/letters_env.py"
@@ -29,13 +29,13 @@ def args(model_dir, out, steps=6, *extra):
             "--train.max_staleness", "0", "--ckpt.output_dir", str(out), "--ray.num_cpus", "4", *extra]
 
 
-def engine_pids(root: int) -> list[int]:
-    """The embedded engines' processes (multiprocessing spawn children) among `root`'s descendants only: other
-    people's processes on this machine are never touched."""
+def engine_pids(root: int, marker: str = "spawn_main") -> list[int]:
+    """The embedded engines' processes (multiprocessing spawn children; or with marker "ray::RolloutWorker", the
+    worker actors) among `root`'s descendants only: other people's processes on this machine are never touched."""
     found = []
     for p in psutil.Process(root).children(recursive=True):
         try:
-            if "spawn_main" in " ".join(p.cmdline()):
+            if marker in " ".join(p.cmdline()):
                 found.append(p.pid)
         except psutil.Error:
             pass
@@ -89,27 +89,35 @@ async def test_worker_restarts_a_dead_engine_with_its_weights_and_version(tiny_l
         sums = await worker.weight_sums()
         params = SamplingParams(max_tokens=200, min_tokens=200)
         task = RolloutTask(ROW, (0, 0), "g", "g-s0-a0", 0, 3, seed=1)
-        running = asyncio.create_task(worker.run(task, params))
+        running = asyncio.create_task(rollout(worker, task, params))
         while worker.engine.engine.num_requests == 0:  # the rollout is generating: kill its engine
             assert not running.done(), running.result()
             await asyncio.sleep(0.01)
         first = worker.engine.engine
         os.kill(first._proc.pid, signal.SIGKILL)
-        outcome = await running
+        outcome, _ = await running
         assert outcome.status is RolloutStatus.ENGINE_RESTART and worker.restarts == 1, outcome.error
         assert "the engine process exited (exit code -9)" in outcome.error
         assert worker.engine.engine is not first and first.exitcode == -signal.SIGKILL
         assert await worker.version() == 3 and await worker.weight_sums() == sums  # the weights it had
-        again = await worker.run(RolloutTask(ROW, (0, 0), "g", "g-s0-a1", 0, 3, seed=1), SamplingParams(max_tokens=4))
-        assert again.ok and {v for e in again.experiences for v in e.reload().versions if v >= 0} == {3}
+        again, payloads = await rollout(worker, RolloutTask(ROW, (0, 0), "g", "g-s0-a1", 0, 3, seed=1),
+                                        SamplingParams(max_tokens=4))
+        assert again.ok and len(payloads) == len(again.experiences) >= 1
+        assert {v for p in payloads for v in p["versions"] if v >= 0} == {3}
         # a second death within the window is one more than max_restarts=1: the worker gives up
         os.kill(worker.engine.engine._proc.pid, signal.SIGKILL)
         while worker.engine.engine.exitcode is None:  # the worker learns of it from the engine's pipe
             await asyncio.sleep(0.01)
         with pytest.raises(RunStopped, match=r"died \(exit code -9\), 2 time\(s\)"):
-            await worker.run(RolloutTask(ROW, (0, 1), "h", "h-s0-a0", 0, 3), SamplingParams(max_tokens=4))
+            await rollout(worker, RolloutTask(ROW, (0, 1), "h", "h-s0-a0", 0, 3), SamplingParams(max_tokens=4))
     finally:
         await worker.stop()
+
+
+async def rollout(worker, task, params):
+    """A rollout as the runtime streams it from the worker: the outcome, then its experiences' payloads."""
+    outcome, *payloads = [item async for item in worker.run(task, params)]
+    return outcome, payloads
 
 
 def _shape(model_dir, name):
@@ -179,6 +187,155 @@ def test_an_engine_crash_loop_stops_the_run_with_a_checkpoint(tiny_llama_dir, tm
         asyncio.run(run_training(cfg))
     # 8 env steps a step: step 2's wait for rollouts is abandoned, step 1 is the checkpoint
     assert len(ledger(out)) == 2 and [p.name for p in (out / "checkpoints").iterdir()] == ["step_1"]
+
+
+# ------------------------------------------------------------------------------------------- worker actor death
+HANGER = """
+import asyncio, os, psutil
+from molt.agents import Env, Result, StepEnvRunner
+
+MARK = {mark!r}  # the one env step that hangs writes its worker's and engine's pids here
+
+
+class HangEnv(Env):
+    calls = 0
+
+    def __init__(self):
+        self.turn = 0
+
+    async def step(self, state):
+        HangEnv.calls += 1
+        if HangEnv.calls == {hang_at} and not os.path.exists(MARK):  # once per run, not once per worker
+            engines = [p.pid for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+            with open(MARK + ".tmp", "w") as f:
+                f.write(" ".join(map(str, [os.getpid(), *engines])))
+            os.rename(MARK + ".tmp", MARK)
+            await asyncio.sleep(3600)  # in flight until the test kills this worker
+        self.turn += 1
+        return Result(reward=state["action_text"].count("e") / 8, observation="Again.", terminated=self.turn == 2)
+
+
+class AgentRunner(StepEnvRunner):
+    def __init__(self):
+        super().__init__(HangEnv)
+"""
+
+
+def gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_workers_replace_a_dead_actor_with_the_last_weights_and_keep_its_payloads(ray_local):
+    from molt.runtime.worker import Workers
+
+    class ToyWorker:
+        """A stand-in for RolloutWorker's Ray interface: a rollout streams its outcome and one payload, or hangs."""
+
+        def __init__(self):
+            self.started, self.loaded = False, None
+
+        async def start(self):
+            self.started = True
+
+        async def run(self, task, params, train):
+            if task.row.get("hang"):
+                await asyncio.sleep(3600)
+            yield RolloutOutcome(task.rollout_id, task.group_id, RolloutStatus.OK,
+                                 experiences=[Experience(task.rollout_id, task.group_id, 0, 1.0, 1, 1, 0)])
+            yield {"token_ids": [len(task.rollout_id)]}
+
+        async def begin_refit(self, partial):
+            pass
+
+        async def update_weights(self, bucket_refs, version):
+            self.loaded = [await ref for ref in bucket_refs], version
+
+        async def end_refit(self):
+            pass
+
+        async def state(self):
+            return self.started, self.loaded
+
+    def task(rid, **row):
+        return RolloutTask(row, (0, 0), "g", rid, 0, 0)
+
+    async def hung(workers):
+        running = asyncio.create_task(workers.run(task("hung", hang=True), SamplingParams(), True))
+        while not workers.inflight[0]:
+            await asyncio.sleep(0.01)
+        ray_local.kill(workers.actors[0])  # what an OOM kill or a lost node does to it
+        return await running
+
+    async def main():
+        workers = Workers(ray_local.remote(max_concurrency=100)(ToyWorker).remote, 1, max_restarts=1)
+        await workers.actors[0].start.remote()
+        refs = asyncio.ensure_future(asyncio.sleep(0, [[ray_local.put("bucket-7")]]))  # the trainer ranks' refs
+        await workers.refit(False, refs, 7)
+        done = await workers.run(task("done"), SamplingParams(), True)
+        first = workers.actors[0]
+        failed = await hung(workers)
+        assert failed.status is RolloutStatus.WORKER_RESTART and failed.rollout_id == "hung"
+        assert workers.actors[0] is not first
+        assert await workers.actors[0].state.remote() == (True, (["bucket-7"], 7))  # started, with the last weights
+        assert await done.experiences[0].payload_ref == {"token_ids": [4]}  # outlived the worker that made it
+        assert (await workers.run(task("next"), SamplingParams(), True)).ok
+        with pytest.raises(RunStopped, match=r"rollout worker 0 died \(ActorDiedError\), 2 time\(s\) within 600 s"):
+            await hung(workers)  # a second death within the window: one more than max_restarts
+        ray_local.kill(workers.actors[0])
+    asyncio.run(main())
+
+
+def run_killing_a_worker(model_dir, tmp_path, steps, *extra):
+    """A run whose step 3 hangs in its first env step (4 rollouts of 2 turns a step) until the test `ray.kill`s
+    the worker actor it runs on, once the step's 3 other rollouts are done (their experiences were made by that
+    worker); returns (summary, whether the worker was replaced, its version), (worker pid, engine pid)."""
+    agent, mark = tmp_path / "hang_env.py", tmp_path / "hanging"
+    agent.write_text(HANGER.format(mark=str(mark), hang_at=17))
+    cfg = load_config(args(model_dir, tmp_path / "run", steps, "--train.agent_path", str(agent), *extra))
+
+    async def main():
+        run = Run(cfg)
+        try:
+            await run.setup()
+            dead = run.workers.actors[0]
+            when(lambda: mark.exists() and run.workers.inflight == [1], lambda: ray.kill(dead))
+            summary = await run.train()
+            return summary, run.workers.actors[0] is not dead, await run.workers.actors[0].version.remote()
+        finally:
+            await run.close()
+    import ray
+
+    return asyncio.run(main()), [int(pid) for pid in mark.read_text().split()]
+
+
+def test_a_killed_worker_actor_is_replaced_and_the_run_goes_on(tiny_llama_dir, tmp_path, ray_local):
+    out = tmp_path / "run"
+    (summary, replaced, version), (worker_pid, engine_pid) = run_killing_a_worker(tiny_llama_dir, tmp_path, 5)
+    assert summary["steps"] == 5 and replaced and version == 5  # the new worker took every later refit
+    check_exactly_once(out, 5)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert not any("worker_restart" in k for k in metrics[1])  # step 2: nothing had failed yet
+    # nothing else failed or was dropped: no `stale` group, so the new worker had the current weights' version
+    assert [(k, v) for k, v in metrics[-1].items() if k.startswith(("rollout/failed", "rollout/dropped"))] == [
+        ("rollout/failed/worker_restart", 1)]
+    # the hung rollout was re-run on the new worker; the 3 done before the kill were trained from their payloads
+    (retried,) = [(r["step"], rid) for r in ledger(out) for rid in r["rollouts"] if not rid.endswith("-a0")]
+    assert retried[0] == 3 and retried[1].endswith("-a1")
+    assert gone(worker_pid)
+    when_gone = threading.Event()  # the dead worker's engine process noticed its parent's end and exited
+    when(lambda: gone(engine_pid), when_gone.set, poll=0.1)
+    assert when_gone.wait(60)
+
+
+def test_a_worker_death_past_the_limit_stops_the_run_with_a_checkpoint(tiny_llama_dir, tmp_path, ray_local):
+    out = tmp_path / "run"
+    with pytest.raises(RunStopped, match=r"rollout worker 0 died \(ActorDiedError\), 1 time\(s\) within 600 s; "
+                                         r"the run survives 0 .*step 2 is checkpointed"):
+        run_killing_a_worker(tiny_llama_dir, tmp_path, 6, "--rollout.worker_max_restarts", "0")
+    assert len(ledger(out)) == 4 and [p.name for p in (out / "checkpoints").iterdir()] == ["step_2"]
 
 
 # ------------------------------------------------------------------------------------------- the trainer

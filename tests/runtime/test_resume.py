@@ -103,7 +103,7 @@ def test_resume_restores_trainer_state_and_pool_counters_at_another_world_size(t
         try:
             await run.setup()
             await run.train()
-            return _merged(await _states(run)), await run.workers[0].weight_sums.remote(), run
+            return _merged(await _states(run)), await run.workers.actors[0].weight_sums.remote(), run
         finally:
             await run.close()
     saved, engine, done = asyncio.run(first())
@@ -118,9 +118,9 @@ def test_resume_restores_trainer_state_and_pool_counters_at_another_world_size(t
         try:
             await run.setup()
             await run._load_checkpoint()
-            restored, sums = _merged(await _states(run)), await run.workers[0].weight_sums.remote()
+            restored, sums = _merged(await _states(run)), await run.workers.actors[0].weight_sums.remote()
             controller = (run.step, run.version, list(run.ledger), run.generated_tokens,
-                          await run.workers[0].version.remote())
+                          await run.workers.actors[0].version.remote())
             run._resume_from = None  # loaded above
             await run.train()
             return restored, sums, controller

@@ -177,7 +177,7 @@ def test_refit_leaves_the_engine_with_the_trained_weights(tiny_llama_dir, tmp_pa
         try:
             await run.setup()
             summary = await run.train()
-            return summary, [await w.weight_sums.remote() for w in run.workers], await run.workers[0].version.remote()
+            return summary, [await w.weight_sums.remote() for w in run.workers.actors], await run.workers.actors[0].version.remote()
         finally:
             await run.close()
     summary, sums, version = asyncio.run(main())
