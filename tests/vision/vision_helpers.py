@@ -97,7 +97,6 @@ FSDP_CFG = {"device": "cpu", "param_dtype": "float32", "micro_batch_size": 1, "l
 def fsdp_run(model_dir, rank: int | None = None) -> dict:
     """Log-probs, one actor step, and (gae) values and two critic steps on FSDP_WINDOW: the whole window in one
     process (rank None), or this rank's share."""
-    import torch
 
     from molt.trainer import Actor, Critic
     from molt.trainer.config import ActorConfig
