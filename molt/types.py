@@ -146,7 +146,7 @@ def rope_positions(model: Any, ids: Any, mask: Any, positions: Any, images: dict
     `get_rope_index` (the tokens' modalities read off the placeholder ids, as its processor does), a row's next
     position being its length + offset; rows without images keep `positions` unless None. Other models or no
     images: (`positions`, zeros)."""
-    get = getattr(getattr(model, "model", None), "get_rope_index", None)
+    get = getattr(getattr(model, "model", model), "get_rope_index", None)  # a full model or its base model
     if get is None or not images:
         return positions, [0] * len(ids)
     kinds = (ids == model.config.image_token_id).int() + 2 * (ids == model.config.video_token_id).int()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from molt.capture.render import ChatRenderer, canonical_messages, canonical_tools
+from molt.capture.render import ChatRenderer, canonical_messages, canonical_tools, message_images
 from molt.capture.segments import Action, Plan, SegmentTracker
 from molt.capture.tools import Parsed, ToolParser, call_opening
 from molt.engine.base import Engine, can_stream
@@ -165,7 +165,8 @@ class Session:
         params = [request.params if request.params.seed is None else request.params.copy(seed=request.params.seed + i)
                   for i in range(request.n)]
         self._inflight.update(ids)
-        stream: dict[str, Any] = {"images": plan.images} if plan.images else {}
+        stream: dict[str, Any] = {"images": plan.images, "sources": [i.image for i in message_images(
+            plan.messages or [])]} if plan.images else {}  # sources: the decoded images (vLLM processes them itself)
         if listener is not None:
             listener.started(plan.prompt_ids)
             stream["on_tokens"] = listener.tokens

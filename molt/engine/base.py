@@ -59,7 +59,8 @@ class Engine(Protocol):
         request_id: str | None = None,  # for abort(); cancelling the awaiting task aborts as well
         *,
         on_tokens: Callable[[list[int]], None] | None = None,  # new token ids as they are sampled
-        # images: dict | None, vision-language engines only (module docstring)
+        # images: dict | None, vision-language engines only (module docstring), with `sources`: the decoded
+        # images they came from, in the same order (vLLM runs the model's processor on them itself)
     ) -> Completion: ...
 
     async def abort(self, request_id: str) -> None: ...  # finishes the request with FinishReason.ABORT

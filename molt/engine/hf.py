@@ -180,7 +180,8 @@ class HFEngine(InProcessWeightReceiver):
         return len(self._active)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None, *, on_tokens: Any = None, images: Any = None) -> Completion:
+                       request_id: str | None = None, *, on_tokens: Any = None, images: Any = None,
+                       sources: Any = None) -> Completion:  # sources: for engines that process images (vLLM)
         req = self._make_request(list(prompt_ids), params, request_id)
         if images and not self.vision:
             raise EngineError(f"{self.model_name} takes no images")

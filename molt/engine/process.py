@@ -88,11 +88,12 @@ class EngineProcess:
         return len(self._waiting)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None, *, on_tokens: Any = None, images: Any = None) -> Completion:
+                       request_id: str | None = None, *, on_tokens: Any = None, images: Any = None,
+                       sources: Any = None) -> Completion:
         request_id = request_id or f"p{next(self._ids)}"
         try:
             return await self._request("generate", request_id, list(prompt_ids), params, session_id,
-                                       on_tokens is not None, images, on_tokens=on_tokens)
+                                       on_tokens is not None, images and (images, sources), on_tokens=on_tokens)
         except asyncio.CancelledError:
             self._send(("abort", None, request_id))
             raise
@@ -232,7 +233,7 @@ async def _serve(conn: Any, factory: str, args: tuple, kwargs: dict) -> None:
         if kind == "generate":
             request_id, prompt, params, session_id, stream, images = payload
             on_tokens = (lambda ids, key=key: conn.send(("tokens", key, ids))) if stream else None
-            extra = {"images": images} if images else {}  # engines without images take no such argument
+            extra = dict(zip(("images", "sources"), images or ()))  # engines without images take no such argument
             task = loop.create_task(run(key, engine.generate(prompt, params, session_id, request_id=request_id,
                                                              on_tokens=on_tokens, **extra)))
             requests[request_id] = task

@@ -15,7 +15,7 @@ from typing import Any
 
 from molt.engine import vllm_worker
 from molt.engine.base import EngineError, check_request
-from molt.types import Completion, FinishReason, SamplingParams
+from molt.types import Completion, FinishReason, SamplingParams, vision_token_ids
 
 log = logging.getLogger(__name__)
 MIN_VLLM = (0, 10, 2)  # "processed_logprobs" means after top-k/top-p from here on (vllm-project/vllm#22387)
@@ -24,15 +24,44 @@ _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": Fi
 
 # ------------------------------------------------------------------------------ pure helpers (tested on CPU)
 
-def sampling_kwargs(params: SamplingParams, max_new: int, stops: list[int], generated: int = 0) -> dict[str, Any]:
-    """Keyword arguments of `vllm.SamplingParams` for a request (or its continuation after `generated` tokens)."""
+def sampling_kwargs(params: SamplingParams, max_new: int, stops: list[int], generated: int = 0,
+                    banned: list[int] = ()) -> dict[str, Any]:
+    """Keyword arguments of `vllm.SamplingParams` for a request (or its continuation after `generated` tokens);
+    `banned`: token ids never sampled (a VLM's vision tokens), a -inf logit bias, which vLLM applies before
+    temperature, top-k/top-p and the processed log-probs (docs/vision.md)."""
     assert 0 <= generated < max_new, "a finished request is never continued"
     seed = params.seed if params.seed is None or not generated else (params.seed + generated) % (1 << 63)
     return {"temperature": params.temperature, "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else -1,  # -1 disables in every vLLM version
             "max_tokens": max_new - generated,  # vLLM rejects min_tokens > max_tokens; ours caps silently
             "min_tokens": min(max(params.min_tokens - generated, 0), max_new - generated),
-            "stop_token_ids": list(stops), "seed": seed, "logprobs": params.top_logprobs, "detokenize": False}
+            "stop_token_ids": list(stops), "seed": seed, "logprobs": params.top_logprobs, "detokenize": False,
+            **({"logit_bias": dict.fromkeys(banned, float("-inf"))} if banned else {})}
+
+
+def mm_prompt(prompt: list[int], images: dict | None, sources: list | None, placeholder: int | None,
+              merge: int = 1) -> dict[str, Any]:
+    """vLLM's TokensPrompt of a request. vLLM expands each image's placeholder into its tokens itself (its
+    token-prompt path always applies the model's prompt updates) and runs the model's processor on the decoded
+    `sources`, so each image's run of placeholder tokens, expanded by Molt's processor, goes back to the one
+    placeholder the chat template wrote. A run's length: Qwen2-VL's t*h*w / merge^2 of `image_grid_thw`, else
+    (LLaVA) the placeholders shared equally by the images."""
+    if not images:
+        return {"prompt_token_ids": prompt}
+    grid = images.get("image_grid_thw")
+    n = len(grid if grid is not None else images["pixel_values"])  # images in the processor inputs
+    counts = [int(g) // merge ** 2 for g in grid.prod(-1)] if grid is not None else [prompt.count(placeholder) // n] * n
+    error = EngineError(f"the prompt's image tokens do not match its {n} images (or their {len(sources or ())} "
+                        "sources)")
+    out, i = [], 0
+    for c in counts:
+        j = next((k for k in range(i, len(prompt)) if prompt[k] == placeholder), len(prompt))
+        if c < 1 or prompt[j:j + c] != [placeholder] * c:
+            raise error
+        out, i = out + prompt[i:j + 1], j + c
+    if len(sources or ()) != n or placeholder in prompt[i:]:
+        raise error
+    return {"prompt_token_ids": out + prompt[i:], "multi_modal_data": {"image": list(sources)}}
 
 
 def finish_reason(reason: str | None) -> FinishReason:
@@ -82,6 +111,7 @@ class _Request:
     segments: int = 0  # vLLM requests submitted so far (one per refit crossed, plus one)
     task: asyncio.Task | None = None  # streams the current vLLM request
     on_tokens: Any = None  # streaming callback (new token ids)
+    mm: dict = field(default_factory=dict)  # `mm_prompt` of the prompt
     routes: Any = None  # MoE, with enable_return_routed_experts: vLLM's latest [positions, layers, k] routes
 
     def receive(self, out: Any, version: int) -> list[int]:
@@ -164,6 +194,12 @@ class VLLMEngine:
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
         self.eos_token_ids = _eos_ids(model_path)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path)  # a VLM's vision tokens are never sampled (docs/vision.md)
+        self._banned = vision_token_ids(config)
+        self._image = (getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None),
+                       getattr(getattr(config, "vision_config", None), "spatial_merge_size", 1))
         self._version = self._serving = version  # of the loaded weights; given to the tokens arriving now
         self._active: dict[str, _Request] = {}
         self._paused = self._closed = self._refitted = False  # refitted: weights loaded since the last resume()
@@ -182,9 +218,10 @@ class VLLMEngine:
         return len(self._active)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
+                       request_id: str | None = None, *, on_tokens: Any = None, images: Any = None,
+                       sources: Any = None) -> Completion:  # not run here: vLLM needs a GPU (docs/vision.md)
         req = self._admit(list(prompt_ids), params, request_id)
-        req.on_tokens = on_tokens
+        req.on_tokens, req.mm = on_tokens, mm_prompt(req.prompt, images, sources, *self._image)
         self._active[req.id] = req
         try:
             while req.finish is None:
@@ -212,9 +249,9 @@ class VLLMEngine:
         """Run one vLLM request (the prompt plus everything generated so far) and keep each output on arrival."""
         req.segments += 1
         try:
-            params = self._vllm.SamplingParams(**sampling_kwargs(req.params, req.max_new, req.stops, len(req.tokens)),
-                                               output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA)
-            prompt = {"prompt_token_ids": req.prompt + req.tokens}  # a vllm.inputs.TokensPrompt
+            kw = sampling_kwargs(req.params, req.max_new, req.stops, len(req.tokens), self._banned)
+            params = self._vllm.SamplingParams(**kw, output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA)
+            prompt = {**req.mm, "prompt_token_ids": req.mm["prompt_token_ids"] + req.tokens}  # a TokensPrompt
             async for output in self._llm.generate(prompt, params, request_id=f"{req.id}-{req.segments}"):
                 tokens = req.receive(output.outputs[0], self._serving)
                 if req.on_tokens is not None and tokens:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from molt.trainer import parallel
-from molt.trainer.batching import MicroBatch, collate, ghost_batch, plan_micro_batches
+from molt.trainer.batching import MicroBatch, blank_image, collate, ghost_batch, plan_micro_batches
 from molt.trainer.config import ActorConfig
 from molt.types import Experience
 
@@ -47,6 +47,7 @@ class ShardedModelTrainer:
         self.step = 0  # optimizer steps taken
         self.window_tokens = 0.0  # action tokens of the last scheduled window (all ranks), on the host
         self.pad_id = 0
+        self.blank = None  # see `molt.trainer.batching.blank_image`
 
     # ---- models ----------------------------------------------------------------------------------------
     def load_lm(self, path: str, auto_class=None) -> nn.Module:
@@ -59,8 +60,10 @@ class ShardedModelTrainer:
             from molt.trainer.packing import register
 
             attn = register()
+        vision = hasattr(tf.AutoConfig.from_pretrained(path), "vision_config")
+        if vision and self.world > 1:  # FSDP2 collectives of the vision tower (molt.trainer.batching)
+            self.blank = blank_image(path, self.device)
         if auto_class is None:  # a vision-language model when the config has a vision tower
-            vision = hasattr(tf.AutoConfig.from_pretrained(path), "vision_config")
             auto_class = tf.AutoModelForImageTextToText if vision else tf.AutoModelForCausalLM
         lm = auto_class.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
         lm.config.use_cache = False
@@ -132,13 +135,13 @@ class ShardedModelTrainer:
                 raise ValueError(f"{k}: {len(v)} rows for {len(experiences)} experiences")
         pack = self.cfg.packing_samples
         for k in range(n_passes):
-            if k >= len(plan):
-                yield [], ghost_batch(self.pad_id, self.device, extra, pack=pack)
-                continue
-            idx = plan[k]
-            yield idx, collate([experiences[i] for i in idx], self.pad_id, self.device,
-                               extra={n: [v[i] for i in idx] for n, v in extra.items()},
-                               need_advantages=need_advantages, share_prefix=self.share_prefix, pack=pack)
+            idx = plan[k] if k < len(plan) else []
+            mb = collate([experiences[i] for i in idx], self.pad_id, self.device,
+                         extra={n: [v[i] for i in idx] for n, v in extra.items()}, need_advantages=need_advantages,
+                         share_prefix=self.share_prefix, pack=pack) if idx else ghost_batch(
+                self.pad_id, self.device, extra, pack=pack)
+            mb.blank = None if mb.images else self.blank
+            yield idx, mb
 
     @torch.no_grad()
     def per_token_pass(self, model: nn.Module, experiences: list[Experience], forward) -> list[list[float]]:

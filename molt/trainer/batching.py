@@ -29,6 +29,12 @@ Decisions:
 - Images: the experiences' processor inputs join `MicroBatch.images` in row order (the order the model fills
   placeholder tokens in); such rows share no prefix (all images' placeholders are the same tokens) and are not
   packed yet (the packed attention arguments would reach the vision tower): a ValueError.
+- FSDP2 over several ranks shards the vision tower's blocks too, so every rank must run them the same number of
+  times: a VLM's micro-batch without images (a text row, a ghost) there carries `blank_image`, whose features
+  the forward adds to the input embeddings times 0. Every micro-batch then runs the vision tower once (a
+  micro-batch's images go through it in one call), in the same place of the forward and of the backward (the
+  features meet the embeddings in both cases), and every vision parameter gets a gradient (0), as FSDP2's
+  reduce-scatters need. A single process skips it (nothing to match).
 """
 from __future__ import annotations
 
@@ -116,6 +122,7 @@ class MicroBatch:
     packing: dict | None = None  # packed: position_ids and the attention's arguments (`_pack`)
     routes: Tensor | None = None  # [R, L, layers, k] int64 experts the engine routed to (`Segment.routed_experts`)
     images: dict | None = None  # processor inputs of the rows' images in row order (module docstring)
+    blank: dict | None = None  # a VLM's micro-batch without images on several ranks: `blank_image`'s inputs
 
     def decoder_inputs(self, mask_4d: bool = False) -> dict:
         """Keyword arguments of a Hugging Face decoder's forward for this micro-batch. `mask_4d` (see
@@ -246,6 +253,15 @@ def ghost_batch(pad_id: int, device: torch.device, extra_keys=(), pack: bool = F
                    min_version=0, temperature=1.0, token_ids=[pad_id, pad_id], action_mask=[0, 0],
                    behavior_logprobs=[0.0, 0.0], versions=[-1, -1], advantages=[0.0, 0.0])
     return collate([e], pad_id, device, extra={k: [[0.0, 0.0]] for k in extra_keys}, pack=pack)
+
+
+def blank_image(path: str, device: torch.device) -> dict:
+    """The checkpoint's own image-processor inputs of one blank image, on `device`."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    inputs = AutoImageProcessor.from_pretrained(path)(images=[Image.new("RGB", (64, 64))], return_tensors="pt")
+    return {k: v.to(device) for k, v in inputs.items()}
 
 
 def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:

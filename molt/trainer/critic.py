@@ -18,6 +18,7 @@ from molt.trainer import parallel
 from molt.trainer.base import ShardedModelTrainer
 from molt.trainer.batching import prebuilt_mask
 from molt.trainer.config import ActorConfig
+from molt.trainer.logprobs import hidden_states
 from molt.trainer.optim import build_optimizer
 from molt.types import Experience
 
@@ -26,14 +27,13 @@ class ValueModel(nn.Module):
     def __init__(self, backbone: nn.Module):
         super().__init__()
         self.backbone = backbone
-        self.value_head = nn.Linear(backbone.config.hidden_size, 1)
+        self.value_head = nn.Linear(backbone.config.get_text_config().hidden_size, 1)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, mb) -> Tensor:
         """mb: a `molt.trainer.batching.MicroBatch` -> [R, L] fp32 values, zero off the action tokens."""
-        hidden = self.backbone(**mb.decoder_inputs(prebuilt_mask(self.backbone.config)),
-                               use_cache=False).last_hidden_state
+        hidden = hidden_states(self.backbone, self.backbone, mb, prebuilt_mask(self.backbone.config))
         # the state before token t is summarized at position t - 1 (of the same sequence, packed or not)
         v = self.value_head(hidden.flatten(0, 1).index_select(0, mb.act_index - 1)).squeeze(-1).float()
         out = torch.zeros(mb.input_ids.shape, dtype=torch.float32, device=v.device)

@@ -8,6 +8,7 @@ import inspect
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 from molt.trainer.batching import prebuilt_mask
 from molt.types import rope_positions, vision_token_ids
@@ -157,6 +158,21 @@ def action_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, input_i
     return scatter(lp), (scatter(ent) if ent is not None else None)
 
 
+def hidden_states(base: nn.Module, decoder: nn.Module, mb, mask_4d: bool) -> Tensor:
+    """[R, L, H] last hidden states of a micro-batch. With images, a vision-language model's base model merges
+    their features into the embeddings (positions by `rope_positions`: Qwen2-VL); otherwise the decoder runs,
+    on embeddings plus 0 times the features of `mb.blank` when set (`molt.trainer.batching.blank_image`)."""
+    inputs = mb.decoder_inputs(mask_4d)
+    if mb.images:
+        positions = rope_positions(base, mb.input_ids, mb.attention_mask, None, mb.images)[0]
+        return base(**inputs, position_ids=positions, **mb.images).last_hidden_state
+    if mb.blank:
+        features = tree_leaves(base.get_image_features(**mb.blank))
+        zero = sum(t.sum() for t in features if isinstance(t, Tensor)) * 0.0
+        inputs["inputs_embeds"] = decoder.get_input_embeddings()(inputs.pop("input_ids")) + zero
+    return decoder(**inputs, use_cache=False).last_hidden_state
+
+
 class CausalLMLogProbs(nn.Module):
     """Wraps a Hugging Face causal LM so that one `forward` (hence one FSDP root unshard) returns action-token
     log-probs instead of logits. `self.lm` keeps Hugging Face parameter names (`self.lm.state_dict()`)."""
@@ -179,12 +195,8 @@ class CausalLMLogProbs(nn.Module):
         decoder = self.lm.get_decoder()
         if self.routing is not None:
             self.routing.set(mb)
-        if mb.images:  # a vision-language model's base model merges the image features into the embeddings
-            positions = rope_positions(self.lm, mb.input_ids, mb.attention_mask, None, mb.images)[0]  # Qwen2-VL
-            hidden = self.lm.base_model(**mb.decoder_inputs(self._mask_4d), position_ids=positions,
-                                        **mb.images).last_hidden_state
-        elif mb.prefix is None:
-            hidden = decoder(**mb.decoder_inputs(self._mask_4d), use_cache=False).last_hidden_state
+        if mb.prefix is None:
+            hidden = hidden_states(self.lm.base_model, decoder, mb, self._mask_4d)
         else:
             hidden = self._hidden_with_shared_prefix(decoder, mb.input_ids, mb.attention_mask, mb.prefix)
         head = self.lm.get_output_embeddings()

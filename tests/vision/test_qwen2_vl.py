@@ -125,3 +125,22 @@ async def test_a_cached_text_prefix_and_images_in_one_prefill(qwen_engine, qwen_
     assert (await qwen_engine.prefix_stats())["reused_tokens"] > reused  # the text row continued the cache
     for a, b in zip(alone, together):
         assert a.token_ids == b.token_ids and b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+
+
+def test_the_vllm_prompt_has_one_placeholder_per_image(qwen_renderer, qwen_dir):
+    """vLLM expands each `<|image_pad|>` itself (tests/vision/test_vllm_inputs.py): images of different sizes
+    take different runs (t*h*w / 4 tokens: 2 and 4), each goes back to the template's one placeholder."""
+    from molt.engine import vllm as mv
+
+    pad = qwen_renderer.processor.image_token_id
+    merge = tf.AutoConfig.from_pretrained(qwen_dir).vision_config.spatial_merge_size
+    messages = canonical_messages([user("Compare", png("red", size=(112, 56)), png("blue", "square"))],
+                                  qwen_renderer.image)
+    rendered = qwen_renderer.render(messages, None, True)
+    ids, images = qwen_renderer.encode_images(rendered, message_images(messages))
+    sources = [i.image for i in message_images(messages)]
+    assert images["image_grid_thw"].prod(-1).tolist() == [8, 16] and ids.count(pad) == 6
+    prompt = mv.mm_prompt(ids, images, sources, pad, merge)
+    assert prompt["prompt_token_ids"] == qwen_renderer.encode(rendered) and prompt["multi_modal_data"]["image"] == sources
+    with pytest.raises(mv.EngineError, match="image tokens do not match"):
+        mv.mm_prompt(ids, {**images, "image_grid_thw": images["image_grid_thw"].flip(0)}, sources, pad, merge)
