@@ -121,11 +121,7 @@ class Run:
             if cfg.algo.advantage.estimator == "on_policy_distill":
                 _same_tokenizer(self.model_path, cfg.ref.model_name_or_path)
         if not ray.is_initialized():
-            if cfg.ray.address:
-                ray.init(address=cfg.ray.address, log_to_driver=False)
-            else:  # "local": a new instance, never another run's found in /tmp/ray (a shared machine)
-                ray.init("local", num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, log_to_driver=False,
-                         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+            _init_ray(cfg)
         worker_threads, trainer_threads = _threads(cfg)
         runner_options = {"timeout": cfg.rollout.timeout_s, "max_turns": cfg.rollout.max_turns}
         engine_options: dict[str, Any] = {"process": cfg.rollout.engine_process,
@@ -412,3 +408,22 @@ async def run_training(cfg: MoltConfig) -> dict[str, Any]:
         return await run.train()
     finally:
         await run.close()
+
+
+def _init_ray(cfg: MoltConfig, attempts: int = 3) -> None:
+    """Join `ray.address`, or start a new local instance (never another run's found in /tmp/ray: a shared
+    machine). Ray gives its node a fixed 30 s to start; a loaded machine can miss that, so a local start is tried
+    `attempts` times."""
+    import ray
+
+    if cfg.ray.address:
+        return ray.init(address=cfg.ray.address, log_to_driver=False)
+    for attempt in range(attempts):
+        try:
+            return ray.init("local", num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, log_to_driver=False,
+                            runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        except Exception as e:  # noqa: BLE001 (Ray raises a bare Exception for this)
+            if "timed out during startup" not in str(e) or attempt == attempts - 1:
+                raise
+            print(f"molt: Ray's node did not start in time ({e}); retrying", file=sys.stderr)
+            ray.shutdown()
