@@ -390,7 +390,8 @@ class HFEngine(InProcessWeightReceiver):
         r, self._routes = self._routes, []
         routes = torch.stack(r, 1).view(*ids.shape, len(r), -1).to("cpu", self._route_dtype) if r else None
         logits = out.logits[:, -1].float()
-        logits[:, self.banned] = -float("inf")
+        if self.banned:  # a text model has none: no indexing kernel on its decode path
+            logits[:, self.banned] = -float("inf")
         return logits, routes
 
     def _merge(self, group: list[_Request], cache: Any, mask: torch.Tensor) -> None:
