@@ -16,6 +16,22 @@ class EngineError(ValueError):
     the capture server turns it into a 400."""
 
 
+def copy_weights(params: dict[str, Any], named_tensors: Iterable[tuple[str, Any]], model_name: str) -> None:
+    """Copy (HF name, tensor) pairs into a model's `state_dict()` tensors in place, checking names and shapes
+    (tied embeddings share storage, so either name updates both)."""
+    import torch
+
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            target = params.get(name)
+            if target is None:
+                raise EngineError(f"update_weights: {name!r} is not a parameter of {model_name}")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise EngineError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"the model expects {tuple(target.shape)}")
+            target.copy_(tensor)
+
+
 def check_request(prompt: list[int], params: SamplingParams, *, max_model_len: int, vocab_size: int,
                   model_name: str) -> int:
     """Validate one request the same way in every engine; returns how many new tokens it may generate

@@ -61,7 +61,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from molt.engine.base import EngineError, check_request
+from molt.engine.base import EngineError, check_request, copy_weights
 from molt.engine.prefix_cache import PrefixCache, left_pad, prefill_inputs, row_layers
 from molt.engine.sampling import sample
 from molt.engine.weight_group import InProcessWeightReceiver
@@ -263,16 +263,17 @@ class HFEngine(InProcessWeightReceiver):
         with self._cv:
             self._cv.wait_for(lambda: not self._busy)
 
-    @torch.no_grad()
     def _load(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        for name, tensor in named_tensors:
-            target = self._params.get(name)
-            if target is None:
-                raise EngineError(f"update_weights: {name!r} is not a parameter of {self.model_name}")
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise EngineError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                                  f"the model expects {tuple(target.shape)}")
-            target.copy_(tensor)  # tied embeddings share storage, so either name updates both
+        copy_weights(self._params, named_tensors, self.model_name)
+
+    def shared_weights(self) -> dict[str, torch.Tensor] | None:
+        """A CPU model's tensors, moved into shared memory: an `EngineProcess` parent then refits them in place
+        (one copy, no pipe). None on a GPU."""
+        if self.device.type != "cpu":
+            return None
+        for tensor in self._params.values():
+            tensor.share_memory_()  # moves the storage, which the parameters hold too
+        return self._params
 
     # ---------------------------------------------------------------- worker thread
 

@@ -47,12 +47,17 @@ def _scaled_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_temp
     return z if bias is None else z.add_(bias.float()[None] * inv_temp[:, None])
 
 
+KEEP_BYTES = 256 << 20  # CPU: fp32 log-probs kept from forward to backward (SmolLM2, 1,300 action tokens)
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     """Forward: per chunk, logits -> log-sum-exp, target log-prob, entropy; only [A]-sized results are kept.
     Backward: per chunk, recompute the logits once and form the logit gradient in place,
         dL/dz = g_lp * (onehot(target) - p) - g_ent * p * (log p + H),
     then grad_hidden = dz @ W / T and grad_W += dz^T @ (hidden / T). One extra vocabulary matmul per chunk
-    compared with keeping the logits, and at most two [c, V] buffers alive at a time.
+    compared with keeping the logits, and at most two [c, V] buffers alive at a time. On a CPU, where memory is
+    plentiful and the matmul is the cost, the forward keeps the log-probs of up to KEEP_BYTES and the backward
+    uses them instead (once: a second backward recomputes).
 
     Precision: every vocabulary matmul, forward and backward, runs in the compute dtype (autocast's dtype, or the
     weight's own under FSDP2 mixed precision: bf16 tensor cores on CUDA) with fp32 accumulation; the softmax
@@ -67,6 +72,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         scaled = (hidden * inv_temp[:, None].to(hidden.dtype)).to(cdtype)  # logits / T == (hidden / T) @ W^T
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse, ent = torch.empty_like(lp), torch.empty_like(lp)
+        keep = hidden.device.type == "cpu" and n * weight.shape[0] * 4 <= KEEP_BYTES
+        ctx.kept = [] if keep else None
         for s in range(0, n, chunk_size):
             sl = slice(s, s + chunk_size)
             z = _scaled_logits(scaled[sl], w, bias, inv_temp[sl])
@@ -74,6 +81,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
             lp[sl] = z.gather(-1, targets[sl, None])[:, 0] - lse[sl]
             if with_entropy:  # H = lse - sum_k p_k z_k
                 ent[sl] = lse[sl] - (z - lse[sl, None]).exp_().mul_(z).sum(-1)
+            if keep:
+                ctx.kept.append(z.sub_(lse[sl, None]))
         ctx.save_for_backward(scaled, weight, bias, targets, inv_temp, lse, ent)
         ctx.chunk_size, ctx.with_entropy, ctx.cdtype, ctx.hidden_dtype = chunk_size, with_entropy, cdtype, hidden.dtype
         ctx.set_materialize_grads(False)  # an unused output (entropy as a mere metric) then costs no backward work
@@ -90,9 +99,10 @@ class _ChunkedLogProbs(torch.autograd.Function):
         if g_lp is None:
             g_lp = torch.zeros_like(lse)
         use_ent = ctx.with_entropy and g_ent is not None
-        for s in range(0, scaled.shape[0], ctx.chunk_size):
+        kept, ctx.kept = ctx.kept, None  # consumed in place below
+        for i, s in enumerate(range(0, scaled.shape[0], ctx.chunk_size)):
             sl = slice(s, s + ctx.chunk_size)
-            logp = _scaled_logits(scaled[sl], w, bias, inv_temp[sl]).sub_(lse[sl, None])
+            logp = kept[i] if kept else _scaled_logits(scaled[sl], w, bias, inv_temp[sl]).sub_(lse[sl, None])
             gl = g_lp[sl, None]
             if use_ent:  # dz = -p * (g_lp + g_ent * (log p + H))
                 p = logp.exp()

@@ -39,8 +39,10 @@ def build_optimizer(params, cfg: ActorConfig, *, blocks=()):
     foreach = False if cfg.tp_size > 1 else None
     hidden = {id(p) for b in blocks for p in b.parameters() if p.ndim == 2} if cfg.optim == "muon" else set()
     adam = [p for p in params if id(p) not in hidden]
-    # on GPUs the fused kernel: one launch for all parameters, step counts on the device (no host reads)
-    fused = foreach is None and bool(adam) and all(p.is_cuda for p in adam)
+    # the fused kernel: on GPUs one launch for all parameters, step counts on the device (no host reads); on a
+    # CPU one pass over memory instead of foreach's several (SmolLM2-135M: 0.08 s a step against 0.53 s, 1 thread)
+    fused = foreach is None and bool(adam) and len({p.device.type for p in adam}) == 1 and \
+        adam[0].device.type in ("cuda", "cpu") and all(p.dtype in (torch.float32, torch.bfloat16) for p in adam)
     opts = [torch.optim.AdamW(adam, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
                               weight_decay=cfg.weight_decay, foreach=foreach, fused=fused or None)]
     if hidden:

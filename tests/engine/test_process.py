@@ -44,6 +44,10 @@ def test_errors_cancel_and_refit_cross_the_process(proc_engine, tiny_llama_dir):
         before = await proc_engine.weight_sums()
         name = "model.layers.0.mlp.up_proj.weight"
         new = torch.full(tuple(_shape(tiny_llama_dir, name)), 0.5)
+        assert proc_engine._shared is not None  # a CPU engine: the parent copies into shared memory
+        with pytest.raises(EngineError, match="paused"):  # refused before any byte moves
+            await proc_engine.update_weights([(name, new)], version=3)
+        assert (await proc_engine.weight_sums())[name] == before[name]
         await proc_engine.pause()
         await proc_engine.update_weights([(name, new)], version=3)
         await proc_engine.resume()

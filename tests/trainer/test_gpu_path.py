@@ -57,7 +57,12 @@ class Recorder(TorchDispatchMode):
         return sum(1 for *_, sync in self.calls if sync)
 
 
-def test_vocabulary_matmuls_run_in_the_autocast_dtype_forward_and_backward():
+@pytest.mark.parametrize("keep", [True, False])
+def test_vocabulary_matmuls_run_in_the_autocast_dtype_forward_and_backward(keep, monkeypatch):
+    import molt.trainer.logprobs as lps
+
+    if not keep:  # the GPU's way: the backward recomputes the logits
+        monkeypatch.setattr(lps, "KEEP_BYTES", 0)
     torch.manual_seed(0)
     a, h, v = 12, 16, 300
     hidden = torch.randn(a, h, requires_grad=True)
@@ -69,8 +74,8 @@ def test_vocabulary_matmuls_run_in_the_autocast_dtype_forward_and_backward():
         (lp.sum() + ent.sum()).backward()  # the backward runs outside autocast, as in a training step
     vocab_mms = [(f, [d for d, _ in ins]) for f, ins, _, _ in rec.calls
                  if f in (aten.mm.default, aten.addmm.default) and any(v in shape for _, shape in ins)]
-    # per chunk of 5 (3 chunks): forward logits, backward recompute, grad_hidden, grad_weight
-    assert len(vocab_mms) == 3 * 4
+    # per chunk of 5 (3 chunks): forward logits, backward recompute (unless kept), grad_hidden, grad_weight
+    assert len(vocab_mms) == 3 * (3 if keep else 4)
     assert all(dtypes[-2:] == [torch.bfloat16, torch.bfloat16] for _, dtypes in vocab_mms), vocab_mms
     assert lp.dtype == torch.float32 and weight.grad.dtype == torch.float32 and hidden.grad.dtype == torch.float32
     with torch.no_grad():  # bf16 matmuls, fp32 softmax: close to the fp32 result
@@ -148,3 +153,30 @@ def test_one_rank_mesh_checkpoints_resume_and_export_exactly(tiny_llama_dir, tmp
     actor.export_hf(str(tmp_path / "hf"))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     assert all(torch.equal(exported[k], after[k]) for k in after)
+
+
+def test_kept_logits_give_the_recomputed_gradients(monkeypatch):
+    """CPU: the backward takes the forward's log-probs (KEEP_BYTES) instead of recomputing them; fp32 gradients
+    are the recomputing path's, and a second backward (retain_graph) recomputes rather than reuse a spent buffer."""
+    import molt.trainer.logprobs as lps
+
+    torch.manual_seed(0)
+    a, h, v = 12, 16, 300
+    base = (torch.randn(a, h), torch.randn(v, h))
+    targets, temp = torch.randint(0, v, (a,)), torch.full((a,), 0.7)
+
+    def grads(keep_bytes: int, twice: bool = False):
+        monkeypatch.setattr(lps, "KEEP_BYTES", keep_bytes)
+        hidden, weight = (t.clone().requires_grad_() for t in base)
+        lp, ent = gathered_logprobs(hidden, weight, None, targets, temp, chunk_size=5, with_entropy=True)
+        loss = (lp * torch.linspace(-1, 1, a)).sum() + 0.1 * ent.sum()
+        loss.backward(retain_graph=twice)
+        if twice:
+            loss.backward()
+        return hidden.grad, weight.grad
+
+    kept, recomputed = grads(1 << 30), grads(0)
+    for x, y in zip(kept, recomputed):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+    for x, y in zip(grads(1 << 30, twice=True), recomputed):
+        torch.testing.assert_close(x, 2 * y, rtol=1e-6, atol=1e-7)
