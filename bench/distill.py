@@ -10,6 +10,12 @@ of the next-token distributions along completions the student samples on the hel
 
     .venv/bin/python bench/distill.py [--steps 16] [--prompts 8] [--samples 8] [--lr 1e-3] [--staleness 1]
         [--return-to-go] [--eval-every 2]   (results and their reading: docs/modes.md, on-policy distillation)
+
+With `--student` and `--teacher` (model names or checkpoint directories sharing a tokenizer) the pair is those
+instead, for example SmolLM2-135M-Instruct distilled from its own SFT export (`molt sft --config
+recipes/sft/recipe.yaml`, which answers "3 + 2 = 5." where the base model writes a paragraph):
+
+    .venv/bin/python bench/distill.py --student smollm2-135m-instruct --teacher runs/sft/policy --max-new 32 ...
 """
 from __future__ import annotations
 
@@ -40,6 +46,10 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=2)
     p.add_argument("--eval-samples", type=int, default=16)
     p.add_argument("--out", default="/tmp/molt-bench-distill")
+    p.add_argument("--student", default="", help="student model (default: the tiny tuned pair of the test)")
+    p.add_argument("--teacher", default="", help="teacher model, with --student")
+    p.add_argument("--max-new", type=int, default=12, help="rollout.max_new_tokens and the evaluation's length")
+    p.add_argument("--warmup", type=int, default=0, help="actor.lr_warmup_steps")
     a = p.parse_args()
 
     import ray
@@ -47,14 +57,18 @@ def main() -> None:
 
     from molt.config import MoltConfig, validate
     from molt.runtime.loop import run_training
+    from molt.models import resolve_model
     from molt.testing.models import build_tiny_llama
 
     out = Path(a.out)
-    base = build_tiny_llama(out / "base")
-    student, teacher = tuned(base, out / "student", 10), tuned(base, out / "teacher", 40)  # deterministic
+    if a.student:
+        student, teacher = resolve_model(a.student), resolve_model(a.teacher)
+    else:
+        base = build_tiny_llama(out / "base")
+        student, teacher = tuned(base, out / "student", 10), tuned(base, out / "teacher", 40)  # deterministic
     cfg = MoltConfig()
     cfg.actor.model_name_or_path, cfg.ref.model_name_or_path = str(student), str(teacher)
-    cfg.actor.adam.lr, cfg.actor.lr_scheduler = a.lr, a.scheduler
+    cfg.actor.adam.lr, cfg.actor.lr_scheduler, cfg.actor.lr_warmup_steps = a.lr, a.scheduler, a.warmup
     cfg.algo.advantage.estimator = "on_policy_distill"
     if a.return_to_go:  # the same signal through the generic KL-as-token-reward path, summed to the end
         cfg.algo.advantage.estimator, cfg.algo.advantage.no_whiten = "reinforce_baseline", True
@@ -67,7 +81,7 @@ def main() -> None:
         cfg.train.agent_path = str(agent)
     cfg.data.prompt_dataset = str(DATA / "single_train.jsonl")
     cfg.train.max_steps, cfg.train.max_staleness = a.steps, a.staleness
-    cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens = a.prompts, a.samples, 12
+    cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens = a.prompts, a.samples, a.max_new
     cfg.ckpt.output_dir, cfg.ckpt.save_steps, cfg.ckpt.save_hf, cfg.ckpt.max_num = str(out / "run"), a.eval_every, True, 0
     for attempt in range(5):  # Ray gives a new node 30 s to start, which a loaded 2-core machine can miss
         try:
@@ -86,7 +100,7 @@ def main() -> None:
     prompts = [json.loads(line)["prompt"][0]["content"] for line in (DATA / "single_test.jsonl").open()]
     steps = range(0, a.steps + 1, a.eval_every)
     kls = [heldout_reverse_kl(out / "run" / "checkpoints" / f"step_{s}" / "hf" if s else student, teacher, prompts,
-                              samples=a.eval_samples) for s in steps]
+                              samples=a.eval_samples, max_new=a.max_new) for s in steps]
     train_kl = [m["kl/mean"] for m in map(json.loads, (out / "run" / "metrics.jsonl").open())]
     print(json.dumps({"args": vars(a), "train_seconds": round(seconds), "load": os.getloadavg()[0],
                       "steps": list(steps), "heldout_kl": [round(k, 3) for k in kls],
