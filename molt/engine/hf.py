@@ -220,7 +220,7 @@ class HFEngine(InProcessWeightReceiver):
         with self._cv:
             if not self._paused:
                 raise EngineError("update_weights must be called while the engine is paused (await pause())")
-        await asyncio.to_thread(self._load, named_tensors)
+        await asyncio.to_thread(copy_weights, self._params, named_tensors, self.model_name)
         with self._cv:
             self._version = version
             self._stale_cache = True
@@ -262,9 +262,6 @@ class HFEngine(InProcessWeightReceiver):
     def _wait_idle(self) -> None:
         with self._cv:
             self._cv.wait_for(lambda: not self._busy)
-
-    def _load(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        copy_weights(self._params, named_tensors, self.model_name)
 
     def shared_weights(self) -> dict[str, torch.Tensor] | None:
         """A CPU model's tensors, moved into shared memory: an `EngineProcess` parent then refits them in place

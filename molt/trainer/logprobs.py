@@ -72,7 +72,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         scaled = (hidden * inv_temp[:, None].to(hidden.dtype)).to(cdtype)  # logits / T == (hidden / T) @ W^T
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse, ent = torch.empty_like(lp), torch.empty_like(lp)
-        keep = hidden.device.type == "cpu" and n * weight.shape[0] * 4 <= KEEP_BYTES
+        # only for a backward to come: reference and teacher passes run without gradients
+        keep = any(ctx.needs_input_grad[:3]) and hidden.device.type == "cpu" and n * weight.shape[0] * 4 <= KEEP_BYTES
         ctx.kept = [] if keep else None
         for s in range(0, n, chunk_size):
             sl = slice(s, s + chunk_size)
