@@ -56,8 +56,8 @@ def main() -> None:
     from test_distill import DATA, heldout_reverse_kl, tuned
 
     from molt.config import MoltConfig, validate
-    from molt.runtime.loop import run_training
     from molt.models import resolve_model
+    from molt.runtime.loop import run_training
     from molt.testing.models import build_tiny_llama
 
     out = Path(a.out)

@@ -67,6 +67,23 @@ def run_engine(engine: HFEngine, prompts: list[list[int]], new: int) -> int:
     return asyncio.run(go())
 
 
+def run_clients(engine: HFEngine, prompts: list[list[int]], new: int, rounds: int = 3) -> int:
+    """Requests arriving and leaving continuously: one client per prompt sends `rounds` requests back to back,
+    each of a different length (new/2 to 3new/2 tokens), so rows leave and join at every few steps."""
+    async def client(i: int) -> int:
+        total = 0
+        for k in range(rounds):
+            n = new // 2 + (7 * i + 13 * k) % (new + 1)
+            out = await engine.generate(prompts[(i + k) % len(prompts)],
+                                        SamplingParams(max_tokens=n, min_tokens=n, temperature=1.0))
+            total += len(out.token_ids)
+        return total
+
+    async def go() -> int:
+        return sum(await asyncio.gather(*(client(i) for i in range(len(prompts)))))
+    return asyncio.run(go())
+
+
 def run_generate(model, prompts: list[list[int]], new: int, pad_id: int) -> int:
     length = max(map(len, prompts))
     ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
@@ -112,10 +129,15 @@ def measure(variants: dict, repeats: int) -> dict[str, tuple[float, float]]:
     return {name: (statistics.median(r), max(r)) for name, r in rates.items()}
 
 
-def throughput(engine: HFEngine, prompts: list[list[int]], args: argparse.Namespace) -> tuple[str, str, str]:
+def throughput(engine: HFEngine, prompts: list[list[int]], args: argparse.Namespace,
+               eager: HFEngine | None = None) -> tuple[str, str, str]:
     n, new, repeats, model = len(prompts), args.new_tokens or 64, args.repeats or 3, engine.model
     variants = {"embedded engine (molt.engine.hf)": lambda: run_engine(engine, prompts, new),
                 "padded model.generate": lambda: run_generate(model, prompts, new, engine.pad_token_id)}
+    if eager is not None:  # on CUDA: the same engine without CUDA graphs, and clients arriving continuously
+        variants["embedded engine, eager decode"] = lambda: run_engine(eager, prompts, new)
+        variants["clients arriving continuously (3 requests each)"] = lambda: run_clients(engine, prompts, new)
+        variants["the same, eager decode"] = lambda: run_clients(eager, prompts, new)
     manager = start_continuous(model, new) if args.continuous_batching else None
     if manager is not None:
         variants["transformers continuous batching"] = lambda: run_continuous(manager, prompts, new)
@@ -127,6 +149,11 @@ def throughput(engine: HFEngine, prompts: list[list[int]], args: argparse.Namesp
     lines += [f"| {name} | {med:.1f} | {best:.1f} | {med / base:.2f}x |" for name, (med, best) in rows]
     context = (f"{n} requests x {new} new tokens, prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}, "
                f"{str(engine.model.dtype).removeprefix('torch.')}, temperature 1, {_where(args)}")
+    if eager is not None:
+        graphs = engine._graphs  # the decoder (molt.engine.slots), made at the first request
+        context += (f"; CUDA graphs so far: {getattr(graphs, 'captures', 0)} captured in "
+                    f"{getattr(graphs, 'capture_s', 0.0):.1f} s (once per shape: batch and attended columns in "
+                    "powers of two)")
     return "Embedded engine throughput (`bench/engine.py`)", context, "\n".join(lines)
 
 
@@ -228,11 +255,15 @@ def main() -> None:
     args.model_name = Path(model_path).name if args.model or not cuda else "random Qwen2.5-0.5B shape"
     engine = HFEngine(model_path, max_batch_size=256 if cuda else 64, device=args.device,
                       dtype="bfloat16" if cuda else "float32", prefix_cache_mb=8192 if cuda else 1024)
+    eager = HFEngine(model_path, max_batch_size=256, device=args.device, dtype="bfloat16",
+                     cuda_graphs=False) if cuda else None
     sections = []
     if cuda or not args.multi_turn:
         for n in map(int, (args.requests or ("64,256" if cuda else "16")).split(",")):
             engine.max_batch_size = max(engine.max_batch_size, n)
-            sections.append(throughput(engine, prompts_for(engine.tokenizer, n, args.device), args))
+            sections.append(throughput(engine, prompts_for(engine.tokenizer, n, args.device), args, eager))
+    if eager is not None:
+        asyncio.run(eager.close())
     if cuda or args.multi_turn:
         sections.append(multi_turn(engine, args))
     asyncio.run(engine.close())

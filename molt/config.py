@@ -160,6 +160,8 @@ class RolloutConfig:
     """Run the embedded (hf) engine in a process of its own, apart from the capture server and the agents."""
     prefix_cache_mb: int = 1024
     """Embedded engine's session prefix cache in MB: a turn prefills only its new tokens; exact (0: off)."""
+    cuda_graphs: bool = True
+    """Embedded engine on a GPU: decode steps replay CUDA graphs (text models without expert routers)."""
     num_workers: int = 1
     """Rollout workers (each: an engine, a capture server, agent runners)."""
     timeout_s: float = 300.0

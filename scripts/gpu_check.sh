@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, in one command, for a session that has a GPU (`make gpu-check`; about 3-5 minutes on an H200):
 #   1. the CUDA tests of the trainer (fp32 engine-trainer gap, packed flash attention, one-rank bf16 mesh,
-#      host syncs per micro-batch) and the CPU tests of the same properties;
+#      host syncs per micro-batch) and of the engine's CUDA graphs (replays equal eager decode, survive a refit),
+#      and the CPU tests of the same properties;
 #   2. bench/gpu_trainer.py on the Qwen2.5-0.5B shape against a plain Hugging Face loop (appends to
 #      docs/benchmarks.md);
 #   3. bench/engine.py --device cuda, when the engine bench has that mode;
@@ -24,9 +25,10 @@ $PY -c "import sys, torch, transformers; print('python', sys.version.split()[0],
 
 # -o addopts= drops the project's `-m 'not slow' --timeout=600` (pytest-timeout may be missing); -rs lists skips
 if want tests; then
-  echo "== trainer tests (CUDA and CPU)"
+  echo "== trainer and engine tests (CUDA and CPU)"
   timeout 300 $PY -m pytest -q -o addopts= -p no:cacheprovider -rs tests/trainer/test_cuda.py \
-    tests/trainer/test_gpu_path.py tests/trainer/test_packing.py 2>&1 | tee "$OUT/trainer_tests.txt"
+    tests/trainer/test_gpu_path.py tests/trainer/test_packing.py tests/engine/test_slots.py 2>&1 \
+    | tee "$OUT/trainer_tests.txt"
   if grep -q "SKIPPED.*needs CUDA" "$OUT/trainer_tests.txt"; then echo "the CUDA tests were skipped" >&2; exit 3; fi
 fi
 

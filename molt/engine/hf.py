@@ -1,51 +1,6 @@
 """The embedded inference engine: a transformers model behind the `Engine` protocol, for CPU and one GPU.
 
-How it batches. One worker thread owns the model and a single left-padded batch: a `DynamicCache`, a 2-D
-attention mask and the list of running requests (one row each). Every *step* advances every running request by
-exactly one token: a decode forward of the running rows (input = each row's last sampled token, positions from
-the mask), then a prefill forward of the requests that arrived since the last step (left-padded among
-themselves, only the last position's logits), whose cache is left-padded to a common length and concatenated to
-the running one. Finished and aborted rows leave at the step boundary (batch index-select) and padding columns
-that no row uses any more are trimmed. Invariant: each running row has exactly one sampled token that is not in
-the cache yet (its last one). Requests with different sampling parameters share a batch: temperature, top-k,
-top-p, min_tokens and the random draws are per row.
-
-Session prefix cache (`molt.engine.prefix_cache`, on by default: it is exact). A finished request with a session
-id leaves a copy of its row's keys/values (no padding) keyed by the session; the session's next request takes the
-longest prefix its tokens share with that entry from it and prefills only the rest, so a multi-turn agent pays
-for its new tokens only. Prefills are grouped by the tokens they compute, not by context length.
-
-Why this and not transformers' continuous-batching manager. `bench/engine.py` on this 2-core CPU (shared with
-other jobs, load average 4-8), SmolLM2-135M fp32, 16 concurrent requests x 64 new tokens at temperature 1,
-tokens/s, median of 3 interleaved rounds (docs/benchmarks.md):
-  - this loop .................... 42.1  (1.01x padded generate; 1.10x-1.25x in two noisier runs)
-  - padded `model.generate` ...... 41.8
-  - continuous-batching manager .. 39.4  (0.94x started once; 0.80x-0.91x with its start-up in the timing)
-The manager is built for GPUs (paged cache, scheduler thread) and returns log-probabilities taken after the
-logits processors, i.e. after top-k/top-p: not the quantity `molt.engine.base` fixes. The hand loop is faster,
-exact, and makes per-token versions, pausing at token boundaries, per-request seeds and abort straightforward.
-
-Sampling and the behavior log-probability: `molt.engine.sampling` (one uniform draw per token from the request's
-own seeded generator, so a seeded request reproduces whichever requests share its batch).
-
-Refit: `update_weights` copies tensors into the model in place while the worker is paused (`receive_weights`,
-the collective path of `molt.engine.weight_group`, ends in the same call). The retained
-requests' KV caches hold old-weight keys/values, so the next step prefills them again (prompt + generated tokens)
-with the new weights: later tokens are exactly what the new policy computes over the whole sequence. For the
-same reason a refit empties the prefix cache (unless `prefix_cache_stale`; then versions record the old prefix).
-
-Mixture of experts: a hook on every `*TopKRouter` records each position's experts (docs/moe.md); a position
-keeps the first route it got (a refit's recomputation does not overwrite it), prefix-cache entries keep theirs.
-
-Vision-language models (`AutoModelForImageTextToText`; docs/vision.md): a request's `images` join its prefill
-(re-prefill too), a group's in row order, the order the model fills placeholders in. Such requests neither use
-nor fill the prefix cache: every image's placeholders are the same token ids, so a prefix computed with another
-image would match. Positions that depend on the images (Qwen2-VL's M-RoPE) come from the model's own
-`get_rope_index` at prefill (`molt.types.rope_positions`); a decode step adds each row's offset. The model's
-image/video tokens are never sampled: their logits are -inf (the trainer masks them the same way).
-
-Sampling defaults in the model's generation_config (repetition penalty, ...) are ignored; only its EOS ids are
-used. An explicit `max_tokens` beyond the context window is capped (finish reason LENGTH).
+Design notes and decisions: docs/internals.md, section `molt/engine/hf.py`.
 """
 from __future__ import annotations
 
@@ -59,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from molt.engine.base import EngineError, check_request, copy_weights
-from molt.engine.prefix_cache import PrefixCache, left_pad, prefill_inputs, row_layers
+from molt.engine.prefix_cache import PrefixCache, prefill_inputs
 from molt.engine.sampling import sample
+from molt.engine.slots import GraphDecoder, Slots
 from molt.engine.weight_group import InProcessWeightReceiver
 from molt.types import Completion, FinishReason, SamplingParams, join_inputs, rope_positions, vision_token_ids
 
@@ -118,7 +73,8 @@ class HFEngine(InProcessWeightReceiver):
 
     def __init__(self, model_path: str, *, model_name: str | None = None, dtype: str = "float32",
                  device: str = "cpu", max_batch_size: int = 64, version: int = 0,
-                 max_prefill_tokens: int = 8192, prefix_cache_mb: float = 1024, prefix_cache_stale: bool = False):
+                 max_prefill_tokens: int = 8192, prefix_cache_mb: float = 1024, prefix_cache_stale: bool = False,
+                 cuda_graphs: bool = True):
         import transformers as tf
 
         if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
@@ -152,6 +108,12 @@ class HFEngine(InProcessWeightReceiver):
         for router in routers:
             router.register_forward_hook(lambda _m, _a, out: self._routes.append(out[2]))
         self._route_dtype = torch.uint8 if all(r.weight.shape[0] <= 256 for r in routers) else torch.int16
+        # CUDA graphs for the decode step (molt.engine.slots), not where a step needs Python (route hooks, images)
+        self._graphs: GraphDecoder | bool = cuda_graphs and self.device.type == "cuda" and not routers \
+            and not self.vision  # the decoder itself once the slots exist
+        # with graphs a decode step is cheap and an eager prefill is not: arrivals wait up to this many steps for
+        # company (or a full batch) before they prefill
+        self.hold_steps, self._held = (8 if self._graphs else 0), 0
         self._params = self.model.state_dict()  # tensors share storage with the parameters (tied ones too)
         self._version = version
         self.prefixes = PrefixCache(prefix_cache_mb, prefix_cache_stale)  # owned by the worker thread
@@ -162,9 +124,8 @@ class HFEngine(InProcessWeightReceiver):
         self._paused = self._busy = self._closed = self._stale_cache = False
         self._abort_pending = False
         # owned by the worker thread
-        self._rows: list[_Request] = []
-        self._cache: Any = None
-        self._mask: torch.Tensor | None = None  # [rows, cache_len] 1 = real token
+        self._rows: list[_Request] = []  # row i's keys/values are slot i of _slots (made at the first prefill)
+        self._slots: Slots | None = None
         self._thread = threading.Thread(target=self._run, name=f"molt-hf-engine-{self.model_name}", daemon=True)
         self._thread.start()
 
@@ -245,7 +206,7 @@ class HFEngine(InProcessWeightReceiver):
     def _make_request(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> _Request:
         max_new = check_request(prompt, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                 model_name=self.model_name)
-        generator = torch.Generator(self.device)
+        generator = torch.Generator()  # on the CPU: a GPU step would launch a kernel per row to draw
         generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
         loop = asyncio.get_running_loop()
         return _Request(
@@ -286,14 +247,21 @@ class HFEngine(InProcessWeightReceiver):
                     if self._paused or not (self._waiting or self._rows):
                         continue
                     free = max(self.max_batch_size - len(self._rows), 0)
-                    new, self._waiting = self._waiting[:free], self._waiting[free:]
+                    new = self._waiting[:free]
+                    if self._rows and 0 < len(new) < free and self._held < self.hold_steps:
+                        new, self._held = [], self._held + 1  # let arrivals gather (module docstring)
+                    else:
+                        self._held = 0
+                    self._waiting = self._waiting[len(new):]
                     self._busy = True
                 try:
                     self._step(new)
                 except Exception as error:  # noqa: BLE001 - fail the requests rather than leave agents waiting
                     for req in self._rows + new:
                         _resolve(req, error=error)
-                    self._rows, self._cache, self._mask = [], None, None
+                    self._rows = []
+                    if self._slots is not None:
+                        self._slots.reset()
                 finally:
                     with self._cv:
                         self._busy = False
@@ -314,31 +282,31 @@ class HFEngine(InProcessWeightReceiver):
         keep = [i for i, r in enumerate(self._rows) if r.finish is None]
         if len(keep) == len(self._rows):
             return
-        self._rows = [self._rows[i] for i in keep]
-        if not keep:
-            self._cache = self._mask = None
-            return
-        index = torch.tensor(keep, device=self.device)
-        mask = self._mask[index]
-        start = int(mask.any(0).nonzero()[0])  # drop padding columns that no remaining row needs
-        self._mask = mask[:, start:]
-        for layer in self._cache.layers:
-            layer.keys, layer.values = layer.keys[index, :, start:], layer.values[index, :, start:]
+        self._rows = [self._rows[i] for i in self._slots.keep(keep)]
 
     def _step(self, new: list[_Request]) -> None:
         """Advance every running request and every new one by exactly one token."""
         if self._stale_cache:  # weights changed: recompute the retained requests' caches with the new ones
             new = self._rows + new
-            self._rows, self._cache, self._mask, self._stale_cache = [], None, None, False
+            self._rows, self._stale_cache = [], False
+            if self._slots is not None:
+                self._slots.reset()
             self.prefixes.refit()
         version = self._version
         if self._rows:
-            self._mask = F.pad(self._mask, (0, 1), value=1)
-            positions = self._mask.sum(1, keepdim=True) - 1
+            slots = self._slots
+            positions = slots.advance()
             if any(r.rope_offset for r in self._rows):
                 positions = positions + torch.tensor([[r.rope_offset] for r in self._rows], device=self.device)
             ids = torch.tensor([[r.tokens[-1]] for r in self._rows], device=self.device)
-            logits, routes = self._forward(ids, self._mask, positions, self._cache)
+            if isinstance(self._graphs, GraphDecoder):
+                logits, routes = self._graphs(ids, positions).float(), None
+            else:
+                n, columns = slots.rows, slots.width + 1
+                column = torch.tensor([slots.width], device=self.device)
+                logits, routes = self._forward(ids, slots.bias(n, columns, self.model.dtype), positions,
+                                               slots.view(n, columns, column))
+            slots.width += 1
             for i, r in enumerate(self._rows):
                 r.route(len(r.prompt) + len(r.tokens) - 1, None if routes is None else routes[i])
             self._emit(self._rows, logits, version)
@@ -363,7 +331,7 @@ class HFEngine(InProcessWeightReceiver):
         if self.prefixes.budget:  # finished rows leave at the sweep: keep their keys/values for the next turn
             for i, r in enumerate(self._rows):
                 if r.finish is not None and r.session_id is not None and not r.images:
-                    layers = row_layers(self._cache, self._mask, i)
+                    layers = self._slots.row(i)
                     self.prefixes.store(r.session_id, (r.prompt + r.tokens)[:-1], layers, r.kv_version, r.routes)
         with self._cv:
             self._sweep()
@@ -393,15 +361,14 @@ class HFEngine(InProcessWeightReceiver):
         return logits, routes
 
     def _merge(self, group: list[_Request], cache: Any, mask: torch.Tensor) -> None:
-        """Append a prefilled group's rows to the running batch, left-padding the shorter cache."""
-        if not self._rows:
-            self._rows, self._cache, self._mask = list(group), cache, mask
-            return
-        length = max(mask.shape[1], self._mask.shape[1])
-        for mine, theirs in zip(self._cache.layers, cache.layers):
-            mine.keys = torch.cat([left_pad(mine.keys, length, -2), left_pad(theirs.keys, length, -2)])
-            mine.values = torch.cat([left_pad(mine.values, length, -2), left_pad(theirs.values, length, -2)])
-        self._mask = torch.cat([left_pad(self._mask, length, 1), left_pad(mask, length, 1)])
+        """Append a prefilled group's rows to the running batch (the slots are made at the first group)."""
+        if self._slots is None:
+            keys = cache.layers[0].keys
+            self._slots = Slots(len(cache.layers), keys.shape[1], keys.shape[3], keys.dtype, self.device,
+                                self.max_batch_size, self.max_model_len + 1)
+            if self._graphs:
+                self._graphs = GraphDecoder(self.model, self._slots, self._cache_kw, self.device.type == "cuda")
+        self._slots.merge([(layer.keys, layer.values) for layer in cache.layers], mask)
         self._rows += group
 
     def _emit(self, reqs: list[_Request], logits: torch.Tensor, version: int) -> None:

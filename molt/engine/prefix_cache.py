@@ -102,8 +102,3 @@ def prefill_inputs(contexts: list[list[int]], reused: list[tuple[Prefix | None, 
     positions = (mask.cumsum(1) - 1).clamp(min=0)[:, width:]
     return ids, mask, positions
 
-
-def row_layers(cache: Any, mask: torch.Tensor, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A copy of one batch row's keys/values without its padding columns (it must not pin the batch tensors)."""
-    columns = mask[row].nonzero()[:, 0]
-    return [(layer.keys[row:row + 1, :, columns], layer.values[row:row + 1, :, columns]) for layer in cache.layers]

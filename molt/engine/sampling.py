@@ -5,7 +5,7 @@ Behavior log-probability: exactly `molt.engine.base`'s definition, log_softmax(l
 vocabulary (T = 0 -> 1), before top-k/top-p and before the min_tokens suppression of stop tokens (that
 suppression is a truncation like top-k: the token is sampled from the masked distribution, the record is the
 unmasked one). `top_logprobs` come from the same distribution. Sampling draws from a
-per-request `torch.Generator` (seeded by `SamplingParams.seed`): one uniform number per token, mapped through
+per-request CPU `torch.Generator` (seeded by `SamplingParams.seed`): one uniform number per token, mapped through
 the float64 CDF of the (truncated) distribution. A seeded request therefore reproduces no matter which other
 requests share its batch (up to float differences of the batched matmuls).
 """
@@ -33,8 +33,8 @@ def sample(logits: torch.Tensor, reqs: list[Any]) -> tuple[list[int], list[float
     # Inverse-CDF sampling with one uniform draw per row from the request's own generator: exact, and a
     # handful of batched ops instead of a vocabulary-sized noise draw per row (which dominated a step on 2 cores).
     cdf = scores.softmax(-1).double().cumsum(-1)
-    uniform = torch.stack([torch.rand((), generator=r.generator, device=logits.device, dtype=torch.float64)
-                           for r in reqs])
+    uniform = torch.stack([torch.rand((), generator=r.generator, dtype=torch.float64) for r in reqs])
+    uniform = uniform.to(logits.device)  # the generators live on the CPU: one copy instead of a draw per row
     sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=vocab - 1)
     greedy = [r.params.temperature == 0 for r in reqs]
     picked = torch.where(torch.tensor(greedy, device=logits.device), scores.argmax(-1), sampled) if any(greedy) \

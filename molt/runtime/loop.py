@@ -125,7 +125,8 @@ class Run:
         worker_threads, trainer_threads = _threads(cfg)
         runner_options = {"timeout": cfg.rollout.timeout_s, "max_turns": cfg.rollout.max_turns}
         engine_options: dict[str, Any] = {"process": cfg.rollout.engine_process,
-                                          "prefix_cache_mb": cfg.rollout.prefix_cache_mb}
+                                          "prefix_cache_mb": cfg.rollout.prefix_cache_mb,
+                                          "cuda_graphs": cfg.rollout.cuda_graphs}
         n_workers, gpus = cfg.rollout.num_workers, 0
         if cfg.rollout.engine == "vllm":  # one worker per vLLM engine, holding its tensor-parallel GPUs
             v = cfg.vllm
@@ -422,7 +423,7 @@ def _init_ray(cfg: MoltConfig, attempts: int = 3) -> None:
         try:
             return ray.init("local", num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, log_to_driver=False,
                             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-        except Exception as e:  # noqa: BLE001 (Ray raises a bare Exception for this)
+        except Exception as e:  # Ray raises a bare Exception for this
             if "timed out during startup" not in str(e) or attempt == attempts - 1:
                 raise
             print(f"molt: Ray's node did not start in time ({e}); retrying", file=sys.stderr)

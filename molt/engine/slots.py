@@ -1,0 +1,225 @@
+"""The embedded engine's running batch in preallocated key/value slots, and its decode step under CUDA graphs.
+
+Design notes and decisions: docs/internals.md, section `molt/engine/slots.py`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(least, 1 << max(n - 1, 0).bit_length())
+
+
+class Slots:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 max_rows: int, max_columns: int):
+        self.shape, self.dtype, self.device = (layers, kv_heads, head_dim), dtype, device
+        self.max_rows, self.max_columns = max_rows, max_columns
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.rows = self.width = 0  # rows in use; columns in use (every row ends at width - 1)
+        self.moved = 0  # storage reallocations (a graph decoder captures again after one)
+
+    def reset(self) -> None:
+        """Empty the batch (storage kept)."""
+        self.mask[: self.rows].zero_()
+        self.rows = self.width = 0
+
+    def reserve(self, rows: int, columns: int) -> None:
+        """Capacity for `rows` x `columns` (powers of two, capped), keeping the content."""
+        have_r, have_c = self.mask.shape
+        if rows <= have_r and columns <= have_c:
+            return
+        if rows > self.max_rows or columns > self.max_columns:
+            raise RuntimeError(f"slots: {rows} x {columns} exceeds {self.max_rows} x {self.max_columns}")
+        r = min(max(_pow2(rows), have_r), self.max_rows)
+        c = min(max(_pow2(columns, 64), have_c), self.max_columns)
+        layers, heads, dim = self.shape
+        kv = []
+        for i in range(layers):
+            pair = tuple(torch.zeros(r, heads, c, dim, dtype=self.dtype, device=self.device) for _ in range(2))
+            for new, old in zip(pair, self.kv[i] if self.kv else ()):
+                new[: self.rows, :, : self.width] = old[: self.rows, :, : self.width]
+            kv.append(pair)
+        mask = torch.zeros(r, c, dtype=torch.long, device=self.device)
+        mask[: self.rows, : self.width] = self.mask[: self.rows, : self.width]
+        self.kv, self.mask, self.moved = kv, mask, self.moved + 1
+
+    def _shift(self, by: int) -> None:
+        """Move the rows' columns right (by > 0, making room in front) or left (by < 0, dropping leading ones)."""
+        n, w = self.rows, self.width
+        if by > 0:
+            src, dst, clear = slice(0, w), slice(by, w + by), slice(0, by)
+        else:
+            src, dst, clear = slice(-by, w), slice(0, w + by), slice(w + by, w)
+        for pair in self.kv:
+            for t in pair:
+                t[:n, :, dst] = t[:n, :, src].clone()
+        self.mask[:n, dst] = self.mask[:n, src].clone()
+        self.mask[:n, clear] = 0
+        self.width = w + by
+
+    def merge(self, layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> None:
+        """Append a prefilled group: per layer (keys, values) [g, kv_heads, m, head_dim] and its mask [g, m]. Each
+        row's tokens are gathered to the right first, closing the gap a prefill from a reused prefix leaves
+        between prefix and suffix, so that every row is contiguous and the width stays within the context."""
+        g = mask.shape[0]
+        m = int(mask.sum(1).max())
+        order = mask.argsort(dim=1, stable=True)[:, -m:]  # padding first, then the tokens in their order
+        mask = mask.gather(1, order)
+        if m > self.width:
+            self.reserve(self.rows, m)
+            if self.rows:
+                self._shift(m - self.width)
+            self.width = m
+        self.reserve(self.rows + g, self.width)
+        rows, cols = slice(self.rows, self.rows + g), slice(self.width - m, self.width)
+        _, heads, _, dim = layers[0][0].shape
+        at = order[:, None, :, None].expand(g, heads, m, dim)
+        for (keys, values), (k, v) in zip(self.kv, layers):
+            keys[rows, :, cols], values[rows, :, cols] = k.gather(2, at), v.gather(2, at)
+        self.mask[rows] = 0
+        self.mask[rows, cols] = mask
+        self.rows += g
+
+    def keep(self, rows: list[int]) -> list[int]:
+        """Keep these rows; returns which old row each slot 0..len(rows)-1 now holds. Kept rows past the new end
+        move into the holes: a copy of the moved rows only, where gathering every row would copy the whole batch
+        at each departure."""
+        n = len(rows)
+        kept = set(rows)
+        holes = [i for i in range(n) if i not in kept]
+        movers = [i for i in rows if i >= n]
+        order = list(range(n))
+        if holes:
+            to, at = (torch.tensor(x, device=self.device) for x in (holes, movers))
+            for pair in self.kv:
+                for t in pair:
+                    t[to, :, : self.width] = t[at, :, : self.width]
+            self.mask[to, : self.width] = self.mask[at, : self.width]
+            for hole, mover in zip(holes, movers):
+                order[hole] = mover
+        self.mask[n: self.rows] = 0
+        self.rows = n
+        if not n:
+            self.width = 0
+            return order
+        self._trim(force=False)
+        return order
+
+    def _trim(self, force: bool) -> None:
+        """Drop the leading columns no row uses: when forced (no room for the next column) or when that shrinks
+        the attended width's power of two (a shift copies every row, so not on every departure)."""
+        start = int(self.mask[: self.rows, : self.width].any(0).nonzero()[0])
+        if start and (force or _pow2(self.width - start + 1, 64) < _pow2(self.width + 1, 64)):
+            self._shift(-start)
+
+    def advance(self) -> torch.Tensor:
+        """Open column `width` for every row; returns each row's position there [rows, 1]."""
+        if self.width + 1 > self.max_columns:
+            self._trim(force=True)
+        self.reserve(self.rows, self.width + 1)
+        self.mask[: self.rows, self.width] = 1
+        return self.mask[: self.rows, : self.width + 1].sum(1, keepdim=True) - 1
+
+    def view(self, rows: int, columns: int, column: torch.Tensor) -> _View:
+        return _View(self.kv, rows, columns, column)
+
+    def bias(self, rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive attention mask [rows, 1, 1, columns] of a decode step (0 attend, dtype's min not)."""
+        keep = self.mask[:rows, None, None, :columns].bool()
+        return torch.zeros(keep.shape, dtype=dtype, device=self.device).masked_fill_(~keep, torch.finfo(dtype).min)
+
+    def row(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of row i's keys/values without its padding columns (for the prefix cache)."""
+        columns = self.mask[i, : self.width].nonzero()[:, 0]
+        return [(k[i: i + 1, :, columns], v[i: i + 1, :, columns]) for k, v in self.kv]
+
+
+class _View:
+    """What the model's attention layers see as the cache: `update` writes the new token's keys/values at the
+    column tensor `column` of the first `rows` slots and returns their first `columns` columns."""
+
+    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]], rows: int, columns: int, column: torch.Tensor):
+        self.kv, self.rows, self.columns, self.column = kv, rows, columns, column
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, *args: Any, **kwargs: Any):
+        k, v = self.kv[layer]
+        k[: self.rows].index_copy_(2, self.column, keys)
+        v[: self.rows].index_copy_(2, self.column, values)
+        return k[: self.rows, :, : self.columns], v[: self.rows, :, : self.columns]
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.columns
+
+
+class GraphDecoder:
+    """Decode forwards on padded power-of-two shapes from static buffers; captured as CUDA graphs on CUDA."""
+
+    def __init__(self, model: Any, slots: Slots, cache_kw: str, capture: bool):
+        self.model, self.slots, self.cache_kw, self.capture = model, slots, cache_kw, capture
+        self.graphs: dict[tuple[int, int], Any] = {}
+        self.captures, self.capture_s = 0, 0.0  # over the engine's life (a refit adds none)
+        self._moved = -1
+        self._pool = None
+
+    def _buffers(self) -> None:
+        """(Re)allocate the static inputs for the slots' current storage; captured graphs refer to the old one."""
+        rows, columns = self.slots.mask.shape
+        device = self.slots.device
+        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.column = torch.zeros(1, dtype=torch.long, device=device)
+        self.bias = torch.zeros(rows, 1, 1, columns, dtype=self.slots.dtype, device=device)
+        self.graphs.clear()
+        self._moved = self.slots.moved
+
+    def _forward(self, rows: int, columns: int) -> torch.Tensor:
+        out = self.model(input_ids=self.ids[:rows], attention_mask=self.bias[:rows, :, :, :columns],
+                         position_ids=self.positions[:rows], use_cache=True, logits_to_keep=1,
+                         **{self.cache_kw: self.slots.view(rows, columns, self.column)})
+        return out.logits[:, -1]
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] of the running rows' next token; `Slots.advance` has opened column `width`."""
+        slots = self.slots
+        n, width = slots.rows, slots.width
+        rows = min(_pow2(n), slots.mask.shape[0])
+        columns = min(_pow2(width + 1, 64), slots.mask.shape[1])
+        if self._moved != slots.moved:
+            self._buffers()
+        self.ids[:n] = ids
+        self.positions[:n] = positions
+        self.column.fill_(width)
+        self.bias[:rows, :, :, :columns] = slots.bias(rows, columns, slots.dtype)
+        if not self.capture:
+            return self._forward(rows, columns)[:n]
+        key = (rows, columns)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(rows, columns)
+        graph, logits = self.graphs[key]
+        graph.replay()
+        return logits[:n]
+
+    def _capture(self, rows: int, columns: int) -> tuple[Any, torch.Tensor]:
+        """Warm up on a side stream (the allocator and kernels settle), then capture one forward. Warm-up writes
+        land in column `width`, which the replay that follows overwrites with the same values."""
+        start = time.perf_counter()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(rows, columns)
+        torch.cuda.current_stream().wait_stream(stream)
+        self._pool = self._pool or torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a trainer sharing the GPU from another thread may launch work while this one captures
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            logits = self._forward(rows, columns)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - start
+        return graph, logits

@@ -1,0 +1,129 @@
+"""The running batch's key/value slots (molt.engine.slots): bookkeeping checked value by value, and the padded
+fixed-shape decode that CUDA captures, run eagerly on the CPU against the plain decode."""
+import asyncio
+
+import pytest
+import torch
+
+from molt.engine.hf import HFEngine
+from molt.engine.slots import GraphDecoder, Slots
+from molt.types import SamplingParams
+
+
+def group(mask: list[list[int]], base: int):
+    """A prefilled group whose key at (row r, column c) is base + 10 r + c (values: the negation)."""
+    m = torch.tensor(mask)
+    keys = (base + 10 * torch.arange(len(mask))[:, None] + torch.arange(m.shape[1])[None]).float()
+    keys = keys[:, None, :, None]
+    return [(keys, -keys)], m
+
+
+def tokens(slots: Slots, i: int) -> list[int]:
+    (k, v), = slots.row(i)
+    assert torch.equal(v, -k)
+    return k.flatten().int().tolist()
+
+
+def test_slots_merge_shift_keep_by_hand():
+    slots = Slots(1, 1, 1, torch.float32, torch.device("cpu"), max_rows=8, max_columns=200)
+    # row 0: a reused prefix (columns 1-2), a padding gap, then its suffix (column 4); row 1: five tokens
+    slots.merge(*group([[0, 1, 1, 0, 1], [1, 1, 1, 1, 1]], 0))
+    assert (slots.rows, slots.width) == (2, 5)
+    assert tokens(slots, 0) == [1, 2, 4] and tokens(slots, 1) == [10, 11, 12, 13, 14]
+    assert slots.mask[:2, :5].tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]  # the gap closed, right-aligned
+    slots.merge(*group([[1] * 7], 100))  # longer: the running rows move right
+    assert (slots.rows, slots.width) == (3, 7)
+    assert [tokens(slots, i) for i in range(3)] == [[1, 2, 4], [10, 11, 12, 13, 14], list(range(100, 107))]
+    positions = slots.advance()
+    assert positions.flatten().tolist() == [3, 5, 7]
+    new = torch.tensor([1000.0, 1001.0, 1002.0])[:, None, None, None]
+    k, v = slots.view(3, 8, torch.tensor([7])).update(new, -new, 0)
+    assert k.shape == (3, 1, 8, 1) and k[:, 0, 7, 0].tolist() == [1000, 1001, 1002]
+    assert torch.equal(v, -k)
+    slots.width += 1
+    bias = slots.bias(3, 8, torch.float32)
+    low = torch.finfo(torch.float32).min
+    assert bias[:, 0, 0].tolist() == [[low] * 4 + [0.0] * 4, [low, low] + [0.0] * 6, [0.0] * 8]
+    assert slots.keep([0, 2]) == [0, 2]  # nothing moves: row 2 takes the hole at slot 1
+    assert (slots.rows, slots.width) == (2, 8)
+    assert tokens(slots, 0) == [1, 2, 4, 1000] and tokens(slots, 1) == list(range(100, 107)) + [1002]
+    moved = slots.moved
+    slots.merge(*group([[1] * 100], 200))  # beyond the 64 columns reserved so far: storage grows, content kept
+    assert slots.moved == moved + 1 and slots.mask.shape[1] == 128 and (slots.rows, slots.width) == (3, 100)
+    assert slots.keep([2, 0]) == [0, 2]  # the 100-token row's slot stays
+    assert tokens(slots, 1) == list(range(200, 300)) and tokens(slots, 0) == [1, 2, 4, 1000]
+    assert slots.keep([1]) == [1]  # it moves into slot 0; the short row was the last, no trim (same bucket)
+    assert (slots.rows, slots.width) == (1, 100) and tokens(slots, 0) == list(range(200, 300))
+    slots.merge(*group([[1] * 3], 400))
+    assert slots.keep([1]) == [1] and tokens(slots, 0) == [400, 401, 402]
+    assert slots.width == 3  # 3 columns fit a smaller power of two than 100: the leading 97 went
+    assert slots.mask[0, :8].tolist() == [1, 1, 1, 0, 0, 0, 0, 0] and not slots.mask[1:].any()
+    with pytest.raises(RuntimeError, match="exceeds"):
+        slots.reserve(9, 10)
+
+
+PROMPTS = [[3 + i] + list(range(20, 20 + 12 * i)) for i in range(7)]  # up to 73 tokens: the slots grow
+
+
+async def run(engine: HFEngine, prompts: list[list[int]]) -> list:
+    """Seeded requests of different lengths arriving while others decode and leaving at different steps, then a
+    second turn of two sessions (prefix reuse into the running batch)."""
+    async def one(i: int, prompt: list[int], delay: float, session: str | None = None):
+        await asyncio.sleep(delay)
+        params = SamplingParams(max_tokens=4 + 3 * (i % 4), temperature=1.0, seed=i)
+        return await engine.generate(prompt, params, session_id=session or f"s{i}")
+
+    first = await asyncio.gather(*(one(i, p, 0.01 * (i % 3)) for i, p in enumerate(prompts)))
+    turns = [prompts[i] + first[i].token_ids + [7, 8, 9] for i in (0, 3)]
+    second = await asyncio.gather(*(one(10 + i, t, 0.0, f"s{i * 3}") for i, t in enumerate(turns)))
+    return first + second
+
+
+def test_padded_decode_equals_plain_decode(tiny_llama_dir):
+    """Synchronous (asyncio.run): the GPU image runs these tests without pytest-asyncio."""
+    plain, padded = HFEngine(str(tiny_llama_dir)), HFEngine(str(tiny_llama_dir))
+    padded._graphs, padded.hold_steps = True, 8  # the CUDA path without capture (molt.engine.slots)
+    try:
+        want, got = asyncio.run(run(plain, PROMPTS)), asyncio.run(run(padded, PROMPTS))
+        stats = asyncio.run(padded.prefix_stats())
+    finally:
+        asyncio.run(plain.close())
+        asyncio.run(padded.close())
+    assert isinstance(padded._graphs, GraphDecoder) and padded._graphs.captures == 0
+    assert not isinstance(plain._graphs, GraphDecoder)
+    assert stats["reused_tokens"] > 0
+    same(want, got)
+
+
+def same(want: list, got: list, version: int = 0) -> None:
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and set(b.versions) == {version}
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_equal_eager_decode_and_survive_a_refit(tiny_llama_dir):
+    asyncio.run(_graphs_equal_eager_decode_and_survive_a_refit(tiny_llama_dir))
+
+
+async def _graphs_equal_eager_decode_and_survive_a_refit(tiny_llama_dir):
+    """fp32 on CUDA: graph replays give the eager engine's tokens and log-probs, before and after a refit, and
+    the refit keeps every captured graph (capture is paid once per shape, not per refit)."""
+    graphs, eager = HFEngine(str(tiny_llama_dir), device="cuda"), HFEngine(str(tiny_llama_dir), device="cuda",
+                                                                           cuda_graphs=False)
+    try:
+        same(await run(eager, PROMPTS), await run(graphs, PROMPTS))
+        decoder = graphs._graphs
+        assert isinstance(decoder, GraphDecoder) and decoder.captures == len(decoder.graphs) > 0
+        before = dict(decoder.graphs)
+        new = {k: v + 0.02 * torch.randn_like(v) for k, v in graphs.model.state_dict().items()}
+        for engine in (graphs, eager):
+            await engine.pause()
+            await engine.update_weights(new.items(), 1)
+            await engine.resume()
+        same(await run(eager, PROMPTS), await run(graphs, PROMPTS), version=1)
+        assert all(decoder.graphs.get(key) is graph for key, graph in before.items())
+        assert decoder.captures == len(decoder.graphs)
+    finally:
+        await graphs.close()
+        await eager.close()
