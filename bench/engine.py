@@ -153,7 +153,7 @@ def throughput(engine: HFEngine, prompts: list[list[int]], args: argparse.Namesp
         graphs = engine._graphs  # the decoder (molt.engine.slots), made at the first request
         context += (f"; CUDA graphs so far: {getattr(graphs, 'captures', 0)} captured in "
                     f"{getattr(graphs, 'capture_s', 0.0):.1f} s (once per shape: batch and attended columns in "
-                    "powers of two)")
+                    "powers of two)" + (f"; GRAPHS FAILED: {engine.graph_error}" if engine.graph_error else ""))
     return "Embedded engine throughput (`bench/engine.py`)", context, "\n".join(lines)
 
 

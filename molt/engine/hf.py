@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import warnings
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -114,6 +115,7 @@ class HFEngine(InProcessWeightReceiver):
         # with graphs a decode step is cheap and an eager prefill is not: arrivals wait up to this many steps for
         # company (or a full batch) before they prefill
         self.hold_steps, self._held = (8 if self._graphs else 0), 0
+        self.graph_error: str | None = None  # why graphs were given up, if they were (`_graph_decode`)
         self._params = self.model.state_dict()  # tensors share storage with the parameters (tied ones too)
         self._version = version
         self.prefixes = PrefixCache(prefix_cache_mb, prefix_cache_stale)  # owned by the worker thread
@@ -299,9 +301,8 @@ class HFEngine(InProcessWeightReceiver):
             if any(r.rope_offset for r in self._rows):
                 positions = positions + torch.tensor([[r.rope_offset] for r in self._rows], device=self.device)
             ids = torch.tensor([[r.tokens[-1]] for r in self._rows], device=self.device)
-            if isinstance(self._graphs, GraphDecoder):
-                logits, routes = self._graphs(ids, positions).float(), None
-            else:
+            logits, routes = self._graph_decode(ids, positions), None
+            if logits is None:
                 n, columns = slots.rows, slots.width + 1
                 column = torch.tensor([slots.width], device=self.device)
                 logits, routes = self._forward(ids, slots.bias(n, columns, self.model.dtype), positions,
@@ -335,6 +336,18 @@ class HFEngine(InProcessWeightReceiver):
                     self.prefixes.store(r.session_id, (r.prompt + r.tokens)[:-1], layers, r.kv_version, r.routes)
         with self._cv:
             self._sweep()
+
+    def _graph_decode(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The decode step's logits from a CUDA graph; None without graphs, or (and eager decode from then on)
+        where a model's forward cannot be captured: rollouts go on, slower, and the warning says why."""
+        if not isinstance(self._graphs, GraphDecoder):
+            return None
+        try:
+            return self._graphs(ids, positions).float()
+        except RuntimeError as error:
+            warnings.warn(f"{self.model_name}: CUDA graph capture failed, decoding eagerly: {error}", stacklevel=1)
+            self.graph_error, self._graphs = str(error), False
+            return None
 
     def _prefill_groups(self, new: list[_Request], work: dict[_Request, int]) -> Iterable[list[_Request]]:
         """Split new requests (least work first, less padding) into prefills of at most max_prefill_tokens, work

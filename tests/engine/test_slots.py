@@ -95,6 +95,25 @@ def test_padded_decode_equals_plain_decode(tiny_llama_dir):
     same(want, got)
 
 
+
+def test_a_failed_capture_falls_back_to_eager_decode(tiny_llama_dir, monkeypatch):
+    def fail(self, ids, positions):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(GraphDecoder, "__call__", fail)
+    plain, broken = HFEngine(str(tiny_llama_dir)), HFEngine(str(tiny_llama_dir))
+    broken._graphs = True
+    try:
+        want = asyncio.run(run(plain, PROMPTS))
+        with pytest.warns(UserWarning, match="decoding eagerly: operation not permitted"):
+            got = asyncio.run(run(broken, PROMPTS))
+    finally:
+        asyncio.run(plain.close())
+        asyncio.run(broken.close())
+    same(want, got)
+    assert broken._graphs is False and "not permitted" in broken.graph_error
+
+
 def same(want: list, got: list, version: int = 0) -> None:
     for a, b in zip(want, got):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and set(b.versions) == {version}
