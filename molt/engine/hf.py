@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
-import warnings
 import uuid
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
