@@ -61,6 +61,16 @@ class _Request:
                           routed_experts=torch.cat(self.routes).numpy() if self.routes else None)
 
 
+def _dynamic_rope(model: Any) -> bool:
+    """Dynamic and long RoPE compare the largest position with a Python `if`: a host sync, not capturable."""
+    types: set = set()
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            kind = getattr(module, "rope_type", None)
+            types |= set(kind.values()) if isinstance(kind, dict) else {kind}
+    return bool(types & {"dynamic", "longrope"})
+
+
 def _resolve(req: _Request, result: Any = None, error: BaseException | None = None) -> None:
     """Complete the request's future from the worker thread (it may already be cancelled)."""
     def done() -> None:
@@ -111,7 +121,7 @@ class HFEngine(InProcessWeightReceiver):
         self._route_dtype = torch.uint8 if all(r.weight.shape[0] <= 256 for r in routers) else torch.int16
         # CUDA graphs for the decode step (molt.engine.slots), not where a step needs Python (route hooks, images)
         self._graphs: GraphDecoder | bool = cuda_graphs and self.device.type == "cuda" and not routers \
-            and not self.vision  # the decoder itself once the slots exist
+            and not self.vision and not _dynamic_rope(self.model)  # the decoder itself once the slots exist
         # with graphs a decode step is cheap and an eager prefill is not: arrivals wait up to this many steps for
         # company (or a full batch) before they prefill
         self.hold_steps, self._held = (8 if self._graphs else 0), 0
@@ -345,8 +355,9 @@ class HFEngine(InProcessWeightReceiver):
         try:
             return self._graphs(ids, positions).float()
         except RuntimeError as error:
-            warnings.warn(f"{self.model_name}: CUDA graph capture failed, decoding eagerly: {error}", stacklevel=1)
-            self.graph_error, self._graphs = str(error), False
+            cause = error.__context__ or error  # a failed capture reports "invalidated" over the real cause
+            warnings.warn(f"{self.model_name}: CUDA graph capture failed, decoding eagerly: {cause}", stacklevel=1)
+            self.graph_error, self._graphs, self.hold_steps = str(cause), False, 0
             return None
 
     def _prefill_groups(self, new: list[_Request], work: dict[_Request, int]) -> Iterable[list[_Request]]:

@@ -82,6 +82,8 @@ class Slots:
         at = order[:, None, :, None].expand(g, heads, m, dim)
         for (keys, values), (k, v) in zip(self.kv, layers):
             keys[rows, :, cols], values[rows, :, cols] = k.gather(2, at), v.gather(2, at)
+            keys[rows, :, : self.width - m] = 0  # masked, but a previous occupant's inf/nan would still leak
+            values[rows, :, : self.width - m] = 0
         self.mask[rows] = 0
         self.mask[rows, cols] = mask
         self.rows += g
@@ -165,7 +167,7 @@ class GraphDecoder:
         self.graphs: dict[tuple[int, int], Any] = {}
         self.captures, self.capture_s = 0, 0.0  # over the engine's life (a refit adds none)
         self._moved = -1
-        self._pool = None
+        self._pool = self._stream = None
 
     def _buffers(self) -> None:
         """(Re)allocate the static inputs for the slots' current storage; captured graphs refer to the old one."""
@@ -176,6 +178,7 @@ class GraphDecoder:
         self.column = torch.zeros(1, dtype=torch.long, device=device)
         self.bias = torch.zeros(rows, 1, 1, columns, dtype=self.slots.dtype, device=device)
         self.graphs.clear()
+        self._pool = None  # a fresh pool: the old one dies with its graphs
         self._moved = self.slots.moved
 
     def _forward(self, rows: int, columns: int) -> torch.Tensor:
@@ -206,20 +209,22 @@ class GraphDecoder:
         return logits[:n]
 
     def _capture(self, rows: int, columns: int) -> tuple[Any, torch.Tensor]:
-        """Warm up on a side stream (the allocator and kernels settle), then capture one forward. Warm-up writes
-        land in column `width`, which the replay that follows overwrites with the same values."""
+        """Warm up, then capture, on one side stream kept for the engine's life: its first matmuls allocate
+        cuBLAS's workspace there, outside the graph pool. The stream is entered around the capture, so a failed
+        capture leaves the worker on its usual stream. Warm-up writes land in column `width`, which the replay
+        that follows overwrites with the same values."""
         start = time.perf_counter()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        self._stream = self._stream or torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
             for _ in range(2):
                 self._forward(rows, columns)
-        torch.cuda.current_stream().wait_stream(stream)
-        self._pool = self._pool or torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a trainer sharing the GPU from another thread may launch work while this one captures
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self._forward(rows, columns)
+            self._pool = self._pool or torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: a trainer sharing the GPU from another thread may launch work while this one captures
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                logits = self._forward(rows, columns)
+        torch.cuda.current_stream().wait_stream(self._stream)
         self.captures += 1
         self.capture_s += time.perf_counter() - start
         return graph, logits
