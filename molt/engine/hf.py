@@ -19,7 +19,7 @@ import torch
 from molt.engine.base import EngineError, check_request, copy_weights
 from molt.engine.prefix_cache import PrefixCache, prefill_inputs
 from molt.engine.sampling import sample
-from molt.engine.slots import GraphDecoder, Slots
+from molt.engine.slots import GraphDecoder, Slots, dynamic_rope
 from molt.engine.weight_group import InProcessWeightReceiver
 from molt.types import Completion, FinishReason, SamplingParams, join_inputs, rope_positions, vision_token_ids
 
@@ -59,16 +59,6 @@ class _Request:
                           top_logprobs=self.top if self.params.top_logprobs else None,
                           prompt_tokens=len(self.prompt),
                           routed_experts=torch.cat(self.routes).numpy() if self.routes else None)
-
-
-def _dynamic_rope(model: Any) -> bool:
-    """Dynamic and long RoPE compare the largest position with a Python `if`: a host sync, not capturable."""
-    types: set = set()
-    for module in model.modules():
-        if type(module).__name__.endswith("RotaryEmbedding"):
-            kind = getattr(module, "rope_type", None)
-            types |= set(kind.values()) if isinstance(kind, dict) else {kind}
-    return bool(types & {"dynamic", "longrope"})
 
 
 def _resolve(req: _Request, result: Any = None, error: BaseException | None = None) -> None:
@@ -121,7 +111,7 @@ class HFEngine(InProcessWeightReceiver):
         self._route_dtype = torch.uint8 if all(r.weight.shape[0] <= 256 for r in routers) else torch.int16
         # CUDA graphs for the decode step (molt.engine.slots), not where a step needs Python (route hooks, images)
         self._graphs: GraphDecoder | bool = cuda_graphs and self.device.type == "cuda" and not routers \
-            and not self.vision and not _dynamic_rope(self.model)  # the decoder itself once the slots exist
+            and not self.vision and not dynamic_rope(self.model)  # the decoder itself once the slots exist
         # with graphs a decode step is cheap and an eager prefill is not: arrivals wait up to this many steps for
         # company (or a full batch) before they prefill
         self.hold_steps, self._held = (8 if self._graphs else 0), 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from molt.engine.hf import HFEngine
-from molt.engine.slots import GraphDecoder, Slots
+from molt.engine.slots import GraphDecoder, Slots, dynamic_rope
 from molt.types import SamplingParams
 
 
@@ -152,11 +152,10 @@ def test_dynamic_rope_models_decode_without_graphs(tiny_llama_dir):
     """Dynamic RoPE syncs the host inside the forward (a Python `if` on the largest position): not capturable."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from molt.engine.hf import _dynamic_rope
 
     config = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=64)
     dynamic = LlamaConfig(**config, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
-    assert _dynamic_rope(LlamaForCausalLM(dynamic)) and not _dynamic_rope(LlamaForCausalLM(LlamaConfig(**config)))
+    assert dynamic_rope(LlamaForCausalLM(dynamic)) and not dynamic_rope(LlamaForCausalLM(LlamaConfig(**config)))
     engine = HFEngine(str(tiny_llama_dir))
-    assert not _dynamic_rope(engine.model)
+    assert not dynamic_rope(engine.model)
     asyncio.run(engine.close())
