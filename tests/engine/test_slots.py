@@ -153,7 +153,8 @@ def test_dynamic_rope_models_decode_without_graphs(tiny_llama_dir):
     from transformers import LlamaConfig, LlamaForCausalLM
 
 
-    config = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=64)
+    config = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+              "vocab_size": 64}
     dynamic = LlamaConfig(**config, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
     assert dynamic_rope(LlamaForCausalLM(dynamic)) and not dynamic_rope(LlamaForCausalLM(LlamaConfig(**config)))
     engine = HFEngine(str(tiny_llama_dir))
