@@ -251,7 +251,7 @@ class HFEngine(InProcessWeightReceiver):
                     free = max(self.max_batch_size - len(self._rows), 0)
                     new = self._waiting[:free]
                     if self._rows and 0 < len(new) < free and self._held < self.hold_steps:
-                        new, self._held = [], self._held + 1  # let arrivals gather (module docstring)
+                        new, self._held = [], self._held + 1  # let arrivals gather (docs/internals.md)
                     else:
                         self._held = 0
                     self._waiting = self._waiting[len(new):]

@@ -107,10 +107,10 @@ class Slots:
                 order[hole] = mover
         self.mask[n: self.rows] = 0
         self.rows = n
-        if not n:
+        if n:
+            self._trim(force=False)
+        else:
             self.width = 0
-            return order
-        self._trim(force=False)
         return order
 
     def _trim(self, force: bool) -> None:
@@ -154,9 +154,6 @@ class _View:
         k[: self.rows].index_copy_(2, self.column, keys)
         v[: self.rows].index_copy_(2, self.column, values)
         return k[: self.rows, :, : self.columns], v[: self.rows, :, : self.columns]
-
-    def get_seq_length(self, layer: int = 0) -> int:
-        return self.columns
 
 
 def dynamic_rope(model: Any) -> bool:
