@@ -1,7 +1,7 @@
 """The embedded engine: throughput against padded `model.generate` (and, optionally, transformers'
 continuous-batching manager), and multi-turn sessions with the session prefix cache on and off.
 
-Throughput: N concurrent requests (default 16) of exactly M new tokens (default 64; EOS is ignored through
+Throughput: N concurrent requests (default 16; `--group G`: G requests per prompt) of exactly M new tokens (default 64; EOS is ignored through
 min_tokens / min_new_tokens) at temperature 1 with no top-k/top-p, on SmolLM2-135M-Instruct in fp32.
 Each variant runs once to warm up, then `--repeats` timed runs; the table reports the median and the best run.
 
@@ -147,7 +147,8 @@ def throughput(engine: HFEngine, prompts: list[list[int]], args: argparse.Namesp
     base = rows[1][1][0]
     lines = [f"| variant | tokens/s (median of {repeats}) | best | vs padded generate |", "| --- | ---: | ---: | ---: |"]
     lines += [f"| {name} | {med:.1f} | {best:.1f} | {med / base:.2f}x |" for name, (med, best) in rows]
-    context = (f"{n} requests x {new} new tokens, prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}, "
+    group = f", groups of {args.group} with one prompt" if args.group > 1 else ""
+    context = (f"{n} requests x {new} new tokens{group}, prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}, "
                f"{str(engine.model.dtype).removeprefix('torch.')}, temperature 1, {_where(args)}")
     if eager is not None:
         graphs = engine._graphs  # the decoder (molt.engine.slots), made at the first request
@@ -238,6 +239,7 @@ def main() -> None:
     ap.add_argument("--requests", default=None, help="concurrent requests, comma-separated (default: 16; cuda 64,256)")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default: 64; multi-turn 32)")
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds (default: 3; multi-turn 2)")
+    ap.add_argument("--group", type=int, default=1, help="requests per distinct prompt (a GRPO group; default 1)")
     ap.add_argument("--continuous-batching", action="store_true", help="also time transformers' CB manager")
     ap.add_argument("--multi-turn", action="store_true", help="multi-turn sessions, prefix cache on and off")
     ap.add_argument("--sessions", type=int, default=None, help="multi-turn: concurrent sessions (default 1; cuda 64)")
@@ -261,7 +263,9 @@ def main() -> None:
     if cuda or not args.multi_turn:
         for n in map(int, (args.requests or ("64,256" if cuda else "16")).split(",")):
             engine.max_batch_size = max(engine.max_batch_size, n)
-            sections.append(throughput(engine, prompts_for(engine.tokenizer, n, args.device), args, eager))
+            prompts = prompts_for(engine.tokenizer, -(-n // args.group), args.device)
+            prompts = [p for p in prompts for _ in range(args.group)][:n]  # a GRPO group's samples share a prompt
+            sections.append(throughput(engine, prompts, args, eager))
     if eager is not None:
         asyncio.run(eager.close())
     if cuda or args.multi_turn:

@@ -5,6 +5,7 @@ Design notes and decisions: docs/internals.md, section `molt/engine/base.py`.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
@@ -30,6 +31,25 @@ def copy_weights(params: dict[str, Any], named_tensors: Iterable[tuple[str, Any]
                 raise EngineError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
                                   f"the model expects {tuple(target.shape)}")
             target.copy_(tensor)
+
+
+def pack_weights(bucket: list[tuple[str, Any]]) -> list[tuple[str, Any, str, tuple[int, ...]]]:
+    """(HF name, tensor) pairs as (name, bytes as a numpy array, dtype, shape): Ray stores numpy arrays out of band
+    and hands them back as views of its object store, where a pickled tensor is copied on both sides."""
+    import torch
+
+    return [(name, t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy(), str(t.dtype)[6:],
+             tuple(t.shape)) for name, t in bucket]
+
+
+def unpack_weights(bucket: list[tuple]) -> list[tuple[str, Any]]:
+    """`pack_weights`' inverse without a copy; (name, tensor) pairs pass unchanged."""
+    import torch
+
+    with warnings.catch_warnings():  # the object store's buffers are read-only: the tensors are only read from
+        warnings.simplefilter("ignore", UserWarning)
+        return [entry if len(entry) == 2 else (entry[0], torch.from_numpy(entry[1]).view(getattr(torch, entry[2]))
+                                               .view(entry[3])) for entry in bucket]
 
 
 def check_request(prompt: list[int], params: SamplingParams, *, max_model_len: int, vocab_size: int,

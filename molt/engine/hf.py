@@ -69,6 +69,17 @@ def _resolve(req: _Request, result: Any = None, error: BaseException | None = No
     req.loop.call_soon_threadsafe(done)
 
 
+def _copies(new: list[_Request], reused: dict[_Request, tuple[Any, int]]) -> dict[_Request, list[_Request]]:
+    """Leader -> the new requests (itself first) that share its prefill: the same context, no images and nothing
+    from the prefix cache. A GRPO group's samples arrive together with one prompt; they prefill it once."""
+    copies: dict[_Request, list[_Request]] = {}
+    leaders: dict[tuple[int, ...], _Request] = {}
+    for r in new:
+        leader = r if r.images or reused[r][1] else leaders.setdefault(tuple(r.prompt + r.tokens), r)
+        copies.setdefault(leader, []).append(r)
+    return copies
+
+
 class HFEngine(InProcessWeightReceiver):
     """Embedded engine on a transformers causal LM. See the module docstring for the batching design."""
 
@@ -312,16 +323,24 @@ class HFEngine(InProcessWeightReceiver):
                 r.route(len(r.prompt) + len(r.tokens) - 1, None if routes is None else routes[i])
             self._emit(self._rows, logits, version)
         reused = {r: self.prefixes.lookup(None if r.images else r.session_id, r.prompt + r.tokens) for r in new}
-        for group in self._prefill_groups(new, {r: len(r.prompt) + len(r.tokens) - reused[r][1] for r in new}):
+        copies = _copies(new, reused)
+        for group in self._prefill_groups(list(copies), {r: len(r.prompt) + len(r.tokens) - reused[r][1] for r in new}):
             cache = self._new_cache()
             ids, mask, positions = (t.to(self.device) for t in prefill_inputs(
                 [r.prompt + r.tokens for r in group], [reused[r] for r in group], self.pad_token_id, cache))
             images = join_inputs(*(r.images for r in group))
             positions, offsets = rope_positions(self.model, ids, mask, positions, images)
             for r, offset in zip(group, offsets):
-                r.rope_offset = offset
+                for c in copies[r]:
+                    c.rope_offset = offset
             logits, routes = self._forward(ids, mask, positions, cache, **{k: v.to(self.device, self.model.dtype)
                                            if v.is_floating_point() else v.to(self.device) for k, v in (images or {}).items()})
+            if len(copies) < len(new):  # the copies take their leader's row of everything the forward made
+                index = torch.tensor([i for i, r in enumerate(group) for _ in copies[r]], device=self.device)
+                group, logits, mask = [c for r in group for c in copies[r]], logits[index], mask[index]
+                routes = None if routes is None else routes[index.cpu()]
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys[index], layer.values[index]
             for i, r in enumerate(group):
                 entry, n = reused[r]
                 r.kv_version = min(entry.version, version) if n else version

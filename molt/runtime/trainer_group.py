@@ -219,10 +219,12 @@ class TrainerRank:
         """Stream full weights bucket by bucket into the object store (collective; rank 0 puts)."""
         import ray
 
+        from molt.engine.base import pack_weights
+
         refs = []
         for bucket in self.actor.iter_weights(bucket_bytes):
             if self.rank == 0:
-                refs.append(ray.put(bucket))
+                refs.append(ray.put(pack_weights(bucket)))
         return refs
 
     def weight_plan(self, bucket_bytes: int) -> list[list[tuple]]:

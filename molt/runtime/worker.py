@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
-from molt.engine.base import Engine, EngineError, can_stream
+from molt.engine.base import Engine, EngineError, can_stream, unpack_weights
 from molt.runtime.experience import outcome_from_trajectory
 from molt.runtime.pool import RolloutOutcome, RolloutTask, RunStopped
 from molt.types import Completion, RolloutStatus, SamplingParams
@@ -177,8 +177,8 @@ class RolloutWorker:
     async def _buckets(refs: list) -> Any:
         import ray
 
-        for ref in refs:
-            yield await ref if isinstance(ref, ray.ObjectRef) else ref  # one bucket in memory at a time
+        for ref in refs:  # one bucket in memory at a time
+            yield unpack_weights(await ref if isinstance(ref, ray.ObjectRef) else ref)
 
     async def weight_group_size(self) -> int:
         return int(getattr(self.engine.engine, "weight_group_size", 1))

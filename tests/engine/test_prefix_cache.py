@@ -142,3 +142,23 @@ def test_lookup_takes_the_longest_common_prefix_but_never_the_last_token():
     assert cache.stats() == {"entries": 0, "bytes": 0, "reused_tokens": 2 + 4 + 5}
     with pytest.raises(ValueError, match="prefix_cache_mb"):
         PrefixCache(-1)
+
+
+async def test_requests_with_one_prompt_prefill_it_once(engine):
+    """A GRPO step's samples: eight requests with one prompt and three with another arrive together (the engine
+    paused meanwhile) and prefill two rows; each equals the same seeded request sent alone."""
+    prompts = [HISTORIES[1]] * 8 + [HISTORIES[2]] * 3
+    rows = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda _m, _a, kw: rows.append(kw["input_ids"].shape[0]) if kw["input_ids"].shape[1] > 1 else None,
+        with_kwargs=True)
+    await engine.pause()
+    batch = [asyncio.ensure_future(engine.generate(p, turn(i))) for i, p in enumerate(prompts)]
+    await asyncio.sleep(0.1)
+    await engine.resume()
+    together = await asyncio.gather(*batch)
+    assert rows == [2]
+    hook.remove()
+    for i, (p, out) in enumerate(zip(prompts, together)):
+        assert_same(out, await engine.generate(p, turn(i)))
+    assert len({tuple(out.token_ids) for out in together[:8]}) > 1  # the copies sample on their own

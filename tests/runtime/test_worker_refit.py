@@ -28,3 +28,20 @@ async def test_refit_waits_for_the_completion_in_flight(tokenizer):
     await worker.end_refit()
     done, after = await first, await late
     assert set(done.versions) == {0} and set(after.versions) == {1}
+
+
+def test_weights_cross_the_object_store_packed(ray_local):
+    """The refit's buckets: every dtype (bfloat16 has no numpy twin) and shape, a 0-d tensor and a strided one
+    come back equal, as views of the object store's buffer."""
+    import ray
+    import torch
+
+    from molt.engine.base import pack_weights, unpack_weights
+
+    bucket = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)), ("c", torch.tensor(7)),
+              ("d", torch.arange(12.0).view(3, 4).t()), ("e", torch.zeros(0, 2, dtype=torch.int64))]
+    back = unpack_weights(ray.get(ray.put(pack_weights(bucket))))
+    assert [n for n, _ in back] == [n for n, _ in bucket]
+    for (_, t), (_, u) in zip(bucket, back):
+        assert u.dtype == t.dtype and u.shape == t.shape and torch.equal(u, t)
+    assert unpack_weights(bucket) == bucket  # plain pairs pass through
