@@ -1,8 +1,9 @@
 """The embedded engine: throughput against padded `model.generate` (and, optionally, transformers'
 continuous-batching manager), and multi-turn sessions with the session prefix cache on and off.
 
-Throughput: N concurrent requests (default 16; `--group G`: G requests per prompt) of exactly M new tokens (default 64; EOS is ignored through
-min_tokens / min_new_tokens) at temperature 1 with no top-k/top-p, on SmolLM2-135M-Instruct in fp32.
+Throughput: N concurrent requests (default 16; `--group G`: G requests per prompt, as a GRPO group) of exactly
+M new tokens (default 64; EOS is ignored through min_tokens / min_new_tokens) at temperature 1 with no
+top-k/top-p, on SmolLM2-135M-Instruct in fp32.
 Each variant runs once to warm up, then `--repeats` timed runs; the table reports the median and the best run.
 
 Multi-turn (`--multi-turn`): `--sessions` concurrent sessions, each starting from a `--history`-token prompt and

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from molt.engine.base import EngineError, check_request, copy_weights
-from molt.engine.prefix_cache import PrefixCache, prefill_inputs
+from molt.engine.prefix_cache import PrefixCache, copies_of, prefill_inputs
 from molt.engine.sampling import sample
 from molt.engine.slots import GraphDecoder, Slots, dynamic_rope
 from molt.engine.weight_group import InProcessWeightReceiver
@@ -67,17 +67,6 @@ def _resolve(req: _Request, result: Any = None, error: BaseException | None = No
         if not req.future.done():
             req.future.set_exception(error) if error else req.future.set_result(result)
     req.loop.call_soon_threadsafe(done)
-
-
-def _copies(new: list[_Request], reused: dict[_Request, tuple[Any, int]]) -> dict[_Request, list[_Request]]:
-    """Leader -> the new requests (itself first) that share its prefill: the same context, no images and nothing
-    from the prefix cache. A GRPO group's samples arrive together with one prompt; they prefill it once."""
-    copies: dict[_Request, list[_Request]] = {}
-    leaders: dict[tuple[int, ...], _Request] = {}
-    for r in new:
-        leader = r if r.images or reused[r][1] else leaders.setdefault(tuple(r.prompt + r.tokens), r)
-        copies.setdefault(leader, []).append(r)
-    return copies
 
 
 class HFEngine(InProcessWeightReceiver):
@@ -323,8 +312,9 @@ class HFEngine(InProcessWeightReceiver):
                 r.route(len(r.prompt) + len(r.tokens) - 1, None if routes is None else routes[i])
             self._emit(self._rows, logits, version)
         reused = {r: self.prefixes.lookup(None if r.images else r.session_id, r.prompt + r.tokens) for r in new}
-        copies = _copies(new, reused)
-        for group in self._prefill_groups(list(copies), {r: len(r.prompt) + len(r.tokens) - reused[r][1] for r in new}):
+        copies = copies_of(new, reused)
+        work = {r: len(r.prompt) + len(r.tokens) - reused[r][1] for r in copies}
+        for group in self._prefill_groups(list(copies), work):
             cache = self._new_cache()
             ids, mask, positions = (t.to(self.device) for t in prefill_inputs(
                 [r.prompt + r.tokens for r in group], [reused[r] for r in group], self.pad_token_id, cache))
@@ -335,7 +325,7 @@ class HFEngine(InProcessWeightReceiver):
                     c.rope_offset = offset
             logits, routes = self._forward(ids, mask, positions, cache, **{k: v.to(self.device, self.model.dtype)
                                            if v.is_floating_point() else v.to(self.device) for k, v in (images or {}).items()})
-            if len(copies) < len(new):  # the copies take their leader's row of everything the forward made
+            if any(len(copies[r]) > 1 for r in group):  # the copies take their leader's row of what the forward made
                 index = torch.tensor([i for i, r in enumerate(group) for _ in copies[r]], device=self.device)
                 group, logits, mask = [c for r in group for c in copies[r]], logits[index], mask[index]
                 routes = None if routes is None else routes[index.cpu()]

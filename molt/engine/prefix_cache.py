@@ -71,6 +71,18 @@ class PrefixCache:
         return {"entries": len(self.entries), "bytes": self.nbytes, "reused_tokens": self.reused_tokens}
 
 
+def copies_of(new: list[Any], reused: dict[Any, tuple[Prefix | None, int]]) -> dict[Any, list[Any]]:
+    """Leader -> the new requests (itself first) that share its prefill: the same context (`prompt + tokens`), no
+    images and nothing from the prefix cache. A GRPO group's samples arrive together with one prompt; they
+    prefill it once, and `molt.engine.hf` copies the leader's keys/values and logits to the others."""
+    copies: dict[Any, list[Any]] = {}
+    leaders: dict[tuple[int, ...], Any] = {}
+    for r in new:
+        leader = r if r.images or reused[r][1] else leaders.setdefault(tuple(r.prompt + r.tokens), r)
+        copies.setdefault(leader, []).append(r)
+    return copies
+
+
 def left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     missing = length - t.shape[dim]
     if missing == 0:

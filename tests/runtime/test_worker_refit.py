@@ -32,7 +32,7 @@ async def test_refit_waits_for_the_completion_in_flight(tokenizer):
 
 def test_weights_cross_the_object_store_packed(ray_local):
     """The refit's buckets: every dtype (bfloat16 has no numpy twin) and shape, a 0-d tensor and a strided one
-    come back equal, as views of the object store's buffer."""
+    come back equal; (name, tensor) pairs pass through unpacking unchanged."""
     import ray
     import torch
 
