@@ -73,18 +73,32 @@ class RolloutWorker:
         self._weights: tuple[list, int] | None = None  # the last refit's buckets and version
 
     async def start(self) -> str:
-        """Build the engine, start the capture server, load the agent file; returns the server URL."""
-        import torch
+        """Build the engine, start the capture server, load the agent file; returns the server URL. An engine
+        process is spawned first, so that its start-up (imports, model load) overlaps this process's own."""
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        spawns = self.engine_kind == "hf" and self.engine_options.get("process", True)
+        engine = self._new_engine(wait=False) if spawns else None
+        try:
+            import torch
 
+            from molt.capture.render import ChatRenderer
+
+            if self.torch_threads:
+                torch.set_num_threads(self.torch_threads)
+            renderer = ChatRenderer.from_pretrained(self.model_path)
+            if engine is None:
+                engine = self._new_engine()
+            else:
+                engine.started()
+        except BaseException:
+            if engine is not None:
+                await engine.close()
+            raise
         from molt.agents import load_agent
-        from molt.capture.render import ChatRenderer
         from molt.capture.server import CaptureServer
 
-        if self.torch_threads:
-            torch.set_num_threads(self.torch_threads)
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        self.engine = RefitGate(self._new_engine())
-        self.server = CaptureServer(self.engine, ChatRenderer.from_pretrained(self.model_path))
+        self.engine = RefitGate(engine)
+        self.server = CaptureServer(self.engine, renderer)
         await self.server.start()
         self.runner = load_agent(self.agent_path)
         for name, value in self.runner_options.items():
@@ -92,7 +106,7 @@ class RolloutWorker:
                 setattr(self.runner, name, value)  # e.g. timeout, max_turns: the runtime's limits win
         return self.server.url
 
-    def _new_engine(self) -> Engine:
+    def _new_engine(self, wait: bool = True) -> Engine:
         if self.engine_kind == "vllm":
             from molt.engine.vllm import VLLMEngine
 
@@ -102,7 +116,7 @@ class RolloutWorker:
             from molt.engine.process import EngineProcess
 
             return EngineProcess("molt.engine.hf:HFEngine", self.model_path, torch_threads=self.torch_threads,
-                                 **options)
+                                 wait=wait, **options)
         from molt.engine.hf import HFEngine
 
         return HFEngine(self.model_path, **options)
