@@ -11,7 +11,8 @@
 # Python: $PY, else .venv/bin/python, else python3; the repository root goes on PYTHONPATH, so a bare image
 # with torch, transformers and pytest is enough. Results also go to $OUT when it is set (the device tool's).
 # Stages as arguments run only those (tests trainer engine vllm; default all): the device tool allows 10 minutes
-# a command, so a tight budget can run `gpu_check.sh tests trainer` and then `gpu_check.sh engine`.
+# a command, so a tight budget can run `gpu_check.sh tests trainer` and then `gpu_check.sh engine`. A failing
+# stage does not stop the later ones (a device session is short: get every number); the exit code is 1 then.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -19,6 +20,7 @@ PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 OUT=${OUT:-$(mktemp -d)}
 STAGES=" ${*:-tests trainer engine vllm} "
 want() { [[ "$STAGES" == *" $1 "* ]]; }
+failed=""  # stages that failed; the script goes on to the next one and exits 1 at the end
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 $PY -c "import sys, torch, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__,
 '| transformers', transformers.__version__); sys.exit(0 if torch.cuda.is_available() else 'torch sees no GPU')"
@@ -28,23 +30,25 @@ if want tests; then
   echo "== trainer and engine tests (CUDA and CPU)"
   timeout 300 $PY -m pytest -q -o addopts= -p no:cacheprovider -rs tests/trainer/test_cuda.py \
     tests/trainer/test_gpu_path.py tests/trainer/test_packing.py tests/engine/test_slots.py 2>&1 \
-    | tee "$OUT/trainer_tests.txt"
+    | tee "$OUT/trainer_tests.txt" || failed+=" tests"  # the benches still run: one device session, all numbers
   if grep -q "SKIPPED.*needs CUDA" "$OUT/trainer_tests.txt"; then echo "the CUDA tests were skipped" >&2; exit 3; fi
 fi
 
 if want trainer; then
   echo "== trainer bench"
-  timeout 420 $PY bench/gpu_trainer.py --repeats 3 --write --json "$OUT/gpu_trainer.json"
+  timeout 420 $PY bench/gpu_trainer.py --repeats 3 --write --json "$OUT/gpu_trainer.json" || failed+=" trainer"
   cp docs/benchmarks.md "$OUT/benchmarks.md"
 fi
 
 if want engine; then
   echo "== engine bench"
-  timeout 540 $PY bench/engine.py --device cuda --write 2>&1 | tee "$OUT/engine_bench.txt"
+  timeout 540 $PY bench/engine.py --device cuda --write 2>&1 | tee "$OUT/engine_bench.txt" || failed+=" engine"
   cp docs/benchmarks.md "$OUT/benchmarks.md"
 fi
 
-want vllm || { echo "== GPU check passed; results in $OUT"; exit 0; }
+finish() { [ -z "$failed" ] && echo "== GPU check passed; results in $OUT" && exit 0
+  echo "== GPU check FAILED in:$failed; results in $OUT" >&2; exit 1; }
+want vllm || finish
 if [ "${MOLT_VLLM:-0}" = 1 ] && ! $PY -c "import vllm" 2>/dev/null; then
   WHEELS=${MOLT_WHEELHOUSE:-.whl}
   if [ -d "$WHEELS" ]; then opts=(--no-index --find-links "$WHEELS"); else opts=(); fi
@@ -54,9 +58,9 @@ if $PY -c "import vllm" 2>/dev/null; then
   echo "== vLLM engine tests"
   # test_weight_group.py: the NCCL refit group (needs 2 GPUs; skipped with one)
   timeout 480 $PY -m pytest -q -o addopts= -p no:cacheprovider -rs tests/engine/test_vllm.py \
-    tests/engine/test_weight_group.py 2>&1 | tee "$OUT/vllm_tests.txt"
+    tests/engine/test_weight_group.py 2>&1 | tee "$OUT/vllm_tests.txt" || failed+=" vllm"
   if grep -q "SKIPPED.*needs vLLM" "$OUT/vllm_tests.txt"; then echo "the vLLM test was skipped" >&2; exit 3; fi
 else
   echo "== vLLM not installed: its engine tests did not run (MOLT_VLLM=1 installs it)"
 fi
-echo "== GPU check passed; results in $OUT"
+finish
