@@ -1,5 +1,4 @@
 """Count non-blank, non-comment Python lines under molt/ (docstrings count): the budget of docs/design.md."""
-import io
 import sys
 import tokenize
 from pathlib import Path
