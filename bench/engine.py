@@ -91,6 +91,7 @@ def run_generate(model, prompts: list[list[int]], new: int, pad_id: int) -> int:
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):  # left padding, as for any decoder-only batch
         ids[i, length - len(p):], mask[i, length - len(p):] = torch.tensor(p), 1
+    ids, mask = ids.to(model.device), mask.to(model.device)  # on CPU inputs, generate samples on the host
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                              max_new_tokens=new, min_new_tokens=new, pad_token_id=pad_id)

@@ -69,7 +69,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         n = hidden.shape[0]
         cdtype = compute_dtype(weight)
         w = weight.to(cdtype)
-        scaled = (hidden * inv_temp[:, None].to(hidden.dtype)).to(cdtype)  # logits / T == (hidden / T) @ W^T
+        # logits / T == (hidden / T) @ W^T; the division in fp32, so that 1/T is not rounded to bf16 first
+        scaled = (hidden.float() * inv_temp[:, None]).to(cdtype)
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse, ent = torch.empty_like(lp), torch.empty_like(lp)
         # only for a backward to come: reference and teacher passes run without gradients
@@ -174,11 +175,14 @@ def hidden_states(base: nn.Module, decoder: nn.Module, mb, mask_4d: bool) -> Ten
     their features into the embeddings (positions by `rope_positions`: Qwen2-VL); otherwise the decoder runs,
     on embeddings plus 0 times the features of `mb.blank` when set (`molt.trainer.batching.blank_image`)."""
     inputs = mb.decoder_inputs(mask_4d)
-    if mb.images:
-        positions = rope_positions(base, mb.input_ids, mb.attention_mask, None, mb.images)[0]
-        return base(**inputs, position_ids=positions, **mb.images).last_hidden_state
-    if mb.blank:
-        features = tree_leaves(base.get_image_features(**mb.blank))
+    dtype = base.get_input_embeddings().weight.dtype  # FSDP2's param_dtype here (its root casts no inputs)
+    images, blank = ({k: v.to(dtype) if v.is_floating_point() else v for k, v in (x or {}).items()}
+                     for x in (mb.images, mb.blank))
+    if images:
+        positions = rope_positions(base, mb.input_ids, mb.attention_mask, None, images)[0]
+        return base(**inputs, position_ids=positions, **images).last_hidden_state
+    if blank:
+        features = tree_leaves(base.get_image_features(**blank))
         zero = sum(t.sum() for t in features if isinstance(t, Tensor)) * 0.0
         inputs["inputs_embeds"] = decoder.get_input_embeddings()(inputs.pop("input_ids")) + zero
     return decoder(**inputs, use_cache=False).last_hidden_state

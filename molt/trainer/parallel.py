@@ -24,7 +24,8 @@ def init_distributed(device: torch.device, one_rank: bool = False) -> tuple[int,
     A single process gets a one-rank group (in-process store) only when `one_rank`."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # where CUDA exists, gloo for CPU tensors (offloaded gradients, a CPU trainer in the same process) beside NCCL
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group(backend=backend)
     elif not dist.is_initialized() and one_rank:
@@ -94,7 +95,11 @@ def shard(model: nn.Module, layers: list[nn.Module], mesh, *, param_dtype: torch
               "reshard_after_forward": not keep_unsharded}
     for layer in layers:
         fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    # The root's input is the whole micro-batch: cast to param_dtype it rounded the sampling temperature to
+    # bf16 (0.7 -> 0.69921875) and copied every fp32 per-token tensor. The blocks cast their own inputs; the
+    # images are cast where the model takes them (`molt.trainer.logprobs.hidden_states`).
+    root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    fully_shard(model, **{**kwargs, "mp_policy": root_mp})
     if keep_unsharded:
         model.set_reshard_after_backward(False)  # recurses into the blocks
 

@@ -136,6 +136,24 @@ def test_one_rank_mesh_applies_mixed_precision_and_casts_weights_once_per_step(t
     assert 0 < gap < 0.2
 
 
+def test_one_rank_mesh_hands_the_exact_temperature_to_the_log_prob_kernel(tiny_llama_dir, monkeypatch):
+    """FSDP2 casts a root module's floating inputs to its param dtype by default, here the whole micro-batch:
+    a sampling temperature of 0.7 reached the log-prob kernel as bf16's 0.69921875, a bias of every ratio."""
+    from molt.trainer import Actor, logprobs
+
+    seen, real = [], logprobs.gathered_logprobs
+
+    def spy(hidden, weight, bias, targets, temperature, **kw):
+        seen.append(temperature)
+        return real(hidden, weight, bias, targets, temperature, **kw)
+    monkeypatch.setattr(logprobs, "gathered_logprobs", spy)
+    window = make_window(tiny_llama_dir, n=4, seed=1)
+    for exp in window:
+        exp.temperature = 0.7
+    Actor.from_pretrained(tiny_llama_dir, param_dtype="bfloat16", **BASE).compute_logprobs(window)
+    assert seen and all(t.dtype == torch.float32 and bool((t == torch.tensor(0.7)).all()) for t in seen), seen
+
+
 def test_one_rank_mesh_checkpoints_resume_and_export_exactly(tiny_llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
