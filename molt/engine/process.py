@@ -57,6 +57,10 @@ class EngineProcess:
         self._proc.start()
         child.close()
         self._start_timeout, self._ready = start_timeout, False
+        self._ids = itertools.count()
+        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future, Any]] = {}
+        self._send_lock = threading.Lock()
+        self._closed = self._gone = False
         if wait:
             self.started()
 
@@ -71,14 +75,13 @@ class EngineProcess:
                 raise EngineError(f"the engine process did not start within {self._start_timeout:.0f} s")
             kind, _, info = self._conn.recv()
         except EOFError:
-            self._proc.join(timeout=10)
+            self._failed()
             raise EngineError(f"the engine process died while starting (exit code {self._proc.exitcode})") from None
         except BaseException:
-            self._proc.kill()
-            self._proc.join(timeout=10)
+            self._failed(kill=True)
             raise
         if kind == "error":
-            self._proc.join(timeout=10)
+            self._failed()
             raise info
         self.model_name: str = info["model_name"]
         self.max_model_len: int = info["max_model_len"]
@@ -87,13 +90,17 @@ class EngineProcess:
         self.weight_group_size: int = info["weight_group_size"]
         self._version: int = info["version"]
         self._shared: dict[str, Any] | None = info["shared"]  # a CPU model's weights in shared memory
-        self._ids = itertools.count()
-        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future, Any]] = {}
-        self._send_lock = threading.Lock()
-        self._closed = self._gone = False
         self._reader = threading.Thread(target=self._read, name="molt-engine-reader", daemon=True)
         self._reader.start()
         self._ready = True
+
+    def _failed(self, kill: bool = False) -> None:
+        """A start that did not succeed: the child gone, the pipe closed."""
+        if kill:
+            self._proc.kill()
+        self._proc.join(timeout=10)
+        self._conn.close()
+        self._closed = True
 
     @property
     def version(self) -> int:
@@ -140,9 +147,9 @@ class EngineProcess:
         return lambda *args: self._call(name, *args)
 
     async def close(self) -> None:
-        if not self._ready:  # never started (its owner's start-up failed first)
-            self._proc.kill()
-            await asyncio.to_thread(self._proc.join, 10)
+        if not self._ready:  # never started (its owner's start-up failed first), or its start failed
+            if not self._closed:
+                await asyncio.to_thread(self._failed, True)
             return
         if self._closed:
             return

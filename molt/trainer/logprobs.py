@@ -176,7 +176,8 @@ def hidden_states(base: nn.Module, decoder: nn.Module, mb, mask_4d: bool) -> Ten
     on embeddings plus 0 times the features of `mb.blank` when set (`molt.trainer.batching.blank_image`)."""
     inputs = mb.decoder_inputs(mask_4d)
     dtype = base.get_input_embeddings().weight.dtype  # FSDP2's param_dtype here (its root casts no inputs)
-    images, blank = ({k: v.to(dtype) if v.is_floating_point() else v for k, v in (x or {}).items()}
+    images, blank = ({k: v.to(dtype) if isinstance(v, Tensor) and v.is_floating_point() else v
+                      for k, v in (x or {}).items()}
                      for x in (mb.images, mb.blank))
     if images:
         positions = rope_positions(base, mb.input_ids, mb.attention_mask, None, images)[0]

@@ -24,12 +24,14 @@ def init_distributed(device: torch.device, one_rank: bool = False) -> tuple[int,
     A single process gets a one-rank group (in-process store) only when `one_rank`."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # where CUDA exists, gloo for CPU tensors (offloaded gradients, a CPU trainer in the same process) beside NCCL
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group(backend=backend)
     elif not dist.is_initialized() and one_rank:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        # gloo beside NCCL wherever CUDA exists: a later trainer in this process may hold CPU tensors (a CPU
+        # mesh after a CUDA one, as in the GPU check's tests); one rank, so gloo opens no connection
+        both = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=both, store=dist.HashStore(), rank=0, world_size=1)
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
