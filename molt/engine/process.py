@@ -147,12 +147,10 @@ class EngineProcess:
         return lambda *args: self._call(name, *args)
 
     async def close(self) -> None:
-        if not self._ready:  # never started (its owner's start-up failed first), or its start failed
-            if not self._closed:
-                await asyncio.to_thread(self._failed, True)
-            return
         if self._closed:
             return
+        if not self._ready:  # never started: its owner's start-up failed first
+            return await asyncio.to_thread(self._failed, True)
         try:
             if self._proc.is_alive():
                 await asyncio.wait_for(self._call("close"), 60)

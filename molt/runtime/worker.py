@@ -76,23 +76,14 @@ class RolloutWorker:
         """Build the engine, start the capture server, load the agent file; returns the server URL. An engine
         process is spawned first, so that its start-up (imports, model load) overlaps this process's own."""
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        spawns = self.engine_kind == "hf" and self.engine_options.get("process", True)
-        engine = self._new_engine(wait=False) if spawns else None
+        engine = self._new_engine(wait=False)
         try:
-            import torch
-
             from molt.capture.render import ChatRenderer
 
-            if self.torch_threads:
-                torch.set_num_threads(self.torch_threads)
             renderer = ChatRenderer.from_pretrained(self.model_path)
-            if engine is None:
-                engine = self._new_engine()
-            else:
-                engine.started()
+            getattr(engine, "started", lambda: None)()  # an engine process: the handshake, after our imports
         except BaseException:
-            if engine is not None:
-                await engine.close()
+            await engine.close()
             raise
         from molt.agents import load_agent
         from molt.capture.server import CaptureServer
@@ -107,16 +98,23 @@ class RolloutWorker:
         return self.server.url
 
     def _new_engine(self, wait: bool = True) -> Engine:
+        """`wait=False`: an engine process is returned as soon as it is spawned (`EngineProcess.started`)."""
+        options, spawned = dict(self.engine_options), None
+        if self.engine_kind == "hf" and options.pop("process", True):  # the default: see molt.engine.process
+            from molt.engine.process import EngineProcess
+
+            spawned = EngineProcess("molt.engine.hf:HFEngine", self.model_path, torch_threads=self.torch_threads,
+                                    wait=wait, **options)  # first: its start-up overlaps this process's imports
+        import torch
+
+        if self.torch_threads:  # this process's pool: an in-process engine decodes in it, a refit copies in it
+            torch.set_num_threads(self.torch_threads)
+        if spawned is not None:
+            return spawned
         if self.engine_kind == "vllm":
             from molt.engine.vllm import VLLMEngine
 
             return VLLMEngine(self.model_path, **self.engine_options)
-        options = dict(self.engine_options)
-        if options.pop("process", True):  # the default: see molt.engine.process
-            from molt.engine.process import EngineProcess
-
-            return EngineProcess("molt.engine.hf:HFEngine", self.model_path, torch_threads=self.torch_threads,
-                                 wait=wait, **options)
         from molt.engine.hf import HFEngine
 
         return HFEngine(self.model_path, **options)
