@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.molt-installed
 
-.PHONY: demo demo-agent test test-slow test-chaos gpu-check install clean
+.PHONY: demo demo-agent test test-slow test-chaos gpu-check gpu-rehearse install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,10 @@ test-chaos: $(STAMP)
 # On a machine with a GPU: the CUDA tests and the GPU benches (needs torch, transformers and pytest only).
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# The same steps on this CPU with tiny models, before a GPU session: a crash of the check itself shows here.
+gpu-rehearse: $(STAMP)
+	PY=$(BIN)/python bash scripts/gpu_check.sh rehearse
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -18,6 +18,7 @@ throughput at 64 and 256 concurrent requests, then multi-turn with 64 sessions.
     .venv/bin/python bench/engine.py [--model PATH] [--continuous-batching] [--write]
     .venv/bin/python bench/engine.py --multi-turn [--history 1024] [--turns 6] [--user-tokens 256] [--write]
     .venv/bin/python bench/engine.py --device cuda [--write]
+    .venv/bin/python bench/engine.py --tiny   # the --device cuda run's every step, on CPU, a tiny model
 """
 from __future__ import annotations
 
@@ -160,15 +161,17 @@ def throughput(engine: HFEngine, prompts: list[list[int]], args: argparse.Namesp
     return "Embedded engine throughput (`bench/engine.py`)", context, "\n".join(lines)
 
 
-def random_qwen_05b(dest: Path) -> str:
+def random_qwen_05b(dest: Path, tiny: bool = False) -> str:
     """A randomly initialised model of Qwen2.5-0.5B's shape (the speed of a forward pass does not depend on the
-    weights), saved with molt.testing's small tokenizer (the GPU bench sends token ids)."""
+    weights), saved with molt.testing's small tokenizer (the GPU bench sends token ids); `tiny`: 2 layers of
+    width 64, for the CPU rehearsal."""
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
     from molt.testing.models import build_tokenizer
 
-    config = Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+    width, layers, heads, mlp = (64, 2, 4, 128) if tiny else (896, 24, 14, 4864)
+    config = Qwen2Config(hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
+                         intermediate_size=mlp, vocab_size=151936, tie_word_embeddings=True,
                          max_position_embeddings=32768, rope_theta=1e6, eos_token_id=151645, pad_token_id=151643)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -249,14 +252,23 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--user-tokens", type=int, default=256, help="multi-turn: tokens of each new message")
     ap.add_argument("--write", action="store_true", help="append the result table to docs/benchmarks.md")
+    ap.add_argument("--tiny", action="store_true",
+                    help="run --device cuda's steps on CPU with a tiny model, small counts (checks the bench itself "
+                         "before a GPU session; its numbers mean nothing)")
     args = ap.parse_args()
-    cuda = args.device != "cpu"
+    if args.tiny and (args.write or args.device != "cpu"):
+        ap.error("--tiny runs on CPU and writes nothing")
+    cuda = args.device != "cpu" or args.tiny
+    if args.tiny:
+        args.requests, args.sessions, args.history, args.turns = args.requests or "4,8", 4, 96, 3
+        args.user_tokens, args.new_tokens, args.repeats = 16, args.new_tokens or 8, 1
     args.sessions = args.sessions or (64 if cuda else 1)
     torch.manual_seed(0)
     scratch = tempfile.TemporaryDirectory()
     model_path = (str(resolve_model(args.model or "smollm2-135m-instruct")) if args.model or not cuda
-                  else random_qwen_05b(Path(scratch.name)))
-    args.model_name = Path(model_path).name if args.model or not cuda else "random Qwen2.5-0.5B shape"
+                  else random_qwen_05b(Path(scratch.name), tiny=args.tiny))
+    args.model_name = (Path(model_path).name if args.model or not cuda
+                       else "random Qwen2.5 model, tiny (rehearsal)" if args.tiny else "random Qwen2.5-0.5B shape")
     engine = HFEngine(model_path, max_batch_size=256 if cuda else 64, device=args.device,
                       dtype="bfloat16" if cuda else "float32", prefix_cache_mb=8192 if cuda else 1024)
     eager = HFEngine(model_path, max_batch_size=256, device=args.device, dtype="bfloat16",

@@ -13,17 +13,23 @@
 # Stages as arguments run only those (tests trainer engine vllm; default all): the device tool allows 10 minutes
 # a command, so a tight budget can run `gpu_check.sh tests trainer` and then `gpu_check.sh engine`. A failing
 # stage does not stop the later ones (a device session is short: get every number); the exit code is 1 then.
+# `gpu_check.sh rehearse` (`make gpu-rehearse`) runs the same steps on a CPU, before a GPU session: the test files
+# (their CUDA tests skip) and both benches on tiny models (`--tiny`), writing nothing; it catches a crash of the
+# check itself, which would cost a device session minutes. Best run with the device image's torch and transformers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 OUT=${OUT:-$(mktemp -d)}
+REHEARSE=$([ "${1:-}" = rehearse ] && echo 1 || echo 0)
+[ "$REHEARSE" = 1 ] && set -- tests trainer engine
 STAGES=" ${*:-tests trainer engine vllm} "
+BENCH=$([ "$REHEARSE" = 1 ] && echo --tiny || echo --write)  # rehearsal: tiny models on CPU, nothing written
 want() { [[ "$STAGES" == *" $1 "* ]]; }
 failed=""  # stages that failed; the script goes on to the next one and exits 1 at the end
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+[ "$REHEARSE" = 1 ] || nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 $PY -c "import sys, torch, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__,
-'| transformers', transformers.__version__); sys.exit(0 if torch.cuda.is_available() else 'torch sees no GPU')"
+'| transformers', transformers.__version__); sys.exit(0 if torch.cuda.is_available() or $REHEARSE else 'torch sees no GPU')"
 
 # -o addopts= drops the project's `-m 'not slow' --timeout=600` (pytest-timeout may be missing); -rs lists skips
 if want tests; then
@@ -31,18 +37,18 @@ if want tests; then
   timeout 300 $PY -m pytest -q -o addopts= -p no:cacheprovider -rs tests/trainer/test_cuda.py \
     tests/trainer/test_gpu_path.py tests/trainer/test_packing.py tests/engine/test_slots.py 2>&1 \
     | tee "$OUT/trainer_tests.txt" || failed+=" tests"  # the benches still run: one device session, all numbers
-  if grep -q "SKIPPED.*needs CUDA" "$OUT/trainer_tests.txt"; then echo "the CUDA tests were skipped" >&2; exit 3; fi
+  if [ "$REHEARSE" = 0 ] && grep -q "SKIPPED.*needs CUDA" "$OUT/trainer_tests.txt"; then echo "the CUDA tests were skipped" >&2; exit 3; fi
 fi
 
 if want trainer; then
   echo "== trainer bench"
-  timeout 420 $PY bench/gpu_trainer.py --repeats 3 --write --json "$OUT/gpu_trainer.json" || failed+=" trainer"
+  timeout 420 $PY bench/gpu_trainer.py --repeats 3 $BENCH --json "$OUT/gpu_trainer.json" || failed+=" trainer"
   cp docs/benchmarks.md "$OUT/benchmarks.md"
 fi
 
 if want engine; then
   echo "== engine bench"
-  timeout 540 $PY bench/engine.py --device cuda --write 2>&1 | tee "$OUT/engine_bench.txt" || failed+=" engine"
+  timeout 540 $PY bench/engine.py $([ "$REHEARSE" = 1 ] || echo --device cuda) $BENCH 2>&1 | tee "$OUT/engine_bench.txt" || failed+=" engine"
   cp docs/benchmarks.md "$OUT/benchmarks.md"
 fi
 
