@@ -129,12 +129,13 @@ def measure(variants: dict, repeats: int) -> dict[str, tuple[float, float]]:
             start = time.perf_counter()
             tokens = fn()
             rates[name].append(tokens / (time.perf_counter() - start))
+            print(f"  {name}: {rates[name][-1]:.1f} tokens/s", flush=True)  # a run cut short keeps these
     return {name: (statistics.median(r), max(r)) for name, r in rates.items()}
 
 
 def throughput(engine: HFEngine, prompts: list[list[int]], args: argparse.Namespace,
                eager: HFEngine | None = None) -> tuple[str, str, str]:
-    n, new, repeats, model = len(prompts), args.new_tokens or 64, args.repeats or 3, engine.model
+    n, new, repeats, model = len(prompts), args.new_tokens or 64, args.repeats or (2 if eager else 3), engine.model
     variants = {"embedded engine (molt.engine.hf)": lambda: run_engine(engine, prompts, new),
                 "padded model.generate": lambda: run_generate(model, prompts, new, engine.pad_token_id)}
     if eager is not None:  # on CUDA: the same engine without CUDA graphs, and clients arriving continuously
@@ -243,7 +244,7 @@ def main() -> None:
                     help="checkpoint directory or alias (default: smollm2-135m-instruct; on cuda a random model)")
     ap.add_argument("--requests", default=None, help="concurrent requests, comma-separated (default: 16; cuda 64,256)")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default: 64; multi-turn 32)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed rounds (default: 3; multi-turn 2)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed rounds (default: 3; cuda and multi-turn 2)")
     ap.add_argument("--group", type=int, default=1, help="requests per distinct prompt (a GRPO group; default 1)")
     ap.add_argument("--continuous-batching", action="store_true", help="also time transformers' CB manager")
     ap.add_argument("--multi-turn", action="store_true", help="multi-turn sessions, prefix cache on and off")
@@ -273,25 +274,26 @@ def main() -> None:
                       dtype="bfloat16" if cuda else "float32", prefix_cache_mb=8192 if cuda else 1024)
     eager = HFEngine(model_path, max_batch_size=256, device=args.device, dtype="bfloat16",
                      cuda_graphs=False) if cuda else None
-    sections = []
+    cmd = ".venv/bin/python bench/engine.py " + " ".join(a for a in sys.argv[1:] if a != "--write")
+
+    def report(title: str, context: str, table: str) -> None:
+        """Print and append each table when it is done: a run cut short by a time limit keeps what it had."""
+        print(f"{title}\n{context}\n\n{table}\n", flush=True)
+        if args.write:
+            with open(Path(__file__).resolve().parents[1] / "docs/benchmarks.md", "a") as f:
+                f.write(f"\n## {title}\n\nCommand: `{cmd}`\n\n{context}\n\n{table}\n")
+
     if cuda or not args.multi_turn:
         for n in map(int, (args.requests or ("64,256" if cuda else "16")).split(",")):
             engine.max_batch_size = max(engine.max_batch_size, n)
             prompts = prompts_for(engine.tokenizer, -(-n // args.group), args.device)
             prompts = [p for p in prompts for _ in range(args.group)][:n]  # a GRPO group's samples share a prompt
-            sections.append(throughput(engine, prompts, args, eager))
+            report(*throughput(engine, prompts, args, eager))
     if eager is not None:
         asyncio.run(eager.close())
     if cuda or args.multi_turn:
-        sections.append(multi_turn(engine, args))
+        report(*multi_turn(engine, args))
     asyncio.run(engine.close())
-    for title, context, table in sections:
-        print(f"{title}\n{context}\n\n{table}\n")
-    if args.write:
-        cmd = ".venv/bin/python bench/engine.py " + " ".join(a for a in sys.argv[1:] if a != "--write")
-        with open(Path(__file__).resolve().parents[1] / "docs/benchmarks.md", "a") as f:
-            for title, context, table in sections:
-                f.write(f"\n## {title}\n\nCommand: `{cmd}`\n\n{context}\n\n{table}\n")
 
 
 def _where(args: argparse.Namespace) -> str:

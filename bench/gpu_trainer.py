@@ -145,21 +145,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         n_params = build_model(Path(tmp), TINY if args.tiny else SHAPE)
         vocab = (TINY if args.tiny else SHAPE)["vocab_size"]
+        failed = {}  # variant -> error: one variant's crash (an OOM, a kernel) keeps the others' numbers
         for variant in args.variants:
             window = make_window(args, vocab)
-            if variant == "plain":
-                step, device = plain_step(args, tmp, window)
+            try:
+                if variant == "plain":
+                    step, device = plain_step(args, tmp, window)
+                else:
+                    name, _, chunk = variant.partition(":")
+                    step, device = molt_step(args, tmp, window, pack=name == "molt-packed", chunk=int(chunk or 512))
+                r = measure(step, device, args.repeats)
+            except Exception as e:  # noqa: BLE001 - reported and counted in the exit code
+                failed[variant] = f"{type(e).__name__}: {e}"
+                print(f"{variant} FAILED: {failed[variant]}", flush=True)
+                step = device = None
             else:
-                name, _, chunk = variant.partition(":")
-                step, device = molt_step(args, tmp, window, pack=name == "molt-packed", chunk=int(chunk or 512))
-            r = measure(step, device, args.repeats)
-            tokens = args.sequences * args.seq_len
-            r["tokens_per_s"] = tokens / r["best_s"]
-            r["mfu"] = 6 * n_params * tokens / r["best_s"] / (args.peak_tflops * 1e12)
-            results[variant] = r
+                tokens = args.sequences * args.seq_len
+                r["tokens_per_s"] = tokens / r["best_s"]
+                r["mfu"] = 6 * n_params * tokens / r["best_s"] / (args.peak_tflops * 1e12)
+                results[variant] = r
+                print(f"{variant}: {r}", flush=True)  # a run cut short by a time limit keeps these
             del step
             gc.collect()  # the previous variant's model and optimizer state leave the GPU before the next loads
-            if device.type == "cuda":
+            if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     base = results.get("plain", {}).get("best_s")
     lines = ["| variant | best step s | mean step s | tokens/s | MFU | peak GiB | time vs plain |",
@@ -168,11 +176,13 @@ def main() -> None:
         ratio = f"{r['best_s'] / base:.2f}x" if base else "-"
         lines.append(f"| {v} | {r['best_s']:.3f} | {r['mean_s']:.3f} | {r['tokens_per_s']:,.0f} | "
                      f"{100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {ratio} |")
+    lines += [f"| {v} | failed: {err[:200].replace('|', '/')} | | | | | |" for v, err in failed.items()]
     table = "\n".join(lines)
     print(table)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "CPU"
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": device, "params": n_params, "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"device": device, "params": n_params, "results": results,
+                                               "failed": failed}, indent=1))
     if args.write:
         cmd = "python bench/gpu_trainer.py " + " ".join(sys.argv[1:])
         when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -180,6 +190,8 @@ def main() -> None:
             f.write(f"\n## Trainer step on {device} (`bench/gpu_trainer.py`)\n\nCommand: `{cmd}` ({when}, "
                     f"torch {torch.__version__}, {n_params / 1e6:.0f}M parameters, {args.sequences} x {args.seq_len} "
                     f"tokens, micro-batches of {args.budget} tokens).\n\n{table}\n")
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
