@@ -1,9 +1,11 @@
 """The running batch's key/value slots (molt.engine.slots): bookkeeping checked value by value, and the padded
 fixed-shape decode that CUDA captures, run eagerly on the CPU against the plain decode."""
 import asyncio
+import inspect
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from molt.engine.hf import HFEngine
 from molt.engine.slots import GraphDecoder, Slots, dynamic_rope
@@ -150,6 +152,55 @@ async def _graphs_equal_eager_decode_and_survive_a_refit(tiny_llama_dir):
     finally:
         await graphs.close()
         await eager.close()
+
+
+class HostTensors(TorchDispatchMode):
+    """Counts ops that take a host tensor (a copy to the device each replay would skip)."""
+
+    def __init__(self):
+        super().__init__()
+        self.host = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in [*args, *(kwargs or {}).values()]):
+            self.host.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def meta_decode(config) -> tuple[torch.Tensor, list]:
+    """One decode step of GraphDecoder on the meta device: tensors without data, so any op that reads a value
+    (`.item()`, `nonzero`, a Python `if` on a tensor: what a CUDA capture refuses) raises."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config).eval()
+    dim = config.hidden_size // config.num_attention_heads
+    slots = Slots(config.num_hidden_layers, config.num_key_value_heads, dim, torch.float32, torch.device("meta"),
+                  64, 4096)
+    slots.reserve(4, 128)
+    slots.rows, slots.width = 3, 70  # 3 running rows; the step attends 128 columns
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    decoder, ids = GraphDecoder(model, slots, cache_kw, capture=False), torch.zeros(3, 1, dtype=torch.long, device="meta")
+    with torch.no_grad(), HostTensors() as probe:
+        logits = decoder(ids, ids)
+    return logits, probe.host
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_decode_step_reads_no_device_value_and_takes_no_host_tensor(family):
+    """What makes the step capturable as a CUDA graph, checked without a GPU: on the meta device it runs through
+    with no host tensor (Llama, and Qwen2: the GPU bench's 0.5B shape, scaled down); dynamic RoPE, which reads
+    the largest position, does not run through (the probe can fail)."""
+    from transformers import AutoConfig
+
+    small = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128, "vocab_size": 300}
+    logits, host = meta_decode(AutoConfig.for_model(family, **small))
+    assert logits.shape == (3, 300) and host == []
+    dynamic = AutoConfig.for_model(family, **small, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                     "rope_theta": 1e4})
+    with pytest.raises(RuntimeError, match="item.. cannot be called on meta tensors"):
+        meta_decode(dynamic)
 
 
 def test_dynamic_rope_models_decode_without_graphs(tiny_llama_dir):
