@@ -37,7 +37,8 @@ def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
 def compute_dtype(t: Tensor) -> torch.dtype:
     """The dtype matmuls of `t`'s device run in here: autocast's when it is on, else the tensor's own."""
     dev = t.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else t.dtype
+    on = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)  # (meta has no autocast)
+    return torch.get_autocast_dtype(dev) if on else t.dtype
 
 
 def _scaled_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_temp: Tensor) -> Tensor:

@@ -37,6 +37,11 @@ except ImportError:  # older torch: the per-sequence path everywhere
     varlen_attn, _VARLEN_ARGS = None, set()
 
 
+def _flash(query: Tensor) -> bool:
+    """varlen flash attention: on CUDA, in half precision (flash attention takes no fp32)."""
+    return query.is_cuda and varlen_attn is not None and query.dtype in (torch.float16, torch.bfloat16)
+
+
 def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None,
                      dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
     """query [1, Hq, T, D], key/value [1, Hkv, T, D] of one packed row -> ([1, T, Hq, D], None)."""
@@ -48,7 +53,7 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
         raise ValueError(f"attn_implementation {NAME!r} runs packed micro-batches only")
     gqa = query.shape[1] != key.shape[1]
     prefixes = kwargs.get("molt_prefixes") or [None] * (len(kwargs["molt_bounds"]) - 1)
-    if query.is_cuda and varlen_attn is not None and query.dtype in (torch.float16, torch.bfloat16):
+    if _flash(query):
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
         if "molt_kv_index" in kwargs:  # each piece's keys: its prefix piece's, then its own
             k, v = k.index_select(0, kwargs["molt_kv_index"]), v.index_select(0, kwargs["molt_kv_index"])

@@ -4,9 +4,10 @@ import pytest
 import torch
 from test_shared_prefix import grouped_window
 from trainer_helpers import BASE, full_params, make_window
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from molt.trainer.batching import collate, plan_micro_batches
+from molt.trainer import packing
+from molt.trainer.batching import collate, plan_micro_batches, to_device
 from molt.trainer.logprobs import CausalLMLogProbs
 from molt.trainer.packing import register
 from molt.types import Experience
@@ -99,3 +100,32 @@ def test_packed_actor_steps_equal_padded_steps(tiny_llama_dir, level):
             assert b[key] == pytest.approx(a[key], abs=1e-5, rel=1e-5), key
     assert max(float((p0[k] - p1[k]).abs().max()) for k in p0) <= 1e-5
     assert all(len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= 1e-5 for a, b in zip(lp0, lp1))
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_the_flash_branch_traces_forward_and_backward_on_meta(tiny_llama_dir, monkeypatch, share):
+    """The CUDA branch (varlen flash attention, which computes on a GPU only), traced on the meta device with
+    this torch's `varlen_attn`: its arguments fit the signature (GQA, a shared prefix's keys), forward and
+    backward, and every row's tokens go through it once."""
+    if packing.varlen_attn is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    calls, real = [], packing.varlen_attn
+    monkeypatch.setattr(packing, "_flash", lambda query: True)
+    monkeypatch.setattr(packing, "varlen_attn", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
+    window = grouped_window(tiny_llama_dir, seed=3)
+    host = collate(window, pad_id=0, device=CPU, pack=True, share_prefix=share)
+    mb = to_device(collate(window, pad_id=0, device=CPU, pack=True, share_prefix=share), torch.device("meta"))
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_llama_dir), dtype=torch.bfloat16,
+                                              attn_implementation=register())
+    lp, ent = CausalLMLogProbs(lm, chunk_size=7).train()(mb, True)
+    (lp.float().sum() + ent.float().sum()).backward()
+    assert len(calls) == lm.config.num_hidden_layers and lp.shape == mb.action_mask.shape
+    (q, k, v, cu_q, cu_k, max_q, max_k), kwargs = calls[0]
+    assert q.shape[0] == host.input_ids.shape[1] and k.shape[0] == int(host.packing["cu_seq_lens_k"][-1])
+    assert (k.shape[0] > q.shape[0]) == share  # a shared prefix's keys are gathered again for each row
+    assert v.shape == k.shape
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and isinstance(max_q, int) and isinstance(max_k, int)
+    assert kwargs.get("is_causal") or kwargs.get("window_size") == (-1, 0)  # (a list would not be causal)
+    assert k.shape[1] == q.shape[1] or kwargs.get("enable_gqa")  # GQA: repeated heads where torch cannot
+    assert all(p.grad is not None and p.grad.device.type == "meta" for p in lm.parameters())
