@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import random
 import threading
 import uuid
 import warnings
@@ -31,7 +32,7 @@ class _Request:
     params: SamplingParams
     max_new: int  # max_tokens capped by the context window
     stops: list[int]  # EOS ids + params.stop_token_ids
-    generator: torch.Generator
+    generator: random.Random
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     on_tokens: Any = None  # called on `loop` with each new token id (streaming)
@@ -208,8 +209,7 @@ class HFEngine(InProcessWeightReceiver):
     def _make_request(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> _Request:
         max_new = check_request(prompt, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                 model_name=self.model_name)
-        generator = torch.Generator()  # on the CPU: a GPU step would launch a kernel per row to draw
-        generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
+        generator = random.Random(params.seed)  # on the host: a GPU step would launch a kernel per row to draw
         loop = asyncio.get_running_loop()
         return _Request(
             id=request_id or uuid.uuid4().hex, prompt=prompt, params=params,

@@ -5,7 +5,7 @@ Behavior log-probability: exactly `molt.engine.base`'s definition, log_softmax(l
 vocabulary (T = 0 -> 1), before top-k/top-p and before the min_tokens suppression of stop tokens (that
 suppression is a truncation like top-k: the token is sampled from the masked distribution, the record is the
 unmasked one). `top_logprobs` come from the same distribution. Sampling draws from a
-per-request CPU `torch.Generator` (seeded by `SamplingParams.seed`): one uniform number per token, mapped through
+per-request `random.Random` (seeded by `SamplingParams.seed`): one uniform number per token, mapped through
 the float64 CDF of the (truncated) distribution. A seeded request therefore reproduces no matter which other
 requests share its batch (up to float differences of the batched matmuls).
 """
@@ -24,17 +24,17 @@ def sample(logits: torch.Tensor, reqs: list[Any]) -> tuple[list[int], list[float
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)
     scores = logp
     suppress = [(i, r.stops) for i, r in enumerate(reqs) if len(r.tokens) < r.params.min_tokens and r.stops]
-    if suppress:
-        scores = scores.clone()
-        for i, stops in suppress:
-            scores[i, stops] = -float("inf")
+    if suppress:  # one indexed write for all rows (a write per row was 256 launches a step on a GPU)
+        rows = torch.tensor([i for i, stops in suppress for _ in stops], device=logits.device)
+        columns = torch.tensor([s for _, stops in suppress for s in stops], device=logits.device)
+        scores = scores.index_put((rows, columns), torch.tensor(-float("inf"), device=logits.device))
     if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs):
         scores = _truncate(scores, [r.params.top_k for r in reqs], [r.params.top_p for r in reqs])
     # Inverse-CDF sampling with one uniform draw per row from the request's own generator: exact, and a
     # handful of batched ops instead of a vocabulary-sized noise draw per row (which dominated a step on 2 cores).
     cdf = scores.softmax(-1).double().cumsum(-1)
-    uniform = torch.stack([torch.rand((), generator=r.generator, dtype=torch.float64) for r in reqs])
-    uniform = uniform.to(logits.device)  # the generators live on the CPU: one copy instead of a draw per row
+    # Python's generators: 256 draws take 0.02 ms where a torch.rand per row took 1.4 ms of a GPU step's host time
+    uniform = torch.tensor([r.generator.random() for r in reqs], dtype=torch.float64, device=logits.device)
     sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=vocab - 1)
     greedy = [r.params.temperature == 0 for r in reqs]
     picked = torch.where(torch.tensor(greedy, device=logits.device), scores.argmax(-1), sampled) if any(greedy) \

@@ -226,3 +226,24 @@ async def test_bad_input_errors(engine, prompt, params, message):
     with pytest.raises(EngineError, match=message):
         await engine.generate(prompt, params)
     assert issubclass(EngineError, ValueError)
+
+
+def test_min_tokens_masks_each_row_its_own_stops_in_one_batch():
+    """Rows with their own stop lists, greedy: a row under min_tokens never takes its stops (it takes its best
+    other token); a row past it, or with other stops, takes its argmax; the records stay the unmasked ones."""
+    import random
+    from types import SimpleNamespace
+
+    from molt.engine.sampling import sample
+
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0, 3.0]] * 3)
+
+    def row(stops, sampled, min_tokens):
+        return SimpleNamespace(params=SamplingParams(max_tokens=9, temperature=0, min_tokens=min_tokens),
+                               tokens=[7] * sampled, stops=stops, generator=random.Random(0))
+
+    reqs = [row([1, 2], 0, 2), row([1], 2, 2), row([2, 4], 1, 3)]
+    tokens, logprobs, _ = sample(logits, reqs)
+    assert tokens == [4, 1, 1]  # row 0: 1 and 2 masked; row 1: past min_tokens; row 2: 2 and 4 masked, 1 is best
+    expected = torch.log_softmax(logits[0], -1)
+    assert logprobs == pytest.approx([float(expected[4]), float(expected[1]), float(expected[1])], abs=1e-6)
