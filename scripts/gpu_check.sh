@@ -5,7 +5,7 @@
 #      and the CPU tests of the same properties;
 #   2. bench/gpu_trainer.py on the Qwen2.5-0.5B shape against a plain Hugging Face loop (appends to
 #      docs/benchmarks.md);
-#   3. bench/engine.py --device cuda, when the engine bench has that mode;
+#   3. bench/engine_host.py (the host's part of a decode step, on the CPU) and bench/engine.py --device cuda;
 #   4. the vLLM engine's tests, only where vLLM is installed (MOLT_VLLM=1 installs it from $MOLT_WHEELHOUSE or
 #      the package index first; vLLM pins its own CUDA build of torch).
 # Python: $PY, else .venv/bin/python, else python3; the repository root goes on PYTHONPATH, so a bare image
@@ -48,6 +48,8 @@ fi
 
 if want engine; then
   echo "== engine bench"
+  # the host's part of a decode step on this machine's CPU (what bounds tokens/s besides the GPU's kernels)
+  timeout 120 $PY bench/engine_host.py $([ "$REHEARSE" = 1 ] && echo --repeats 1 || echo --write) || failed+=" engine-host"
   timeout 540 $PY bench/engine.py $([ "$REHEARSE" = 1 ] || echo --device cuda) $BENCH 2>&1 | tee "$OUT/engine_bench.txt" || failed+=" engine"
   cp docs/benchmarks.md "$OUT/benchmarks.md"
 fi
