@@ -21,8 +21,8 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 OUT=${OUT:-$(mktemp -d)}
-REHEARSE=$([ "${1:-}" = rehearse ] && echo 1 || echo 0)
-[ "$REHEARSE" = 1 ] && set -- tests trainer engine
+REHEARSE=0
+if [ "${1:-}" = rehearse ]; then REHEARSE=1; shift; [ $# -gt 0 ] || set -- tests trainer engine; fi
 STAGES=" ${*:-tests trainer engine vllm} "
 BENCH=$([ "$REHEARSE" = 1 ] && echo --tiny || echo --write)  # rehearsal: tiny models on CPU, nothing written
 want() { [[ "$STAGES" == *" $1 "* ]]; }
@@ -49,8 +49,10 @@ fi
 if want engine; then
   echo "== engine bench"
   # the host's part of a decode step on this machine's CPU (what bounds tokens/s besides the GPU's kernels)
-  timeout 120 $PY bench/engine_host.py $([ "$REHEARSE" = 1 ] && echo --repeats 1 || echo --write) || failed+=" engine-host"
-  timeout 540 $PY bench/engine.py $([ "$REHEARSE" = 1 ] || echo --device cuda) $BENCH 2>&1 | tee "$OUT/engine_bench.txt" || failed+=" engine"
+  timeout 120 $PY bench/engine_host.py $([ "$REHEARSE" = 1 ] && echo --repeats 1 || echo --write) 2>&1 \
+    | tee "$OUT/engine_host.txt" || failed+=" engine-host"
+  cp docs/benchmarks.md "$OUT/benchmarks.md"
+  timeout 470 $PY bench/engine.py $([ "$REHEARSE" = 1 ] || echo --device cuda) $BENCH 2>&1 | tee "$OUT/engine_bench.txt" || failed+=" engine"
   cp docs/benchmarks.md "$OUT/benchmarks.md"
 fi
 

@@ -209,7 +209,9 @@ class HFEngine(InProcessWeightReceiver):
     def _make_request(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> _Request:
         max_new = check_request(prompt, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                 model_name=self.model_name)
-        generator = random.Random(params.seed)  # on the host: a GPU step would launch a kernel per row to draw
+        # on the host: a GPU step would launch a kernel per row to draw. (Random(s) seeds from abs(s): the modulus
+        # keeps s and -s apart.)
+        generator = random.Random(None if params.seed is None else params.seed % 2**64)
         loop = asyncio.get_running_loop()
         return _Request(
             id=request_id or uuid.uuid4().hex, prompt=prompt, params=params,

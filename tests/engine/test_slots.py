@@ -6,6 +6,7 @@ import inspect
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from molt.engine.hf import HFEngine
 from molt.engine.slots import GraphDecoder, Slots, dynamic_rope
@@ -162,7 +163,7 @@ class HostTensors(TorchDispatchMode):
         self.host = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in [*args, *(kwargs or {}).values()]):
+        if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in tree_leaves((args, kwargs))):
             self.host.append(func)
         return func(*args, **(kwargs or {}))
 
