@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from molt.config import load_config
 from molt.runtime.loop import run_training
 
@@ -24,6 +26,8 @@ def _args(model_dir, out):
             "--ray.num_cpus", "4"]
 
 
+@pytest.mark.slow  # 50 s; the default suite resumes after SIGINT and after a dead trainer rank (test_faults.py),
+# and the chaos runs kill the whole run as this test does
 def test_killed_run_resumes_with_an_exactly_once_ledger(tiny_llama_dir, tmp_path, ray_local):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "molt.cli", "train", *_args(tiny_llama_dir, out)],
@@ -90,8 +94,6 @@ def test_resume_restores_trainer_state_and_pool_counters_at_another_world_size(t
     """Saved by one trainer rank at step 2, resumed by two: the weights, Adam's moments and step counts, the
     schedule, the controller's step/version/ledger/token count, the engines' weights and the pool's counters
     are the saved ones (a fresh trainer would have no moments and step 0; a fresh pool no failures)."""
-    import pytest
-
     from molt.runtime.loop import Run
 
     out = tmp_path / "run"
