@@ -162,21 +162,21 @@ def throughput(engine: HFEngine, prompts: list[list[int]], args: argparse.Namesp
     return "Embedded engine throughput (`bench/engine.py`)", context, "\n".join(lines)
 
 
-def random_qwen_05b(dest: Path, tiny: bool = False) -> str:
+def random_qwen_05b(dest: Path, tiny: bool = False, vocab: int = 151936) -> str:
     """A randomly initialised model of Qwen2.5-0.5B's shape (the speed of a forward pass does not depend on the
     weights), saved with molt.testing's small tokenizer (the GPU bench sends token ids); `tiny`: 2 layers of
-    width 64, for the CPU rehearsal."""
+    width 64, for the CPU rehearsal and `bench/engine_host.py` (which also shrinks the vocabulary)."""
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
     from molt.testing.models import build_tokenizer
 
     width, layers, heads, mlp = (64, 2, 4, 128) if tiny else (896, 24, 14, 4864)
     config = Qwen2Config(hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
-                         intermediate_size=mlp, vocab_size=151936, tie_word_embeddings=True,
-                         max_position_embeddings=32768, rope_theta=1e6, eos_token_id=151645, pad_token_id=151643)
+                         intermediate_size=mlp, vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=32768,
+                         rope_theta=1e6, eos_token_id=vocab - 291, pad_token_id=vocab - 293)  # Qwen2.5's at 151,936
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.generation_config = GenerationConfig(eos_token_id=151645, pad_token_id=151643)
+    model.generation_config = GenerationConfig(eos_token_id=vocab - 291, pad_token_id=vocab - 293)
     model.save_pretrained(dest)
     build_tokenizer().save_pretrained(dest)
     return str(dest)

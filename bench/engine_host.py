@@ -22,24 +22,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.engine import random_qwen_05b
 from molt.engine.hf import HFEngine
 from molt.engine.slots import GraphDecoder
 from molt.types import SamplingParams
-
-
-def tiny_model(dest: str, vocab: int) -> str:
-    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
-
-    from molt.testing.models import build_tokenizer
-
-    config = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=vocab, tie_word_embeddings=True,
-                         max_position_embeddings=32768, eos_token_id=1, pad_token_id=0)
-    model = AutoModelForCausalLM.from_config(config)
-    model.generation_config = GenerationConfig(eos_token_id=1, pad_token_id=0)
-    model.save_pretrained(dest)
-    build_tokenizer().save_pretrained(dest)
-    return dest
 
 
 def main() -> None:
@@ -66,7 +52,7 @@ def main() -> None:
     GraphDecoder._forward = timing(GraphDecoder._forward, "decode")
     HFEngine._forward = timing(HFEngine._forward, "prefill")  # prefills (decode goes through the graph path)
     scratch = tempfile.TemporaryDirectory()
-    engine = HFEngine(tiny_model(scratch.name, args.vocab), max_batch_size=256)
+    engine = HFEngine(random_qwen_05b(Path(scratch.name), tiny=True, vocab=args.vocab), max_batch_size=256)
     engine._graphs, engine.hold_steps = True, 8  # the CUDA path's padded decode, without capture
     params = SamplingParams(max_tokens=args.new_tokens, min_tokens=args.new_tokens, temperature=1.0)
     lines = ["| rows | decode step ms | of which forward ms | host ms | rows / host (tokens/s ceiling) | prefill s |",
