@@ -167,8 +167,12 @@ def main() -> None:
                 print(f"{variant}: {r}", flush=True)  # a run cut short by a time limit keeps these
             del step
             gc.collect()  # the previous variant's model and optimizer state leave the GPU before the next loads
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            try:
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            except RuntimeError as e:  # a kernel fault is sticky: no later variant can run; keep what ran
+                failed.setdefault(variant, f"{type(e).__name__}: {e}")
+                break
     base = results.get("plain", {}).get("best_s")
     lines = ["| variant | best step s | mean step s | tokens/s | MFU | peak GiB | time vs plain |",
              "|---|---:|---:|---:|---:|---:|---:|"]

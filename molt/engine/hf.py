@@ -20,7 +20,7 @@ import torch
 from molt.engine.base import EngineError, check_request, copy_weights
 from molt.engine.prefix_cache import PrefixCache, copies_of, prefill_inputs
 from molt.engine.sampling import sample
-from molt.engine.slots import GraphDecoder, Slots, dynamic_rope
+from molt.engine.slots import GraphDecoder, Slots, dynamic_rope, use_grouped_attention
 from molt.engine.weight_group import InProcessWeightReceiver
 from molt.types import Completion, FinishReason, SamplingParams, join_inputs, rope_positions, vision_token_ids
 
@@ -86,6 +86,8 @@ class HFEngine(InProcessWeightReceiver):
         auto = tf.AutoModelForImageTextToText if self.vision else tf.AutoModelForCausalLM
         self.model = auto.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
         self.model.eval()
+        if not self.vision:  # decode steps attend without copying the cache per query head (molt.engine.slots)
+            use_grouped_attention(self.model)
         self.tokenizer = tf.AutoTokenizer.from_pretrained(model_path)
         self.banned = vision_token_ids(self.model.config)  # never sampled (module docstring)
         config = self.model.config.get_text_config()
@@ -240,6 +242,8 @@ class HFEngine(InProcessWeightReceiver):
     # ---------------------------------------------------------------- worker thread
 
     def _run(self) -> None:
+        if self.device.type == "cuda" and self.device.index is not None:  # this thread's streams and captures
+            torch.cuda.set_device(self.device)  # go to the current device: make it the engine's
         with torch.inference_mode():
             while True:
                 with self._cv:

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from molt.engine.hf import HFEngine
-from molt.engine.slots import GraphDecoder, Slots, dynamic_rope
+from molt.engine.slots import GraphDecoder, Slots, dynamic_rope, grouped_attention, use_grouped_attention
 from molt.types import SamplingParams
 
 
@@ -175,6 +175,7 @@ def meta_decode(config) -> tuple[torch.Tensor, list]:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config).eval()
+    use_grouped_attention(model)  # as the engine does
     dim = config.hidden_size // config.num_attention_heads
     slots = Slots(config.num_hidden_layers, config.num_key_value_heads, dim, torch.float32, torch.device("meta"),
                   64, 4096)
@@ -202,6 +203,30 @@ def test_the_decode_step_reads_no_device_value_and_takes_no_host_tensor(family):
                                                                      "rope_theta": 1e4})
     with pytest.raises(RuntimeError, match="item.. cannot be called on meta tensors"):
         meta_decode(dynamic)
+
+
+def test_grouped_decode_attention_equals_transformers_sdpa(tiny_llama_dir):
+    """One query per row against a padded cache: the same output as transformers' sdpa (which repeats each
+    key/value head per query head), and every other shape goes to sdpa itself; the engine routes its model there."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+    for n, mask_heads in ((1, 1), (5, 1), (1, 6)):  # a decode step; a prefill; a per-head mask
+        query, key, value = torch.randn(4, 6, n, 8), torch.randn(4, 2, 9, 8), torch.randn(4, 2, 9, 8)
+        mask = torch.zeros(4, mask_heads, n, 9).masked_fill_(torch.rand(4, mask_heads, n, 9) < 0.3, -1e30)
+        mask[..., -1] = 0  # every query sees its own position
+        want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+        got, _ = grouped_attention(module, query, key, value, mask, scaling=0.3)
+        assert got.shape == want.shape == (4, n, 6, 8)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    engine = HFEngine(str(tiny_llama_dir))
+    try:
+        assert engine.model.config._attn_implementation == "molt_sdpa"
+    finally:
+        asyncio.run(engine.close())
 
 
 def test_dynamic_rope_models_decode_without_graphs(tiny_llama_dir):
