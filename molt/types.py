@@ -158,6 +158,19 @@ def rope_positions(model: Any, ids: Any, mask: Any, positions: Any, images: dict
     return rope, offsets[:, 0].tolist()
 
 
+def mm_f32(a: Any, b: Any) -> Any:
+    """a @ b in the inputs' dtype (bf16 tensor cores on CUDA) with fp32 accumulation, as an fp32 result, not
+    rounded to bf16 first where the device has the kernel (CUDA's `mm` with `out_dtype`). The trainer's log-prob
+    head and the engine's output head both compute logits this way, so neither rounds them and the other not."""
+    import torch
+
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda and "dtype" in torch.ops.aten.mm.overloads():
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
 def vision_token_ids(config: Any) -> list[int]:
     """A vision-language model's image/video placeholder and marker tokens (`image_token_id`, LLaVA's
     `image_token_index`, Qwen2-VL's `video_token_id`, `vision_start_token_id`, ...): outside the policy's action

@@ -20,7 +20,7 @@ import torch
 from molt.engine.base import EngineError, check_request, copy_weights
 from molt.engine.prefix_cache import PrefixCache, copies_of, prefill_inputs
 from molt.engine.sampling import sample
-from molt.engine.slots import GraphDecoder, Slots, dynamic_rope, use_grouped_attention
+from molt.engine.slots import GraphDecoder, Slots, dynamic_rope, fp32_logits, use_grouped_attention
 from molt.engine.weight_group import InProcessWeightReceiver
 from molt.types import Completion, FinishReason, SamplingParams, join_inputs, rope_positions, vision_token_ids
 
@@ -88,6 +88,7 @@ class HFEngine(InProcessWeightReceiver):
         self.model.eval()
         if not self.vision:  # decode steps attend without copying the cache per query head (molt.engine.slots)
             use_grouped_attention(self.model)
+        fp32_logits(self.model)  # bf16: logits as the trainer computes them (molt.engine.slots)
         self.tokenizer = tf.AutoTokenizer.from_pretrained(model_path)
         self.banned = vision_token_ids(self.model.config)  # never sampled (module docstring)
         config = self.model.config.get_text_config()

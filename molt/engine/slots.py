@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from molt.types import mm_f32
+
 
 def _pow2(n: int, least: int = 1) -> int:
     return max(least, 1 << max(n - 1, 0).bit_length())
@@ -192,6 +194,20 @@ def use_grouped_attention(model: Any) -> None:
         AttentionInterface.register("molt_sdpa", grouped_attention)
         AttentionMaskInterface.register("molt_sdpa", sdpa_mask)
         model.config._attn_implementation = "molt_sdpa"
+
+
+def fp32_logits(model: Any) -> None:
+    """A bf16 model's output head returns its fp32 accumulator (`molt.types.mm_f32`), as the trainer's log-prob
+    head does: logits of 20 rounded to bf16 move by up to 0.04, and the behavior log-probs with them, a gap
+    the trainer's own log-probs would not share. Memory stays as it was (the engine read fp32 logits anyway)."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.weight.dtype == torch.float32:
+        return
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = mm_f32(x.reshape(-1, x.shape[-1]), head.weight.T)
+        return (out if head.bias is None else out + head.bias.float()).view(*x.shape[:-1], -1)
+    head.forward = forward
 
 
 def dynamic_rope(model: Any) -> bool:

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from molt.trainer.batching import prebuilt_mask
-from molt.types import rope_positions, vision_token_ids
+from molt.types import mm_f32, rope_positions, vision_token_ids
 
 
 def check_supported(config) -> None:
@@ -20,18 +20,6 @@ def check_supported(config) -> None:
         if getattr(config, name, None) not in (None, 1.0):
             raise ValueError(f"model config sets {name}={getattr(config, name)}; the chunked log-prob path "
                              "supports plain `lm_head(hidden)` logits only")
-
-
-_OUT_DTYPE_MM = "dtype" in torch.ops.aten.mm.overloads()  # mm(a, b, out_dtype=...) (CUDA kernels only)
-
-
-def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b in the inputs' dtype (bf16 tensor cores on CUDA) with fp32 accumulation, as an fp32 result."""
-    if a.dtype == torch.float32:
-        return a @ b
-    if a.is_cuda and _OUT_DTYPE_MM:  # no rounding of the result to bf16
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return (a @ b).float()
 
 
 def compute_dtype(t: Tensor) -> torch.dtype:
@@ -44,7 +32,7 @@ def compute_dtype(t: Tensor) -> torch.dtype:
 def _scaled_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, inv_temp: Tensor) -> Tensor:
     """[c, H] rows already divided by T (compute dtype) -> [c, V] fp32 logits / T (a fresh tensor callers may
     modify in place). Dividing the [c, H] rows rather than the [c, V] logits saves a pass over the vocabulary."""
-    z = _mm_f32(hidden, weight.T)
+    z = mm_f32(hidden, weight.T)
     return z if bias is None else z.add_(bias.float()[None] * inv_temp[:, None])
 
 
@@ -118,11 +106,11 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 grad_b.addmv_(dz.T, inv_temp[sl])
             dz = dz.to(ctx.cdtype)
             if need_h:
-                grad_h[sl] = _mm_f32(dz, w)
+                grad_h[sl] = mm_f32(dz, w)
             if need_w and dz.dtype == torch.float32:
                 grad_w.addmm_(dz.T, scaled[sl])  # in place: no [V, H] temporary on the exact fp32 path
             elif need_w:
-                grad_w += _mm_f32(dz.T, scaled[sl])
+                grad_w += mm_f32(dz.T, scaled[sl])
         if need_h:  # d(hidden / T)/d hidden = 1 / T
             grad_h = grad_h.mul_(inv_temp[:, None]).to(ctx.hidden_dtype)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),

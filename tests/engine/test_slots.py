@@ -128,6 +128,21 @@ def test_cuda_graphs_equal_eager_decode_and_survive_a_refit(tiny_llama_dir):
     asyncio.run(_graphs_equal_eager_decode_and_survive_a_refit(tiny_llama_dir))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_bf16_engine_head_returns_unrounded_fp32_logits(tiny_llama_dir):
+    """A bf16 engine's output head keeps its fp32 accumulator, as the trainer's log-prob head does: much closer
+    to an fp64 reference than the same logits rounded to bf16 (`molt.engine.slots.fp32_logits`)."""
+    engine = HFEngine(str(tiny_llama_dir), device="cuda", dtype="bfloat16")
+    try:
+        head = engine.model.get_output_embeddings()
+        x = 4 * torch.randn(64, head.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+        got, exact = head(x), x.double() @ head.weight.double().T
+        assert got.dtype == torch.float32
+        assert (got - exact).abs().max() < 0.25 * ((x @ head.weight.T).float() - exact).abs().max()
+    finally:
+        asyncio.run(engine.close())
+
+
 async def _graphs_equal_eager_decode_and_survive_a_refit(tiny_llama_dir):
     """fp32 on CUDA: graph replays give the eager engine's tokens and log-probs, before and after a refit, and
     the refit keeps every captured graph (capture is paid once per shape, not per refit)."""
