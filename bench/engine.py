@@ -133,15 +133,67 @@ def measure(variants: dict, repeats: int) -> dict[str, tuple[float, float]]:
     return {name: (statistics.median(r), max(r)) for name, r in rates.items()}
 
 
-def throughput(engine: HFEngine, prompts: list[list[int]], args: argparse.Namespace,
+class Prefills:
+    """Counts an engine's model forwards of more than one token per row (its prefills; on CUDA decode steps replay
+    graphs and call no forward) and their host time, during the runs of `around`: what requests arriving
+    continuously cost besides decoding."""
+
+    def __init__(self, engine: HFEngine):
+        self.engine, self.on, self.calls, self.seconds, self.runs = engine, False, 0, 0.0, 0
+        forward = engine.model.forward
+
+        def counted(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return forward(*a, **kw)
+            finally:
+                if self.on and kw["input_ids"].shape[1] > 1:
+                    self.calls, self.seconds = self.calls + 1, self.seconds + time.perf_counter() - start
+        engine.model.forward = counted
+
+    def around(self, fn):
+        def run():
+            self.on, self.runs = True, self.runs + 1
+            try:
+                return fn()
+            finally:
+                self.on = False
+        return run
+
+    def close(self) -> str:
+        del self.engine.model.forward  # the class's own again
+        return f"{self.calls / max(self.runs, 1):.0f} prefill forwards a round, {self.seconds / max(self.runs, 1):.2f} s of host in them"
+
+
+def kernel_profile(engine: HFEngine, prompts: list[list[int]], new: int) -> None:
+    """Print the kernels of one round (prefill and decode) by device time: which attention kernel runs, and how
+    much of a step is attention against matmuls. Printed only (a diagnosis for the GPU session)."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                 experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:  # the engine's thread
+        run_engine(engine, prompts, new)
+    key = "device_time_total" if cuda else "self_cpu_time_total"
+    graphs = "CUDA graphs" if engine._graphs else "eager decode"
+    print(f"Kernels of {len(prompts)} requests x {new} tokens, {graphs} (by {key}):\n"
+          + prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=70), flush=True)
+
+
+def throughput(engine: HFEngine, prompts: list[list[int]], args: argparse.Namespace, stock,
                eager: HFEngine | None = None) -> tuple[str, str, str]:
-    n, new, repeats, model = len(prompts), args.new_tokens or 64, args.repeats or (2 if eager else 3), engine.model
+    """`stock`: the model as transformers loads it (the engine changes its own: attention and output head), for
+    `generate` and transformers' continuous batching."""
+    n, new, repeats, model = len(prompts), args.new_tokens or 64, args.repeats or (2 if eager else 3), stock
     variants = {"embedded engine (molt.engine.hf)": lambda: run_engine(engine, prompts, new),
                 "padded model.generate": lambda: run_generate(model, prompts, new, engine.pad_token_id)}
     if eager is not None:  # on CUDA: the same engine without CUDA graphs, and clients arriving continuously
         variants["embedded engine, eager decode"] = lambda: run_engine(eager, prompts, new)
-        variants["clients arriving continuously (3 requests each)"] = lambda: run_clients(engine, prompts, new)
-        variants["the same, eager decode"] = lambda: run_clients(eager, prompts, new)
+        prefills = [Prefills(engine), Prefills(eager)]
+        variants["clients arriving continuously (3 requests each)"] = prefills[0].around(
+            lambda: run_clients(engine, prompts, new))
+        variants["the same, eager decode"] = prefills[1].around(lambda: run_clients(eager, prompts, new))
     manager = start_continuous(model, new) if args.continuous_batching else None
     if manager is not None:
         variants["transformers continuous batching"] = lambda: run_continuous(manager, prompts, new)
@@ -159,6 +211,10 @@ def throughput(engine: HFEngine, prompts: list[list[int]], args: argparse.Namesp
         context += (f"; CUDA graphs so far: {getattr(graphs, 'captures', 0)} captured in "
                     f"{getattr(graphs, 'capture_s', 0.0):.1f} s (once per shape: batch and attended columns in "
                     "powers of two)" + (f"; GRAPHS FAILED: {engine.graph_error}" if engine.graph_error else ""))
+        context += (f"; clients arriving continuously: {prefills[0].close()} (graphs), {prefills[1].close()} "
+                    "(eager decode)")
+        for e in (engine, eager):  # graph replays, then eager decode steps: which attention kernels they run
+            kernel_profile(e, prompts, min(new, 16))
     return "Embedded engine throughput (`bench/engine.py`)", context, "\n".join(lines)
 
 
@@ -274,6 +330,9 @@ def main() -> None:
                       dtype="bfloat16" if cuda else "float32", prefix_cache_mb=8192 if cuda else 1024)
     eager = HFEngine(model_path, max_batch_size=256, device=args.device, dtype="bfloat16",
                      cuda_graphs=False) if cuda else None
+    from transformers import AutoModelForCausalLM
+
+    stock = AutoModelForCausalLM.from_pretrained(model_path, dtype=engine.model.dtype).to(args.device).eval()
     cmd = ".venv/bin/python bench/engine.py " + " ".join(a for a in sys.argv[1:] if a != "--write")
 
     def report(title: str, context: str, table: str) -> None:
@@ -288,7 +347,7 @@ def main() -> None:
             engine.max_batch_size = max(engine.max_batch_size, n)
             prompts = prompts_for(engine.tokenizer, -(-n // args.group), args.device)
             prompts = [p for p in prompts for _ in range(args.group)][:n]  # a GRPO group's samples share a prompt
-            report(*throughput(engine, prompts, args, eager))
+            report(*throughput(engine, prompts, args, stock, eager))
     if eager is not None:
         asyncio.run(eager.close())
     if cuda or args.multi_turn:
