@@ -124,6 +124,22 @@ def measure(step, device, repeats: int) -> dict:
     return {"mean_s": sum(times) / len(times), "best_s": min(times), "peak_gib": peak}
 
 
+def profile_step(step, device, name: str) -> None:
+    """Print one more step's kernels by device time (CPU ops on a CPU), and its host syncs: where a missed goal's
+    time goes, in the same run (printed only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        sync(device)
+    events = prof.key_averages()
+    key = "device_time_total" if cuda else "self_cpu_time_total"
+    syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize"))
+    print(f"{name}: one step's kernels by {key}; {syncs} stream or device synchronizations\n"
+          + events.table(sort_by=key, row_limit=20, max_name_column_width=70), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="a small shape on CPU: checks that the bench runs")
@@ -155,6 +171,8 @@ def main() -> None:
                     name, _, chunk = variant.partition(":")
                     step, device = molt_step(args, tmp, window, pack=name == "molt-packed", chunk=int(chunk or 512))
                 r = measure(step, device, args.repeats)
+                if variant == args.variants[0]:
+                    profile_step(step, device, variant)
             except Exception as e:  # noqa: BLE001 - reported and counted in the exit code
                 failed[variant] = f"{type(e).__name__}: {e}"
                 print(f"{variant} FAILED: {failed[variant]}", flush=True)
