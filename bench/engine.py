@@ -153,7 +153,7 @@ class Prefills:
 
     def around(self, fn):
         def run():
-            self.on, self.runs = True, self.runs + 1
+            self.on, self.runs = self.runs > 0, self.runs + 1  # the first run is `measure`'s warm-up
             try:
                 return fn()
             finally:
@@ -162,7 +162,8 @@ class Prefills:
 
     def close(self) -> str:
         del self.engine.model.forward  # the class's own again
-        return f"{self.calls / max(self.runs, 1):.0f} prefill forwards a round, {self.seconds / max(self.runs, 1):.2f} s of host in them"
+        rounds = max(self.runs - 1, 1)
+        return f"{self.calls / rounds:.0f} prefill forwards a round, {self.seconds / rounds:.2f} s of host in them"
 
 
 def kernel_profile(engine: HFEngine, prompts: list[list[int]], new: int) -> None:

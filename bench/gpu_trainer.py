@@ -171,8 +171,6 @@ def main() -> None:
                     name, _, chunk = variant.partition(":")
                     step, device = molt_step(args, tmp, window, pack=name == "molt-packed", chunk=int(chunk or 512))
                 r = measure(step, device, args.repeats)
-                if variant == args.variants[0]:
-                    profile_step(step, device, variant)
             except Exception as e:  # noqa: BLE001 - reported and counted in the exit code
                 failed[variant] = f"{type(e).__name__}: {e}"
                 print(f"{variant} FAILED: {failed[variant]}", flush=True)
@@ -183,6 +181,11 @@ def main() -> None:
                 r["mfu"] = 6 * n_params * tokens / r["best_s"] / (args.peak_tflops * 1e12)
                 results[variant] = r
                 print(f"{variant}: {r}", flush=True)  # a run cut short by a time limit keeps these
+                try:
+                    if variant == args.variants[0]:
+                        profile_step(step, device, variant)
+                except Exception as e:  # noqa: BLE001 - a diagnosis only: the measurement stands
+                    print(f"{variant}: the profile failed: {type(e).__name__}: {e}", flush=True)
             del step
             gc.collect()  # the previous variant's model and optimizer state leave the GPU before the next loads
             try:

@@ -20,7 +20,7 @@ import torch
 from molt.engine.base import EngineError, check_request, copy_weights
 from molt.engine.prefix_cache import PrefixCache, copies_of, prefill_inputs
 from molt.engine.sampling import sample
-from molt.engine.slots import GraphDecoder, Slots, dynamic_rope, fp32_logits, use_grouped_attention
+from molt.engine.slots import GraphDecoder, Slots, adapt_model, dynamic_rope, engine_device
 from molt.engine.weight_group import InProcessWeightReceiver
 from molt.types import Completion, FinishReason, SamplingParams, join_inputs, rope_positions, vision_token_ids
 
@@ -81,14 +81,12 @@ class HFEngine(InProcessWeightReceiver):
 
         if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
             raise EngineError(f"unknown dtype {dtype!r} (use e.g. 'float32', 'bfloat16')")
-        self.device = torch.device(device)
+        self.device = engine_device(device)
         self.vision = hasattr(tf.AutoConfig.from_pretrained(model_path), "vision_config")
         auto = tf.AutoModelForImageTextToText if self.vision else tf.AutoModelForCausalLM
         self.model = auto.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
         self.model.eval()
-        if not self.vision:  # decode steps attend without copying the cache per query head (molt.engine.slots)
-            use_grouped_attention(self.model)
-        fp32_logits(self.model)  # bf16: logits as the trainer computes them (molt.engine.slots)
+        adapt_model(self.model, text=not self.vision)  # its decode attention and output head
         self.tokenizer = tf.AutoTokenizer.from_pretrained(model_path)
         self.banned = vision_token_ids(self.model.config)  # never sampled (module docstring)
         config = self.model.config.get_text_config()
@@ -212,15 +210,12 @@ class HFEngine(InProcessWeightReceiver):
     def _make_request(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> _Request:
         max_new = check_request(prompt, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                 model_name=self.model_name)
-        # on the host: a GPU step would launch a kernel per row to draw. (Random(s) seeds from abs(s): the modulus
-        # keeps s and -s apart.)
-        generator = random.Random(None if params.seed is None else params.seed % 2**64)
-        loop = asyncio.get_running_loop()
-        return _Request(
-            id=request_id or uuid.uuid4().hex, prompt=prompt, params=params,
-            max_new=max_new,
-            stops=sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), generator=generator,
-            loop=loop, future=loop.create_future())
+        # draws on the host (a GPU step would launch a kernel per row); Random(s) seeds from abs(s): the modulus
+        # keeps s and -s apart
+        seed, loop = None if params.seed is None else params.seed % 2**64, asyncio.get_running_loop()
+        return _Request(id=request_id or uuid.uuid4().hex, prompt=prompt, params=params, max_new=max_new,
+                        stops=sorted(set(self.eos_token_ids) | set(params.stop_token_ids)),
+                        generator=random.Random(seed), loop=loop, future=loop.create_future())
 
     def _abort(self, req: _Request) -> None:
         with self._cv:
@@ -243,8 +238,8 @@ class HFEngine(InProcessWeightReceiver):
     # ---------------------------------------------------------------- worker thread
 
     def _run(self) -> None:
-        if self.device.type == "cuda" and self.device.index is not None:  # this thread's streams and captures
-            torch.cuda.set_device(self.device)  # go to the current device: make it the engine's
+        if self.device.type == "cuda":  # this thread's streams and captures go to its current device
+            torch.cuda.set_device(self.device)
         with torch.inference_mode():
             while True:
                 with self._cv:
@@ -358,7 +353,7 @@ class HFEngine(InProcessWeightReceiver):
         where a model's forward cannot be captured: rollouts go on, slower, and the warning says why."""
         if not isinstance(self._graphs, GraphDecoder):
             return None
-        try:
+        try:  # (fp32 logits: the graph's own output buffer, read before the next replay overwrites it)
             return self._graphs(ids, positions).float()
         except RuntimeError as error:
             cause = error.__context__ or error  # a failed capture reports "invalidated" over the real cause

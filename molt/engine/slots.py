@@ -4,13 +4,13 @@ Design notes and decisions: docs/internals.md, section `molt/engine/slots.py`.
 """
 from __future__ import annotations
 
-import contextlib
+import inspect
+import sys
 import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from molt.types import mm_f32
 
@@ -166,40 +166,40 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     """transformers' `sdpa` attention, except for a decode step (one query per row, a mask shared by the heads):
     with a mask, transformers copies every key/value head once per query head it serves (SDPA's own GQA would
     fall back to its math kernel), a copy of the whole cache per layer and step. Viewing each key/value head's
-    query heads as its queries computes the same attention without the copy (7-28x less attention time on a
-    CPU, bench in docs/internals.md). On CUDA, cuDNN attention is left out: it builds a plan for every new shape
-    (1.7 ms of host time per call on an H200), which every eager prefill of a new length would pay."""
+    query heads as its queries computes the same attention without the copy (docs/internals.md)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     rows, heads, n, dim = query.shape
     groups = heads // key.shape[1]
-    with sdpa_kernel(_NO_CUDNN) if query.is_cuda else contextlib.nullcontext():
-        if n != 1 or groups == 1 or attention_mask is None or attention_mask.shape[1] != 1 \
-                or kwargs.get("position_bias") is not None:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        out = F.scaled_dot_product_attention(query.reshape(rows, key.shape[1], groups, dim), key, value,
-                                             attn_mask=attention_mask, scale=kwargs.get("scaling"))
-    return out.reshape(rows, 1, heads, dim), None  # head h reads key/value head h // groups, as repeat_kv has it
+    if n != 1 or groups == 1 or attention_mask is None or attention_mask.shape[1] != 1 \
+            or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = F.scaled_dot_product_attention(query.reshape(rows, key.shape[1], groups, dim), key, value,
+                                         attn_mask=attention_mask, scale=kwargs.get("scaling"))
+    return out.reshape(rows, 1, heads, -1), None  # head h reads key/value head h // groups, as repeat_kv has it
 
 
-_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def use_grouped_attention(model: Any) -> None:
-    """Route a text model's `sdpa` attention through `grouped_attention` (prefill masks stay sdpa's)."""
+def use_grouped_attention(model: Any) -> bool:
+    """Route a text model's `sdpa` attention through `grouped_attention` (prefill masks stay sdpa's), unless
+    the model's own code asks for the name "sdpa" (Falcon picks its eager branch by it, some sparse-attention
+    models their masks): those keep sdpa. Whether it did."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if model.config._attn_implementation == "sdpa":
-        AttentionInterface.register("molt_sdpa", grouped_attention)
-        AttentionMaskInterface.register("molt_sdpa", sdpa_mask)
-        model.config._attn_implementation = "molt_sdpa"
+    source = inspect.getsource(sys.modules[type(model).__module__])
+    if model.config._attn_implementation != "sdpa" or '"sdpa"' in source or "'sdpa'" in source:
+        return False
+    AttentionInterface.register("molt_sdpa", grouped_attention)
+    AttentionMaskInterface.register("molt_sdpa", sdpa_mask)
+    model.config._attn_implementation = "molt_sdpa"
+    return True
 
 
 def fp32_logits(model: Any) -> None:
     """A bf16 model's output head returns its fp32 accumulator (`molt.types.mm_f32`), as the trainer's log-prob
     head does: logits of 20 rounded to bf16 move by up to 0.04, and the behavior log-probs with them, a gap
-    the trainer's own log-probs would not share. Memory stays as it was (the engine read fp32 logits anyway)."""
+    the trainer's own log-probs would not share. A captured graph's output [rows, vocab] is then fp32 too
+    (about 155 MB at 256 rows of Qwen's vocabulary, per graph of that row count)."""
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear or head.weight.dtype == torch.float32:
         return
@@ -208,6 +208,26 @@ def fp32_logits(model: Any) -> None:
         out = mm_f32(x.reshape(-1, x.shape[-1]), head.weight.T)
         return (out if head.bias is None else out + head.bias.float()).view(*x.shape[:-1], -1)
     head.forward = forward
+
+
+def adapt_model(model: Any, text: bool) -> None:
+    """The engine's changes to its model: decode attention without copies (text models) and fp32 logits."""
+    if text:
+        use_grouped_attention(model)
+    fp32_logits(model)
+
+
+def engine_device(device: str) -> torch.device:
+    """The engine's device with its index (its worker thread makes it current: streams and captures go to the
+    current device). On CUDA, cuDNN attention is turned off: it builds a plan for every new shape (1.7 ms of
+    host time per call on an H200), which each eager prefill of a new length would pay, where flash and
+    memory-efficient attention plan nothing. The flag is the process's; an engine has a process of its own
+    (molt.engine.process, or the rollout worker's)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def dynamic_rope(model: Any) -> bool:

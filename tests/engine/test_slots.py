@@ -220,28 +220,43 @@ def test_the_decode_step_reads_no_device_value_and_takes_no_host_tensor(family):
         meta_decode(dynamic)
 
 
-def test_grouped_decode_attention_equals_transformers_sdpa(tiny_llama_dir):
+def test_grouped_decode_attention_equals_transformers_sdpa(tiny_llama_dir, monkeypatch):
     """One query per row against a padded cache: the same output as transformers' sdpa (which repeats each
-    key/value head per query head), and every other shape goes to sdpa itself; the engine routes its model there."""
+    key/value head per query head). The engine's decode steps take that path (a spy counts them); a model whose
+    own code asks for the name "sdpa" (Falcon) keeps sdpa."""
     from types import SimpleNamespace
 
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from molt.engine import slots
 
     torch.manual_seed(0)
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
-    for n, mask_heads in ((1, 1), (5, 1), (1, 6)):  # a decode step; a prefill; a per-head mask
-        query, key, value = torch.randn(4, 6, n, 8), torch.randn(4, 2, 9, 8), torch.randn(4, 2, 9, 8)
-        mask = torch.zeros(4, mask_heads, n, 9).masked_fill_(torch.rand(4, mask_heads, n, 9) < 0.3, -1e30)
-        mask[..., -1] = 0  # every query sees its own position
-        want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
-        got, _ = grouped_attention(module, query, key, value, mask, scaling=0.3)
-        assert got.shape == want.shape == (4, n, 6, 8)
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    query, key, value = torch.randn(4, 1, 6, 8).transpose(1, 2), torch.randn(4, 2, 9, 8), torch.randn(4, 2, 9, 8)
+    mask = torch.zeros(4, 1, 1, 9).masked_fill_(torch.rand(4, 1, 1, 9) < 0.3, -1e30)
+    mask[..., -1] = 0  # every query sees its own position
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    got, _ = grouped_attention(module, query, key, value, mask, scaling=0.3)
+    assert got.shape == want.shape == (4, 1, 6, 8)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+    calls = []
+    spy = SimpleNamespace(scaled_dot_product_attention=lambda q, *a, **kw: calls.append(q.shape) or
+                          torch.nn.functional.scaled_dot_product_attention(q, *a, **kw))
+    monkeypatch.setattr(slots, "F", spy)
     engine = HFEngine(str(tiny_llama_dir))
     try:
         assert engine.model.config._attn_implementation == "molt_sdpa"
+        out = asyncio.run(engine.generate([5, 6, 7], SamplingParams(max_tokens=4, min_tokens=4, temperature=0)))
     finally:
         asyncio.run(engine.close())
+    layers, heads = engine.model.config.num_hidden_layers, engine.model.config.num_key_value_heads
+    assert len(out.token_ids) == 4 and len(calls) == 3 * layers  # every decode step after the prefill's token
+    assert all(shape[1:3] == (heads, 2) for shape in calls)  # 4 query heads as 2 queries of each of 2 heads
+    falcon = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "falcon", hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=64), attn_implementation="sdpa")
+    assert not use_grouped_attention(falcon) and falcon.config._attn_implementation == "sdpa"
 
 
 def test_dynamic_rope_models_decode_without_graphs(tiny_llama_dir):
