@@ -61,9 +61,11 @@ class ChatRenderer:
 
     @classmethod
     def from_pretrained(cls, path: str, **options: Any) -> ChatRenderer:
-        from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         if hasattr(AutoConfig.from_pretrained(path), "vision_config"):
+            from transformers import AutoProcessor  # imports torch and the modeling code: vision models only
+
             processor = AutoProcessor.from_pretrained(path)
             return cls(processor.tokenizer, processor, **options)
         return cls(AutoTokenizer.from_pretrained(path), **options)

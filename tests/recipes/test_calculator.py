@@ -200,6 +200,7 @@ def test_trains_with_several_segments_per_rollout(tiny_llama_dir, tmp_path, ray_
     cfg.train.max_steps, cfg.train.max_staleness = 2, 1
     cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens = 2, 2, 8
     cfg.rollout.timeout_s = 60.0
+    cfg.rollout.engine_process = False  # in the worker: 5 s less start-up (tests/runtime/test_train_e2e.py)
     cfg.ckpt.output_dir = str(tmp_path / "run")
     summary = asyncio.run(run_training(validate(cfg)))
     assert summary["steps"] == 2

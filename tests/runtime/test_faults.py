@@ -22,6 +22,11 @@ AGENT = ROOT / "tests/runtime/agents/letters_env.py"
 ROW = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "label": "5"}
 
 
+# the engine in the worker's own process, for the runs whose faults are not about the engine's process: about
+# 5 s less start-up a run on this 2-core machine (tests/runtime/test_train_e2e.py, `_cfg`)
+IN_WORKER = "--rollout.no_engine_process"
+
+
 def args(model_dir, out, steps=6, *extra):
     return ["--actor.model_name_or_path", str(model_dir), "--train.agent_path", str(AGENT), "--data.prompt_dataset",
             str(ROOT / "recipes/math/data/single_train.jsonl"), "--rollout.batch_size", "2",
@@ -334,7 +339,7 @@ def test_a_worker_death_past_the_limit_stops_the_run_with_a_checkpoint(tiny_llam
     out = tmp_path / "run"
     with pytest.raises(RunStopped, match=r"rollout worker 0 died \(ActorDiedError\), 1 time\(s\) within 600 s; "
                                          r"the run survives 0 .*step 2 is checkpointed"):
-        run_killing_a_worker(tiny_llama_dir, tmp_path, 6, "--rollout.worker_max_restarts", "0")
+        run_killing_a_worker(tiny_llama_dir, tmp_path, 6, "--rollout.worker_max_restarts", "0", IN_WORKER)
     assert len(ledger(out)) == 4 and [p.name for p in (out / "checkpoints").iterdir()] == ["step_2"]
 
 
@@ -363,7 +368,7 @@ def test_a_failing_trainer_rank_is_named_at_once(ray_local):
 
 def test_a_dead_trainer_rank_stops_the_run_and_a_rerun_resumes_exactly_once(tiny_llama_dir, tmp_path, ray_local):
     out = tmp_path / "run"
-    cfg = load_config(args(tiny_llama_dir, out, 5, "--ckpt.save_steps", "2"))
+    cfg = load_config(args(tiny_llama_dir, out, 5, "--ckpt.save_steps", "2", IN_WORKER))
 
     async def first():
         run = Run(cfg)
@@ -376,7 +381,7 @@ def test_a_dead_trainer_rank_stops_the_run_and_a_rerun_resumes_exactly_once(tiny
     with pytest.raises(RuntimeError, match="trainer rank 0 failed in"):
         asyncio.run(first())
     assert 3 <= len(ledger(out)) // 2 <= 4
-    summary = asyncio.run(run_training(load_config(args(tiny_llama_dir, out, 5, "--ckpt.save_steps", "2"))))
+    summary = asyncio.run(run_training(load_config(args(tiny_llama_dir, out, 5, "--ckpt.save_steps", "2", IN_WORKER))))
     assert summary["steps"] == 5
     check_exactly_once(out, 5)
 
@@ -399,7 +404,7 @@ def test_sigint_checkpoints_exits_130_and_the_same_command_resumes(tiny_llama_di
 
 def test_a_second_signal_exits_at_once(tiny_llama_dir, tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "molt.cli", "train", *args(tiny_llama_dir, out, 400)],
+    proc = subprocess.Popen([sys.executable, "-m", "molt.cli", "train", *args(tiny_llama_dir, out, 400, IN_WORKER)],
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     when(lambda: len(ledger(out)) >= 2, lambda: proc.send_signal(signal.SIGTERM))
     for line in proc.stderr:  # the first signal is acknowledged; the second one ends the process

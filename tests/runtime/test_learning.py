@@ -43,6 +43,7 @@ def test_a_reward_for_one_token_is_learned(tiny_llama_dir, tokenizer, tmp_path, 
     cfg.train.max_steps, cfg.train.max_staleness, cfg.train.seed = 5, 0, seed
     cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens = 4, 16, 16
     cfg.ckpt.output_dir = str(tmp_path / "run")
+    cfg.rollout.engine_process = False  # in the worker: 5 s less start-up (tests/runtime/test_train_e2e.py)
     asyncio.run(run_training(validate(cfg)))
     before, after = _p_token(tiny_llama_dir, tokenizer, "Q"), _p_token(tmp_path / "run" / "policy", tokenizer, "Q")
     print(f"seed {seed}: p('Q') {before:.4f} -> {after:.4f}")

@@ -24,7 +24,8 @@ def _train(model_dir, out, *flags):
 
 
 def test_sync_replay_reproduces_the_engine(tiny_moe_dir, tmp_path, ray_local):
-    metrics = _train(tiny_moe_dir, tmp_path / "run", "--train.max_staleness", "0")
+    # the engine in the worker (5 s less start-up); the run below sends the routes through the engine's pipe
+    metrics = _train(tiny_moe_dir, tmp_path / "run", "--train.max_staleness", "0", "--rollout.no_engine_process")
     assert [m["step"] for m in metrics] == [1, 2, 3]
     for m in metrics:  # on-policy, fp32: replayed log-probs are the engine's; the free forward may differ
         assert m["is/logprob_gap"] < 1e-4

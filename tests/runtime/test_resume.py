@@ -23,7 +23,7 @@ def _args(model_dir, out):
             str(ROOT / "recipes/math/data/single_train.jsonl"), "--rollout.batch_size", "2",
             "--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "8", "--train.max_steps", "6",
             "--train.max_staleness", "0", "--ckpt.save_steps", "1", "--ckpt.output_dir", str(out),
-            "--ray.num_cpus", "4"]
+            "--ray.num_cpus", "4", "--rollout.no_engine_process"]  # in the worker: 5 s less start-up a run
 
 
 @pytest.mark.slow  # 50 s; the default suite resumes after SIGINT and after a dead trainer rank (test_faults.py),

@@ -16,7 +16,11 @@ DATA = Path(__file__).parents[2] / "recipes" / "math" / "data"
 
 
 def _cfg(model_dir, out, agent="letters_env.py", **over):
+    """A 3-step run of `agent`. Its engine runs in the worker's own process: a run's start-up is three
+    processes importing torch and transformers on this 2-core machine, and the engine's own process (the
+    default, `rollout.engine_process`) adds about 5 s a run; the tests about that process pass it back."""
     cfg = MoltConfig()
+    cfg.rollout.engine_process = False
     cfg.actor.model_name_or_path = str(model_dir)
     cfg.actor.adam.lr = 1e-3
     cfg.train.agent_path = str(AGENTS / agent)
@@ -51,7 +55,7 @@ def _dumped_versions(out):
 def test_env_sync_trains_on_policy(tiny_llama_dir, tmp_path, ray_local):
     out = tmp_path / "run"
     summary = asyncio.run(run_training(_cfg(tiny_llama_dir, out, train__max_staleness=0, ckpt__save_steps=1,
-                                            ckpt__save_hf=True)))
+                                            ckpt__save_hf=True, rollout__engine_process=True)))
     assert summary["steps"] == 3
     assert _assert_logprobs_match_versions(tiny_llama_dir, out) == {0, 1, 2}  # the engines got each refit
     metrics = _read(out, "metrics.jsonl")
@@ -99,7 +103,8 @@ def test_env_async_partial_rollout_mixes_versions_within_bound(tiny_llama_dir, t
 def test_chat_agent_sdk_paths_train(tiny_llama_dir, tmp_path, ray_local, agent, staleness):
     out = tmp_path / "run"
     summary = asyncio.run(run_training(_cfg(tiny_llama_dir, out, agent, train__max_staleness=staleness,
-                                            train__partial_rollout_enable=staleness > 0, train__max_steps=2)))
+                                            train__partial_rollout_enable=staleness > 0, train__max_steps=2,
+                                            rollout__engine_process=staleness > 0)))  # pause, resume: its IPC
     assert summary["steps"] == 2
     assert max(m["rollout/staleness_max"] for m in _read(out, "metrics.jsonl")) <= staleness
     rows = _read(out, "dumps/step_2.jsonl")
@@ -170,7 +175,7 @@ def test_refit_leaves_the_engine_with_the_trained_weights(tiny_llama_dir, tmp_pa
 
     out = tmp_path / "run"
     cfg = _cfg(tiny_llama_dir, out, train__weight_sync=sync, train__max_staleness=1, train__max_steps=3,
-               rollout__num_workers=2, ckpt__save_steps=1, ckpt__save_hf=True)
+               rollout__num_workers=2, ckpt__save_steps=1, ckpt__save_hf=True, rollout__engine_process=True)
 
     async def main():
         run = Run(cfg)

@@ -72,7 +72,8 @@ def test_env_recipe_trains_synchronously(tiny_vlm_dir, tmp_path, ray_local):
 @pytest.mark.parametrize("agent", ["openai_agent.py", "anthropic_agent.py"])
 def test_two_turn_chat_agents_train_asynchronously(agent, tiny_vlm_dir, tmp_path, ray_local):
     out = tmp_path / "run"
-    asyncio.run(run_training(_cfg(tiny_vlm_dir, out, agent, **{"train.max_staleness": 1})))
+    asyncio.run(run_training(_cfg(tiny_vlm_dir, out, agent, **{"train.max_staleness": 1,
+                                                                "rollout.engine_process": False})))
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["rollout/segments_per_rollout"] == 1 for m in metrics)  # both turns in one segment
