@@ -33,7 +33,7 @@ class Rank:
         return out, ray.get_runtime_context().get_node_id()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")  # one cluster for both tests: starting one takes about 10 s here
 def two_nodes():
     from ray.cluster_utils import Cluster
 
