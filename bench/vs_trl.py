@@ -22,6 +22,8 @@ Systems (run one after the other, in this order, in one process):
 - `molt-sync`: the recipe with `--train.max_staleness 0` (generation and training alternate);
 - `molt-async`: `--train.max_staleness 1` (generation of the next step overlaps training); `molt-async2`: staleness 2;
   `molt-async-packed`: staleness 1 with `--fsdp.packing_samples` (packed micro-batches, so no shared prefixes);
+  `molt-async-partial`: the same with `--train.partial_rollout_enable` (a refit pauses the engine for the new
+  weights instead of waiting for the completions in flight);
 - `trl`: `trl.GRPOTrainer` with `GRPOConfig(per_device_train_batch_size=16, num_generations=8,
   gradient_accumulation_steps=1, ...)`, `use_cpu=True`, no vLLM, `num_iterations=1`, `beta=0`.
 
@@ -73,9 +75,9 @@ TEMPERATURE = 1.0
 LR = 5e-6
 EVAL_SAMPLES = 4
 
-# name -> (train.max_staleness, fsdp.packing_samples); None is TRL
-SYSTEMS = {"molt-sync": (0, False), "molt-async": (1, False), "molt-async2": (2, False),
-           "molt-async-packed": (1, True), "trl": None}
+# name -> (train.max_staleness, fsdp.packing_samples, train.partial_rollout_enable); None is TRL
+SYSTEMS = {"molt-sync": (0, False, False), "molt-async": (1, False, False), "molt-async2": (2, False, False),
+           "molt-async-packed": (1, True, False), "molt-async-partial": (1, True, True), "trl": None}
 
 
 def load_grade():
@@ -127,7 +129,8 @@ def eval_checkpoint(path: str, rows: list[dict], grade, seed: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ Molt
-def molt_config(staleness: int, steps: int, seed: int, out_dir: Path, packed: bool = False, eval_every: int = 0):
+def molt_config(staleness: int, steps: int, seed: int, out_dir: Path, packed: bool = False, eval_every: int = 0,
+                partial: bool = False):
     """The math recipe with the shared workload pinned explicitly (so a recipe edit cannot drift the bench)."""
     from molt.config import load_config, validate
 
@@ -147,6 +150,7 @@ def molt_config(staleness: int, steps: int, seed: int, out_dir: Path, packed: bo
     cfg.train.agent_path = str(AGENT)
     cfg.train.max_steps = steps
     cfg.train.max_staleness = staleness
+    cfg.train.partial_rollout_enable = partial
     cfg.train.seed = seed
     cfg.train.batch_size = 0  # every rollout of a step in one optimizer step
     cfg.rollout.batch_size = PROMPTS_PER_STEP
@@ -169,16 +173,17 @@ def molt_config(staleness: int, steps: int, seed: int, out_dir: Path, packed: bo
     return validate(cfg)
 
 
-def run_molt(name: str, staleness: int, packed: bool, steps: int, seed: int, work: Path, test_rows, grade,
-             eval_every: int) -> dict:
+def run_molt(name: str, staleness: int, packed: bool, partial: bool, steps: int, seed: int, work: Path, test_rows,
+             grade, eval_every: int) -> dict:
     from molt.runtime.metrics import read_metrics
 
     out_dir = work / name
     export_dir = out_dir / "policy"  # the run exports its final policy there (ckpt.export_hf)
     for d in (out_dir, export_dir):
         shutil.rmtree(d, ignore_errors=True)
-    cfg = molt_config(staleness, steps, seed, out_dir, packed, eval_every)
-    print(f"\n=== {name}: Molt, train.max_staleness {staleness}, packing {packed}, run dir {out_dir}", flush=True)
+    cfg = molt_config(staleness, steps, seed, out_dir, packed, eval_every, partial)
+    print(f"\n=== {name}: Molt, train.max_staleness {staleness}, packing {packed}, partial rollout {partial}, "
+          f"run dir {out_dir}", flush=True)
     t0 = time.perf_counter()
     from molt.runtime.loop import run_training
 
