@@ -5,6 +5,7 @@ Design notes and decisions: docs/internals.md, section `molt/types.py`.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -166,9 +167,17 @@ def mm_f32(a: Any, b: Any) -> Any:
 
     if a.dtype == torch.float32:
         return a @ b
-    if a.is_cuda and "dtype" in torch.ops.aten.mm.overloads():
+    if a.is_cuda and _mm_has_out_dtype():
         return torch.mm(a, b, out_dtype=torch.float32)
     return (a @ b).float()
+
+
+@functools.cache
+def _mm_has_out_dtype() -> bool:
+    """Whether this torch has `mm(a, b, out_dtype=...)` (asked once: mm_f32 runs per chunk and per decode step)."""
+    import torch
+
+    return "dtype" in torch.ops.aten.mm.overloads()
 
 
 def vision_token_ids(config: Any) -> list[int]:
