@@ -74,7 +74,7 @@ class Run:
         self.version = 0
         self.step = 0
         self.generated_tokens = 0
-        self.ledger: list[tuple[int, int]] = []
+        self.stream: dict[str, Any] | None = None  # the prompt stream's checkpoint state (PromptStream.state)
         self.counters: dict[str, int] = {}  # the pool's, restored on resume
         self.evals: list[dict[str, float]] = []
         self._created = self._saved = time.perf_counter()
@@ -174,7 +174,10 @@ class Run:
         state = json.loads((path / "state.json").read_text())
         await self.trainer.same("load", str(path / "trainer"))
         self.step = self.version = state["step"]
-        self.ledger = [tuple(k) for k in state["ledger"]]
+        self.stream = state.get("stream")
+        if self.stream is None:  # a checkpoint written before the stream kept a state of its own
+            old = PromptStream(self.rows, self.cfg.train.seed)
+            self.stream = {"next": 0, "done": [old.position(k) for k in state["ledger"]]}
         self.generated_tokens, self.counters = state["generated_tokens"], state.get("counters", {})
         if state.get("kl_coef") is not None and self.cfg.algo.kl.target is not None:
             self.kl_coef = state["kl_coef"]
@@ -183,13 +186,14 @@ class Run:
             truncate_after(self.dir / name, self.step)
         await self._refit()
 
-    async def _save_checkpoint(self, counters: dict[str, int], metrics: dict[str, float]) -> None:
+    async def _save_checkpoint(self, pool: RolloutPool, metrics: dict[str, float]) -> None:
         path = self.ckpt_dir / f"step_{self.step}"
         await self.trainer.same("save", str(path / "trainer"))
         if self.cfg.ckpt.save_hf:
             await self.trainer.same("export_hf", str(path / "hf"))
-        state = {"step": self.step, "ledger": self.ledger, "generated_tokens": self.generated_tokens,
-                 "counters": counters, "kl_coef": self.kl_coef, "metrics": metrics}
+        # its size does not grow with the run: the stream's state is bounded by the groups in flight
+        state = {"step": self.step, "stream": pool.prompts.state(), "generated_tokens": self.generated_tokens,
+                 "counters": dict(pool.counters), "kl_coef": self.kl_coef, "metrics": metrics}
         (path / "state.json").write_text(json.dumps(state))  # written last: marks the checkpoint complete
         rotate(self.ckpt_dir, self.cfg.ckpt.max_num, self.cfg.ckpt.best_metric_key)
         self._saved = time.perf_counter()
@@ -316,7 +320,7 @@ class Run:
         filt = None
         if cfg.algo.dynamic_filtering_enable:
             filt = _dynamic_filter(cfg.rollout.n_samples_per_prompt, tuple(cfg.algo.dynamic_filtering_range))
-        pool = RolloutPool(PromptStream(self.rows, cfg.train.seed, self.ledger), self._run_on_worker,
+        pool = RolloutPool(PromptStream(self.rows, cfg.train.seed, self.stream), self._run_on_worker,
                            n_samples=cfg.rollout.n_samples_per_prompt, groups_per_step=cfg.rollout.batch_size,
                            max_staleness=cfg.train.max_staleness, max_retries=cfg.rollout.max_failed_retries,
                            group_filter=filt, seed=cfg.train.seed)
@@ -336,7 +340,7 @@ class Run:
                 trained_version = self.version
                 self.version += 1
                 self.step += 1
-                self._record(groups)  # before the refit: a crash loop found there still saves a whole step
+                self._record(groups, pool.prompts)  # before the refit: a crash loop there still saves the step
                 try:
                     t_refit = await self._refit()
                 except RunStopped as e:
@@ -362,19 +366,19 @@ class Run:
                 c = cfg.ckpt  # save_steps: the reference's -1 is never
                 if (c.save_steps > 0 and self.step % c.save_steps == 0 or
                         0 < c.save_interval_s <= time.perf_counter() - self._saved):
-                    await self._save_checkpoint(dict(pool.counters), metrics)
+                    await self._save_checkpoint(pool, metrics)
         finally:
             await pool.stop()
         if not (self.ckpt_dir / f"step_{self.step}" / "state.json").is_file():  # the last step: final or stopped
-            await self._save_checkpoint(dict(pool.counters), metrics)
+            await self._save_checkpoint(pool, metrics)
         if self._stopping is not None:
             raise RunStopped(f"{self._stopping}; step {self.step} is checkpointed: run the same command again to "
                              "resume", getattr(self._stopping, "exit_code", 1))
 
-    def _record(self, groups: list[Group]) -> None:
+    def _record(self, groups: list[Group], stream: PromptStream) -> None:
         with open(self.dir / "ledger.jsonl", "a") as f:
             for g in groups:
-                self.ledger.append(g.key)
+                stream.finish(g.key)
                 self.generated_tokens += sum(o.response_tokens for o in g.outcomes)
                 f.write(json.dumps({"step": self.step, "key": list(g.key), "group_id": g.group_id,
                                     "rollouts": [o.rollout_id for o in g.outcomes]}) + "\n")

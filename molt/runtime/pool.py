@@ -8,7 +8,7 @@ import asyncio
 import random
 import zlib
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,22 +80,53 @@ class Group:
 
 
 class PromptStream:
-    """Dataset rows in a seeded shuffled order, epoch after epoch, skipping ledger keys already trained."""
+    """Dataset rows in a seeded shuffled order, epoch after epoch: position n is row `order(e)[n % N]` of epoch
+    e = n // N, its ledger key (e, row index).
 
-    def __init__(self, rows: list[dict[str, Any]], seed: int, trained: Iterable[tuple[int, int]] = ()):
+    A key yielded is open until `finish`ed (trained, or given up: a dropped group). `state()` is what a
+    checkpoint keeps, bounded by the keys in flight rather than the run's length: the position of the oldest
+    open key (where a resumed stream starts) and the positions after it that were finished (which it skips).
+    So a resumed run re-runs exactly the groups that were in flight at the checkpoint, trains nothing twice,
+    and, like the run it continues, does not go back to groups it gave up."""
+
+    def __init__(self, rows: list[dict[str, Any]], seed: int, state: dict[str, Any] | None = None):
         if not rows:
             raise ValueError("the prompt dataset is empty")
-        self.rows, self.seed, self.trained = rows, seed, set(map(tuple, trained))
+        self.rows, self.seed = rows, seed
+        state = state or {}
+        self._next = state.get("next", 0)  # the next position to yield
+        self._done = set(state.get("done", ()))  # finished positions after the oldest open one
+        self._open: dict[tuple[int, int], int] = {}  # key -> position, yielded and not finished
+        self._orders: dict[int, list[int]] = {}
+
+    def order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}  # at most three epochs
+            self._orders[epoch] = order = list(range(len(self.rows)))
+            random.Random(self.seed + epoch).shuffle(order)
+        return self._orders[epoch]
+
+    def position(self, key: tuple[int, int]) -> int:
+        return key[0] * len(self.rows) + self.order(key[0]).index(key[1])
 
     def __iter__(self) -> Iterator[tuple[tuple[int, int], dict[str, Any]]]:
-        epoch = 0
         while True:
-            order = list(range(len(self.rows)))
-            random.Random(self.seed + epoch).shuffle(order)
-            for index in order:
-                if (epoch, index) not in self.trained:
-                    yield (epoch, index), self.rows[index]
-            epoch += 1
+            n, self._next = self._next, self._next + 1
+            if n in self._done:
+                continue
+            epoch = n // len(self.rows)
+            key = (epoch, self.order(epoch)[n % len(self.rows)])
+            self._open[key] = n
+            yield key, self.rows[key[1]]
+
+    def finish(self, key: tuple[int, int]) -> None:
+        """The group of `key` was trained or given up."""
+        self._done.add(self._open.pop(tuple(key)))
+        start = min(self._open.values(), default=self._next)
+        self._done = {n for n in self._done if n > start}
+
+    def state(self) -> dict[str, Any]:
+        return {"next": min(self._open.values(), default=self._next), "done": sorted(self._done)}
 
 
 GroupFilter = Callable[[list[Group]], tuple[list[Group], dict[str, int]]]
@@ -114,7 +145,7 @@ class RolloutPool:
         group_filter: GroupFilter | None = None,
         seed: int = 0,
     ):
-        self._prompts = iter(prompts)
+        self.prompts, self._prompts = prompts, iter(prompts)
         self._run, self._filter = run, group_filter
         self.n_samples, self.groups_per_step = n_samples, groups_per_step
         self.max_staleness, self.max_retries = max_staleness, max_retries
@@ -161,7 +192,7 @@ class RolloutPool:
             except asyncio.TimeoutError:
                 continue
             if 0 <= group.min_version < self.version - self.max_staleness:
-                self._drop("stale")
+                self._drop("stale", group.key)
                 continue
             out.append(group)
         return out
@@ -170,8 +201,9 @@ class RolloutPool:
     def _budget(self) -> int:
         return (self.version - self._base_version + self.max_staleness + 1) * self.groups_per_step
 
-    def _drop(self, reason: str, count: int = 1) -> None:
-        self.counters[f"dropped/{reason}"] += count
+    def _drop(self, reason: str, key: tuple[int, int]) -> None:
+        self.prompts.finish(key)
+        self.counters[f"dropped/{reason}"] += 1
         self._dropped += 1
         self._wake.set()
 
@@ -211,7 +243,7 @@ class RolloutPool:
                 if retries >= self.max_retries:
                     for other in pending:
                         other.cancel()
-                    self._drop("group_failed")
+                    self._drop("group_failed", key)
                     return
                 retries += 1
                 retry = self._task(key, row, group_id, index, retries)
@@ -221,7 +253,7 @@ class RolloutPool:
             kept, reasons = self._filter([group])
             if not kept:
                 reason = next((r for r, n in reasons.items() if n), "filtered")
-                self._drop(reason)
+                self._drop(reason, key)
                 return
         self._ready.put_nowait(group)
 

@@ -20,15 +20,41 @@ async def settle():
         await asyncio.sleep(0)
 
 
-def test_prompt_stream_is_seeded_and_skips_the_ledger():
+def test_prompt_stream_is_seeded_and_resumes_from_its_state():
     def keys(stream, n):
         return [key for (key, _row), _ in zip(stream, range(n))]
 
     first = keys(PromptStream(ROWS, seed=1), 25)
     assert first == keys(PromptStream(ROWS, seed=1), 25)
     assert sorted(i for e, i in first[:10]) == list(range(10)) and first[10][0] == 1  # epoch after epoch
-    resumed = keys(PromptStream(ROWS, seed=1, trained=first[:7]), 18)
-    assert resumed == first[7:25]  # nothing trained twice, nothing skipped
+    stream = PromptStream(ROWS, seed=1)
+    yielded = keys(stream, 9)
+    for key in yielded[:3] + yielded[4:6] + yielded[7:8]:  # trained out of order; 3 and 6 still in flight
+        stream.finish(key)
+    stream.finish(yielded[8])  # given up (a dropped group): not run again
+    assert stream.state() == {"next": 3, "done": [4, 5, 7, 8]}
+    resumed = keys(PromptStream(ROWS, seed=1, state=stream.state()), 16)
+    assert resumed == [first[3], first[6], *first[9:23]]  # the groups in flight, then on: nothing twice
+
+
+async def test_the_checkpoint_state_does_not_grow_with_the_run():
+    """A long run's stream state is bounded by the groups in flight (issue 32, item 13: before, every trained key
+    went into each checkpoint and into the resumed stream's set)."""
+    async def run(task):
+        return ok(task) if task.row["label"] % 3 else RolloutOutcome(task.rollout_id, task.group_id,
+                                                                      RolloutStatus.TIMEOUT, error="slow")
+
+    stream = PromptStream(ROWS, 0)
+    pool = RolloutPool(stream, run, n_samples=2, groups_per_step=2, max_staleness=2, max_retries=0)
+    pool.start()
+    sizes = []
+    for version in range(1, 60):  # 6 epochs of 10 prompts, a third of them dropped
+        for g in await pool.next_step_groups():
+            stream.finish(g.key)
+        pool.set_version(version)
+        sizes.append(len(stream.state()["done"]) + len(stream._open))
+    await pool.stop()
+    assert stream.state()["next"] > 100 and max(sizes) <= 2 * (2 + 1) * 2  # a few steps' groups, any run length
 
 
 @pytest.mark.parametrize("staleness", [0, 2])
