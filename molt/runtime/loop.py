@@ -7,16 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import sys
-import threading
 import time
+from contextlib import closing
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from molt.config import MoltConfig, save_config, to_dict
-from molt.runtime.checkpoints import resume_point, rotate, truncate_after
+from molt.runtime.checkpoints import RunControl, resume_point, rotate, truncate_after
 from molt.runtime.data import load_prompts
 from molt.runtime.experience import assign_to_ranks
 from molt.runtime.metrics import MetricsLogger, rollout_metrics
@@ -77,21 +76,13 @@ class Run:
         self.stream: dict[str, Any] | None = None  # the prompt stream's checkpoint state (PromptStream.state)
         self.counters: dict[str, int] = {}  # the pool's, restored on resume
         self.evals: list[dict[str, float]] = []
-        self._created = self._saved = time.perf_counter()
-        self._stop, self._stopping = asyncio.Event(), None
+        self._created = time.perf_counter()
+        self._stop = asyncio.Event()
+        self.control = RunControl(cfg.ckpt, on_stop=self._stop.set)
 
     def stop(self, reason: RunStopped) -> None:
-        """Stop after the step in progress with a checkpoint, then raise `reason` (module docstring)."""
-        if self._stopping is None:
-            self._stopping = getattr(reason, "cause", reason)  # a worker's, through Ray
-            self._stop.set()
-
-    def _on_signal(self, signum: int) -> None:
-        if self._stopping is not None:
-            os._exit(128 + signum)
-        name = signal.Signals(signum).name
-        print(f"molt: {name}: stopping after the step in progress with a checkpoint (again: exit now)", file=sys.stderr)
-        self.stop(RunStopped(f"stopped by {name}", 128 + signum))
+        """Stop after the step in progress with a checkpoint, then raise `reason` (molt.runtime.checkpoints)."""
+        self.control.stop(reason)
 
     # ------------------------------------------------------------------------------------------ set-up
     async def setup(self) -> None:
@@ -196,7 +187,7 @@ class Run:
                  "counters": dict(pool.counters), "kl_coef": self.kl_coef, "metrics": metrics}
         (path / "state.json").write_text(json.dumps(state))  # written last: marks the checkpoint complete
         rotate(self.ckpt_dir, self.cfg.ckpt.max_num, self.cfg.ckpt.best_metric_key)
-        self._saved = time.perf_counter()
+        self.control.saved()
 
     # ------------------------------------------------------------------------------------------ rollouts
     def _params(self, *, eval: bool = False) -> SamplingParams:
@@ -295,11 +286,7 @@ class Run:
             await self._load_checkpoint()
         logger = MetricsLogger(self.dir, cfg.train.max_steps, tensorboard_dir=cfg.logger.tensorboard_dir,
                                wandb=to_dict(cfg.logger.wandb), config=to_dict(cfg), start_step=self.step)
-        loop, signals = asyncio.get_running_loop(), (signal.SIGINT, signal.SIGTERM)
-        if threading.current_thread() is threading.main_thread():  # after ray.init, which sets its own
-            for sig in signals:
-                loop.add_signal_handler(sig, self._on_signal, sig)
-        try:
+        with self.control.signals(asyncio.get_running_loop()), closing(logger):  # after ray.init's handlers
             if self.eval_rows and (self.step == 0 or cfg.eval.only):
                 logger.log(self.step, await self.evaluate(), advance=False)
             if cfg.eval.only:
@@ -309,10 +296,6 @@ class Run:
                 logger.log(self.step, await self.evaluate(), advance=False)
             if cfg.ckpt.export_hf:
                 await self.trainer.same("export_hf", str(self.dir / "policy"))
-        finally:
-            logger.close()
-            for sig in signals:
-                loop.remove_signal_handler(sig)
         return self._summary(t_start)
 
     async def _loop(self, logger: MetricsLogger) -> None:
@@ -363,17 +346,13 @@ class Run:
                     metrics.update(await self.evaluate())
                 # the step's line first: a checkpoint then implies its line (a resume drops later lines)
                 logger.log(self.step, metrics)
-                c = cfg.ckpt  # save_steps: the reference's -1 is never
-                if (c.save_steps > 0 and self.step % c.save_steps == 0 or
-                        0 < c.save_interval_s <= time.perf_counter() - self._saved):
+                if self.control.due(self.step, last=self.step == cfg.train.max_steps):
                     await self._save_checkpoint(pool, metrics)
         finally:
             await pool.stop()
-        if not (self.ckpt_dir / f"step_{self.step}" / "state.json").is_file():  # the last step: final or stopped
+        if not (self.ckpt_dir / f"step_{self.step}" / "state.json").is_file():  # stopped while waiting for rollouts
             await self._save_checkpoint(pool, metrics)
-        if self._stopping is not None:
-            raise RunStopped(f"{self._stopping}; step {self.step} is checkpointed: run the same command again to "
-                             "resume", getattr(self._stopping, "exit_code", 1))
+        self.control.finish(self.step)
 
     def _record(self, groups: list[Group], stream: PromptStream) -> None:
         with open(self.dir / "ledger.jsonl", "a") as f:
