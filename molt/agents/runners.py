@@ -193,6 +193,7 @@ class StepEnvRunner(_RunnerBase):
 
     async def _episode(self, row, session, params, episode):
         env = self.env_cls()
+        params = params.copy(seed=None)  # the session seeds each turn from the rollout's seed (molt.types)
         messages, prompt = row_messages(row)
         label, tools = row.get("label"), row.get("tools") or None
         state = await env.reset({"observation": prompt, "label": label, "images": row.get("images")})

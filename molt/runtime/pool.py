@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import zlib
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from molt.types import Experience, RolloutStatus
+from molt.types import Experience, RolloutStatus, sub_seed
 
 
 class RunStopped(RuntimeError):
@@ -221,8 +220,7 @@ class RolloutPool:
     def _task(self, key: tuple[int, int], row: dict, group_id: str, index: int, attempt: int) -> RolloutTask:
         # Ids and seeds are deterministic so that a seeded run is reproducible.
         rid = f"{group_id}-s{index}-a{attempt}"
-        seed = zlib.crc32(f"{self._seed}/{rid}".encode()) & 0x7FFFFFFF
-        return RolloutTask(row, key, group_id, rid, index, self.version, seed)
+        return RolloutTask(row, key, group_id, rid, index, self.version, sub_seed(self._seed, rid))
 
     async def _run_group(self, key: tuple[int, int], row: dict[str, Any]) -> None:
         group_id = f"e{key[0]}-p{key[1]}"
