@@ -332,6 +332,10 @@ class Run:
                     break
                 t_gen = time.perf_counter() - t0
                 metrics = await self._train_step(groups)
+                if (skipped := metrics["train/skipped_in_a_row"]) >= cfg.train.max_skipped_steps:
+                    self.stop(RunStopped(f"{skipped:.0f} optimizer steps in a row were skipped for a non-finite loss "
+                                         f"or gradient norm (train.max_skipped_steps {cfg.train.max_skipped_steps}); "
+                                         "the weights are those of the last finite step"))
                 t_train = time.perf_counter() - t0 - t_gen
                 trained_version = self.version
                 self.version += 1
