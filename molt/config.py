@@ -138,6 +138,8 @@ class TrainConfig:
     """Write a readable trajectory dump every N steps (0: never)."""
     routing_replay: bool = False
     """MoE: route every token through the experts the engine chose for it (R3; docs/moe.md)."""
+    max_skipped_steps: int = 3
+    """Consecutive optimizer steps skipped for a non-finite loss or gradient norm that stop the run (checkpointed)."""
 
 
 @dataclass
@@ -386,6 +388,7 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
     """Raise ValueError naming the field for anything that cannot run (`molt sft`'s run with `sft`); return cfg."""
     _positive(cfg, "rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
               "train.num_episodes", "train.max_epochs", "train.num_ranks", "rollout.num_workers", "rollout.max_turns")
+    _positive(cfg, "train.max_skipped_steps")
     for name in ("train.max_staleness", "train.max_steps", "rollout.temperature"):
         if _get(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0 (got {_get(cfg, name)})")

@@ -47,6 +47,13 @@ class RunControl:
             self.stopping = getattr(reason, "cause", reason)  # a Ray actor's error carries the original
             self.on_stop()
 
+    def skipped(self, in_a_row: float, limit: int) -> None:
+        """Stop once `limit` optimizer steps in a row were skipped for a non-finite loss or gradient norm."""
+        if in_a_row >= limit:
+            self.stop(RunStopped(f"{in_a_row:.0f} optimizer steps in a row were skipped for a non-finite loss or "
+                                 f"gradient norm (train.max_skipped_steps {limit}); the weights are those of the "
+                                 "last finite step"))
+
     def _on_signal(self, signum: int, *_: Any) -> None:
         if self.stopping is not None:
             os._exit(128 + signum)

@@ -319,6 +319,7 @@ class Run:
                     break
                 t_gen = time.perf_counter() - t0
                 metrics = await self._train_step(groups)
+                self.control.skipped(metrics["train/skipped_in_a_row"], cfg.train.max_skipped_steps)
                 t_train = time.perf_counter() - t0 - t_gen
                 trained_version = self.version
                 self.version += 1

@@ -118,7 +118,8 @@ def run_sft(cfg: Any) -> dict[str, Any]:
             step += 1
             metrics = {"train/loss": m["policy_loss"], "actor_grad_norm": m["actor_grad_norm"],
                        "actor_lr": m["actor_lr"], "train/tokens": m["actor_window_tokens"],
-                       "timing/step_total": time.perf_counter() - t}
+                       "train/skipped_steps": m["train/skipped_steps"], "timing/step_total": time.perf_counter() - t}
+            control.skipped(actor.skipped_in_a_row, cfg.train.max_skipped_steps)  # every rank skips alike
             if held and (step == steps or cfg.eval.steps > 0 and step % cfg.eval.steps == 0):
                 evals.append(eval_loss())
                 metrics["eval/loss"] = evals[-1]

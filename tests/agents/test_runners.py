@@ -67,6 +67,11 @@ class NoReward(ChatAgent):
         return Result(reward=None)
 
 
+class NaNReward(ChatAgent):  # a failed rollout, never a NaN in the loss (docs/reliability.md)
+    async def run(self, ctx):
+        return Result(reward=float("nan"))
+
+
 class WrongReturn(ChatAgent):
     async def run(self, ctx):
         return 1.0
@@ -84,6 +89,7 @@ class SlowRequest(ChatAgent):
     (Raising, RolloutStatus.AGENT_ERROR, "RuntimeError: tool crashed"),
     (Sleeping, RolloutStatus.TIMEOUT, "timeout of 0.3s"),
     (NoReward, RolloutStatus.INVALID_REWARD, "got None"),
+    (NaNReward, RolloutStatus.INVALID_REWARD, "must be finite, got nan"),
     (WrongReturn, RolloutStatus.INVALID_REWARD, "must return molt.agents.Result, got float"),
     (SlowRequest, RolloutStatus.TIMEOUT, "timeout"),
 ])

@@ -2,6 +2,7 @@
 what was lost, the exit codes, and that a rerun of the same command resumes with an exactly-once ledger."""
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -426,3 +427,44 @@ def test_a_run_directory_holds_one_run(tiny_llama_dir, tmp_path):
     (out / "checkpoints" / "step_1" / "state.json").write_text("{}")
     with pytest.raises(ValueError, match="ckpt.resume is off"):
         asyncio.run(Run(load_config(args(tiny_llama_dir, out, 6, "--ckpt.no-resume"))).setup())
+
+
+# ------------------------------------------------------------------------------------------- non-finite steps
+def _model(ckpt: Path) -> dict:
+    """The policy's parameters in a trainer checkpoint (DCP)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(ckpt / "trainer", ckpt / "flat.pt")
+    state = torch.load(ckpt / "flat.pt", weights_only=False)
+    return {"step": state["train"]["step"], **state["train"]["model"]}
+
+
+def _same(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a)
+
+
+def test_nan_losses_are_skipped_counted_and_three_in_a_row_stop_the_run(tiny_llama_dir, tmp_path):
+    """The trainer's test-only hook adds NaN to the loss of optimizer windows 2, 4, 5 and 6 (one a step): step 2
+    is skipped and the run goes on; steps 4-6 are train.max_skipped_steps (3, the default) in a row: the run stops
+    with a checkpoint of the last finite weights (step 3's) and exit 1. A process of its own: the hook's variable
+    reaches the trainer actors through a Ray instance started with it."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "molt.cli", "train", *args(tiny_llama_dir, out, 8, IN_WORKER, "--ckpt.save_steps",
+                                                            "1", "--ckpt.max_num", "0")]
+    proc = subprocess.run(cmd, check=False, env={**os.environ, "MOLT_FAULT_NAN_LOSS": "2,4,5,6"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert ("3 optimizer steps in a row were skipped for a non-finite loss or gradient norm (train.max_skipped_steps "
+            "3); the weights are those of the last finite step; step 6 is checkpointed") in proc.stderr
+    metrics = {m["step"]: m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    assert [metrics[s]["train/skipped_steps"] for s in range(1, 7)] == [0, 1, 0, 1, 1, 1] and max(metrics) == 6
+    assert math.isnan(metrics[2]["policy_loss"]) and math.isfinite(metrics[3]["policy_loss"])  # kept as values
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("step 2:"))
+    assert "loss nan" in line and "WARNING: 1 optimizer step(s) skipped for a non-finite loss" in line
+    check_exactly_once(out, 6)  # the skipped steps' groups are consumed, as any trained group
+    models = {s: _model(out / "checkpoints" / f"step_{s}") for s in (1, 2, 3, 6)}
+    assert _same(models[1], models[2]) and _same(models[3], models[6]) and models[6]["step"] == 2
+    assert not _same(models[2], models[3])  # step 3 trained
