@@ -133,6 +133,7 @@ class Trajectory:
     info: dict[str, float] = field(default_factory=dict)
     status: RolloutStatus = RolloutStatus.OK
     error: str = ""  # human-readable reason when status is not OK
+    traceback: str = ""  # the agent's exception as Python prints it, when it raised
     truncated: bool = False
 
     @property

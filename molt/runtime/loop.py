@@ -306,7 +306,8 @@ class Run:
         pool = RolloutPool(PromptStream(self.rows, cfg.train.seed, self.stream), self._run_on_worker,
                            n_samples=cfg.rollout.n_samples_per_prompt, groups_per_step=cfg.rollout.batch_size,
                            max_staleness=cfg.train.max_staleness, max_retries=cfg.rollout.max_failed_retries,
-                           group_filter=filt, seed=cfg.train.seed)
+                           group_filter=filt, seed=cfg.train.seed, stall_timeout_s=cfg.train.stall_timeout_s,
+                           failure_window=cfg.rollout.failure_window, max_failed_share=cfg.rollout.max_failed_share)
         pool.counters.update(self.counters)
         pool.set_version(self.version)
         pool.start()
@@ -314,8 +315,12 @@ class Run:
         try:
             while self.step < cfg.train.max_steps and not self._stop.is_set():
                 t0 = time.perf_counter()
-                groups = await pool.next_step_groups(self._stop)
-                if groups is None:  # stopped: the rollouts in flight are abandoned
+                try:
+                    groups = await pool.next_step_groups(self._stop)
+                except RunStopped as e:  # no step can form: failures or a stall
+                    self.stop(e)
+                    groups = None
+                if groups is None:  # stopped: the rollouts in flight are dropped
                     break
                 t_gen = time.perf_counter() - t0
                 metrics = await self._train_step(groups)

@@ -137,9 +137,12 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
-        line = " | ".join([f"{label} {_fmt(clean[key])}" for key, label in _CONSOLE if key in clean] + [
-            f"WARNING: {text.format(clean[key])}" for key, bound, text in _WARNINGS if clean.get(key, 0.0) >= bound])
-        self._bar.write(f"step {step}: {line}")
+        parts = [f"{label} {_fmt(clean[key])}" for key, label in _CONSOLE if key in clean]
+        counts = " ".join(f"{k[8:]} {v:.0f}" for k, v in clean.items()  # failures and drops by reason, so far
+                          if k.startswith(("rollout/failed/", "rollout/dropped/")))
+        parts += [counts] if counts else []
+        parts += [f"WARNING: {text.format(clean[key])}" for key, bound, text in _WARNINGS if clean.get(key, 0.0) >= bound]
+        self._bar.write(f"step {step}: {' | '.join(parts)}")
         if advance:
             self._bar.update(1)
 

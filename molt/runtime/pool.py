@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import Counter
+import sys
+import time
+import traceback
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +48,7 @@ class RolloutOutcome:
     reward: float = 0.0
     score: float | None = None
     error: str = ""
+    traceback: str = ""  # the agent's exception, formatted (`Trajectory.traceback`)
     info: dict[str, float] = field(default_factory=dict)
     truncated: bool = False
     experiences: list[Experience] = field(default_factory=list)
@@ -143,13 +147,20 @@ class RolloutPool:
         max_retries: int = 2,
         group_filter: GroupFilter | None = None,
         seed: int = 0,
+        stall_timeout_s: float = 0.0,
+        failure_window: int = 0,
+        max_failed_share: float = 1.0,
     ):
         self.prompts, self._prompts = prompts, iter(prompts)
         self._run, self._filter = run, group_filter
         self.n_samples, self.groups_per_step = n_samples, groups_per_step
         self.max_staleness, self.max_retries = max_staleness, max_retries
+        self.stall_timeout_s, self.max_failed_share = stall_timeout_s, max_failed_share
         self.version = self._base_version = 0
         self.counters: Counter[str] = Counter()
+        self._recent: deque[bool] = deque(maxlen=failure_window)  # whether each of the last rollouts failed
+        self._first: dict[str, RolloutOutcome] = {}  # the first failure of each status
+        self._failing: RunStopped | None = None
         self._seed = seed
         self._started = 0  # groups dispatched
         self._dropped = 0  # groups dropped (failed, filtered, stale): their budget slots are backfilled
@@ -179,13 +190,19 @@ class RolloutPool:
     # -- trainer side ---------------------------------------------------------------------------------------
     async def next_step_groups(self, stop: asyncio.Event | None = None) -> list[Group] | None:
         """Wait for `groups_per_step` complete, kept, fresh-enough groups and hand them out; None once `stop` is
-        set (within a second)."""
+        set (within a second). Raises `RunStopped` when no step can form (the module docstring)."""
         out: list[Group] = []
+        start = time.monotonic()
         while len(out) < self.groups_per_step:
             if stop is not None and stop.is_set():
                 return None
             if self._dispatcher is not None and self._dispatcher.done():
                 self._dispatcher.result()  # surface a dispatcher crash instead of waiting forever
+            if self._failing is not None:
+                raise self._failing
+            if 0 < self.stall_timeout_s <= time.monotonic() - start:
+                raise RunStopped(f"no training step formed in {self.stall_timeout_s:g} s (train.stall_timeout_s): "
+                                 f"{len(out)} of {self.groups_per_step} groups ready; {self._why()}")
             try:
                 group = await asyncio.wait_for(self._ready.get(), timeout=1.0)
             except asyncio.TimeoutError:
@@ -224,28 +241,32 @@ class RolloutPool:
 
     async def _run_group(self, key: tuple[int, int], row: dict[str, Any]) -> None:
         group_id = f"e{key[0]}-p{key[1]}"
-        pending = {asyncio.create_task(self._run(self._task(key, row, group_id, i, 0))): i
-                   for i in range(self.n_samples)}
+        tasks = [self._task(key, row, group_id, i, 0) for i in range(self.n_samples)]
+        pending = {asyncio.create_task(self._run(t)): t for t in tasks}
         done: list[RolloutOutcome] = []
         retries = 0
-        while pending:
-            finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in finished:
-                index = pending.pop(task)
-                outcome = self._outcome(task, group_id)
-                outcome.sample_index = index
-                if outcome.status is RolloutStatus.OK:
-                    done.append(outcome)
-                    continue
-                self.counters[f"failed/{outcome.status.value}"] += 1
-                if retries >= self.max_retries:
-                    for other in pending:
-                        other.cancel()
-                    self._drop("group_failed", key)
-                    return
-                retries += 1
-                retry = self._task(key, row, group_id, index, retries)
-                pending[asyncio.create_task(self._run(retry))] = index
+        try:
+            while pending:
+                finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    index = pending.pop(task).sample_index
+                    outcome = self._outcome(task, tasks[index])
+                    outcome.sample_index = index
+                    self._count(outcome)
+                    if outcome.ok:
+                        done.append(outcome)
+                        continue
+                    if retries >= self.max_retries:
+                        self._drop("group_failed", key)
+                        return
+                    retries += 1
+                    tasks[index] = self._task(key, row, group_id, index, retries)
+                    pending[asyncio.create_task(self._run(tasks[index]))] = tasks[index]
+        finally:  # the group failed or the pool stops: its other rollouts are dropped (on their worker too)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
         group = Group(key, group_id, row, sorted(done, key=lambda o: o.sample_index))
         if self._filter is not None:
             kept, reasons = self._filter([group])
@@ -255,12 +276,40 @@ class RolloutPool:
                 return
         self._ready.put_nowait(group)
 
+    def _count(self, outcome: RolloutOutcome) -> None:
+        """Count a failure by status, print the first of each status, and judge the last rollouts' failed share."""
+        reason = outcome.status.value
+        self._recent.append(not outcome.ok)
+        if outcome.ok:
+            return
+        self.counters[f"failed/{reason}"] += 1
+        if reason not in self._first:
+            self._first[reason] = outcome
+            print(f"molt: first {reason} failure (rollout {outcome.rollout_id}; later ones are counted as "
+                  f"rollout/failed/{reason}):\n{outcome.traceback or outcome.error}", file=sys.stderr)
+        failed = sum(self._recent)
+        if (self._failing is None and self._recent.maxlen and len(self._recent) == self._recent.maxlen
+                and failed >= self.max_failed_share * len(self._recent)):
+            self._failing = RunStopped(f"{failed} of the last {len(self._recent)} rollouts failed (rollout."
+                                       f"max_failed_share {self.max_failed_share} of rollout.failure_window "
+                                       f"{len(self._recent)}); {self._why()}")
+
+    def _why(self) -> str:
+        """The failure and drop counts so far, and the first error of the most frequent failure."""
+        counts = ", ".join(f"{k} {n}" for k, n in sorted(self.counters.items()) if n) or "nothing failed or dropped"
+        reason = max(self._first, key=lambda r: self.counters[f"failed/{r}"], default=None)  # not a resumed count's
+        if reason is None:
+            return counts
+        return f"{counts}; first {reason} (rollout {self._first[reason].rollout_id}): {self._first[reason].error}"
+
     @staticmethod
-    def _outcome(task: asyncio.Task, group_id: str) -> RolloutOutcome:
+    def _outcome(task: asyncio.Task, rollout: RolloutTask) -> RolloutOutcome:
         """A worker crash is a failed rollout, never a crashed pool."""
+        rid, group_id = rollout.rollout_id, rollout.group_id
         if task.cancelled():
-            return RolloutOutcome("", group_id, RolloutStatus.ABORTED, error="cancelled")
+            return RolloutOutcome(rid, group_id, RolloutStatus.ABORTED, error="cancelled")
         exc = task.exception()
         if exc is not None:
-            return RolloutOutcome("", group_id, RolloutStatus.AGENT_ERROR, error=f"{type(exc).__name__}: {exc}")
+            return RolloutOutcome(rid, group_id, RolloutStatus.AGENT_ERROR, error=f"{type(exc).__name__}: {exc}",
+                                  traceback="".join(traceback.format_exception(exc)))
         return task.result()

@@ -109,3 +109,12 @@ def test_wandb_that_cannot_start_leaves_the_run_logging(tmp_path, monkeypatch, c
     logger.close()
     assert "W&B logging is off: No API key configured" in capsys.readouterr().err
     assert read_metrics(tmp_path) == [{"step": 1, "rollout/reward_mean": 0.5}]
+
+
+def test_the_step_line_counts_failures_and_drops_by_reason(tmp_path, capsys):
+    logger = MetricsLogger(tmp_path, 1)
+    logger.log(1, {"rollout/reward_mean": 0.5, "rollout/failed/agent_error": 3.0, "rollout/failed/timeout": 1.0,
+                   "rollout/dropped/group_failed": 1.0})
+    logger.close()
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("step 1:"))
+    assert line.endswith("reward 0.5 | failed/agent_error 3 failed/timeout 1 dropped/group_failed 1"), line

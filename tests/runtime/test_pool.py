@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from molt.runtime.pool import PromptStream, RolloutOutcome, RolloutPool
+from molt.runtime.pool import PromptStream, RolloutOutcome, RolloutPool, RunStopped
 from molt.types import Experience, RolloutStatus
 
 ROWS = [{"prompt": f"q{i}", "label": i} for i in range(10)]
@@ -148,3 +148,74 @@ async def test_a_resumed_pool_budgets_from_its_start_version():
     await settle()
     assert len(set(started)) == 2  # one step's groups, not (7 + 1) * 2
     await pool.stop()
+
+
+async def test_rollouts_that_all_fail_stop_the_pool_with_the_first_traceback(capsys):
+    async def run(task):
+        if task.sample_index == 0:
+            raise ValueError(f"no tool named {task.row['label']}")  # raised here: a traceback to print
+        return RolloutOutcome(task.rollout_id, task.group_id, RolloutStatus.TIMEOUT, error="slow")
+
+    pool = RolloutPool(PromptStream(ROWS, 0), run, n_samples=2, groups_per_step=2, max_staleness=0,
+                       failure_window=8, max_failed_share=1.0)
+    pool.start()
+    with pytest.raises(RunStopped, match=r"8 of the last 8 rollouts failed \(rollout.max_failed_share 1.0 of "
+                                         r"rollout.failure_window 8\).*agent_error.*ValueError: no tool named"):
+        await asyncio.wait_for(pool.next_step_groups(), 10)
+    await pool.stop()
+    err = capsys.readouterr().err
+    # the first error of each reason, once, with its traceback when there is one
+    assert err.count("molt: first agent_error") == 1 and err.count("molt: first timeout") == 1
+    assert err.count("Traceback (most recent call last)") == 1 and 'in run\n    raise ValueError' in err
+    assert pool.counters["failed/agent_error"] >= 4 and pool.counters["failed/timeout"] >= 4
+
+
+async def test_a_healthy_share_of_failures_does_not_stop_the_pool():
+    async def run(task):  # every other rollout fails once, then succeeds on retry
+        if task.sample_index == 1 and task.rollout_id.endswith("a0"):
+            return RolloutOutcome(task.rollout_id, task.group_id, RolloutStatus.AGENT_ERROR, error="flaky")
+        return ok(task)
+
+    pool = RolloutPool(PromptStream(ROWS, 0), run, n_samples=2, groups_per_step=2, max_staleness=0,
+                       failure_window=4, max_failed_share=0.75)
+    pool.start()
+    for version in range(1, 4):
+        assert len(await asyncio.wait_for(pool.next_step_groups(), 10)) == 2
+        pool.set_version(version)
+    await pool.stop()
+
+
+async def test_a_pool_that_forms_no_step_stops_after_the_stall_timeout():
+    async def run(task):
+        return ok(task, reward=1.0)  # every group all-equal: the filter drops them all, forever
+
+    def only_mixed(groups):
+        kept = [g for g in groups if len({o.reward for o in g.outcomes}) > 1]
+        return kept, {"all_equal": len(groups) - len(kept)}
+
+    pool = RolloutPool(PromptStream(ROWS, 0), run, n_samples=2, groups_per_step=1, max_staleness=0,
+                       group_filter=only_mixed, stall_timeout_s=0.5)
+    pool.start()
+    with pytest.raises(RunStopped, match=r"no training step formed in 0.5 s \(train.stall_timeout_s\): "
+                                         r"0 of 1 groups ready; .*dropped/all_equal \d+"):
+        await asyncio.wait_for(pool.next_step_groups(), 10)
+    await pool.stop()
+
+
+async def test_stopping_the_pool_cancels_the_rollouts_in_flight():
+    running, cancelled = set(), set()
+
+    async def run(task):
+        running.add(task.rollout_id)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.add(task.rollout_id)
+            raise
+
+    pool = RolloutPool(PromptStream(ROWS, 0), run, n_samples=3, groups_per_step=2, max_staleness=0)
+    pool.start()
+    await settle()
+    assert len(running) == 6
+    await pool.stop()
+    assert cancelled == running  # none left running (in a real run: on its worker, see Workers.run)
