@@ -99,6 +99,7 @@ async def test_failures_become_statuses(tokenizer, agent, status, reason):
     start = loop.time()
     traj = await run(ChatAgentRunner(agent, timeout=0.3), engine, tokenizer)
     assert traj.status is status and reason in traj.error and not traj.ok
+    assert ("Traceback (most recent call last)" in traj.traceback) == (status is not RolloutStatus.TIMEOUT)
     assert loop.time() - start < 3  # a stuck agent or request does not hold the worker
 
 
