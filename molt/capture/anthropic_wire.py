@@ -7,10 +7,23 @@ vision-language models: `molt.capture.render`), `tool_use` and `tool_result` blo
 `top_k`, `stop_sequences`, `stream`. `stop_reason` is `tool_use`, `stop_sequence`, `max_tokens` or
 `end_turn`; `usage` counts the real prompt and completion tokens.
 
+Also what Claude Code sends: `system` text blocks and any block's `cache_control` (ignored); `system`-role
+messages inside `messages` (kept in place as system messages; leading ones join the `system` prompt, since
+templates place a system prompt only first); `thinking` and `redacted_thinking` blocks in assistant turns (a
+thinking block's text becomes the turn's `reasoning_content` where the chat template renders one, and is dropped
+otherwise; redacted thinking is opaque and always dropped); `thread` (message threads: a `continue` resolves
+`previous_message_id` from the session's latest replies, `Session.recall`, taking the thread's system prompt and
+tools; an unknown id is a 400 with `error_code: thread_not_found`, on which the SDK replays the whole history);
+`POST /v1/messages/count_tokens` (the prompt tokens the request would send the engine now, with the real
+template and the segment it would continue). Refused (400): `output_config.format` / `output_format` (structured
+outputs, `errors.refuse_structured_output`). Accepted and ignored: `thinking` (the model thinks as its template
+lets it; replies come back as text), `context_management`, `output_config.effort`, `metadata`, `container`,
+`mcp_servers`, `service_tier`, `anthropic-beta` headers, and any other field a model server may ignore.
+
 Decisions: `max_tokens` may be left out or null (the session default applies), since agents pass
 `ctx.sampling_params.max_tokens`, which may be None; temperature up to 2 is accepted (training may sample
 hotter than Anthropic allows). In a user turn, tool results become `tool` messages, followed by the turn's
-text blocks as one user message.
+text blocks as one user message. Block types other than those above (documents, server tool results) are 400s.
 """
 from __future__ import annotations
 

@@ -128,9 +128,9 @@ class ChatRenderer:
 
     def keep_special(self, texts: tuple[str, ...]) -> None:
         """Keep these tokens (tool-call markers) in `reply_text` even where the tokenizer marks them special."""
-        special = {i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
-        kept = {i for i in special if self.tokenizer.convert_ids_to_tokens(i) in texts}
-        self._hidden = special - kept if kept else None
+        special = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
+        hidden = {i for i, text in special.items() if text not in texts}
+        self._hidden = hidden if len(hidden) < len(special) else None
 
     def reply_text(self, token_ids: list[int]) -> str:
         """The text of sampled tokens as clients see it and tool parsers read it: special tokens left out,
