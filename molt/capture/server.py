@@ -177,7 +177,7 @@ class CaptureServer:
             return JSONResponse({"status": "ok", "model": self.engine.model_name})
 
     async def _handle(self, request: Request, wire: str, module: Any) -> Response:
-        """Shared by both wires: a wire module has SCHEMA, to_chat, response_body and stream."""
+        """Shared by the wires: a wire module has SCHEMA, to_chat, response_body and stream."""
         session = self.session_for(request.path_params["session_id"], request)
         raw = await request.body()
         req, data = parse_body(module.SCHEMA, raw)
