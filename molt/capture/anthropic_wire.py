@@ -7,10 +7,23 @@ vision-language models: `molt.capture.render`), `tool_use` and `tool_result` blo
 `top_k`, `stop_sequences`, `stream`. `stop_reason` is `tool_use`, `stop_sequence`, `max_tokens` or
 `end_turn`; `usage` counts the real prompt and completion tokens.
 
+Also what Claude Code sends: `system` text blocks and any block's `cache_control` (ignored); `system`-role
+messages inside `messages` (kept in place as system messages; leading ones join the `system` prompt, since
+templates place a system prompt only first); `thinking` and `redacted_thinking` blocks in assistant turns (a
+thinking block's text becomes the turn's `reasoning_content` where the chat template renders one, and is dropped
+otherwise; redacted thinking is opaque and always dropped); `thread` (message threads: a `continue` resolves
+`previous_message_id` from the session's latest replies, `Session.recall`, taking the thread's system prompt and
+tools; an unknown id is a 400 with `error_code: thread_not_found`, on which the SDK replays the whole history);
+`POST /v1/messages/count_tokens` (the prompt tokens the request would send the engine now, with the real
+template and the segment it would continue). Refused (400): `output_config.format` / `output_format` (structured
+outputs, `errors.refuse_structured_output`). Accepted and ignored: `thinking` (the model thinks as its template
+lets it; replies come back as text), `context_management`, `output_config.effort`, `metadata`, `container`,
+`mcp_servers`, `service_tier`, `anthropic-beta` headers, and any other field a model server may ignore.
+
 Decisions: `max_tokens` may be left out or null (the session default applies), since agents pass
 `ctx.sampling_params.max_tokens`, which may be None; temperature up to 2 is accepted (training may sample
 hotter than Anthropic allows). In a user turn, tool results become `tool` messages, followed by the turn's
-text blocks as one user message.
+text blocks as one user message. Block types other than those above (documents, server tool results) are 400s.
 """
 from __future__ import annotations
 
@@ -20,8 +33,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from molt.capture.errors import WireError, client_error
-from molt.capture.render import canonical_tools, content_parts
+from molt.capture.errors import WireError, client_error, refuse_structured_output
+from molt.capture.render import canonical_tools, content_parts, merge_leading_system
 from molt.capture.session import ChatRequest, Choice, Generation, Session, SessionClosed, text_pieces
 from molt.capture.streaming import LiveReply
 from molt.capture.tools import tool_call
@@ -48,6 +61,15 @@ class ImageBlock(_Model):
     source: dict[str, Any]  # {"type": "base64", "media_type", "data"} or {"type": "url", "url"}
 
 
+class ThinkingBlock(_Model):
+    type: Literal["thinking"]
+    thinking: str
+
+
+class RedactedThinkingBlock(_Model):
+    type: Literal["redacted_thinking"]
+
+
 class ToolResultBlock(_Model):
     type: Literal["tool_result"]
     tool_use_id: str
@@ -55,11 +77,12 @@ class ToolResultBlock(_Model):
     is_error: bool | None = None
 
 
-Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                  Field(discriminator="type")]
 
 
 class Message(_Model):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -81,6 +104,9 @@ class MessagesRequest(_Model):
     stream: bool | None = False
     tools: list[Tool] | None = None
     tool_choice: dict[str, Any] | None = None
+    thread: dict[str, Any] | None = None  # {"type": "create"} | {"type": "continue", "previous_message_id"}
+    output_config: dict[str, Any] | None = None  # `format` is refused, `effort` ignored
+    output_format: dict[str, Any] | None = None  # the beta's name for output_config.format
 
 
 SCHEMA = MessagesRequest
@@ -112,9 +138,11 @@ def _messages(req: MessagesRequest, session: Session) -> list[dict[str, Any]]:
             out.append({"role": m.role, "content": m.content})
             continue
         text = "".join(b.text for b in m.content if isinstance(b, TextBlock))
-        if m.role == "assistant":
+        if m.role != "user":
             calls = [tool_call(b.id, b.name, b.input) for b in m.content if isinstance(b, ToolUseBlock)]
-            out.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+            thinking = "".join(b.thinking for b in m.content if isinstance(b, ThinkingBlock))
+            out.append({"role": m.role, "content": text, **({"tool_calls": calls} if calls else {}),
+                        **({"reasoning_content": thinking} if thinking and session.renderer.reasoning else {})})
             continue
         results = [b for b in m.content if isinstance(b, ToolResultBlock)]
         out += [{"role": "tool", "content": _content(b.content, session), "tool_call_id": b.tool_use_id}
@@ -122,20 +150,27 @@ def _messages(req: MessagesRequest, session: Session) -> list[dict[str, Any]]:
         content = _content(m.content, session)
         if content or not results:
             out.append({"role": "user", "content": content})
-    return out
+    return merge_leading_system(out)
+
+
+def _thread(req: MessagesRequest, session: Session) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) a `thread: continue` request continues from: the session's record of the reply it
+    names; ([], None) for any other request."""
+    if (req.thread or {}).get("type") != "continue":
+        return [], None
+    found = session.recall(str(req.thread.get("previous_message_id")))
+    if found is None:  # the SDK then replays the whole history under a new thread
+        raise WireError(400, f"thread: no message {req.thread.get('previous_message_id')!r} in this session",
+                        param="thread", details={"error_code": "thread_not_found"})
+    return found
 
 
 def to_chat(req: MessagesRequest, data: dict[str, Any], session: Session) -> ChatRequest:
-    d = session.defaults
-    params = d.copy(
-        max_tokens=req.max_tokens or d.max_tokens,
-        temperature=d.temperature if req.temperature is None else req.temperature,
-        top_p=d.top_p if req.top_p is None else req.top_p,
-        top_k=d.top_k if req.top_k is None else req.top_k,
-        top_logprobs=0,
-        seed=None,  # the session gives this call its own seed of the rollout's
-    )
-    tools = canonical_tools([{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
+    refuse_structured_output((req.output_config or {}).get("format", req.output_format), "output_config.format")
+    params = session.sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                              top_k=req.top_k)
+    history, thread_tools = _thread(req, session)
+    tools = thread_tools if req.tools is None else canonical_tools([{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
                                                                **({"description": t.description} if t.description else {})}}
                              for t in req.tools or []])
     kind = (req.tool_choice or {}).get("type", "auto")
@@ -144,8 +179,14 @@ def to_chat(req: MessagesRequest, data: dict[str, Any], session: Session) -> Cha
     if choice is None or (choice == "function" and not isinstance(name, str)):
         raise WireError(400, 'tool_choice.type must be "auto", "any", "none" or "tool" (with a name)',
                         param="tool_choice")
-    return ChatRequest(_messages(req, session), tools, params, list(req.stop_sequences or []), 1,
+    return ChatRequest(history + _messages(req, session), tools, params, list(req.stop_sequences or []), 1,
                        parse_tools=bool(tools) and choice != "none", tool_choice=choice, tool_name=name)
+
+
+def count_tokens(req: MessagesRequest, data: dict[str, Any], session: Session) -> dict[str, Any]:
+    """POST /v1/messages/count_tokens: the prompt tokens this request would send the engine now."""
+    chat = to_chat(req, data, session)
+    return {"input_tokens": len(session.tracker.plan(chat.messages, chat.tools, chat.params.temperature).prompt_ids)}
 
 
 def _stop_reason(ch: Choice) -> str:

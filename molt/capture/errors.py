@@ -19,9 +19,11 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class WireError(Exception):
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None):
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 details: dict[str, Any] | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.details = details  # Anthropic's machine-readable `error.details` (e.g. {"error_code": ...})
 
     def openai_body(self) -> dict[str, Any]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
@@ -29,7 +31,17 @@ class WireError(Exception):
 
     def anthropic_body(self) -> dict[str, Any]:
         return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
-                                           "message": self.message}}
+                                           "message": self.message, **({"details": self.details} if self.details else {})}}
+
+
+def refuse_structured_output(fmt: Any, param: str) -> None:
+    """A 400 for a structured-output request (a JSON schema or JSON mode): it needs constrained decoding, which
+    this server does not do, and ignoring it would return text the client then fails to parse."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is not None and kind != "text":
+        raise WireError(400, f"{param}: structured output ({kind}) is not supported by this server (it has no "
+                        "constrained decoding); ask for JSON in the prompt and parse the text instead",
+                        code="unsupported_parameter", param=param)
 
 
 def client_error(error: Exception) -> WireError:

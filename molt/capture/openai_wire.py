@@ -5,7 +5,9 @@ vision-language models as `molt.capture.render` says; assistant `tool_calls`), `
 and `tool_choice`, `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `stop`, `n`, `seed`,
 `logprobs` / `top_logprobs`, `stream` with `stream_options.include_usage`, and the vLLM-style extensions
 `top_k`, `min_tokens`. Unknown fields (penalties, `user`, ...) are ignored; fields left out take the session's
-sampling defaults (the rollout's; a left-out `seed`: the call's own, `molt.types`). `tool_choice="none"`
+sampling defaults (the rollout's; a left-out `max_tokens` where none is set: the rest of the context window; a
+left-out `seed`: the call's own, `molt.types`). `response_format` json_schema / json_object is refused with a 400
+(`errors.refuse_structured_output`), `{"type": "text"}` accepted. `tool_choice="none"`
 returns tool-call text as plain content; "required" or a named function (`{"type": "function", "function":
 {"name": ...}}`) prefill the reply with the call opening (see `molt.capture.session`), so the reply is a call
 unless the model breaks the format.
@@ -22,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from molt.capture.errors import WireError, client_error
+from molt.capture.errors import WireError, client_error, refuse_structured_output
 from molt.capture.render import canonical_messages, canonical_tools
 from molt.capture.session import ChatRequest, Choice, Generation, Session, SessionClosed, text_pieces
 from molt.capture.streaming import LiveReply
@@ -99,6 +101,7 @@ class ChatCompletionRequest(_Model):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None  # refused unless {"type": "text"}
 
 
 SCHEMA = ChatCompletionRequest
@@ -106,27 +109,31 @@ SCHEMA = ChatCompletionRequest
 
 def to_chat(req: ChatCompletionRequest, data: dict[str, Any], session: Session) -> ChatRequest:
     """The request in wire-independent form; messages and tools are read from the validated JSON `data`."""
-    d = session.defaults
-    params = d.copy(
-        max_tokens=req.max_completion_tokens or req.max_tokens or d.max_tokens,
-        temperature=d.temperature if req.temperature is None else req.temperature,
-        top_p=d.top_p if req.top_p is None else req.top_p,
-        top_k=d.top_k if req.top_k is None else req.top_k,
-        min_tokens=d.min_tokens if req.min_tokens is None else req.min_tokens,
-        seed=req.seed,  # None: the session gives this call its own seed of the rollout's
-        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
-    )
+    refuse_structured_output(req.response_format, "response_format")
+    params = session.sampling(max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
+                              top_p=req.top_p, top_k=req.top_k, min_tokens=req.min_tokens, seed=req.seed,
+                              top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0)
     tools = canonical_tools(data.get("tools"))
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    choice, name = req.tool_choice or "auto", None
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
-        if choice.get("type") != "function" or not isinstance(name, str):
-            raise WireError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
-                            '"function": {"name": ...}}', code="invalid_request", param="tool_choice")
-        choice = "function"
+    choice, name = tool_choice(req.tool_choice)
     return ChatRequest(canonical_messages(data["messages"], session.renderer.image), tools, params,
-                       stop, req.n, parse_tools=bool(tools) and choice != "none", tool_choice=choice, tool_name=name)
+                       stop_list(req.stop), req.n, parse_tools=bool(tools) and choice != "none", tool_choice=choice,
+                       tool_name=name)
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def tool_choice(choice: str | dict[str, Any] | None) -> tuple[str, str | None]:
+    """(choice, function name) of an OpenAI `tool_choice`: a string, or a named function as Chat Completions
+    (`{"type": "function", "function": {"name"}}`) or Responses (`{"type": "function", "name"}`) writes it."""
+    if not isinstance(choice, dict):
+        return choice or "auto", None
+    name = (choice.get("function") or choice).get("name")
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise WireError(400, 'tool_choice must be "none", "auto", "required" or a function {"type": "function", '
+                        '"name": ...}', code="invalid_request", param="tool_choice")
+    return "function", name
 
 
 def _usage(gen: Generation) -> dict[str, int]:

@@ -53,7 +53,9 @@ class ChatRenderer:
             raise ValueError("the tokenizer has no chat template; capture needs one to render conversations")
         self.tokenizer, self.processor = tokenizer, processor
         self.max_image_pixels, self.allow_remote_images = max_image_pixels, allow_remote_images
+        self.reasoning = "reasoning_content" in self.template  # the template renders an assistant's reasoning
         self._token_text: dict[int, str] = {}
+        self._hidden: set[int] | None = None  # special tokens reply text leaves out when some are kept (keep_special)
         # The Rust tokenizer directly when decoding needs no Python post-processing: the per-call overhead of
         # the transformers wrapper is larger than the tokenization itself at chat-turn sizes.
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -124,6 +126,19 @@ class ChatRenderer:
             return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def keep_special(self, texts: tuple[str, ...]) -> None:
+        """Keep these tokens (tool-call markers) in `reply_text` even where the tokenizer marks them special."""
+        special = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
+        hidden = {i for i, text in special.items() if text not in texts}
+        self._hidden = hidden if len(hidden) < len(special) else None
+
+    def reply_text(self, token_ids: list[int]) -> str:
+        """The text of sampled tokens as clients see it and tool parsers read it: special tokens left out,
+        except those `keep_special` names."""
+        if self._hidden is None:
+            return self.decode(token_ids, skip_special_tokens=True)
+        return self.decode([i for i in token_ids if i not in self._hidden])
+
     def token_text(self, token_id: int) -> str:
         """The text of one token, for logprob entries (cached: the vocabulary is fixed)."""
         text = self._token_text.get(token_id)
@@ -173,6 +188,14 @@ def canonical_messages(messages: list[dict[str, Any]], image: Callable[[str], Im
                 msg["name"] = m["name"]
         out.append(msg)
     return out
+
+
+def merge_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Leading system messages as one (instructions plus a system item, a system prompt plus a system-role
+    message): templates place a system prompt only first."""
+    while len(messages) > 1 and messages[0]["role"] == messages[1]["role"] == "system":
+        messages[:2] = [{"role": "system", "content": f"{messages[0]['content']}\n\n{messages[1]['content']}"}]
+    return messages
 
 
 def canonical_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

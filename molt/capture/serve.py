@@ -4,8 +4,8 @@ external harnesses. The engine keeps each session's last turn in its prefix cach
 so an agent's next turn prefills only its new tokens. Remote image URLs are refused unless allowed.
 
 Routes added to the capture server's:
-- POST /sessions (body optional: {"rollout_id": str, "sampling_params": {...}}) -> {"session_id", "base_url",
-  "session_url", "api_key"}. Unauthenticated: the service binds to loopback by default.
+- POST /sessions (body optional: {"rollout_id": str, "sampling_params": {...}}; max_tokens left out: the rest of
+  the window) -> {"session_id", "base_url", "session_url", "api_key"}. Unauthenticated: the service binds to loopback by default.
 - GET /s/{session_id}/trajectory (the session's key) -> {"rollout_id", "reward", "segments": [{"token_ids",
   "action_mask", "behavior_logprobs", "versions", "break_reason", "temperature", "text"}]}, `text` being the
   decoded segment with special tokens.
@@ -49,7 +49,7 @@ def add_service_routes(server: CaptureServer) -> None:
         raw = await request.body()
         spec = parse_body(NewSession, raw)[0] if raw.strip() else NewSession()
         try:
-            params = SamplingParams.from_dict(spec.sampling_params).validate()
+            params = SamplingParams.from_dict({"max_tokens": None, **spec.sampling_params}).validate()
         except (ValueError, TypeError) as e:
             raise WireError(400, f"sampling_params: {e}", param="sampling_params") from None
         session = await server.open_session(spec.rollout_id, params)

@@ -1,8 +1,12 @@
 """The capture server: one FastAPI app (served by uvicorn on 127.0.0.1) per rollout worker, many sessions.
 
-Routes, per session `s/{session_id}`: POST `/v1/chat/completions` (OpenAI), POST `/v1/messages` (Anthropic),
-GET `/v1/models`; and GET `/health`. Each session has its own random API key, accepted as
-`Authorization: Bearer KEY` (OpenAI SDK) or `x-api-key: KEY` (Anthropic SDK).
+Routes, per session `s/{session_id}`: POST `/v1/chat/completions` and `/v1/responses` (OpenAI), POST
+`/v1/messages` and `/v1/messages/count_tokens` (Anthropic), GET `/v1/models`, GET/HEAD on the session URL itself
+(harnesses probe their base URL; no key needed); and GET `/health`. Each session has its own random API key,
+accepted as `Authorization: Bearer KEY` (OpenAI SDK) or `x-api-key: KEY` (Anthropic SDK).
+
+A session opened without sampling parameters leaves `max_tokens` unset: a request that sends none may use the
+rest of the context window, as OpenAI's API does (a run's rollouts set `rollout.max_new_tokens`).
 
 Model names: any name a request gives is served by the one engine and echoed in the reply, as the reference
 does, so an unchanged black-box agent that names its own model (`model="gpt-4o"`) works; `strict_model=True`
@@ -29,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from molt.capture import anthropic_wire, openai_wire
+from molt.capture import anthropic_wire, openai_wire, responses_wire
 from molt.capture.errors import WireError, client_error, parse_body
 from molt.capture.render import ChatRenderer
 from molt.capture.session import Session, SessionClosed, cache_key
@@ -58,6 +62,7 @@ class CaptureServer:
         self.engine, self.renderer = engine, renderer
         self.host, self.port = host, port
         self.parser = get_tool_parser(tool_parser)
+        renderer.keep_special(self.parser.markers)  # type: ignore[attr-defined]
         self.model_names = {engine.model_name, *served_names}  # names /v1/models lists (the only ones, if strict)
         self.strict_model = strict_model
         self.sessions: dict[str, Session] = {}
@@ -109,7 +114,7 @@ class CaptureServer:
         session_id = secrets.token_hex(8)
         session = Session(session_id=session_id, api_key=f"molt-{secrets.token_urlsafe(24)}", root_url=self.url,
                           engine=self.engine, renderer=self.renderer, parser=self.parser,
-                          defaults=(sampling_params or SamplingParams()).copy(), rollout_id=rollout_id,
+                          defaults=(sampling_params or SamplingParams(max_tokens=None)).copy(), rollout_id=rollout_id,
                           on_close=lambda s: self.sessions.pop(s.session_id, None))
         self.sessions[session_id] = session
         return session
@@ -149,11 +154,30 @@ class CaptureServer:
         async def messages(request: Request) -> Response:
             return await self._handle(request, "anthropic", anthropic_wire)
 
+        async def responses(request: Request) -> Response:
+            return await self._handle(request, "responses", responses_wire)
+
         app.add_route("/s/{session_id}/v1/chat/completions", chat_completions, methods=["POST"])
         app.add_route("/s/{session_id}/v1/messages", messages, methods=["POST"])
+        app.add_route("/s/{session_id}/v1/responses", responses, methods=["POST"])
+
+        @app.post("/s/{session_id}/v1/messages/count_tokens")
+        async def count_tokens(session_id: str, request: Request) -> JSONResponse:
+            session = self.session_for(session_id, request)
+            req, data = parse_body(anthropic_wire.SCHEMA, await request.body())
+            try:
+                return JSONResponse(anthropic_wire.count_tokens(req, data, session))
+            except ValueError as e:
+                raise client_error(e) from None
+
+        @app.api_route("/s/{session_id}", methods=["GET", "HEAD"])
+        async def base(session_id: str) -> JSONResponse:
+            if session_id not in self.sessions:
+                raise WireError(404, f"unknown or closed session {session_id!r}", code="session_not_found")
+            return JSONResponse({"status": "ok", "model": self.engine.model_name})
 
     async def _handle(self, request: Request, wire: str, module: Any) -> Response:
-        """Shared by both wires: a wire module has SCHEMA, to_chat, response_body and stream."""
+        """Shared by the wires: a wire module has SCHEMA, to_chat, response_body and stream."""
         session = self.session_for(request.path_params["session_id"], request)
         raw = await request.body()
         req, data = parse_body(module.SCHEMA, raw)
@@ -181,5 +205,5 @@ class CaptureServer:
 
     @staticmethod
     async def _wire_error(request: Request, error: WireError) -> JSONResponse:
-        anthropic = request.url.path.endswith("/v1/messages")
+        anthropic = "/v1/messages" in request.url.path
         return JSONResponse(error.anthropic_body() if anthropic else error.openai_body(), status_code=error.status)

@@ -40,6 +40,7 @@ class ChatRequest:
     parse_tools: bool = True
     tool_choice: str = "auto"  # "auto" | "none" | "required" (some tool) | "function" (the one in tool_name)
     tool_name: str | None = None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])  # its reply's id (hex; the wires prefix it)
 
 
 @dataclass
@@ -81,7 +82,7 @@ class Session:
 
     def __init__(self, *, session_id: str, api_key: str, root_url: str, engine: Engine, renderer: ChatRenderer,
                  parser: ToolParser, defaults: SamplingParams, rollout_id: str = "", cache_size: int = 16,
-                 on_close: Callable[[Session], None] | None = None):
+                 history_size: int = 64, on_close: Callable[[Session], None] | None = None):
         self.session_id, self.api_key, self.rollout_id = session_id, api_key, rollout_id
         self.session_url = f"{root_url}/s/{session_id}"
         self.base_url = f"{self.session_url}/v1"
@@ -96,6 +97,9 @@ class Session:
         self._lock = asyncio.Lock()
         self._cache: OrderedDict[str, Generation] = OrderedDict()
         self._cache_size = cache_size
+        # (messages ending with the reply, tools) of the latest replies by id, for requests that continue one
+        self._replies: OrderedDict[str, tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = OrderedDict()
+        self._history_size = history_size
         self._inflight: set[str] = set()
         self._count = 0
         self._on_close = on_close
@@ -145,10 +149,21 @@ class Session:
             plan = self.tracker.plan(request.messages, request.tools, request.params.temperature)
             gen = await self._generate(plan, request, listener)
             if cache_key is not None:
-                self._cache[cache_key] = gen
-                while len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
+                _put(self._cache, cache_key, gen, self._cache_size)
+            _put(self._replies, gen.id, (request.messages + [gen.choices[0].message], request.tools),
+                 self._history_size)
             return gen
+
+    def recall(self, reply_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None] | None:
+        """(canonical messages ending with the reply, tools) of one of the session's latest replies, by the id
+        a wire gave it (`resp_...`, `msg_...`); None if unknown or forgotten."""
+        return self._replies.get(reply_id.rpartition("_")[2])
+
+    def sampling(self, *, seed: int | None = None, top_logprobs: int = 0, **fields: Any) -> SamplingParams:
+        """The session's defaults overridden by a request's fields that are not None; `seed` is the request's
+        own (None: the session gives the call its own seed of the rollout's)."""
+        return self.defaults.copy(seed=seed, top_logprobs=top_logprobs,
+                                  **{k: v for k, v in fields.items() if v is not None})
 
     async def _generate(self, plan: Plan, request: ChatRequest, listener: Any = None) -> Generation:
         opening = self._call_opening(request)
@@ -185,7 +200,7 @@ class Session:
                           c.routed_experts)
                    for ch, c in zip(choices, completions)]
         self.tracker.commit(plan, actions, [ch.message for ch in choices])
-        return Generation(uuid.uuid4().hex[:24], int(time.time()), plan.prompt_ids, choices)
+        return Generation(request.id, int(time.time()), plan.prompt_ids, choices)
 
     def _call_opening(self, request: ChatRequest) -> str:
         """The forced start of the reply for tool_choice "required" / "function" ("" otherwise); ValueError
@@ -208,7 +223,7 @@ class Session:
         finish = "length" if completion.finish_reason is FinishReason.LENGTH else "stop"
         cut, stop = self._find_stop(ids, request.stop) if request.stop else (len(ids), None)
         ids = ids[:cut]
-        text = opening + self.renderer.decode(ids, skip_special_tokens=True)
+        text = opening + self.renderer.reply_text(ids)
         if stop is not None:  # found in the generated part (a forced opening may contain it too)
             finish, text = "stop", text[: text.find(stop, len(opening))]
         parsed = self.parser(text) if request.parse_tools else Parsed(text)
@@ -224,7 +239,7 @@ class Session:
         """(number of tokens to keep, the stop string hit first) - the shortest prefix whose text holds a stop
         string, by binary search over prefixes (text only grows with more tokens)."""
         def first_stop(k: int) -> str | None:
-            text = self.renderer.decode(ids[:k], skip_special_tokens=True)
+            text = self.renderer.reply_text(ids[:k])
             found = [(text.find(s), s) for s in stops if s and s in text]
             return min(found)[1] if found else None
 
@@ -245,6 +260,12 @@ def cache_key(wire: str, body: bytes, headers: Any) -> tuple[str, bool]:
     """(retry-cache key of a request, whether it may be answered from the cache): not when the client marks
     it as a first attempt."""
     return hashlib.sha256(wire.encode() + b"\0" + body).hexdigest(), headers.get("x-stainless-retry-count") != "0"
+
+
+def _put(cache: OrderedDict, key: str, value: Any, size: int) -> None:
+    cache[key] = value
+    while len(cache) > size:
+        cache.popitem(last=False)
 
 
 _PIECES = re.compile(r"\s*\S+\s*|\s+")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -38,7 +37,7 @@ if TYPE_CHECKING:
 class LiveReply:
     def __init__(self, session: Session, request: ChatRequest, cache_key: str | None, lookup: bool):
         self.session, self.request = session, request
-        self.id = uuid.uuid4().hex[:24]
+        self.id = request.id
         self.created = int(time.time())
         self.prompt_tokens = 0
         self.sent = ""  # text already sent as deltas
@@ -71,7 +70,7 @@ class LiveReply:
             waiter.cancel()
         if self.task.done():
             gen = self.task.result()
-            self.prompt_tokens = len(gen.prompt_ids)
+            self.prompt_tokens, self.id = len(gen.prompt_ids), gen.id  # a retry answered from the cache: its id
 
     async def deltas(self) -> AsyncIterator[str]:
         ids: list[int] = []
@@ -112,9 +111,8 @@ class LiveReply:
         """Append the text of ids[read:]: decode it with the window before it and keep the difference (a
         tokenizer may render a token differently at the start of a string, e.g. SentencePiece's leading
         space, so the window is decoded both ways). An unfinished character waits for the next tokens."""
-        decode = self.session.renderer.decode
-        before = decode(ids[prev:read], skip_special_tokens=True)
-        now = decode(ids[prev:], skip_special_tokens=True)
+        text_of = self.session.renderer.reply_text
+        before, now = text_of(ids[prev:read]), text_of(ids[prev:])
         if now.endswith("\ufffd") or not now.startswith(before):
             return text, prev, read
         return text + now[len(before):], read, len(ids)

@@ -23,12 +23,13 @@ ToolParser = Callable[[str], Parsed]
 _PARSERS: dict[str, ToolParser] = {}
 
 
-def register_tool_parser(name: str, opening: Callable[[str | None], str] | None = None
+def register_tool_parser(name: str, opening: Callable[[str | None], str] | None = None, markers: tuple[str, ...] = ()
                          ) -> Callable[[ToolParser], ToolParser]:
     """opening(tool name or None) -> the text that starts a call (to any tool when None), used to force calls;
-    a parser registered without one cannot force them."""
+    a parser registered without one cannot force them. `markers`: the tokens its format is written with, kept
+    in the text it parses even where a tokenizer marks them special."""
     def add(parser: ToolParser) -> ToolParser:
-        parser.opening = opening  # type: ignore[attr-defined]
+        parser.opening, parser.markers = opening, markers  # type: ignore[attr-defined]
         _PARSERS[name] = parser
         return parser
     return add
@@ -78,7 +79,7 @@ def _hermes_opening(name: str | None) -> str:
     return "<tool_call>\n" if name is None else f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": '
 
 
-@register_tool_parser("hermes", opening=_hermes_opening)
+@register_tool_parser("hermes", opening=_hermes_opening, markers=("<tool_call>", "</tool_call>"))
 def _hermes(text: str) -> Parsed:
     calls, kept, pos = [], [], 0
     for match in _HERMES.finditer(text):

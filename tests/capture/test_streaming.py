@@ -142,10 +142,11 @@ def test_incremental_decode_equals_decoding_everything(tokenizer, text):
     unfinished character and ends equal to decoding all the tokens at once."""
     from types import SimpleNamespace
 
+    from molt.capture.render import ChatRenderer
     from molt.capture.streaming import LiveReply
 
     decode = tokenizer.decode
-    reply = SimpleNamespace(session=SimpleNamespace(renderer=SimpleNamespace(decode=decode)))
+    reply = SimpleNamespace(session=SimpleNamespace(renderer=ChatRenderer(tokenizer)))
     ids = tokenizer.encode(text, add_special_tokens=False)
     out, prev, read = "", 0, 0
     for k in range(1, len(ids) + 1):

@@ -1,0 +1,206 @@
+"""The OpenAI Responses wire (`POST /v1/responses`, as Codex and the Agents SDK send it): request schema,
+conversion to a `ChatRequest`, the response and its SSE event sequence.
+
+Honoured: `input` as a string or items - messages (roles user/system/developer/assistant; `input_text`,
+`output_text` and `input_image` parts), `function_call` and `function_call_output` items, `reasoning` items (their
+text goes to the next assistant turn's `reasoning_content` where the template renders one, else it is dropped,
+as on the Anthropic wire) - `instructions` (a system message first), function `tools`, `tool_choice`,
+`max_output_tokens` (left out: the session's default, see `server.py`), `temperature`, `top_p`, `stop`, `stream`,
+`previous_response_id`. Refused (400): `text.format` json_schema/json_object (no constrained decoding, see
+`errors.refuse_structured_output`) and tools other than `function` (built-in and custom tools cannot be rendered
+as functions). Accepted and ignored: `store`, `include`, `reasoning`, `parallel_tool_calls` (the model decides
+how many calls to write), `prompt_cache_key`, `client_metadata`, `metadata`, `truncation`, `user`, ... .
+
+State: nothing is stored beyond the session. `previous_response_id` names one of the session's latest 64
+replies (`Session.recall`); its conversation, reply included, comes before `input`, and its tools apply when
+the request sends none. New `instructions` replace the recorded ones (a leading system message), none keep
+them. Unknown or forgotten ids are a 400 `previous_response_not_found`; `store: false` with the whole input each
+time (Codex) needs no state at all. Either way the continuation rule of `segments.py` decides the segments.
+
+Output: a `message` item with one `output_text` part (left out when the reply is only tool calls), then one
+`function_call` item per call; `status` is `incomplete` (`max_output_tokens`) when the reply hit the token limit.
+Streaming sends `response.created`, `response.in_progress`, the message item's text deltas while the engine
+samples (`molt.capture.streaming`), the function-call items, and `response.completed` (or
+`response.incomplete`), as the official SDK's `responses.stream` assembles them.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from molt.capture.errors import WireError, client_error, refuse_structured_output
+from molt.capture.openai_wire import stop_list, tool_choice
+from molt.capture.render import canonical_messages, canonical_tools, merge_leading_system
+from molt.capture.session import ChatRequest, Generation, Session, SessionClosed, text_pieces
+from molt.capture.streaming import LiveReply
+from molt.capture.tools import arguments_json, tool_call
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    previous_response_id: str | None = None
+    text: dict[str, Any] | None = None
+
+
+SCHEMA = ResponsesRequest
+
+
+def _part(part: dict[str, Any]) -> dict[str, Any]:
+    if part.get("type") == "input_image":
+        return {"type": "image_url", "image_url": {"url": part.get("image_url") or ""}}
+    return {"type": "text", "text": part.get("text") or part.get("refusal") or ""}
+
+
+def _messages(items: list[dict[str, Any]], session: Session) -> list[dict[str, Any]]:
+    """Input items -> OpenAI chat messages: a function call joins the assistant message just before it (or
+    starts one), a reasoning item's text the assistant message after it."""
+    out: list[dict[str, Any]] = []
+    reasoning = ""
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "reasoning":
+            reasoning += "".join(p.get("text") or "" for p in item.get("content") or item.get("summary") or [])
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                        "content": output if isinstance(output, str) else [_part(p) for p in output or []]})
+        elif kind in ("message", "function_call"):
+            if kind == "message" or not (out and out[-1]["role"] == "assistant"):
+                content = item.get("content") if kind == "message" else ""
+                out.append({"role": item.get("role", "assistant"),
+                            "content": content if isinstance(content, str) else [_part(p) for p in content or []]})
+            if out[-1]["role"] == "assistant" and reasoning and session.renderer.reasoning:
+                out[-1]["reasoning_content"] = reasoning
+            reasoning = "" if out[-1]["role"] == "assistant" else reasoning
+            if kind == "function_call":
+                out[-1].setdefault("tool_calls", []).append(tool_call(item.get("call_id", ""), item["name"],
+                                                                      item.get("arguments") or "{}"))
+        else:
+            raise WireError(400, f"input: items of type {kind!r} are not supported here", param="input")
+    return out
+
+
+def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    for t in tools:
+        if t.get("type") != "function":
+            raise WireError(400, f"tools: only function tools are supported here, not {t.get('type')!r}",
+                            code="unsupported_parameter", param="tools")
+    return canonical_tools([{"type": "function", "function": {
+        k: t.get(k) for k in ("name", "description", "parameters")}} for t in tools])
+
+
+def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> ChatRequest:
+    refuse_structured_output((req.text or {}).get("format"), "text.format")
+    history, tools = [], None
+    if req.previous_response_id:
+        found = session.recall(req.previous_response_id)
+        if found is None:
+            raise WireError(400, f"previous_response_id: no response {req.previous_response_id!r} in this session",
+                            code="previous_response_not_found", param="previous_response_id")
+        history, tools = found
+    system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    if system and history and history[0]["role"] == "system":  # new instructions replace the recorded ones
+        history = history[1:]
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else data["input"]
+    messages = merge_leading_system(system + history + canonical_messages(_messages(items, session),
+                                                                          session.renderer.image))
+    if req.tools is not None:
+        tools = _tools(req.tools)
+    choice, name = tool_choice(req.tool_choice)
+    params = session.sampling(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p)
+    return ChatRequest(messages, tools, params, stop_list(req.stop), parse_tools=bool(tools) and choice != "none",
+                       tool_choice=choice, tool_name=name)
+
+
+def _body(req: ResponsesRequest, rid: str, created: int, status: str, output: list[dict[str, Any]],
+          usage: dict[str, Any] | None) -> dict[str, Any]:
+    return {"id": f"resp_{rid}", "object": "response", "created_at": created, "status": status, "model": req.model,
+            "output": output, "instructions": req.instructions, "tools": req.tools or [],
+            "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": True, "temperature": req.temperature,
+            "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
+            "previous_response_id": req.previous_response_id, "text": {"format": {"type": "text"}},
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "error": None, "metadata": {}, "usage": usage}
+
+
+def _message(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def response_body(gen: Generation, req: ResponsesRequest, session: Session | None = None) -> dict[str, Any]:
+    ch = gen.choices[0]
+    output = [_message(f"msg_{gen.id}", ch.content)] if ch.content or not ch.tool_calls else []
+    output += [{"type": "function_call", "id": f"fc_{c['id']}", "call_id": c["id"], "name": c["function"]["name"],
+                "arguments": arguments_json(c), "status": "completed"} for c in ch.tool_calls]
+    prompt, completion = len(gen.prompt_ids), len(ch.action_ids)
+    usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
+             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
+    status = "incomplete" if ch.finish_reason == "length" else "completed"
+    return _body(req, gen.id, gen.created, status, output, usage)
+
+
+async def stream(live: LiveReply, req: ResponsesRequest, session: Session | None = None) -> AsyncIterator[bytes]:
+    """The event sequence of the module docstring. A failure after the first byte ends it with an error event."""
+    seq = itertools.count()
+
+    def event(kind: str, **data: Any) -> bytes:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(seq), **data})}\n\n".encode()
+
+    msg_id, opened = f"msg_{live.id}", False
+    text_at = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+
+    def open_text() -> list[bytes]:
+        return [event("response.output_item.added", output_index=0, item={**_message(msg_id, "", "in_progress"),
+                                                                           "content": []}),
+                event("response.content_part.added", **text_at, part=_message(msg_id, "")["content"][0])]
+
+    head = _body(req, live.id, live.created, "in_progress", [], None)
+    yield event("response.created", response=head)
+    yield event("response.in_progress", response=head)
+    async for piece in live.deltas():
+        for chunk in ([] if opened else open_text()):
+            yield chunk
+        opened = True
+        yield event("response.output_text.delta", **text_at, delta=piece, logprobs=[])
+    try:
+        gen = await live.result()
+    except (SessionClosed, ValueError) as e:
+        error = client_error(e).openai_body()["error"]
+        yield event("error", code=error["code"], message=error["message"], param=error["param"])
+        return
+    body = response_body(gen, req)
+    if opened and not (body["output"] and body["output"][0]["type"] == "message"):  # only after a stream mismatch
+        body["output"].insert(0, _message(msg_id, live.sent))
+    for i, item in enumerate(body["output"]):
+        if item["type"] == "message":
+            for chunk in ([] if opened else open_text()):
+                yield chunk
+            for piece in text_pieces(live.rest(gen.choices[0])):
+                yield event("response.output_text.delta", **text_at, delta=piece, logprobs=[])
+            part = item["content"][0]
+            yield event("response.output_text.done", **text_at, text=part["text"], logprobs=[])
+            yield event("response.content_part.done", **text_at, part=part)
+        else:
+            yield event("response.output_item.added", output_index=i,
+                        item={**item, "arguments": "", "status": "in_progress"})
+            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
+                        delta=item["arguments"])
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                        name=item["name"], arguments=item["arguments"])
+        yield event("response.output_item.done", output_index=i, item=item)
+    yield event(f"response.{body['status']}", response=body)
