@@ -7,8 +7,10 @@ text goes to the next assistant turn's `reasoning_content` where the template re
 as on the Anthropic wire) - `instructions` (a system message first), function `tools`, `tool_choice`,
 `max_output_tokens` (left out: the session's default, see `server.py`), `temperature`, `top_p`, `stop`, `stream`,
 `previous_response_id`. Refused (400): `text.format` json_schema/json_object (no constrained decoding, see
-`errors.refuse_structured_output`) and tools other than `function` (built-in and custom tools cannot be rendered
-as functions). Accepted and ignored: `store`, `include`, `reasoning`, `parallel_tool_calls` (the model decides
+`errors.refuse_structured_output`), `custom` tools and `additional_tools` input items (Codex's default model: free-form
+grammar tools, not functions). `namespace` tools offer their functions by their own names (a call carries its
+`namespace` back); hosted tools (`HOSTED`: web search, file search, ...) are not shown to the model, since a model
+server runs none of them. Accepted and ignored: `store`, `include`, `reasoning`, `parallel_tool_calls` (the model decides
 how many calls to write), `prompt_cache_key`, `client_metadata`, `metadata`, `truncation`, `user`, ... .
 
 State: nothing is stored beyond the session. `previous_response_id` names one of the session's latest 64
@@ -94,13 +96,29 @@ def _messages(items: list[dict[str, Any]], session: Session) -> list[dict[str, A
     return out
 
 
-def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+# tools the provider runs itself: a model server runs none, so the model is not shown them (Codex sends web_search)
+HOSTED = {"web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
+          "image_generation", "mcp", "local_shell", "tool_search"}
+
+
+def _functions(tools: list[dict[str, Any]], space: str | None = None) -> list[tuple[dict[str, Any], str | None]]:
+    """The function tools with their namespace (None at top level); hosted tools left out, others refused. A
+    namespace's functions are offered by their own names; a call to one carries its `namespace` back."""
+    found = []
     for t in tools:
-        if t.get("type") != "function":
+        if t.get("type") == "namespace":
+            found += _functions(t.get("tools") or [], t.get("name"))
+        elif t.get("type") == "function":
+            found.append((t, space))
+        elif t.get("type") not in HOSTED:
             raise WireError(400, f"tools: only function tools are supported here, not {t.get('type')!r}",
                             code="unsupported_parameter", param="tools")
+    return found
+
+
+def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
     return canonical_tools([{"type": "function", "function": {
-        k: t.get(k) for k in ("name", "description", "parameters")}} for t in tools])
+        k: t.get(k) for k in ("name", "description", "parameters")}} for t, _ in _functions(tools)])
 
 
 def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> ChatRequest:
@@ -145,8 +163,10 @@ def _message(item_id: str, text: str, status: str = "completed") -> dict[str, An
 def response_body(gen: Generation, req: ResponsesRequest, session: Session | None = None) -> dict[str, Any]:
     ch = gen.choices[0]
     output = [_message(f"msg_{gen.id}", ch.content)] if ch.content or not ch.tool_calls else []
+    spaces = {t["name"]: space for t, space in _functions(req.tools or [])}
     output += [{"type": "function_call", "id": f"fc_{c['id']}", "call_id": c["id"], "name": c["function"]["name"],
-                "arguments": arguments_json(c), "status": "completed"} for c in ch.tool_calls]
+                "arguments": arguments_json(c), "status": "completed"}
+               | ({"namespace": ns} if (ns := spaces.get(c["function"]["name"])) else {}) for c in ch.tool_calls]
     prompt, completion = len(gen.prompt_ids), len(ch.action_ids)
     usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
