@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.molt-installed
 
-.PHONY: demo demo-agent test test-slow test-chaos gpu-check gpu-rehearse install clean
+.PHONY: demo demo-agent test test-slow test-chaos gpu-check gpu-rehearse install harness clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,6 +16,19 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The agent harnesses of the conformance matrix (tests/harness, docs/harnesses.md), pinned: Python ones into the
+# venv, the CLIs from npm under .cache/harness (about 800 MB: each ships its native binary). A failed install
+# leaves their tests skipped, each with its reason.
+HARNESS := .cache/harness
+NPM_HARNESSES := @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0
+
+$(HARNESS)/.installed: $(STAMP) Makefile
+	-$(BIN)/pip install -q -e '.[harness]'
+	-npm install -q --no-audit --no-fund --prefix $(HARNESS)/npm $(NPM_HARNESSES)
+	mkdir -p $(HARNESS) && touch $@
+
+harness: $(HARNESS)/.installed
+
 demo: $(STAMP)
 	$(BIN)/molt demo
 
@@ -23,7 +36,7 @@ demo: $(STAMP)
 demo-agent: $(STAMP)
 	$(BIN)/molt demo --agent
 
-test: $(STAMP)
+test: $(STAMP) harness
 	$(BIN)/pytest -q -x
 
 test-slow: $(STAMP)

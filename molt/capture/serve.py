@@ -7,8 +7,10 @@ Routes added to the capture server's:
 - POST /sessions (body optional: {"rollout_id": str, "sampling_params": {...}}; max_tokens left out: the rest of
   the window) -> {"session_id", "base_url", "session_url", "api_key"}. Unauthenticated: the service binds to loopback by default.
 - GET /s/{session_id}/trajectory (the session's key) -> {"rollout_id", "reward", "segments": [{"token_ids",
-  "action_mask", "behavior_logprobs", "versions", "break_reason", "temperature", "text"}]}, `text` being the
-  decoded segment with special tokens.
+  "action_mask", "behavior_logprobs", "versions", "break_reason", "temperature", "text", "images",
+  "routed_experts"}]}: everything the segment records, `text` being the decoded segment with special tokens,
+  `images` the sha256 of each image's bytes in order (the processor's inputs are not sent back), and
+  `routed_experts` the MoE routes ([tokens][layers][k] expert ids) or null.
 - POST /s/{session_id}/reward {"reward": float} (the session's key) sets the rollout's reward.
 Sessions live until the service stops. It prints its address when ready and stops cleanly on SIGINT/SIGTERM.
 
@@ -26,6 +28,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from molt.capture.errors import WireError, parse_body
+from molt.capture.render import message_images
 from molt.capture.server import CaptureServer
 from molt.types import SamplingParams
 
@@ -62,7 +65,10 @@ def add_service_routes(server: CaptureServer) -> None:
         segments = [{"token_ids": s.token_ids, "action_mask": s.action_mask,
                      "behavior_logprobs": s.behavior_logprobs, "versions": s.versions,
                      "break_reason": s.break_reason, "temperature": s.temperature,
-                     "text": server.renderer.decode(s.token_ids)} for s in session.tracker.segments()]
+                     "text": server.renderer.decode(s.token_ids),
+                     "images": [str(ref) for ref in message_images(b.messages or [])],
+                     "routed_experts": None if s.routed_experts is None else s.routed_experts.tolist()}
+                    for b in session.tracker.branches for s in [b.segment]]
         return JSONResponse({"rollout_id": session.rollout_id, "reward": session.reward, "segments": segments})
 
     @app.post("/s/{session_id}/reward")

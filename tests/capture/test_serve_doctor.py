@@ -83,3 +83,46 @@ def test_doctor(tokenizer, think_tokenizer, capsys, tiny_llama_dir):
     assert think["tool calls"].ok and think["tools=[] vs no tools"].ok
     assert doctor_main(SimpleNamespace(model=str(tiny_llama_dir))) == 0
     assert "[ok] plain multi-turn: one segment" in capsys.readouterr().out
+
+
+async def test_trajectory_shows_images_routes_versions_and_breaks(tiny_vlm_dir):
+    """Everything a segment records comes back: images as the sha256 of their bytes, MoE routes, versions."""
+    import base64
+    import hashlib
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    class RoutedEngine(ScriptedEngine):  # routes as an MoE engine records them: one row per prompt and action token
+        async def generate(self, prompt_ids, params, session_id=None, request_id=None, **kw):
+            kw.pop("images", None), kw.pop("sources", None)
+            c = await super().generate(prompt_ids, params, session_id, request_id, **kw)
+            c.routed_experts = np.full((len(prompt_ids) + len(c.token_ids), 2, 1), 3, np.int16)
+            return c
+
+    buf = io.BytesIO()
+    Image.new("RGB", (28, 28), "red").save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    lines = []
+    engine = RoutedEngine(AutoTokenizer.from_pretrained(tiny_vlm_dir), ["hi"], version=4)
+    task = asyncio.create_task(serve(str(tiny_vlm_dir), port=0, engine=engine,
+                                     ready=lambda text, **_: lines.append(text)))
+    while not lines:
+        await asyncio.sleep(0.01)
+    async with httpx.AsyncClient(base_url=lines[0].split(" on ")[1].split()[0]) as http:
+        session = (await http.post("/sessions")).json()
+        api = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
+        image = [{"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": url}}]
+        await api.chat.completions.create(model="m", messages=[{"role": "user", "content": image}])
+        await api.chat.completions.create(model="m", temperature=0.5, messages=[{"role": "user", "content": "Hi"}])
+        got = (await http.get(f"/s/{session['session_id']}/trajectory",
+                              headers={"Authorization": f"Bearer {session['api_key']}"})).json()
+    os.kill(os.getpid(), signal.SIGINT)
+    await asyncio.wait_for(task, 10)
+    first, second = got["segments"]
+    assert first["images"] == [hashlib.sha256(buf.getvalue()).hexdigest()] and second["images"] == []
+    assert [s["break_reason"] for s in got["segments"]] == ["start", "sampling_changed"]
+    assert np.array(first["routed_experts"]).shape == (len(first["token_ids"]), 2, 1)
+    assert {v for v, m in zip(first["versions"], first["action_mask"]) if m} == {4}

@@ -1,0 +1,298 @@
+"""Conformance with harnesses written by others, unchanged: each real package (CLIs from npm, libraries from
+PyPI; `make harness` installs them, pinned) drives a multi-turn tool loop against a live capture server.
+
+The model is a scripted policy (`policy`): it answers with the next scripted tool call while the conversation has
+tools and fewer tool results than calls, then with a final text. A tiny random model emits no tool calls; the
+subject here is the wire and the capture, with the real harness as the client. Each test checks that the harness
+finished, that every request got a 2xx, and that every engine call of the session lies verbatim in a recorded
+segment (its prompt as a prefix, its completion as action tokens), the tool loop in one segment. A harness whose
+package is not installed is skipped with the reason. The rows go to the matrix printed at the end (conftest.py).
+"""
+import asyncio
+import contextlib
+import importlib.metadata
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+from matrix import ROWS
+
+from molt.capture.render import ChatRenderer
+from molt.capture.server import CaptureServer
+from molt.testing.scripted import RecordingEngine, ScriptedEngine
+
+ROOT = Path(__file__).resolve().parents[2]
+NPM_BIN = Path(os.environ.get("MOLT_HARNESS_DIR", ROOT / ".cache" / "harness")) / "npm" / "node_modules" / ".bin"
+FINAL = "Done."
+# CLI harnesses: no telemetry, updates or error reports (nothing but the capture server is reachable)
+QUIET = {"DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
+         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "NO_COLOR": "1"}
+
+
+def policy(tokenizer, calls):
+    """The scripted model: the k-th tool call while k tool results are in a prompt that offers tools."""
+    def reply(prompt_ids, params):
+        text = tokenizer.decode(prompt_ids)
+        k = text.count("<|im_start|>tool\n") + text.count("Observation:\n")  # smolagents: results in user turns
+        if "# Tools" in text and k < len(calls):
+            return "<tool_call>\n" + json.dumps(calls[k]) + "\n</tool_call>"
+        return FINAL
+    return reply
+
+
+class Harness:
+    def __init__(self, tokenizer, calls):
+        self.engine = RecordingEngine(ScriptedEngine(tokenizer, policy(tokenizer, calls), max_model_len=1 << 20))
+        self.server = CaptureServer(self.engine, ChatRenderer(tokenizer))
+        self.statuses: list[int] = []
+
+        @self.server.app.middleware("http")
+        async def record(request, call_next):
+            response = await call_next(request)
+            self.statuses.append(response.status_code)
+            return response
+
+    def check(self, name, version, segments, session, tool_results):
+        """The assertions every harness shares; adds its row to the matrix."""
+        records = self.engine.of_session(session.session_id)
+        assert records and all(200 <= s < 300 for s in self.statuses), self.statuses
+        for prompt, completion in records:  # every engine call verbatim in a segment
+            n, k = len(prompt), len(completion.token_ids)
+            assert any(s.token_ids[:n] == prompt and s.token_ids[n:n + k] == completion.token_ids
+                       and s.action_mask[n:n + k] == [1] * k and s.behavior_logprobs[n:n + k] == completion.logprobs
+                       for s in segments), "an engine call is missing from the segments"
+        for s in segments:
+            s.check()
+        assert sum(s.num_actions for s in segments) == sum(len(c.token_ids) for _, c in records)
+        loop = max(segments, key=lambda s: len(s.token_ids))  # the tool loop: every result in one segment
+        assert all(r in session.renderer.decode(loop.token_ids) for r in tool_results)
+        ROWS.append({"harness": name, "version": version, "turns": len(records),
+                     "status codes": " ".join(map(str, self.statuses)),
+                     "segments": ", ".join(f"{s.break_reason} ({len(s.token_ids)} tok)" for s in segments)})
+
+
+@contextlib.asynccontextmanager
+async def serving(tokenizer, calls):
+    harness = Harness(tokenizer, calls)
+    await harness.server.start()
+    try:
+        yield harness, await harness.server.open_session()
+    finally:
+        await harness.server.stop()
+
+
+def npm_bin(name):
+    path = NPM_BIN / name
+    if not path.exists():
+        pytest.skip(f"{name} is not installed under {NPM_BIN} (`make harness` installs it; npm or the registry was "
+                    "not available)")
+    return str(path)
+
+
+def version_of(package, module=None):
+    pytest.importorskip(module or package, reason=f"{package} is not installed (`pip install -e '.[harness]'`)")
+    return f"{package} {importlib.metadata.version(package)}"
+
+
+async def run_cli(argv, env, cwd):
+    proc = await asyncio.create_subprocess_exec(*argv, env={**os.environ, **QUIET, **env}, cwd=cwd,
+                                                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 240)
+    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+    return out.decode(errors="replace")
+
+
+async def test_claude_code_cli(tokenizer, tmp_path):
+    """`claude -p` with its default model: system-role messages, thinking, cache_control, streaming."""
+    claude = npm_bin("claude")
+    calls = [{"name": "Bash", "arguments": {"command": "echo molt-ok > out.txt", "description": "write"}},
+             {"name": "Bash", "arguments": {"command": "cat out.txt", "description": "read"}}]
+    async with serving(tokenizer, calls) as (h, session):
+        version = (await run_cli([claude, "--version"], {}, tmp_path)).split()[0]
+        out = await run_cli([claude, "-p", "Write molt-ok to out.txt, then read it.", "--output-format", "json",
+                             "--allowedTools", "Bash"],
+                            {"HOME": str(tmp_path), "ANTHROPIC_BASE_URL": session.session_url,
+                             "ANTHROPIC_API_KEY": session.api_key}, tmp_path)
+        segments = await session.close()
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["result"] == FINAL and not result["is_error"] and result["num_turns"] == 3
+    assert (tmp_path / "out.txt").read_text() == "molt-ok\n"
+    h.check("Claude Code CLI", f"@anthropic-ai/claude-code {version}", segments, session, ["molt-ok"])
+
+
+async def test_codex_cli(tokenizer, tmp_path):
+    """`codex exec` on the Responses wire (a `[model_providers.x]` entry: it ignores OPENAI_BASE_URL). Its
+    default model is sent `additional_tools` input items and a free-form `custom` tool, which this wire refuses
+    (docs/harnesses.md), so the run names a model of its catalog that takes function tools."""
+    codex = npm_bin("codex")
+    calls = [{"name": "exec_command", "arguments": {"cmd": "echo molt-ok > out.txt"}},
+             {"name": "exec_command", "arguments": {"cmd": "cat out.txt"}}]
+    async with serving(tokenizer, calls) as (h, session):
+        home = tmp_path / "codex-home"
+        home.mkdir()
+        (home / "config.toml").write_text(f'model_provider = "molt"\n[model_providers.molt]\nname = "molt"\n'
+                                          f'base_url = "{session.base_url}"\nenv_key = "MOLT_API_KEY"\n'
+                                          'wire_api = "responses"\n')
+        env = {"CODEX_HOME": str(home), "MOLT_API_KEY": session.api_key}
+        version = (await run_cli([codex, "--version"], env, tmp_path)).split()[-1]
+        work = tmp_path / "work"
+        work.mkdir()
+        out = await run_cli([codex, "exec", "-m", "gpt-5-codex", "--skip-git-repo-check",
+                             "--dangerously-bypass-approvals-and-sandbox", "Write molt-ok to out.txt, then read it."],
+                            env, work)
+        segments = await session.close()
+    assert out.rstrip().endswith(FINAL) and (work / "out.txt").read_text() == "molt-ok\n"
+    h.check("Codex CLI", f"@openai/codex {version}", segments, session, ["molt-ok"])
+
+
+CALC = [{"name": "add", "arguments": {"a": 12, "b": 30}}, {"name": "add", "arguments": {"a": 42, "b": 8}}]
+
+
+@pytest.mark.parametrize("model_class", ["OpenAIResponsesModel", "OpenAIChatCompletionsModel"])
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_openai_agents_sdk(tokenizer, model_class, streamed):
+    version = version_of("openai-agents", "agents")
+    import agents
+    from openai import AsyncOpenAI
+
+    @agents.function_tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    agents.set_tracing_disabled(True)
+    async with serving(tokenizer, CALC) as (h, session):
+        api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        model = getattr(agents, model_class)(model="gpt-4.1", openai_client=api)
+        agent = agents.Agent(name="calc", instructions="Use the add tool.", tools=[add], model=model)
+        if streamed:
+            result = agents.Runner.run_streamed(agent, "What is 12 + 30 + 8?")
+            async for _ in result.stream_events():
+                pass
+        else:
+            result = await agents.Runner.run(agent, "What is 12 + 30 + 8?")
+        segments = await session.close()
+    assert result.final_output == FINAL
+    h.check(f"Agents SDK {model_class}{' streamed' if streamed else ''}", version, segments, session, ["42", "50"])
+
+
+@pytest.mark.parametrize("wire", ["openai", "anthropic"])
+async def test_langgraph_react_agent(tokenizer, wire):
+    version = version_of("langgraph")
+    pytest.importorskip("langchain_openai" if wire == "openai" else "langchain_anthropic")
+    from langchain_core.tools import tool
+    from langgraph.prebuilt import create_react_agent
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    async with serving(tokenizer, CALC) as (h, session):
+        if wire == "openai":
+            from langchain_openai import ChatOpenAI
+            llm = ChatOpenAI(model="gpt-4.1", base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        else:
+            from langchain_anthropic import ChatAnthropic
+            llm = ChatAnthropic(model="claude-sonnet-4-5", base_url=session.session_url, api_key=session.api_key,
+                                max_retries=0, max_tokens=64)
+        agent = create_react_agent(llm, [add])
+        state = await agent.ainvoke({"messages": [("user", "What is 12 + 30 + 8?")]})
+        segments = await session.close()
+    assert state["messages"][-1].content == FINAL
+    h.check(f"LangGraph create_react_agent + Chat{wire.title().replace('ai', 'AI')}", version, segments, session,
+            ["42", "50"])
+
+
+async def test_smolagents_tool_calling_agent(tokenizer):
+    version = version_of("smolagents")
+    import smolagents
+
+    @smolagents.tool
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first integer
+            b: the second integer
+        """
+        return a + b
+
+    final = [{"name": "final_answer", "arguments": {"answer": "50"}}]
+    async with serving(tokenizer, CALC + final) as (h, session):
+        model = smolagents.OpenAIServerModel("gpt-4.1", api_base=session.base_url, api_key=session.api_key)
+        agent = smolagents.ToolCallingAgent(tools=[add], model=model, max_steps=4, verbosity_level=0)
+        answer = await asyncio.to_thread(agent.run, "What is 12 + 30 + 8?")
+        segments = await session.close()
+    assert str(answer) == "50"
+    h.check("smolagents ToolCallingAgent", version, segments, session, ["42", "50"])
+
+
+async def test_openai_sdk_helpers(tokenizer):
+    """`responses.stream` (function calls assembled from events) and `chat.completions.parse` (strict pydantic
+    tools, parsed arguments)."""
+    version = version_of("openai")
+    import openai
+    from pydantic import BaseModel
+
+    class Add(BaseModel):
+        a: int
+        b: int
+
+    async with serving(tokenizer, CALC) as (h, session):
+        api = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        tools = [{"type": "function", "name": "add", "parameters": Add.model_json_schema()}]
+        items = [{"role": "user", "content": "What is 12 + 30 + 8?"}]
+        for result in ("42", "50", None):
+            async with api.responses.stream(model="gpt-4.1", input=items, tools=tools) as events:
+                final = await events.get_final_response()
+            if result is None:
+                break
+            (call,) = [o for o in final.output if o.type == "function_call"]
+            items += [call.model_dump(exclude_none=True), {"type": "function_call_output", "call_id": call.call_id,
+                                                           "output": result}]
+        assert final.output_text == FINAL
+        chat = await api.chat.completions.parse(model="gpt-4.1", tools=[openai.pydantic_function_tool(Add, name="add")],
+                                                messages=[{"role": "user", "content": "What is 12 + 30?"}])
+        assert chat.choices[0].message.tool_calls[0].function.parsed_arguments == Add(a=12, b=30)
+        segments = await session.close()
+    h.check("openai SDK responses.stream, chat.completions.parse", version, segments, session, ["42", "50"])
+
+
+async def test_anthropic_sdk_helpers(tokenizer):
+    """`messages.stream` and the beta tool runner, whose later turns continue a `thread`."""
+    version = version_of("anthropic")
+    import anthropic
+
+    @anthropic.beta_async_tool
+    async def add(a: int, b: int) -> str:
+        """Add two integers."""
+        return str(a + b)
+
+    async with serving(tokenizer, CALC) as (h, session):
+        api = anthropic.AsyncAnthropic(base_url=session.session_url, api_key=session.api_key, max_retries=0)
+        async with api.messages.stream(model="claude-sonnet-4-5", max_tokens=64,
+                                       messages=[{"role": "user", "content": "Say done."}]) as events:
+            assert (await events.get_final_text()) == FINAL
+        runner = api.beta.messages.tool_runner(model="claude-sonnet-4-5", max_tokens=64, tools=[add],
+                                               messages=[{"role": "user", "content": "What is 12 + 30 + 8?"}])
+        final = await runner.until_done()
+        segments = await session.close()
+    assert final.content[0].text == FINAL
+    h.check("anthropic SDK messages.stream, beta tool_runner (threads)", version, segments, session, ["42", "50"])
+
+
+def test_docs_table_names_the_pinned_versions():
+    """docs/harnesses.md lists each harness tested here with the version `make harness` pins."""
+    doc = (ROOT / "docs" / "harnesses.md").read_text()
+    pins = (ROOT / "pyproject.toml").read_text() + (ROOT / "Makefile").read_text()
+    rows = re.findall(r"^\| `([^`]+)` \| ([^ |]+) \|", doc, re.MULTILINE)
+    assert rows, "no harness rows in docs/harnesses.md"
+    for package, version in rows:
+        assert f"{package}=={version}" in pins or f"{package}@{version}" in pins, (package, version)
+    tests = set(re.findall(r"^(?:async )?def (test_\w+)", Path(__file__).read_text(), re.MULTILINE))
+    for name in re.findall(r"`(test_\w+)`", doc):
+        assert name in tests, f"docs/harnesses.md names {name}, which is not a test here"
