@@ -1,4 +1,6 @@
-"""Typed configuration of a Molt run: a YAML recipe plus dotted command-line overrides.
+"""The configuration tree of a Molt run, the one set of defaults (a record module: nothing of molt is imported
+at module level), and the pure functions over it: `validate` (errors, nothing changed), `resolve` (a copy with
+every derived value, the one place they are computed), `override` (dotted fields: the Python API).
 
 Design notes and decisions: docs/internals.md, section `molt/config.py`.
 """

@@ -148,3 +148,33 @@ def test_kl_as_a_token_reward_by_hand(tiny_llama_dir, ray_local):
     for adv, want in zip(got, expected):
         assert adv == pytest.approx(want, abs=1e-4)
     assert any(abs(w - e.reward) > 0.05 for w, e in zip((w[3] for w in expected), exps))  # the KL moved them
+
+
+TOKEN_PLUGIN = '''
+from molt.algo import AdvantageResult, register_estimator
+from molt.algo.advantages import reinforce
+
+
+@register_estimator("test_double_reinforce", "token")
+def double_reinforce(batch, params):
+    r = reinforce(batch, params)
+    return AdvantageResult(2 * r.advantages, r.returns)
+'''
+
+
+def test_a_token_estimator_registered_by_the_user_runs_on_the_ranks(tiny_llama_dir, ray_local, tmp_path):
+    """The ranks import `algo.plugins` themselves (a Ray actor never saw the driver's imports) and run the
+    estimator the registry declares a token one, with the controller's rewards as they are."""
+    from molt.algo import import_files
+
+    plugin = tmp_path / "double.py"
+    plugin.write_text(TOKEN_PLUGIN)
+    import_files([str(plugin)])
+    assert estimator_spec("test_double_reinforce").kind == "token"
+    exps = _window(2)
+    batch = AdvantageBatch.from_experiences(exps)
+    expected = compute_advantages("test_double_reinforce", batch, AdvantageParams(gamma=0.9, whiten=False)).advantages
+    rows = list({e.rollout_id: (e.rollout_id, e.group_id, e.reward) for e in exps}.values())
+    cfg = _cfg(tiny_llama_dir, "test_double_reinforce", **{"algo.plugins": [str(plugin)], "algo.advantage.gamma": 0.9,
+                                                            "algo.advantage.no_whiten": True})
+    _assert_two_ranks_give(expected, exps, terminal_rewards(False, rows), ray_local, TrainerGroup(2), cfg, atol=1e-5)
