@@ -109,8 +109,8 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 def test_a_registered_estimator_is_selectable_from_the_command_line(tmp_path):
     plugin = GRPO_MEDIAN
-    with pytest.raises(ValueError, match=r"algo.advantage.estimator: unknown advantage estimator 'grpo_median'.*grpo"):
-        load_config(["--algo.advantage.estimator", "grpo_median", *_files(tmp_path)])
+    with pytest.raises(ValueError, match=r"algo.advantage.estimator: unknown advantage estimator 'nope'.*'rloo'"):
+        load_config(["--algo.advantage.estimator", "nope", *_files(tmp_path)])  # the registered names listed
     cfg = load_config(["--algo.plugins", str(plugin), "--algo.advantage.estimator", "grpo_median", *_files(tmp_path)])
     assert estimator_spec(cfg.algo.advantage.estimator).kind == "group"
     with pytest.raises(ValueError, match="algo.kl.use_loss false"):  # a group estimator takes no KL reward
