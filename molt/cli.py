@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from molt.models import DEFAULT_MODEL, ModelFetchError, resolve_model
+from molt.runtime.pool import RunStopped  # standard library and molt.types only
 
 Handler = Callable[[argparse.Namespace], "int | None"]
 _COMMANDS: dict[str, tuple[str, tuple, Handler]] = {}
@@ -84,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     except ModelFetchError as e:
         print(f"molt: error: {e}", file=sys.stderr)
         return 1
+    except RunStopped as e:  # a signal or a fatal condition of `train`/`sft`, after a checkpoint: its exit code
+        print(f"molt: {getattr(e, 'cause', e)}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         return 130
 
@@ -280,13 +284,8 @@ def _train_and_report(cfg) -> dict:
 
     from molt.runtime.loop import run_training
     from molt.runtime.plot import plot_run
-    from molt.runtime.pool import RunStopped
 
-    try:
-        summary = asyncio.run(run_training(cfg))
-    except RunStopped as e:  # a signal or an engine crash loop, after a checkpoint: one line, its exit code
-        print(f"molt: {getattr(e, 'cause', e)}", file=sys.stderr)
-        sys.exit(e.exit_code)
+    summary = asyncio.run(run_training(cfg))
     png = plot_run(cfg.ckpt.output_dir)
     table = Table(title=f"molt run {cfg.ckpt.output_dir}")
     cols = {"base eval accuracy": summary["base_eval_accuracy"], "final eval accuracy": summary["final_eval_accuracy"]}

@@ -145,6 +145,10 @@ class TrainConfig:
     """Write a readable trajectory dump every N steps (0: never)."""
     routing_replay: bool = False
     """MoE: route every token through the experts the engine chose for it (R3; docs/moe.md)."""
+    max_skipped_steps: int = 3
+    """Consecutive optimizer steps skipped for a non-finite loss or gradient norm that stop the run (checkpointed)."""
+    stall_timeout_s: float = 3600.0
+    """Stop the run (with a checkpoint) when one step's wait for rollouts lasts this long (0: never)."""
 
 
 @dataclass
@@ -177,6 +181,10 @@ class RolloutConfig:
     """Turn limit of an Env episode."""
     max_failed_retries: int = 2
     """Re-runs of failed rollouts within a group before the group is dropped."""
+    failure_window: int = 64
+    """Stop the run (with a checkpoint) when max_failed_share of the last this many rollouts failed (0: never)."""
+    max_failed_share: float = 1.0
+    """Share of the last failure_window rollouts that stops the run when they failed (1.0: all of them)."""
     engine_max_restarts: int = 3
     """Deaths of a worker's engine process within 10 minutes that it survives (by a restart); one more stops the run."""
     worker_max_restarts: int = 3
@@ -432,7 +440,7 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
     _choices(cfg)
     for name in ("rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens", "train.num_episodes",
                  "train.max_epochs", "train.num_ranks", "rollout.num_workers", "rollout.max_turns",
-                 "actor.logprob_chunk_size", "fsdp.tp_size"):
+                 "actor.logprob_chunk_size", "fsdp.tp_size", "train.max_skipped_steps"):
         if _get(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1 (got {_get(cfg, name)})")
     for name in ("train.max_staleness", "train.max_steps", "rollout.temperature", "train.micro_batch_size",
@@ -446,6 +454,12 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
             raise ValueError(f"{name}: {e}") from None
     if not 0 < cfg.rollout.top_p <= 1:
         raise ValueError(f"rollout.top_p must be in (0, 1] (got {cfg.rollout.top_p})")
+    if not 0 < cfg.rollout.max_failed_share <= 1 or cfg.rollout.failure_window < 0:
+        raise ValueError(f"rollout.max_failed_share must be in (0, 1] and rollout.failure_window >= 0 (got "
+                         f"{cfg.rollout.max_failed_share}, {cfg.rollout.failure_window})")
+    if 0 < cfg.train.stall_timeout_s <= cfg.rollout.timeout_s:  # a step waits for whole rollouts
+        raise ValueError(f"train.stall_timeout_s ({cfg.train.stall_timeout_s}) must be 0 (never) or more than "
+                         f"rollout.timeout_s ({cfg.rollout.timeout_s}), the time one rollout may take")
     if cfg.actor.adam.lr <= 0:
         raise ValueError(f"actor.adam.lr must be > 0 (got {cfg.actor.adam.lr})")
     for name in ("actor.min_lr_ratio", "critic.min_lr_ratio"):

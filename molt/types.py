@@ -1,11 +1,18 @@
 """Records that cross rooms: sampling parameters, engine completions, captured segments, trajectories, experiences.
 
+Seeds: a run's seed gives each rollout its own (`sub_seed(train.seed, rollout_id)`, `molt.runtime.pool`), and a
+rollout's seed gives each model call of the rollout its own: call k (0, 1, ... in the order the session serves
+them, side requests included) samples with `sub_seed(rollout seed, k)`, so no call replays another's draws and
+a seeded run is reproducible. A request that carries its own seed keeps it (OpenAI semantics: same seed, same
+sample).
+
 Design notes and decisions: docs/internals.md, section `molt/types.py`.
 """
 from __future__ import annotations
 
 import enum
 import functools
+import zlib
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -37,7 +44,7 @@ class SamplingParams:
     top_k: int = -1  # <= 0 disables
     min_tokens: int = 0  # stop tokens are suppressed until this many tokens were generated
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens besides the model's EOS
-    seed: int | None = None  # per-request seed for reproducible sampling
+    seed: int | None = None  # per-request seed for reproducible sampling (a rollout's calls: module docstring)
     top_logprobs: int = 0  # also return this many most likely alternatives per position
 
     def validate(self) -> SamplingParams:
@@ -66,6 +73,12 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {sorted(unknown)}; known: {sorted(known)}")
         return cls(**d)
+
+
+def sub_seed(seed: int, key: Any) -> int:
+    """A 31-bit seed derived from `seed` and `key` (a rollout id, a call index): deterministic across processes
+    (unlike `hash`), so a seeded run is reproducible; see the module docstring."""
+    return zlib.crc32(f"{seed}/{key}".encode()) & 0x7FFFFFFF
 
 
 @dataclass(slots=True)
@@ -120,6 +133,7 @@ class Trajectory:
     info: dict[str, float] = field(default_factory=dict)
     status: RolloutStatus = RolloutStatus.OK
     error: str = ""  # human-readable reason when status is not OK
+    traceback: str = ""  # the agent's exception as Python prints it, when it raised
     truncated: bool = False
 
     @property

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import io
 import math
+import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,8 @@ class _RunnerBase(Runner):
             traj.status, traj.error = RolloutStatus.TIMEOUT, f"the rollout ran past its timeout of {self.timeout}s"
             return
         error = asyncio.CancelledError("the agent was cancelled") if task.cancelled() else task.exception()
+        if error is not None:  # the controller prints the first of each kind (molt.runtime.pool)
+            traj.traceback = "".join(traceback.format_exception(error))
         if isinstance(error, InvalidReward):
             traj.status, traj.error = RolloutStatus.INVALID_REWARD, str(error)
         elif error is not None:
@@ -193,6 +196,7 @@ class StepEnvRunner(_RunnerBase):
 
     async def _episode(self, row, session, params, episode):
         env = self.env_cls()
+        params = params.copy(seed=None)  # the session seeds each turn from the rollout's seed (molt.types)
         messages, prompt = row_messages(row)
         label, tools = row.get("label"), row.get("tools") or None
         state = await env.reset({"observation": prompt, "label": label, "images": row.get("images")})

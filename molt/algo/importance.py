@@ -40,6 +40,7 @@ def _trunc(lr: Tensor, tok: Tensor, lo: float, hi: float) -> tuple[Tensor, Tenso
 
 # mode -> (weight, retained) from the level's log-ratio `lr`, the token log-ratio `tok` and the log band [lo, hi]
 MODES = {"mask": _mask, "mis": _mis, "clip": _clip, "trunc": _trunc}
+GATES = ("mask", "mis")  # the modes that reject (weight 0) what falls outside the band
 
 
 def importance_weights(
@@ -58,7 +59,8 @@ def importance_weights(
     behavior_logprobs: [N, T] those recorded at sampling time (`Segment.behavior_logprobs`);
     action_mask: [N, T]; seq_ids: optional [N, T] sequence ids for packed rows.
     Returns (weights [N, T] detached, 1 off action tokens; metrics "is/retained_frac" (1 for an empty mask),
-    "is/logprob_gap" (mean |trainer - behavior| over action tokens), "is/weight_mean")."""
+    "is/logprob_gap" (mean |trainer - behavior| over action tokens), "is/weight_mean", and for a gate (mask, mis)
+    "is/rejected_frac", the fraction of action tokens it gave weight 0)."""
     mask = as_mask(action_mask, trainer_logprobs)
     check_shape("behavior_logprobs", behavior_logprobs, trainer_logprobs.shape)
     if level != "off" and level not in LEVELS:
@@ -76,10 +78,11 @@ def importance_weights(
     weights = torch.where(mask, weights, 1.0)
     # an empty mask retains everything; torch.where rather than `if mask.any()` avoids a device sync
     retained_frac = torch.where(mask.sum() > 0, masked_mean(retained.double(), mask), 1.0)
-    return weights.to(trainer_logprobs.dtype), detach_all(
-        {
-            "is/retained_frac": retained_frac,
-            "is/logprob_gap": masked_mean(log_r.abs(), mask),
-            "is/weight_mean": masked_mean(weights, mask),
-        }
-    )
+    metrics = {
+        "is/retained_frac": retained_frac,
+        "is/logprob_gap": masked_mean(log_r.abs(), mask),
+        "is/weight_mean": masked_mean(weights, mask),
+    }
+    if level != "off" and mode in GATES:
+        metrics["is/rejected_frac"] = 1.0 - retained_frac
+    return weights.to(trainer_logprobs.dtype), detach_all(metrics)

@@ -133,6 +133,7 @@ def to_chat(req: MessagesRequest, data: dict[str, Any], session: Session) -> Cha
         top_p=d.top_p if req.top_p is None else req.top_p,
         top_k=d.top_k if req.top_k is None else req.top_k,
         top_logprobs=0,
+        seed=None,  # the session gives this call its own seed of the rollout's
     )
     tools = canonical_tools([{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
                                                                **({"description": t.description} if t.description else {})}}

@@ -5,9 +5,10 @@ vision-language models as `molt.capture.render` says; assistant `tool_calls`), `
 and `tool_choice`, `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `stop`, `n`, `seed`,
 `logprobs` / `top_logprobs`, `stream` with `stream_options.include_usage`, and the vLLM-style extensions
 `top_k`, `min_tokens`. Unknown fields (penalties, `user`, ...) are ignored; fields left out take the session's
-sampling defaults (the rollout's). `tool_choice="none"` returns tool-call text as plain content; "required" or
-a named function (`{"type": "function", "function": {"name": ...}}`) prefill the reply with the call opening
-(see `molt.capture.session`), so the reply is a call unless the model breaks the format.
+sampling defaults (the rollout's; a left-out `seed`: the call's own, `molt.types`). `tool_choice="none"`
+returns tool-call text as plain content; "required" or a named function (`{"type": "function", "function":
+{"name": ...}}`) prefill the reply with the call opening (see `molt.capture.session`), so the reply is a call
+unless the model breaks the format.
 
 Streaming: content deltas go out as the engine samples (`molt.capture.streaming`), then tool-call deltas (id
 and name first, then the arguments), a finish chunk, the usage chunk when asked, and `[DONE]` - the sequence
@@ -112,7 +113,7 @@ def to_chat(req: ChatCompletionRequest, data: dict[str, Any], session: Session) 
         top_p=d.top_p if req.top_p is None else req.top_p,
         top_k=d.top_k if req.top_k is None else req.top_k,
         min_tokens=d.min_tokens if req.min_tokens is None else req.min_tokens,
-        seed=d.seed if req.seed is None else req.seed,
+        seed=req.seed,  # None: the session gives this call its own seed of the rollout's
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
     )
     tools = canonical_tools(data.get("tools"))

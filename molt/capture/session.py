@@ -19,7 +19,7 @@ from molt.capture.render import ChatRenderer, canonical_messages, canonical_tool
 from molt.capture.segments import Action, Plan, SegmentTracker
 from molt.capture.tools import Parsed, ToolParser, call_opening
 from molt.engine.base import Engine, can_stream
-from molt.types import Completion, FinishReason, SamplingParams, Segment
+from molt.types import Completion, FinishReason, SamplingParams, Segment, sub_seed
 
 
 class SessionClosed(Exception):
@@ -34,7 +34,7 @@ class ContextTooLong(ValueError):
 class ChatRequest:
     messages: list[dict[str, Any]]  # canonical
     tools: list[dict[str, Any]] | None  # canonical
-    params: SamplingParams  # resolved (session defaults overridden by the request)
+    params: SamplingParams  # resolved (session defaults overridden by the request); seed: the request's own
     stop: list[str] = field(default_factory=list)
     n: int = 1
     parse_tools: bool = True
@@ -160,10 +160,12 @@ class Session:
             raise ContextTooLong(
                 f"this conversation is {len(plan.prompt_ids)} tokens but the context window of {self.model_name} "
                 f"is {self.max_model_len} tokens (prompt and completion); shorten the messages")
+        seed = request.params.seed  # the request's own, or this call's of the rollout's (molt.types docstring)
+        if seed is None and self.defaults.seed is not None:
+            seed = sub_seed(self.defaults.seed, self._count)
         self._count += 1
         ids = [f"{self.session_id}-{self._count}-{i}" for i in range(request.n)]
-        params = [request.params if request.params.seed is None else request.params.copy(seed=request.params.seed + i)
-                  for i in range(request.n)]
+        params = [request.params if seed is None else request.params.copy(seed=seed + i) for i in range(request.n)]
         self._inflight.update(ids)
         stream: dict[str, Any] = {"images": plan.images, "sources": [i.image for i in message_images(
             plan.messages or [])]} if plan.images else {}  # sources: the decoded images (vLLM processes them itself)

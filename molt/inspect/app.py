@@ -4,6 +4,7 @@ Reads files under the run directory only (`metrics.jsonl`, `ledger.jsonl`, `dump
 `molt.runtime.dump`, files a link names such as `config.yaml`); imports nothing of the runtime. The page is one
 static file (`static/index.html`, vanilla JS, no build step) over these JSON routes:
     /api/run                      {"name", "steps": [one merged metrics line per step], "dumped": [N, ...]}
+                                  (NaN and inf values as the strings "nan", "inf", "-inf")
     /api/steps/{N}                {"step", "groups": [{"group_id", "prompt", "rollouts": [summary, ...]}]}
     /api/steps/{N}/rollouts/{ID}  the rollout's light fields and "segments": [its dump lines in order]
     /api/prompts/{P}              [{"step", "group_id", "rollout_id", "reward"}] of every dumped rollout of prompt P
@@ -17,6 +18,7 @@ authentication: loopback by default.
 from __future__ import annotations
 
 import json
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -65,8 +67,9 @@ def create_app(run_dir: str | Path) -> FastAPI:
     @app.get("/api/run")
     def run() -> dict:
         steps: dict[int, dict] = {}
-        for m in _jsonl(root / "metrics.jsonl"):
-            steps.setdefault(m["step"], {}).update(m)  # evaluation lines share their step's number
+        for m in _jsonl(root / "metrics.jsonl"):  # evaluation lines share their step's number; JSON has no NaN
+            steps.setdefault(m["step"], {}).update(
+                {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in m.items()})
         return {"name": root.name, "steps": list(steps.values()), "dumped": dumped()}
 
     @app.get("/api/steps/{step}")

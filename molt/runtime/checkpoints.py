@@ -1,4 +1,4 @@
-"""Where a run's checkpoints live and which of them are kept.
+"""Where a run's checkpoints live, which of them are kept, and the skeleton every run loop shares around its steps.
 
 A checkpoint is `<ckpt.path or output_dir/checkpoints>/step_N/` holding the trainer state (`trainer/`, DCP),
 optionally the policy as a Hugging Face checkpoint (`hf/`, `ckpt.save_hf`), and `state.json`, written last, so
@@ -8,12 +8,94 @@ what `ckpt.best_metric_key` ranks by.
 Rotation (`ckpt.max_num` N > 0): after each save the complete checkpoints beyond the newest N are removed,
 oldest first, except the newest one and the one with the highest `best_metric_key` value among those that have
 it (the reference keeps its best checkpoint the same way).
+
+`RunControl` is what `molt train` (molt.runtime.loop) and `molt sft` (molt.runtime.sft) share around their steps,
+so the two cannot drift apart: when a checkpoint is due (every `ckpt.save_steps` steps, after a step ending
+`ckpt.save_interval_s` or more after the last checkpoint, after the last step, and when the run stops), and
+stopping: SIGINT/SIGTERM or a condition the loop finds fatal stop the run after the step in progress; the loop
+checkpoints that step and `finish` raises `RunStopped` with the exit code (128 + the signal's number); a second
+signal exits at once.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+from molt.runtime.pool import RunStopped
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class RunControl:
+    def __init__(self, ckpt: Any, on_stop: Callable[[], None] = lambda: None):
+        self.ckpt, self.on_stop = ckpt, on_stop  # on_stop: wakes the loop's waits (molt train's pool)
+        self.stopping: BaseException | None = None
+        self.saved()
+
+    def stop(self, reason: BaseException) -> None:
+        """Stop after the step in progress with a checkpoint, then raise `reason` (the first reason wins)."""
+        if self.stopping is None:
+            self.stopping = getattr(reason, "cause", reason)  # a Ray actor's error carries the original
+            self.on_stop()
+
+    def skipped(self, in_a_row: float, limit: int) -> None:
+        """Stop once `limit` optimizer steps in a row were skipped for a non-finite loss or gradient norm."""
+        if in_a_row >= limit:
+            self.stop(RunStopped(f"{in_a_row:.0f} optimizer steps in a row were skipped for a non-finite loss or "
+                                 f"gradient norm (train.max_skipped_steps {limit}); the weights are those of the "
+                                 "last finite step"))
+
+    def _on_signal(self, signum: int, *_: Any) -> None:
+        if self.stopping is not None:
+            os._exit(128 + signum)
+        name = signal.Signals(signum).name
+        print(f"molt: {name}: stopping after the step in progress with a checkpoint (again: exit now)", file=sys.stderr)
+        self.stop(RunStopped(f"stopped by {name}", 128 + signum))
+
+    @contextmanager
+    def signals(self, loop: Any = None) -> Iterator[None]:
+        """SIGINT/SIGTERM stop the run while inside (the main thread only; `loop`: an asyncio loop's handlers)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {sig: signal.getsignal(sig) for sig in SIGNALS}
+        for sig in SIGNALS:
+            if loop is not None:
+                loop.add_signal_handler(sig, self._on_signal, sig)
+            else:
+                signal.signal(sig, self._on_signal)
+        try:
+            yield
+        finally:
+            for sig in SIGNALS:
+                if loop is not None:
+                    loop.remove_signal_handler(sig)
+                else:
+                    signal.signal(sig, old[sig])
+
+    def due(self, step: int, last: bool = False) -> bool:
+        """Whether a checkpoint is due after `step`."""
+        c = self.ckpt  # save_steps: the reference's -1 is never
+        return (last or self.stopping is not None or c.save_steps > 0 and step % c.save_steps == 0
+                or 0 < c.save_interval_s <= time.perf_counter() - self._saved)
+
+    def saved(self) -> None:
+        self._saved = time.perf_counter()
+
+    def finish(self, step: int) -> None:
+        """After the last checkpoint: raise the stop's reason, if the run was stopped."""
+        if self.stopping is not None:
+            raise RunStopped(f"{self.stopping}; step {step} is checkpointed: run the same command again to resume",
+                             getattr(self.stopping, "exit_code", 1))
 
 
 def complete(root: Path) -> list[Path]:

@@ -20,7 +20,7 @@ def outcome_from_trajectory(traj: Trajectory, *, offload: bool = True) -> Rollou
         experiences = [e.offload() for e in experiences]
     return RolloutOutcome(
         rollout_id=traj.rollout_id, group_id=traj.group_id, status=traj.status, reward=traj.reward,
-        score=traj.score, error=traj.error, info=dict(traj.info), truncated=traj.truncated,
+        score=traj.score, error=traj.error, traceback=traj.traceback, info=dict(traj.info), truncated=traj.truncated,
         experiences=experiences, break_reasons=[s.break_reason for s in traj.segments],
         response_tokens=response_tokens,
     )

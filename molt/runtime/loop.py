@@ -8,16 +8,15 @@ import asyncio
 import copy
 import json
 import os
-import signal
 import sys
-import threading
 import time
+from contextlib import closing
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from molt.config import MoltConfig, optimizer_windows, resolve, save_config, to_dict
-from molt.runtime.checkpoints import resume_point, rotate, truncate_after
+from molt.runtime.checkpoints import RunControl, resume_point, rotate, truncate_after
 from molt.runtime.data import load_prompts
 from molt.runtime.experience import assign_to_ranks
 from molt.runtime.metrics import MetricsLogger, rollout_metrics
@@ -67,24 +66,16 @@ class Run:
         self.version = 0
         self.step = 0
         self.generated_tokens = 0
-        self.ledger: list[tuple[int, int]] = []
+        self.stream: dict[str, Any] | None = None  # the prompt stream's checkpoint state (PromptStream.state)
         self.counters: dict[str, int] = {}  # the pool's, restored on resume
         self.evals: list[dict[str, float]] = []
-        self._created = self._saved = time.perf_counter()
-        self._stop, self._stopping = asyncio.Event(), None
+        self._created = time.perf_counter()
+        self._stop = asyncio.Event()
+        self.control = RunControl(cfg.ckpt, on_stop=self._stop.set)
 
     def stop(self, reason: RunStopped) -> None:
-        """Stop after the step in progress with a checkpoint, then raise `reason` (module docstring)."""
-        if self._stopping is None:
-            self._stopping = getattr(reason, "cause", reason)  # a worker's, through Ray
-            self._stop.set()
-
-    def _on_signal(self, signum: int) -> None:
-        if self._stopping is not None:
-            os._exit(128 + signum)
-        name = signal.Signals(signum).name
-        print(f"molt: {name}: stopping after the step in progress with a checkpoint (again: exit now)", file=sys.stderr)
-        self.stop(RunStopped(f"stopped by {name}", 128 + signum))
+        """Stop after the step in progress with a checkpoint, then raise `reason` (molt.runtime.checkpoints)."""
+        self.control.stop(reason)
 
     # ------------------------------------------------------------------------------------------ set-up
     async def setup(self) -> None:
@@ -165,7 +156,10 @@ class Run:
         state = json.loads((path / "state.json").read_text())
         await self.trainer.same("load", str(path / "trainer"))
         self.step = self.version = state["step"]
-        self.ledger = [tuple(k) for k in state["ledger"]]
+        self.stream = state.get("stream")
+        if self.stream is None:  # a checkpoint written before the stream kept a state of its own
+            old = PromptStream(self.rows, self.cfg.train.seed)
+            self.stream = {"next": 0, "done": [old.position(k) for k in state["ledger"]]}
         self.generated_tokens, self.counters = state["generated_tokens"], state.get("counters", {})
         if state.get("kl_coef") is not None and self.cfg.algo.kl.target is not None:
             self.kl_coef = state["kl_coef"]
@@ -174,16 +168,17 @@ class Run:
             truncate_after(self.dir / name, self.step)
         await self._refit()
 
-    async def _save_checkpoint(self, counters: dict[str, int], metrics: dict[str, float]) -> None:
+    async def _save_checkpoint(self, pool: RolloutPool, metrics: dict[str, float]) -> None:
         path = self.ckpt_dir / f"step_{self.step}"
         await self.trainer.same("save", str(path / "trainer"))
         if self.cfg.ckpt.save_hf:
             await self.trainer.same("export_hf", str(path / "hf"))
-        state = {"step": self.step, "ledger": self.ledger, "generated_tokens": self.generated_tokens,
-                 "counters": counters, "kl_coef": self.kl_coef, "metrics": metrics}
+        # its size does not grow with the run: the stream's state is bounded by the groups in flight
+        state = {"step": self.step, "stream": pool.prompts.state(), "generated_tokens": self.generated_tokens,
+                 "counters": dict(pool.counters), "kl_coef": self.kl_coef, "metrics": metrics}
         (path / "state.json").write_text(json.dumps(state))  # written last: marks the checkpoint complete
         rotate(self.ckpt_dir, self.cfg.ckpt.max_num, self.cfg.ckpt.best_metric_key)
-        self._saved = time.perf_counter()
+        self.control.saved()
 
     # ------------------------------------------------------------------------------------------ rollouts
     def _params(self, *, eval: bool = False) -> SamplingParams:
@@ -282,11 +277,7 @@ class Run:
             await self._load_checkpoint()
         logger = MetricsLogger(self.dir, cfg.train.max_steps, tensorboard_dir=cfg.logger.tensorboard_dir,
                                wandb=to_dict(cfg.logger.wandb), config=to_dict(cfg), start_step=self.step)
-        loop, signals = asyncio.get_running_loop(), (signal.SIGINT, signal.SIGTERM)
-        if threading.current_thread() is threading.main_thread():  # after ray.init, which sets its own
-            for sig in signals:
-                loop.add_signal_handler(sig, self._on_signal, sig)
-        try:
+        with self.control.signals(asyncio.get_running_loop()), closing(logger):  # after ray.init's handlers
             if self.eval_rows and (self.step == 0 or cfg.eval.only):
                 logger.log(self.step, await self.evaluate(), advance=False)
             if cfg.eval.only:
@@ -296,10 +287,6 @@ class Run:
                 logger.log(self.step, await self.evaluate(), advance=False)
             if cfg.ckpt.export_hf:
                 await self.trainer.same("export_hf", str(self.dir / "policy"))
-        finally:
-            logger.close()
-            for sig in signals:
-                loop.remove_signal_handler(sig)
         return self._summary(t_start)
 
     async def _loop(self, logger: MetricsLogger) -> None:
@@ -307,10 +294,11 @@ class Run:
         filt = None
         if cfg.algo.dynamic_filtering_enable:
             filt = _dynamic_filter(cfg.rollout.n_samples_per_prompt, tuple(cfg.algo.dynamic_filtering_range))
-        pool = RolloutPool(PromptStream(self.rows, cfg.train.seed, self.ledger), self._run_on_worker,
+        pool = RolloutPool(PromptStream(self.rows, cfg.train.seed, self.stream), self._run_on_worker,
                            n_samples=cfg.rollout.n_samples_per_prompt, groups_per_step=cfg.rollout.batch_size,
                            max_staleness=cfg.train.max_staleness, max_retries=cfg.rollout.max_failed_retries,
-                           group_filter=filt, seed=cfg.train.seed)
+                           group_filter=filt, seed=cfg.train.seed, stall_timeout_s=cfg.train.stall_timeout_s,
+                           failure_window=cfg.rollout.failure_window, max_failed_share=cfg.rollout.max_failed_share)
         pool.counters.update(self.counters)
         pool.set_version(self.version)
         pool.start()
@@ -318,16 +306,21 @@ class Run:
         try:
             while self.step < cfg.train.max_steps and not self._stop.is_set():
                 t0 = time.perf_counter()
-                groups = await pool.next_step_groups(self._stop)
-                if groups is None:  # stopped: the rollouts in flight are abandoned
+                try:
+                    groups = await pool.next_step_groups(self._stop)
+                except RunStopped as e:  # no step can form: failures or a stall
+                    self.stop(e)
+                    groups = None
+                if groups is None:  # stopped: the rollouts in flight are dropped
                     break
                 t_gen = time.perf_counter() - t0
                 metrics = await self._train_step(groups)
+                self.control.skipped(metrics["train/skipped_in_a_row"], cfg.train.max_skipped_steps)
                 t_train = time.perf_counter() - t0 - t_gen
                 trained_version = self.version
                 self.version += 1
                 self.step += 1
-                self._record(groups)  # before the refit: a crash loop found there still saves a whole step
+                self._record(groups, pool.prompts)  # before the refit: a crash loop there still saves the step
                 try:
                     t_refit = await self._refit()
                 except RunStopped as e:
@@ -350,22 +343,18 @@ class Run:
                     metrics.update(await self.evaluate())
                 # the step's line first: a checkpoint then implies its line (a resume drops later lines)
                 logger.log(self.step, metrics)
-                c = cfg.ckpt  # save_steps: the reference's -1 is never
-                if (c.save_steps > 0 and self.step % c.save_steps == 0 or
-                        0 < c.save_interval_s <= time.perf_counter() - self._saved):
-                    await self._save_checkpoint(dict(pool.counters), metrics)
+                if self.control.due(self.step, last=self.step == cfg.train.max_steps):
+                    await self._save_checkpoint(pool, metrics)
         finally:
             await pool.stop()
-        if not (self.ckpt_dir / f"step_{self.step}" / "state.json").is_file():  # the last step: final or stopped
-            await self._save_checkpoint(dict(pool.counters), metrics)
-        if self._stopping is not None:
-            raise RunStopped(f"{self._stopping}; step {self.step} is checkpointed: run the same command again to "
-                             "resume", getattr(self._stopping, "exit_code", 1))
+        if not (self.ckpt_dir / f"step_{self.step}" / "state.json").is_file():  # stopped while waiting for rollouts
+            await self._save_checkpoint(pool, metrics)
+        self.control.finish(self.step)
 
-    def _record(self, groups: list[Group]) -> None:
+    def _record(self, groups: list[Group], stream: PromptStream) -> None:
         with open(self.dir / "ledger.jsonl", "a") as f:
             for g in groups:
-                self.ledger.append(g.key)
+                stream.finish(g.key)
                 self.generated_tokens += sum(o.response_tokens for o in g.outcomes)
                 f.write(json.dumps({"step": self.step, "key": list(g.key), "group_id": g.group_id,
                                     "rollouts": [o.rollout_id for o in g.outcomes]}) + "\n")

@@ -5,7 +5,6 @@ Design notes and decisions: docs/internals.md, section `molt/runtime/metrics.py`
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 from collections import Counter
@@ -88,6 +87,11 @@ _CONSOLE = [
     ("rollout/segments_per_rollout", "segs"), ("is_filter_ratio", "gate"), ("rollout/staleness_mean", "stale"), ("timing/generation", "gen_s"),
     ("timing/policy_train", "train_s"), ("timing/broadcast", "refit_s"), ("timing/step_total", "step_s"),
 ]
+# (metric key, bound, warning): the step line ends with the warning when the metric reaches its bound
+_WARNINGS = [
+    ("train/skipped_steps", 1.0, "{:.0f} optimizer step(s) skipped for a non-finite loss or gradient norm"),
+    ("is/rejected_frac", 0.999, "the importance gate rejected {:.2%} of the action tokens (trainer and engine disagree)"),
+]
 
 
 class MetricsLogger:
@@ -124,7 +128,7 @@ class MetricsLogger:
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
-        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}  # NaN and inf kept
         self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
@@ -133,8 +137,12 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
-        line = " | ".join(f"{label} {_fmt(clean[key])}" for key, label in _CONSOLE if key in clean)
-        self._bar.write(f"step {step}: {line}")
+        parts = [f"{label} {_fmt(clean[key])}" for key, label in _CONSOLE if key in clean]
+        counts = " ".join(f"{k[8:]} {v:.0f}" for k, v in clean.items()  # failures and drops by reason, so far
+                          if k.startswith(("rollout/failed/", "rollout/dropped/")))
+        parts += [counts] if counts else []
+        parts += [f"WARNING: {text.format(clean[key])}" for key, bound, text in _WARNINGS if clean.get(key, 0.0) >= bound]
+        self._bar.write(f"step {step}: {' | '.join(parts)}")
         if advance:
             self._bar.update(1)
 

@@ -6,6 +6,8 @@ by the chat template; the loss (policy loss `sft`) is the cross entropy of the a
 over the step. A step takes `train.batch_size` chats of a seeded shuffle per epoch (`train.max_steps` 0:
 `train.num_episodes` epochs); `eval.dataset` gives the held-out loss at step 0, every `eval.steps` and at the
 end. Under torchrun each rank takes every world-th chat of a step; rank 0 writes.
+Checkpoints and stopping are `molt train`'s (`molt.runtime.checkpoints.RunControl`): by steps, by time, after the
+last step and on SIGINT/SIGTERM (the ranks agree on both with one all-reduce a step), and a rerun resumes.
 Decisions: an assistant turn spans from the end of the conversation before it, rendered with the generation
 prompt, to the end of the conversation up to it: its end-of-turn tokens are trained, its header is not. A
 template that rewrites earlier turns (dropping old reasoning) is refused. Chats are cut at `data.max_len`.
@@ -62,7 +64,7 @@ def run_sft(cfg: Any) -> dict[str, Any]:
 
     from molt.config import override, resolve, save_config, to_dict
     from molt.models import resolve_model
-    from molt.runtime.checkpoints import complete, rotate, truncate_after
+    from molt.runtime.checkpoints import RunControl, resume_point, rotate, truncate_after
     from molt.runtime.data import load_prompts
     from molt.runtime.metrics import MetricsLogger
     from molt.trainer import Actor
@@ -83,8 +85,8 @@ def run_sft(cfg: Any) -> dict[str, Any]:
     rng, order = random.Random(cfg.train.seed), []
     while len(order) < steps * size:  # one seeded shuffle per epoch: a resume finds the same order
         order += rng.sample(range(len(train)), len(train))
-    if (ckpts := complete(ckpt_dir)) and cfg.ckpt.resume:
-        actor.load(str(ckpts[-1] / "trainer"))
+    if (resume := resume_point(out, ckpt_dir, cfg.ckpt.resume)) is not None:
+        actor.load(str(resume / "trainer"))
     step = actor.step
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
@@ -103,26 +105,38 @@ def run_sft(cfg: Any) -> dict[str, Any]:
     evals = [eval_loss()] if held and step == 0 else []
     if evals and log:
         log.log(0, {"eval/loss": evals[0]}, advance=False)
-    while step < steps:
-        t = time.perf_counter()
-        m = actor.train_step(shard([train[i] for i in order[step * size:(step + 1) * size]]))
-        step += 1
-        metrics = {"train/loss": m["policy_loss"], "actor_grad_norm": m["actor_grad_norm"], "actor_lr": m["actor_lr"],
-                   "train/tokens": m["actor_window_tokens"], "timing/step_total": time.perf_counter() - t}
-        if held and (step == steps or cfg.eval.steps > 0 and step % cfg.eval.steps == 0):
-            evals.append(eval_loss())
-            metrics["eval/loss"] = evals[-1]
-        log and log.log(step, metrics)
-        if cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0:
-            actor.save(str(ckpt_dir / f"step_{step}" / "trainer"))
-            if rank0:
-                (ckpt_dir / f"step_{step}" / "state.json").write_text(json.dumps({"step": step, "metrics": metrics}))
-                rotate(ckpt_dir, cfg.ckpt.max_num, cfg.ckpt.best_metric_key)
+    control = RunControl(cfg.ckpt)
+    with control.signals():
+        while step < steps and control.stopping is None:
+            t = time.perf_counter()
+            m = actor.train_step(shard([train[i] for i in order[step * size:(step + 1) * size]]))
+            step += 1
+            metrics = {"train/loss": m["policy_loss"], "actor_grad_norm": m["actor_grad_norm"],
+                       "actor_lr": m["actor_lr"], "train/tokens": m["actor_window_tokens"],
+                       "train/skipped_steps": m["train/skipped_steps"], "timing/step_total": time.perf_counter() - t}
+            control.skipped(actor.skipped_in_a_row, cfg.train.max_skipped_steps)  # every rank skips alike
+            if held and (step == steps or cfg.eval.steps > 0 and step % cfg.eval.steps == 0):
+                evals.append(eval_loss())
+                metrics["eval/loss"] = evals[-1]
+            log and log.log(step, metrics)
+            # every rank decides alike: a signal may reach one rank only, clocks differ
+            agreed = actor.reduce_metrics({}, 0.0, {"due": float(control.due(step, last=step == steps)),
+                                                    "stop": float(control.stopping is not None)})
+            if agreed["stop"] and control.stopping is None:
+                control.stop(RuntimeError("another rank was stopped"))
+            if agreed["due"] or agreed["stop"]:
+                actor.save(str(ckpt_dir / f"step_{step}" / "trainer"))
+                if rank0:
+                    (ckpt_dir / f"step_{step}" / "state.json").write_text(json.dumps({"step": step, "metrics": metrics}))
+                    rotate(ckpt_dir, cfg.ckpt.max_num, cfg.ckpt.best_metric_key)
+                control.saved()
+    if log:
+        log.close()
+    control.finish(step)
     if cfg.ckpt.export_hf:
         actor.export_hf(str(out / "policy"))
     summary = {"base_eval_loss": evals[0] if evals else None, "final_eval_loss": evals[-1] if evals else None,
                "steps": step, "train_chats": len(train), "seconds": round(time.perf_counter() - t0, 1)}
     if rank0:
-        log.close()
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

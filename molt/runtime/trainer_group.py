@@ -98,9 +98,10 @@ class TrainerRank:
                 metrics = model.train_step(w, [old[id(e)] for e in w] if old else None)
             else:
                 metrics = model.train_step(w, [targets[id(e)][0] for e in w], [targets[id(e)][1] for e in w])
-            for key, value in metrics.items():  # means over the steps; times add up
-                sums[key] += value if key.startswith("timing/") else value / count[model]
-        return {**sums, **self.kl_metrics}
+            for key, value in metrics.items():  # means over the steps; times and skipped steps add up
+                sums[key] += value if key.startswith(("timing/", "train/skipped_steps")) else value / count[model]
+        streak = max(m.skipped_in_a_row for m in (self.actor, self.critic) if m is not None)
+        return {**sums, **self.kl_metrics, "train/skipped_in_a_row": float(streak)}
 
     def set_kl_coef(self, coef: float) -> None:
         """The adaptive KL controller's new coefficient (`molt.algo.adaptive_kl_coef`)."""

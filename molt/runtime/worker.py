@@ -229,18 +229,22 @@ class Workers:
         self._lock = asyncio.Lock()  # held by refits and replacements; a dispatch waits for them
 
     async def run(self, task: RolloutTask, params: SamplingParams, train: bool) -> RolloutOutcome:
+        import ray
         from ray.exceptions import RayActorError
 
         async with self._lock:
             i = min(range(len(self.actors)), key=self.inflight.__getitem__)
             actor = self.actors[i]
         self.inflight[i] += 1
+        stream = actor.run.options(num_returns="streaming").remote(task, params, train)
         try:
-            stream = actor.run.options(num_returns="streaming").remote(task, params, train)
             outcome = await (await stream.__anext__())
             for e in outcome.experiences:
                 e.payload_ref = await stream.__anext__()
             return outcome
+        except asyncio.CancelledError:  # a dropped rollout: end it on the worker too (its agent, its engine requests)
+            ray.cancel(stream)
+            raise
         except RayActorError as e:
             await self._replace(i, actor, e)
             return RolloutOutcome(task.rollout_id, task.group_id, RolloutStatus.WORKER_RESTART, error=repr(e)[:500])

@@ -5,6 +5,8 @@ Design notes and decisions: docs/internals.md, section `molt/trainer/actor.py`.
 """
 from __future__ import annotations
 
+import math
+import os
 import time
 from collections.abc import Iterator
 
@@ -48,6 +50,9 @@ class Actor(ShardedModelTrainer):
         self.loss_params = PolicyLossParams(
             eps_low=a.eps_clip_low_high[0], eps_high=a.eps_clip_low_high[1], dual_clip=a.dual_clip,
             entropy_coef=a.entropy_coef, kl_coef=kl.init_coef if kl.use_loss else 0.0).validate()
+        # test-only fault injection (tests/*/test_nonfinite.py): these optimizer windows of this process, counted
+        # from 1 with skipped ones, get a NaN added to their loss on this rank (the gradients stay finite)
+        self.nan_windows = {int(w) for w in os.environ.get("MOLT_FAULT_NAN_LOSS", "").split(",") if w}
         self.ref = None
         if kl.init_coef > 0:  # a reference model: the KL's, in the loss or (the runtime's) in the token rewards
             ref_lm = self.load_lm(cfg.ref.model_name_or_path or a.model_name_or_path)
@@ -64,6 +69,7 @@ class Actor(ShardedModelTrainer):
         sums: dict[str, torch.Tensor] = {}
         tokens, window_loss = 0, torch.zeros((), device=self.device)
         dp, adv, coef = parallel.dp_size(self.mesh), self.cfg.algo.advantage, self.cfg.actor.aux_loss_coef
+        fault = self.step + self.skipped + 1 in self.nan_windows
         for _, mb in self.micro_batches(experiences, plan, n_passes, extra={"old_logprobs": old_logprobs}):
             lp, ent = self.model(mb, True)
             if self.routing is not None:
@@ -89,6 +95,8 @@ class Actor(ShardedModelTrainer):
                 metrics["moe/aux_loss"] = aux
             if mb.ghost:
                 loss = loss * 0.0
+            if fault:
+                loss = loss + math.nan
             loss.backward()
             window_loss += loss.detach() / dp  # this rank's share of the window loss
             tokens += mb.num_actions
@@ -96,9 +104,9 @@ class Actor(ShardedModelTrainer):
         self.end_pass(self.model)
         if self.ref is not None:
             self.end_pass(self.ref)
-        step_metrics = self.optimizer_step()
         totals = self.routing.totals() if self.routing is not None else {}
         out = self.reduce_metrics(sums, tokens, {"policy_loss": window_loss, **totals})
+        step_metrics = self.optimizer_step(out["policy_loss"])
         if totals:
             self.routing.finish(out)
         out.update({dst: out[src] for src, dst in ALIASES.items() if src in out})
@@ -108,7 +116,8 @@ class Actor(ShardedModelTrainer):
         local_tokens = float(sum(len(e.token_ids) for e in experiences))
         out.update({"actor_grad_norm": step_metrics["grad_norm"], "actor_lr": step_metrics["lr"],
                     "actor_grad_clip_coef": step_metrics["clip_coef"], "actor_tokens_per_s": local_tokens / elapsed,
-                    "actor_window_tokens": self.window_tokens, "timing/policy_train": elapsed})
+                    "actor_window_tokens": self.window_tokens, "timing/policy_train": elapsed,
+                    "train/skipped_steps": step_metrics["train/skipped_steps"]})
         return out
 
     # ---- log-prob passes ---------------------------------------------------------------------------------

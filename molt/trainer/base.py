@@ -5,6 +5,7 @@ Design notes and decisions: docs/internals.md, section `molt/trainer/base.py`.
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -48,6 +49,7 @@ class ShardedModelTrainer:
         else:
             self.share_prefix = cfg.train.share_prefix and self.mesh is None and not cfg.actor.gradient_checkpoint
         self.step = 0  # optimizer steps taken
+        self.skipped = self.skipped_in_a_row = 0  # optimizer steps skipped (non-finite): in all, and the last run
         self.window_tokens = 0.0  # action tokens of the last scheduled window (all ranks), on the host
         self.pad_id = 0
         self.blank = None  # see `molt.trainer.batching.blank_image`
@@ -193,18 +195,26 @@ class ShardedModelTrainer:
         return {k: v / denom if k in sums else v for k, v in zip(keys, vec[:-1])}
 
     # ---- optimizer step ----------------------------------------------------------------------------------
-    def optimizer_step(self) -> dict[str, float]:
-        """Clip (DTensor-aware), step the optimizer and the schedule; returns grad norm and the lr used."""
+    def optimizer_step(self, loss: float) -> dict[str, float]:
+        """Clip (DTensor-aware), step the optimizer and the schedule; returns grad norm, the lr used and
+        "train/skipped_steps". `loss`: the window's loss as every rank read it after the all-reduce of the
+        metrics; with the gradient norm (a global reduction too) it makes every rank take the same decision: a
+        non-finite one skips the step, dropping the gradients and changing no state (docs/internals.md)."""
         lr = self.schedulers[0].get_last_lr()[0]  # AdamW's (Muon's is muon["lr"] times the same factor)
         params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
         max_norm = self.optim_cfg.max_norm
         norm = parallel.clip_grad_norm(params, max_norm)
+        skip = not (math.isfinite(loss) and math.isfinite(norm))
         for opt, schedule in zip(self.optimizers, self.schedulers):
-            opt.step()
+            if not skip:
+                opt.step()
+                schedule.step()
             opt.zero_grad(set_to_none=True)
-            schedule.step()
-        self.step += 1
-        return {"grad_norm": norm, "lr": lr, "clip_coef": min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0}
+        self.step += not skip
+        self.skipped += skip
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skip else 0
+        return {"grad_norm": norm, "lr": lr, "clip_coef": min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0,
+                "train/skipped_steps": float(skip)}
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     def save(self, path: str) -> None:

@@ -83,8 +83,8 @@ class Critic(ShardedModelTrainer):
             tokens += mb.num_actions
             self.accumulate(sums, metrics, mb.num_actions)
         self.end_pass(self.model)
-        step = self.optimizer_step()
         out = self.reduce_metrics(sums, tokens, {"critic_loss": window_loss})
+        step = self.optimizer_step(out["critic_loss"])
         out.update({"critic_grad_norm": step["grad_norm"], "critic_lr": step["lr"],
-                    "timing/critic_train": time.perf_counter() - t0})
+                    "train/skipped_steps": step["train/skipped_steps"], "timing/critic_train": time.perf_counter() - t0})
         return out

@@ -8,7 +8,7 @@ import pytest
 
 from molt.agents import ChatAgent, ChatAgentRunner, Env, Result, StepEnvRunner, load_agent
 from molt.testing.scripted import RecordingEngine, ScriptedEngine, live_capture_server
-from molt.types import RolloutStatus, SamplingParams
+from molt.types import RolloutStatus, SamplingParams, sub_seed
 
 EXAMPLES = Path(__file__).parent / "examples"
 ROW = {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "label": "7"}
@@ -67,6 +67,11 @@ class NoReward(ChatAgent):
         return Result(reward=None)
 
 
+class NaNReward(ChatAgent):  # a failed rollout, never a NaN in the loss (docs/reliability.md)
+    async def run(self, ctx):
+        return Result(reward=float("nan"))
+
+
 class WrongReturn(ChatAgent):
     async def run(self, ctx):
         return 1.0
@@ -84,6 +89,7 @@ class SlowRequest(ChatAgent):
     (Raising, RolloutStatus.AGENT_ERROR, "RuntimeError: tool crashed"),
     (Sleeping, RolloutStatus.TIMEOUT, "timeout of 0.3s"),
     (NoReward, RolloutStatus.INVALID_REWARD, "got None"),
+    (NaNReward, RolloutStatus.INVALID_REWARD, "must be finite, got nan"),
     (WrongReturn, RolloutStatus.INVALID_REWARD, "must return molt.agents.Result, got float"),
     (SlowRequest, RolloutStatus.TIMEOUT, "timeout"),
 ])
@@ -93,6 +99,7 @@ async def test_failures_become_statuses(tokenizer, agent, status, reason):
     start = loop.time()
     traj = await run(ChatAgentRunner(agent, timeout=0.3), engine, tokenizer)
     assert traj.status is status and reason in traj.error and not traj.ok
+    assert ("Traceback (most recent call last)" in traj.traceback) == (status is not RolloutStatus.TIMEOUT)
     assert loop.time() - start < 3  # a stuck agent or request does not hold the worker
 
 
@@ -153,3 +160,28 @@ async def test_turn_limit_and_token_budget(tokenizer):
         left -= min(reply, expected[-1])
     assert [c["params"].max_tokens for c in engine.calls] == expected
     assert traj.truncated and sum(s.num_actions for s in traj.segments) == 7
+
+
+class Reseeding(Env):
+    """Four turns; the second step asks for a seed of its own."""
+
+    def __init__(self):
+        self.turn = 0
+
+    async def step(self, state):
+        self.turn += 1
+        return Result(reward=0.0, terminated=self.turn == 4, observation="again",
+                      sampling_params={"seed": 123} if self.turn == 2 else None)
+
+
+async def test_env_turns_sample_with_their_own_seeds(tokenizer):
+    """Each turn of a seeded episode gets its own seed (turn 2 does not replay turn 1's draws), the same ones on a
+    rerun; a seed the Env sets is used as it is."""
+    seeds = []
+    for _ in range(2):
+        engine = ScriptedEngine(tokenizer, ["x"])
+        assert (await run(StepEnvRunner(Reseeding), engine, tokenizer, params=SamplingParams(max_tokens=8, seed=7))).ok
+        seeds.append([c["params"].seed for c in engine.calls])
+    first, rerun = seeds
+    assert first == rerun and first[2:] == [123, 123]
+    assert first[:2] == [sub_seed(7, 0), sub_seed(7, 1)] and first[0] != first[1]

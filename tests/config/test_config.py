@@ -40,6 +40,8 @@ def test_yaml_then_overrides(tmp_path):
     (["--train.batch_size", "3"], "train.batch_size"),
     (["--algo.kl.init_coef", "0.1", "--algo.kl.estimator", "k1"], "algo.kl.estimator k1"),
     (["--algo.kl.init_coef", "0.1", "--algo.kl.no-use-loss"], "algo.kl.use_loss false"),  # with grpo
+    (["--rollout.max_failed_share", "0"], "rollout.max_failed_share"),
+    (["--rollout.timeout_s", "7200"], r"train.stall_timeout_s \(3600.0\) must be 0 \(never\) or more than rollout"),
 ])
 def test_bad_values_name_the_field(tmp_path, args, field):
     with pytest.raises(ValueError, match=field):

@@ -139,6 +139,13 @@ def test_older_dumps_and_files_being_written(tmp_path):
         create_app(tmp_path / "missing")
 
 
+def test_non_finite_metrics_are_shown_as_text(tmp_path):
+    """A skipped step's NaN loss (metrics.jsonl keeps it, as Python's json writes it): JSON has no such number."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "policy_loss": NaN, "actor_grad_norm": Infinity}\n')
+    run = TestClient(create_app(tmp_path)).get("/api/run").json()
+    assert run["steps"] == [{"step": 1, "policy_loss": "nan", "actor_grad_norm": "inf"}]
+
+
 def test_pieces_join_and_carry_split_characters(tokenizer):
     from molt.runtime.dump import _pieces
 

@@ -2,11 +2,13 @@
 what was lost, the exit codes, and that a rerun of the same command resumes with an exactly-once ledger."""
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import threading
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -293,6 +295,62 @@ def test_workers_replace_a_dead_actor_with_the_last_weights_and_keep_its_payload
     asyncio.run(main())
 
 
+FOREVER = """
+from openai import AsyncOpenAI
+from molt.agents import ChatAgent, ChatAgentRunner
+
+
+class Forever(ChatAgent):
+    async def run(self, ctx):  # long model calls, one after another, until cancelled
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        while True:
+            await client.chat.completions.create(model=ctx.model_name, messages=list(ctx.messages))
+
+
+class AgentRunner(ChatAgentRunner):
+    def __init__(self):
+        super().__init__(Forever)
+"""
+
+
+def test_a_rollout_cancelled_on_the_controller_ends_on_its_worker(tiny_llama_dir, tmp_path, ray_local):
+    """A dropped rollout (a failed group's sibling, a stopped pool) frees its worker: the agent task, its HTTP
+    request into the capture server and its engine request end; `Workers.inflight` is right."""
+    from molt.runtime.worker import RolloutWorker, Workers
+
+    agent = tmp_path / "forever.py"
+    agent.write_text(FOREVER)
+
+    def probe(worker):  # runs inside the actor
+        return worker.engine.engine.num_requests, len(worker.server.sessions)
+
+    async def main():
+        spawn = partial(ray_local.remote(num_cpus=0, max_concurrency=100)(RolloutWorker).remote, str(tiny_llama_dir),
+                        str(agent), engine_options={"process": False})
+        workers = Workers(spawn, 1, max_restarts=0)
+        actor = workers.actors[0]
+        await actor.start.remote()
+        try:
+            running = asyncio.create_task(workers.run(RolloutTask(ROW, (0, 0), "g", "g-s0-a0", 0, 0),
+                                                      SamplingParams(max_tokens=400, min_tokens=400), True))
+            while await actor.__ray_call__.remote(probe) != (1, 1):  # mid-generation
+                assert not running.done(), running.result()
+                await asyncio.sleep(0.05)
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            assert workers.inflight == [0]
+            for _ in range(100):  # the worker learns of it through Ray: soon, not at once
+                if await actor.__ray_call__.remote(probe) == (0, 0):
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.0)  # and no new request follows: the agent itself ended
+            assert await actor.__ray_call__.remote(probe) == (0, 0)
+        finally:
+            await actor.stop.remote()
+            ray_local.kill(actor)
+    asyncio.run(main())
+
+
 def run_killing_a_worker(model_dir, tmp_path, steps, *extra):
     """A run whose step 3 hangs in its first env step (4 rollouts of 2 turns a step) until the test `ray.kill`s
     the worker actor it runs on, once the step's 3 other rollouts are done (their experiences were made by that
@@ -386,6 +444,39 @@ def test_a_dead_trainer_rank_stops_the_run_and_a_rerun_resumes_exactly_once(tiny
     check_exactly_once(out, 5)
 
 
+# ------------------------------------------------------------------------------------------- no progress
+RAISER = """
+from molt.agents import ChatAgent, ChatAgentRunner
+
+
+class Broken(ChatAgent):
+    async def run(self, ctx):
+        raise KeyError("the agent's own bug")
+
+
+class AgentRunner(ChatAgentRunner):
+    def __init__(self):
+        super().__init__(Broken)
+"""
+
+
+def test_an_agent_that_always_raises_stops_the_run_with_its_traceback(tiny_llama_dir, tmp_path):
+    """With the defaults (all of the last 64 rollouts failed) and a stall limit as a backstop."""
+    agent, out = tmp_path / "broken.py", tmp_path / "run"
+    agent.write_text(RAISER)
+    proc = subprocess.run([sys.executable, "-m", "molt.cli", "train", *args(tiny_llama_dir, out, 4, IN_WORKER,
+                           "--train.agent_path", str(agent), "--rollout.timeout_s", "60",
+                           "--train.stall_timeout_s", "120")],
+                          check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    # the first error, once, with the agent's traceback; the reason and the checkpoint in the last line
+    assert proc.stderr.count("molt: first agent_error failure") == 1, proc.stderr
+    assert 'broken.py", line 7, in run\n    raise KeyError' in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "64 of the last 64 rollouts failed" in last and "KeyError: \"the agent's own bug\"" in last, last
+    assert "step 0 is checkpointed" in last and (out / "checkpoints" / "step_0" / "state.json").is_file()
+
+
 # ------------------------------------------------------------------------------------------- signals, run directory
 def test_sigint_checkpoints_exits_130_and_the_same_command_resumes(tiny_llama_dir, tmp_path, ray_local):
     out = tmp_path / "run"
@@ -426,3 +517,44 @@ def test_a_run_directory_holds_one_run(tiny_llama_dir, tmp_path):
     (out / "checkpoints" / "step_1" / "state.json").write_text("{}")
     with pytest.raises(ValueError, match="ckpt.resume is off"):
         asyncio.run(Run(load_config(args(tiny_llama_dir, out, 6, "--ckpt.no-resume"))).setup())
+
+
+# ------------------------------------------------------------------------------------------- non-finite steps
+def _model(ckpt: Path) -> dict:
+    """The policy's parameters in a trainer checkpoint (DCP)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(ckpt / "trainer", ckpt / "flat.pt")
+    state = torch.load(ckpt / "flat.pt", weights_only=False)
+    return {"step": state["train"]["step"], **state["train"]["model"]}
+
+
+def _same(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a)
+
+
+def test_nan_losses_are_skipped_counted_and_three_in_a_row_stop_the_run(tiny_llama_dir, tmp_path):
+    """The trainer's test-only hook adds NaN to the loss of optimizer windows 2, 4, 5 and 6 (one a step): step 2
+    is skipped and the run goes on; steps 4-6 are train.max_skipped_steps (3, the default) in a row: the run stops
+    with a checkpoint of the last finite weights (step 3's) and exit 1. A process of its own: the hook's variable
+    reaches the trainer actors through a Ray instance started with it."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "molt.cli", "train", *args(tiny_llama_dir, out, 8, IN_WORKER, "--ckpt.save_steps",
+                                                            "1", "--ckpt.max_num", "0")]
+    proc = subprocess.run(cmd, check=False, env={**os.environ, "MOLT_FAULT_NAN_LOSS": "2,4,5,6"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert ("3 optimizer steps in a row were skipped for a non-finite loss or gradient norm (train.max_skipped_steps "
+            "3); the weights are those of the last finite step; step 6 is checkpointed") in proc.stderr
+    metrics = {m["step"]: m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    assert [metrics[s]["train/skipped_steps"] for s in range(1, 7)] == [0, 1, 0, 1, 1, 1] and max(metrics) == 6
+    assert math.isnan(metrics[2]["policy_loss"]) and math.isfinite(metrics[3]["policy_loss"])  # kept as values
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("step 2:"))
+    assert "loss nan" in line and "WARNING: 1 optimizer step(s) skipped for a non-finite loss" in line
+    check_exactly_once(out, 6)  # the skipped steps' groups are consumed, as any trained group
+    models = {s: _model(out / "checkpoints" / f"step_{s}") for s in (1, 2, 3, 6)}
+    assert _same(models[1], models[2]) and _same(models[3], models[6]) and models[6]["step"] == 2
+    assert not _same(models[2], models[3])  # step 3 trained

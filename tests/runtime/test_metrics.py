@@ -1,4 +1,6 @@
 """Per-step metrics reach every configured sink: JSONL, TensorBoard, and W&B offline (in the dev extra)."""
+import math
+
 from molt.runtime.metrics import MetricsLogger, read_metrics
 
 
@@ -6,15 +8,30 @@ def test_jsonl_and_tensorboard_hold_each_step(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logger = MetricsLogger(tmp_path, 2, tensorboard_dir=str(tmp_path / "tb"))
-    logger.log(1, {"rollout/reward_mean": 0.25, "timing/step_total": 3.0, "skipped": float("nan"), "text": "x"})
+    logger.log(1, {"rollout/reward_mean": 0.25, "timing/step_total": 3.0, "policy_loss": math.nan,
+                   "actor_grad_norm": math.inf, "text": "x"})
     logger.log(2, {"rollout/reward_mean": 0.5, "timing/step_total": 2.5})
     logger.close()
     rows = read_metrics(tmp_path)
-    assert rows == [{"step": 1, "rollout/reward_mean": 0.25, "timing/step_total": 3.0},
+    assert math.isnan(rows[0].pop("policy_loss"))  # a non-finite value is a value: kept, as everywhere below
+    assert rows == [{"step": 1, "rollout/reward_mean": 0.25, "timing/step_total": 3.0, "actor_grad_norm": math.inf},
                     {"step": 2, "rollout/reward_mean": 0.5, "timing/step_total": 2.5}]
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("rollout/reward_mean")] == [(1, 0.25), (2, 0.5)]
+    assert math.isnan(events.Scalars("policy_loss")[0].value) and events.Scalars("actor_grad_norm")[0].value == math.inf
+
+
+def test_the_step_line_warns_of_skipped_steps_and_a_closed_gate(tmp_path, capsys):
+    logger = MetricsLogger(tmp_path, 2)
+    logger.log(1, {"policy_loss": 0.5, "train/skipped_steps": 0.0, "is/rejected_frac": 0.998})
+    logger.log(2, {"policy_loss": math.nan, "actor_grad_norm": math.inf, "train/skipped_steps": 1.0,
+                   "is/rejected_frac": 0.9995})
+    logger.close()
+    first, second = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert first == "step 1: loss 0.5"
+    assert second.startswith("step 2: loss nan | gnorm inf | WARNING: 1 optimizer step(s) skipped for a non-finite")
+    assert second.count("WARNING") == 2 and "WARNING: the importance gate rejected 99.95% of the action tokens" in second
 
 
 def test_wandb_offline_run_gets_the_config_and_the_steps(tmp_path, monkeypatch):
@@ -92,3 +109,12 @@ def test_wandb_that_cannot_start_leaves_the_run_logging(tmp_path, monkeypatch, c
     logger.close()
     assert "W&B logging is off: No API key configured" in capsys.readouterr().err
     assert read_metrics(tmp_path) == [{"step": 1, "rollout/reward_mean": 0.5}]
+
+
+def test_the_step_line_counts_failures_and_drops_by_reason(tmp_path, capsys):
+    logger = MetricsLogger(tmp_path, 1)
+    logger.log(1, {"rollout/reward_mean": 0.5, "rollout/failed/agent_error": 3.0, "rollout/failed/timeout": 1.0,
+                   "rollout/dropped/group_failed": 1.0})
+    logger.close()
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("step 1:"))
+    assert line.endswith("reward 0.5 | failed/agent_error 3 failed/timeout 1 dropped/group_failed 1"), line

@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from molt.runtime.pool import PromptStream, RolloutOutcome, RolloutPool
+from molt.runtime.pool import PromptStream, RolloutOutcome, RolloutPool, RunStopped
 from molt.types import Experience, RolloutStatus
 
 ROWS = [{"prompt": f"q{i}", "label": i} for i in range(10)]
@@ -20,15 +20,42 @@ async def settle():
         await asyncio.sleep(0)
 
 
-def test_prompt_stream_is_seeded_and_skips_the_ledger():
+def test_prompt_stream_is_seeded_and_resumes_from_its_state():
     def keys(stream, n):
         return [key for (key, _row), _ in zip(stream, range(n))]
 
     first = keys(PromptStream(ROWS, seed=1), 25)
     assert first == keys(PromptStream(ROWS, seed=1), 25)
     assert sorted(i for e, i in first[:10]) == list(range(10)) and first[10][0] == 1  # epoch after epoch
-    resumed = keys(PromptStream(ROWS, seed=1, trained=first[:7]), 18)
-    assert resumed == first[7:25]  # nothing trained twice, nothing skipped
+    assert [PromptStream(ROWS, seed=1).position(k) for k in first] == list(range(25))  # old checkpoints' ledgers
+    stream = PromptStream(ROWS, seed=1)
+    yielded = keys(stream, 9)
+    for key in yielded[:3] + yielded[4:6] + yielded[7:8]:  # trained out of order; 3 and 6 still in flight
+        stream.finish(key)
+    stream.finish(yielded[8])  # given up (a dropped group): not run again
+    assert stream.state() == {"next": 3, "done": [4, 5, 7, 8]}
+    resumed = keys(PromptStream(ROWS, seed=1, state=stream.state()), 16)
+    assert resumed == [first[3], first[6], *first[9:23]]  # the groups in flight, then on: nothing twice
+
+
+async def test_the_checkpoint_state_does_not_grow_with_the_run():
+    """A long run's stream state is bounded by the groups in flight (issue 32, item 13: before, every trained key
+    went into each checkpoint and into the resumed stream's set)."""
+    async def run(task):
+        return ok(task) if task.row["label"] % 3 else RolloutOutcome(task.rollout_id, task.group_id,
+                                                                      RolloutStatus.TIMEOUT, error="slow")
+
+    stream = PromptStream(ROWS, 0)
+    pool = RolloutPool(stream, run, n_samples=2, groups_per_step=2, max_staleness=2, max_retries=0)
+    pool.start()
+    sizes = []
+    for version in range(1, 60):  # 6 epochs of 10 prompts, a third of them dropped
+        for g in await pool.next_step_groups():
+            stream.finish(g.key)
+        pool.set_version(version)
+        sizes.append(len(stream.state()["done"]) + len(stream._open))
+    await pool.stop()
+    assert stream.state()["next"] > 100 and max(sizes) <= 2 * (2 + 1) * 2  # a few steps' groups, any run length
 
 
 @pytest.mark.parametrize("staleness", [0, 2])
@@ -121,3 +148,74 @@ async def test_a_resumed_pool_budgets_from_its_start_version():
     await settle()
     assert len(set(started)) == 2  # one step's groups, not (7 + 1) * 2
     await pool.stop()
+
+
+async def test_rollouts_that_all_fail_stop_the_pool_with_the_first_traceback(capsys):
+    async def run(task):
+        if task.sample_index == 0:
+            raise ValueError(f"no tool named {task.row['label']}")  # raised here: a traceback to print
+        return RolloutOutcome(task.rollout_id, task.group_id, RolloutStatus.TIMEOUT, error="slow")
+
+    pool = RolloutPool(PromptStream(ROWS, 0), run, n_samples=2, groups_per_step=2, max_staleness=0,
+                       failure_window=8, max_failed_share=1.0)
+    pool.start()
+    with pytest.raises(RunStopped, match=r"8 of the last 8 rollouts failed \(rollout.max_failed_share 1.0 of "
+                                         r"rollout.failure_window 8\).*agent_error.*ValueError: no tool named"):
+        await asyncio.wait_for(pool.next_step_groups(), 10)
+    await pool.stop()
+    err = capsys.readouterr().err
+    # the first error of each reason, once, with its traceback when there is one
+    assert err.count("molt: first agent_error") == 1 and err.count("molt: first timeout") == 1
+    assert err.count("Traceback (most recent call last)") == 1 and 'in run\n    raise ValueError' in err
+    assert pool.counters["failed/agent_error"] >= 4 and pool.counters["failed/timeout"] >= 4
+
+
+async def test_a_healthy_share_of_failures_does_not_stop_the_pool():
+    async def run(task):  # every other rollout fails once, then succeeds on retry
+        if task.sample_index == 1 and task.rollout_id.endswith("a0"):
+            return RolloutOutcome(task.rollout_id, task.group_id, RolloutStatus.AGENT_ERROR, error="flaky")
+        return ok(task)
+
+    pool = RolloutPool(PromptStream(ROWS, 0), run, n_samples=2, groups_per_step=2, max_staleness=0,
+                       failure_window=4, max_failed_share=0.75)
+    pool.start()
+    for version in range(1, 4):
+        assert len(await asyncio.wait_for(pool.next_step_groups(), 10)) == 2
+        pool.set_version(version)
+    await pool.stop()
+
+
+async def test_a_pool_that_forms_no_step_stops_after_the_stall_timeout():
+    async def run(task):
+        return ok(task, reward=1.0)  # every group all-equal: the filter drops them all, forever
+
+    def only_mixed(groups):
+        kept = [g for g in groups if len({o.reward for o in g.outcomes}) > 1]
+        return kept, {"all_equal": len(groups) - len(kept)}
+
+    pool = RolloutPool(PromptStream(ROWS, 0), run, n_samples=2, groups_per_step=1, max_staleness=0,
+                       group_filter=only_mixed, stall_timeout_s=0.5)
+    pool.start()
+    with pytest.raises(RunStopped, match=r"no training step formed in 0.5 s \(train.stall_timeout_s\): "
+                                         r"0 of 1 groups ready; .*dropped/all_equal \d+"):
+        await asyncio.wait_for(pool.next_step_groups(), 10)
+    await pool.stop()
+
+
+async def test_stopping_the_pool_cancels_the_rollouts_in_flight():
+    running, cancelled = set(), set()
+
+    async def run(task):
+        running.add(task.rollout_id)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.add(task.rollout_id)
+            raise
+
+    pool = RolloutPool(PromptStream(ROWS, 0), run, n_samples=3, groups_per_step=2, max_staleness=0)
+    pool.start()
+    await settle()
+    assert len(running) == 6
+    await pool.stop()
+    assert cancelled == running  # none left running (in a real run: on its worker, see Workers.run)

@@ -138,3 +138,44 @@ def test_molt_train_starts_from_the_sft_export(tiny_llama_dir, tmp_path, ray_loc
                        "--rollout.n_samples_per_prompt", "4", "--rollout.max_new_tokens", "8",
                        "--ckpt.output_dir", str(tmp_path / "rl")])
     assert asyncio.run(run_training(cfg))["steps"] == 2
+
+
+def test_sft_checkpoints_at_the_end_and_on_sigterm_and_resumes(tiny_llama_dir, tmp_path):
+    """`molt sft` shares `molt train`'s loop skeleton (issue 32, item 12): a checkpoint after the last step without
+    ckpt.save_steps; SIGTERM stops it after the step in progress with a checkpoint and exit 143; the same command
+    resumes. Before, SIGTERM killed it with nothing saved since the last save_steps multiple, and a run without
+    save_steps left no checkpoint at all."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    train, _ = _make_data(tmp_path / "data", n=48)
+    out = tmp_path / "run"
+
+    def args(steps):
+        return [sys.executable, "-m", "molt.cli", "sft", "--actor.model_name_or_path", str(tiny_llama_dir),
+                "--data.prompt_dataset", str(train), "--data.input_key", "messages", "--train.batch_size", "4",
+                "--train.max_steps", str(steps), "--ckpt.output_dir", str(out), "--ckpt.no-export-hf"]
+
+    def steps():
+        path = out / "metrics.jsonl"
+        return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.is_file() else []
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    proc = subprocess.Popen(args(400), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 240
+    while len(steps()) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    stopped = steps()[-1]
+    assert "stopped by SIGTERM; step" in err and 2 <= stopped < 400
+    assert (out / "checkpoints" / f"step_{stopped}" / "state.json").is_file()
+    done = subprocess.run(args(stopped + 2), check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    assert steps()[-2:] == [stopped + 1, stopped + 2]  # resumed, not restarted
+    assert (out / "checkpoints" / f"step_{stopped + 2}" / "state.json").is_file()  # the final checkpoint

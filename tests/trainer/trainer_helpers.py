@@ -105,3 +105,63 @@ def dist_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) 
     if rank == 0:
         torch.save(results, out / "results.pt")
     torch.distributed.destroy_process_group()
+
+
+def trainer_state(trainer) -> dict[str, torch.Tensor]:
+    """This rank's parameters (local shards), optimizer state (step counts, moments, momentum), schedule position
+    and step count, cloned: what a skipped optimizer step must leave bit-identical."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        t = torch.as_tensor(t)
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+    out = {f"param/{n}": local(p) for n, p in trainer.model.named_parameters()}
+    for i, opt in enumerate(trainer.optimizers):
+        for j, p in enumerate(p for group in opt.param_groups for p in group["params"]):
+            out.update({f"optim{i}/{j}/{k}": local(v) for k, v in opt.state.get(p, {}).items()})
+    out["schedule"] = torch.tensor([s.last_epoch for s in trainer.schedulers])
+    out["step"] = torch.tensor(trainer.step)
+    return out
+
+
+def same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def inf_gradient(actor):
+    """A hook that makes the input embedding's gradient +inf everywhere (the loss stays finite)."""
+    import math
+
+    def hook(module, args, out):
+        out.register_hook(lambda g: g + math.inf)
+
+    return actor.lm.get_input_embeddings().register_forward_hook(hook)
+
+
+def nonfinite_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    """One rank of a 2-rank gloo job: a finite step, a NaN loss on rank 1 only (its gradients stay finite), an
+    inf gradient on rank 1 only, a finite step; each rank saves its metrics and whether its state was kept."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    if rank == 1:
+        os.environ["MOLT_FAULT_NAN_LOSS"] = "2"  # the second optimizer window
+    torch.set_num_threads(1)
+    from molt.trainer import Actor
+
+    actor = Actor.from_pretrained(model_dir, **BASE)
+    windows = [rank_share(make_window(model_dir, seed=s), rank) for s in (1, 2, 3, 4)]
+    out: dict = {"metrics": [actor.train_step(windows[0])]}
+    before = trainer_state(actor)
+    out["metrics"].append(actor.train_step(windows[1]))
+    out["nan_kept"] = same_state(trainer_state(actor), before)
+    hook = inf_gradient(actor) if rank == 1 else None
+    out["metrics"].append(actor.train_step(windows[2]))
+    out["inf_kept"] = same_state(trainer_state(actor), before)
+    if hook is not None:
+        hook.remove()
+    out["metrics"].append(actor.train_step(windows[3]))
+    out["moved"] = not same_state(trainer_state(actor), before)
+    out["step"] = actor.step
+    torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
