@@ -73,10 +73,10 @@ def sync(device):
 def molt_step(args, path, window, pack: bool, chunk: int):
     from molt.trainer import Actor
 
-    actor = Actor.from_pretrained(str(path), lr=1e-6, max_tokens_per_gpu=args.budget, packing_samples=pack,
-                                  logprob_chunk_size=chunk,
-                                  share_prefix=False, is_correction_level="token", is_correction_mode="trunc",
-                                  is_correction_threshold=(0.0, 2.0))
+    actor = Actor.from_pretrained(str(path), **{
+        "actor.adam.lr": 1e-6, "train.max_tokens_per_gpu": args.budget, "fsdp.packing_samples": pack,
+        "actor.logprob_chunk_size": chunk, "train.share_prefix": False, "algo.advantage.is_correction_level": "token",
+        "algo.advantage.is_correction_mode": "trunc", "algo.advantage.is_correction_threshold": (0.0, 2.0)})
     for e, lp in zip(window, actor.compute_logprobs(window)):  # behavior log-probs near the trainer's
         e.behavior_logprobs = lp
     return lambda: actor.train_step(window), actor.device

@@ -47,7 +47,8 @@ def worker(args, threads: int, share: bool, pack: bool) -> dict:
     from molt.trainer import Actor
 
     torch.set_num_threads(threads)
-    actor = Actor.from_pretrained(args.model, lr=1e-6, share_prefix=share, packing_samples=pack)
+    actor = Actor.from_pretrained(args.model, **{"actor.adam.lr": 1e-6, "train.share_prefix": share,
+                                                 "fsdp.packing_samples": pack})
     exps = window(args, actor.lm.config.vocab_size)
     actor.train_step(exps)  # warm-up
     times = []

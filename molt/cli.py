@@ -4,7 +4,9 @@ Each subcommand is one function registered with `@command(name, help, *arguments
 ("model fetch") nests under a command group. The top level is plain argparse because `molt --help` must
 answer in well under a second: this module imports only the standard library and `molt.models` (itself
 stdlib-only at import time); torch, transformers, rich and the engines are imported inside the subcommand
-functions. Subcommands with a large typed configuration (`train`, later) parse their own arguments with tyro.
+functions. Subcommands with a large typed configuration (`train`, `sft`, `demo`) parse their own arguments with
+`load_config`: a YAML recipe, then flags (the reference's rewritten by `molt.flags`), tyro over
+`molt.config.MoltConfig`, `algo.plugins` imported, then `molt.config.validate`.
 
 Errors: a user mistake (`ValueError`, which includes `molt.engine.base.EngineError`) prints one line and exits
 with status 2, like argparse's own usage errors; a failed download/conversion exits with status 1; a training run
@@ -18,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from molt.models import DEFAULT_MODEL, ModelFetchError, resolve_model
 from molt.runtime.pool import RunStopped  # standard library and molt.types only
@@ -156,6 +159,41 @@ def _generate_all(path, prompts: list[list[int]], params, timings: dict | None =
 # ---------------------------------------------------------------------------------------------- commands
 
 
+def load_config(argv: list[str] | None = None, *, check_files: bool = True, prog: str = "molt train",
+                sft: bool = False) -> Any:
+    """`[--config recipe.yaml] [--group.field value ...]` -> validated MoltConfig (the reference's flags rewritten
+    by molt.flags); algo.plugins are imported first, so that their names validate."""
+    import tyro
+    import yaml
+
+    from molt.algo import import_files
+    from molt.config import MoltConfig, from_dict, to_dict, validate
+    from molt.flags import after_parse, dotted, translate
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    default = MoltConfig()
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ValueError("--config needs a YAML file")
+        path = Path(argv[i + 1])
+        if not path.is_file():
+            raise ValueError(f"--config: no such file: {path}")
+        default = from_dict(MoltConfig(), yaml.safe_load(path.read_text()) or {})
+        del argv[i : i + 2]
+    argv, engine_args, given = translate(argv, dotted(to_dict(default)))
+    cfg = tyro.cli(MoltConfig, args=argv, default=default, use_underscores=True, prog=prog,
+                   description="Train a model on an agent's experience. Flags override the --config YAML recipe. "
+                               "Every flag of the reference's train_rl_ray is accepted too (molt.flags).")
+    cfg.vllm.engine_args = {**engine_args, **cfg.vllm.engine_args}
+    after_parse(cfg.rollout.engine, given)
+    import_files(cfg.algo.plugins, "algo.plugins")
+    return validate(cfg, check_files=check_files, sft=sft)
+
+
+
+
+
 @command("model fetch", "resolve a model reference (an alias is fetched and converted once), print its path",
          arg("name", help="alias (e.g. smollm2-135m-instruct), local directory or hub id"))
 def model_fetch(args: argparse.Namespace) -> None:
@@ -208,15 +246,12 @@ SMOKE_QUESTIONS = ["What is 3 + 4?", "What is 12 - 5?", "What is 6 * 7?", "What 
 @command("train", "train a model on an agent's experience: [--config RECIPE.yaml] [--group.field VALUE ...] "
                   "(`molt train --help` lists every field)", raw=True)
 def train(args: argparse.Namespace) -> None:
-    from molt.config import load_config
-
     _train_and_report(load_config(args.rest))
 
 
 @command("sft", "supervised fine-tuning on chats (assistant tokens only) with the RL trainer: [--config RECIPE.yaml] "
                 "[--group.field VALUE ...] (molt.runtime.sft)", raw=True)
 def sft(args: argparse.Namespace) -> None:
-    from molt.config import load_config
     from molt.runtime.plot import plot_run
     from molt.runtime.sft import run_sft
 
@@ -231,8 +266,6 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
                  "this machine (recipes/math; `--agent`: a multi-turn tool-using agent learns to call its calculator, "
                  "recipes/calculator; extra flags override the recipe, e.g. --train.seed 1)", raw=True)
 def demo(args: argparse.Namespace) -> None:
-    from molt.config import load_config
-
     agent = "--agent" in args.rest
     args.rest = [a for a in args.rest if a != "--agent"]
     recipe = RECIPES / ("calculator" if agent else "math") / "recipe.yaml"

@@ -1,9 +1,15 @@
-"""Typed configuration of a Molt run: a YAML recipe plus dotted command-line overrides.
+"""The configuration tree of a Molt run, the one set of defaults (a record module: nothing of molt is imported
+at module level), and the pure functions over it: `validate` (errors, nothing changed), `resolve` (a copy with
+every derived value, the one place they are computed), `override` (dotted fields: the Python API).
 
 Design notes and decisions: docs/internals.md, section `molt/config.py`.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -36,15 +42,31 @@ class MuonConfig:
 
 
 @dataclass
-class ActorConfig:
-    model_name_or_path: str = "smollm2-135m-instruct"
-    """Policy model: a local HF checkpoint directory, a built-in alias, or a hub id."""
+class OptimConfig:
+    """An optimizer and its learning-rate schedule: the actor's and the critic's."""
+
     adam: AdamConfig = field(default_factory=AdamConfig)
     optim: Literal["adam", "muon"] = "adam"
     """Optimizer: AdamW, or torch.optim.Muon for the decoder blocks' 2-D weights and AdamW for the rest."""
     muon: MuonConfig = field(default_factory=MuonConfig)
     max_norm: float = 1.0
     """Gradient clipping norm (0 disables)."""
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up steps."""
+    lr_warmup_ratio: float = 0.0
+    """Warm-up as a share of all optimizer steps (the larger of this and lr_warmup_steps applies)."""
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine schedule, as a share of the learning rate."""
+    total_steps: int = 0
+    """Optimizer steps of the run, the cosine schedule's length (0: derived from train.max_steps)."""
+
+
+@dataclass
+class ActorConfig(OptimConfig):
+    model_name_or_path: str = "smollm2-135m-instruct"
+    """Policy model: a local HF checkpoint directory, a built-in alias, or a hub id."""
     eps_clip_low_high: tuple[float, float] = (0.2, 0.28)
     """PPO clip range (low, high) of the ratio around 1."""
     dual_clip: float | None = None
@@ -57,22 +79,16 @@ class ActorConfig:
     """Activation checkpointing of decoder blocks."""
     freeze_visual_encoder: bool = False
     """Keep a vision-language model's vision tower fixed (its projector and decoder still learn)."""
-    lr_scheduler: Literal["constant", "cosine"] = "constant"
-    """Learning-rate schedule."""
-    lr_warmup_steps: int = 0
-    """Linear warm-up steps."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype of the trainer (bf16 mixed precision where supported)."""
-    lr_warmup_ratio: float = 0.0
-    """Warm-up as a share of all optimizer steps (the larger of this and lr_warmup_steps applies)."""
-    min_lr_ratio: float = 0.0
-    """Floor of the cosine schedule, as a share of the learning rate."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype of the trainer's parameters (fp32 master weights; auto: bfloat16 on a GPU, float32 on a CPU)."""
     freezing_steps: int = 0
     """Training steps at the start in which the actor does not learn (only the critic, for gae)."""
     freeze_moe_router: bool = False
     """MoE: the routers' weights do not train."""
     aux_loss_coef: float = 0.0
     """MoE: weight of the load-balancing (Switch) loss."""
+    logprob_chunk_size: int = 512
+    """Action rows per chunk of the trainer's vocabulary projection (bounds the logits' memory)."""
 
 
 @dataclass
@@ -82,21 +98,12 @@ class ModelRefConfig:
 
 
 @dataclass
-class CriticConfig(ModelRefConfig):
+class CriticConfig(OptimConfig):
     """The value model of `gae`, with an optimizer of its own (reference defaults)."""
 
+    model_name_or_path: str | None = None
+    """Critic model (None: the actor's model)."""
     adam: AdamConfig = field(default_factory=lambda: AdamConfig(lr=5e-6))
-    optim: Literal["adam", "muon"] = "adam"
-    """Optimizer (as actor.optim)."""
-    muon: MuonConfig = field(default_factory=MuonConfig)
-    max_norm: float = 1.0
-    """Gradient clipping norm (0 disables)."""
-    lr_scheduler: Literal["constant", "cosine"] = "constant"
-    """Learning-rate schedule."""
-    lr_warmup_ratio: float = 0.0
-    """Warm-up as a share of all critic optimizer steps."""
-    min_lr_ratio: float = 0.0
-    """Floor of the cosine schedule, as a share of the learning rate."""
     value_clip: float = 0.2
     """Clip range of the value loss around the old values (0 disables)."""
     max_epochs: int = 0
@@ -112,7 +119,7 @@ class TrainConfig:
     micro_batch_size: int = 0
     """Sequences per micro-batch (0: split by max_tokens_per_gpu)."""
     max_tokens_per_gpu: int = 4096
-    """Token budget of a micro-batch."""
+    """Token budget of a micro-batch (0: micro-batches of train.micro_batch_size, or the whole window)."""
     share_prefix: bool = True
     """Run context tokens that several rows of a micro-batch share (a prompt group) once (one trainer process)."""
     async_queue_size: int = 2
@@ -228,6 +235,9 @@ class AlgoConfig:
     """Drop degenerate groups (DAPO) and backfill."""
     dynamic_filtering_range: tuple[float, float] = (0.0, 1.0)
     """Keep groups whose mean score lies in this closed band (all-equal groups are always dropped)."""
+    plugins: list[str] = field(default_factory=list)
+    """Python files that register estimators, policy losses or KL estimators (docs/algo.md), imported by the
+    controller and every trainer rank."""
 
 
 @dataclass
@@ -256,6 +266,8 @@ class FSDPConfig:
     """Attention kernel of the trainer's model (transformers' attn_implementation: sdpa, flash_attention_2, eager)."""
     packing_samples: bool = False
     """Pack sequences into micro-batch rows up to the token budget, without padding (varlen attention)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Trainer device (auto: cuda when there is a GPU)."""
 
 
 @dataclass
@@ -378,26 +390,68 @@ class MoltConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
 
-def _positive(cfg: MoltConfig, *names: str) -> None:
-    for name in names:
-        if _get(cfg, name) < 1:
-            raise ValueError(f"{name} must be >= 1 (got {_get(cfg, name)})")
-
-
 def _get(cfg: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         cfg = getattr(cfg, part)
     return cfg
 
 
+def _choices(cfg: Any, prefix: str = "") -> None:
+    """Every Literal field holds one of its values (the Python API bypasses tyro's check)."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, allowed = getattr(cfg, f.name), typing.get_args(hints[f.name])
+        if dataclasses.is_dataclass(value):
+            _choices(value, f"{prefix}{f.name}.")
+        elif typing.get_origin(hints[f.name]) is Literal and value not in allowed:
+            raise ValueError(f"{prefix}{f.name} must be one of {', '.join(allowed)} (got {value!r})")
+
+
+def optimizer_windows(cfg: MoltConfig) -> int:
+    """Optimizer steps per pass over a training step's rollouts (`train.batch_size` rollouts each)."""
+    total = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    return total // cfg.train.batch_size if cfg.train.batch_size else 1
+
+
+def resolve(cfg: MoltConfig, num_prompts: int | None = None, *, sft: bool = False) -> MoltConfig:
+    """A copy of `cfg` with the values derived from others filled in: the one place they are computed.
+    `num_prompts`: the size of the prompt (`sft`: chat) dataset, over which train.max_steps 0 counts passes."""
+    cfg = copy.deepcopy(cfg)
+    t, adv, kl = cfg.train, cfg.algo.advantage, cfg.algo.kl
+    if not t.max_steps and num_prompts is not None:  # num_episodes passes over the prompts, as the reference counts
+        t.max_steps = max(1, t.num_episodes * num_prompts // (t.batch_size if sft else cfg.rollout.batch_size))
+    if sft:  # the cross entropy of the assistant's tokens: no importance correction, no reference
+        cfg.actor.policy_loss, adv.is_correction_level, kl.init_coef = "sft", "off", 0.0
+    if adv.estimator == "on_policy_distill":  # the teacher's KL as a token reward, taken as it is
+        kl.use_loss, kl.estimator, adv.no_whiten, kl.init_coef = False, "k1", True, kl.init_coef or 1.0
+    cfg.critic.model_name_or_path = cfg.critic.model_name_or_path or cfg.actor.model_name_or_path
+    windows = 1 if sft else optimizer_windows(cfg)  # sft: one optimizer step a training step
+    for o, epochs in ((cfg.actor, t.max_epochs), (cfg.critic, cfg.critic.max_epochs or t.max_epochs)):
+        o.total_steps = o.total_steps or t.max_steps * windows * (1 if sft else epochs)
+        o.lr_warmup_steps = max(o.lr_warmup_steps, math.ceil(o.lr_warmup_ratio * o.total_steps))
+    return cfg
+
+
 def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) -> MoltConfig:
-    """Raise ValueError naming the field for anything that cannot run (`molt sft`'s run with `sft`); return cfg."""
-    _positive(cfg, "rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
-              "train.num_episodes", "train.max_epochs", "train.num_ranks", "rollout.num_workers", "rollout.max_turns")
-    _positive(cfg, "train.max_skipped_steps")
-    for name in ("train.max_staleness", "train.max_steps", "rollout.temperature"):
+    """Raise ValueError naming the field for anything that cannot run (`molt sft`'s run with `sft`); return cfg,
+    unchanged. Registered names are looked up in molt.algo's registries (load_config imports algo.plugins first)."""
+    from molt.algo import POLICY_LOSSES, estimator_spec
+
+    _choices(cfg)
+    for name in ("rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens", "train.num_episodes",
+                 "train.max_epochs", "train.num_ranks", "rollout.num_workers", "rollout.max_turns",
+                 "actor.logprob_chunk_size", "fsdp.tp_size", "train.max_skipped_steps"):
+        if _get(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1 (got {_get(cfg, name)})")
+    for name in ("train.max_staleness", "train.max_steps", "rollout.temperature", "train.micro_batch_size",
+                 "train.max_tokens_per_gpu", "actor.lr_warmup_steps", "critic.lr_warmup_steps", "algo.kl.init_coef"):
         if _get(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0 (got {_get(cfg, name)})")
+    for name, lookup in (("algo.advantage.estimator", estimator_spec), ("actor.policy_loss", POLICY_LOSSES.get_fn)):
+        try:
+            lookup(_get(cfg, name))
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
     if not 0 < cfg.rollout.top_p <= 1:
         raise ValueError(f"rollout.top_p must be in (0, 1] (got {cfg.rollout.top_p})")
     if not 0 < cfg.rollout.max_failed_share <= 1 or cfg.rollout.failure_window < 0:
@@ -408,46 +462,51 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
                          f"rollout.timeout_s ({cfg.rollout.timeout_s}), the time one rollout may take")
     if cfg.actor.adam.lr <= 0:
         raise ValueError(f"actor.adam.lr must be > 0 (got {cfg.actor.adam.lr})")
+    for name in ("actor.min_lr_ratio", "critic.min_lr_ratio"):
+        if not 0 <= _get(cfg, name) <= 1:
+            raise ValueError(f"{name} must be in [0, 1] (got {_get(cfg, name)})")
+    if min(cfg.actor.eps_clip_low_high) < 0:
+        raise ValueError(f"actor.eps_clip_low_high must be two numbers >= 0 (got {cfg.actor.eps_clip_low_high})")
     low, high = cfg.algo.advantage.is_correction_threshold
     if not 0 <= low < high:
         raise ValueError(f"algo.advantage.is_correction_threshold must satisfy 0 <= LOW < HIGH (got {low} {high})")
     if cfg.train.partial_rollout_enable and cfg.algo.advantage.is_correction_level == "off":
         raise ValueError("train.partial_rollout_enable needs importance correction: set "
                          "algo.advantage.is_correction_level to token, seq or geo")
-    kl = cfg.algo.kl
-    distill = cfg.algo.advantage.estimator == "on_policy_distill"
-    if distill:
-        if not cfg.ref.model_name_or_path:
-            raise ValueError("ref.model_name_or_path: on_policy_distill needs the teacher model")
-        kl.use_loss, kl.estimator, cfg.algo.advantage.no_whiten, kl.init_coef = False, "k1", True, kl.init_coef or 1.0
-    if kl.init_coef and kl.use_loss and kl.estimator == "k1":  # fail now, not at the first optimizer step
+    kl, estimator = cfg.algo.kl, cfg.algo.advantage.estimator
+    distill = estimator == "on_policy_distill"  # its KL settings are implied (resolve)
+    if distill and not cfg.ref.model_name_or_path:
+        raise ValueError("ref.model_name_or_path: on_policy_distill needs the teacher model")
+    if kl.init_coef and kl.use_loss and kl.estimator == "k1" and not distill:  # fail now, not at the first step
         raise ValueError("algo.kl.estimator k1 has zero expected gradient as a loss: use k2 or k3 with "
                          "algo.kl.use_loss")
-    from molt.runtime.trainer_group import RANK_ESTIMATORS
-
-    if kl.init_coef and not kl.use_loss and cfg.algo.advantage.estimator not in RANK_ESTIMATORS:
+    if kl.init_coef and not kl.use_loss and estimator_spec(estimator).kind == "group":
         raise ValueError(f"algo.kl.use_loss false puts the KL into token rewards, which the group estimator "
-                         f"{cfg.algo.advantage.estimator} does not take: keep algo.kl.use_loss, or use reinforce, "
-                         "reinforce_baseline or gae")
-    if cfg.algo.advantage.estimator == "gae" and not cfg.critic.model_name_or_path:
-        cfg.critic.model_name_or_path = cfg.actor.model_name_or_path
+                         f"{estimator} does not take: keep algo.kl.use_loss, or use a token estimator (reinforce, "
+                         "reinforce_baseline, gae)")
     total = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
     if cfg.train.num_ranks > total:
         raise ValueError(f"train.num_ranks ({cfg.train.num_ranks}) exceeds the rollouts of a step "
                          f"(rollout.batch_size x n_samples_per_prompt = {total}): every rank needs a rollout")
     if sft and cfg.train.batch_size < 1:
         raise ValueError("train.batch_size: chats per optimizer step, must be >= 1 for molt sft")
-    if not sft and cfg.train.batch_size and (total % cfg.train.batch_size or cfg.train.batch_size % cfg.rollout.n_samples_per_prompt):
-        raise ValueError(f"train.batch_size ({cfg.train.batch_size}) must divide rollout.batch_size * "
-                         f"rollout.n_samples_per_prompt ({total}) in whole groups of {cfg.rollout.n_samples_per_prompt}")
+    size, group = cfg.train.batch_size, cfg.rollout.n_samples_per_prompt
+    if not sft and size and (total % size or size % group):
+        raise ValueError(f"train.batch_size ({size}) must divide rollout.batch_size * "
+                         f"rollout.n_samples_per_prompt ({total}) in whole groups of {group}")
+    if not sft and cfg.train.num_ranks > (size or total):  # checked here, not at the first optimizer step
+        raise ValueError(f"train.num_ranks ({cfg.train.num_ranks}) exceeds train.batch_size ({size}), the rollouts "
+                         "of an optimizer step: every rank needs one of each")
     if check_files:
         from molt.runtime.data import BUILDERS
 
         for name in ("train.agent_path", "data.prompt_dataset")[distill or sft:]:  # distillation: a built-in agent
             if not _get(cfg, name):
                 raise ValueError(f"{name} is required")
-        if cfg.train.agent_path and not Path(cfg.train.agent_path).is_file():
-            raise ValueError(f"train.agent_path: no such file: {cfg.train.agent_path}")
+        files = (("train.agent_path", cfg.train.agent_path), *(("algo.plugins", p) for p in cfg.algo.plugins))
+        for name, path in files:
+            if path and not Path(path).is_file():
+                raise ValueError(f"{name}: no such file: {path}")
         for name in ("data.prompt_dataset", "eval.dataset"):  # a directory or a hub name is checked at load
             for entry in _get(cfg, name).split(","):
                 if Path(entry.strip()).suffix in (".jsonl", *BUILDERS) and not Path(entry.strip()).is_file():
@@ -455,5 +514,53 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
     return cfg
 
 
-# the command line and YAML (molt.flags), importable from here as before
-from molt.flags import load_config, save_config, to_dict  # noqa: F401
+def override(cfg: MoltConfig, values: dict[str, Any]) -> MoltConfig:
+    """A copy of `cfg` with dotted fields set, as the command line names them: `{"actor.adam.lr": 1e-5}` (the Python
+    API's overrides); an unknown name is an error naming it."""
+    nested: dict[str, Any] = {}
+    for dotted, value in values.items():
+        *groups, name = dotted.split(".")
+        node = nested
+        for group in groups:
+            node = node.setdefault(group, {})
+        node[name] = value
+    return from_dict(cfg, nested)
+
+
+def from_dict(base: Any, data: dict[str, Any], prefix: str = "") -> Any:
+    """`base` (a config dataclass) with the values of a YAML mapping; unknown keys are errors naming the field."""
+    kwargs: dict[str, Any] = {}
+    by_name = {f.name: f for f in dataclasses.fields(base)}
+    for key, value in (data or {}).items():
+        if key not in by_name:
+            raise ValueError(f"unknown config field {prefix}{key} (known: {', '.join(sorted(by_name))})")
+        default = getattr(base, key)
+        if dataclasses.is_dataclass(default):
+            if not isinstance(value, dict):
+                raise ValueError(f"config field {prefix}{key} must be a mapping")
+            value = from_dict(default, value, f"{prefix}{key}.")
+        elif isinstance(default, tuple):
+            value = tuple(value)
+        kwargs[key] = value
+    return dataclasses.replace(base, **kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    def plain(v: Any) -> Any:
+        return list(v) if isinstance(v, tuple) else {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v
+    return plain(dataclasses.asdict(cfg))
+
+
+def save_config(cfg: MoltConfig, path: str | Path) -> None:
+    import yaml
+
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def __getattr__(name: str) -> Any:
+    """`load_config` lives with the command line (molt.cli); importable from here, lazily, as before."""
+    if name == "load_config":
+        from molt.cli import load_config
+
+        return load_config
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

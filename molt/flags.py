@@ -1,15 +1,12 @@
-"""The command line of `molt train`: a YAML recipe (`--config`), then flags, the reference's names included.
+"""The reference's flags of `molt train` rewritten into Molt's (argv in, argv out; `molt.cli.load_config` parses).
 
 Design notes and decisions: docs/internals.md, section `molt/flags.py`.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import sys
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 Rule = Callable[[list[str], dict[str, list[str]]], list[str]]
 OFF = ("none", "false", "off", "0", "no")
@@ -113,8 +110,8 @@ HF_ENGINE = "no effect with the embedded engine (rollout.engine=hf); passed to v
 # Molt fields that parse but do nothing in this version, and why
 INERT = {
     "train.async_queue_size": "asynchrony is bounded by train.max_staleness (policy versions), not by a queue",
-    "train.micro_batch_size": "micro-batches are cut by train.max_tokens_per_gpu, which wins (the loss does not "
-                              "depend on the split)",
+    "train.micro_batch_size": "micro-batches are cut by train.max_tokens_per_gpu, which wins unless it is 0 (the "
+                              "loss does not depend on the split)",
     "fsdp.ep_size": "expert parallelism is a later GPU-path option (molt/trainer/parallel.py); 1 is what runs",
     "fsdp.cp_size": "context parallelism is a later GPU-path option (molt/trainer/parallel.py); 1 is what runs",
 }
@@ -173,61 +170,3 @@ def dotted(tree: dict, prefix: str = "") -> set[str]:
     for key, value in tree.items():
         names |= dotted(value, f"{prefix}{key}.") if isinstance(value, dict) and value else {prefix + key}
     return names
-
-
-def _from_dict(base: Any, data: dict[str, Any], prefix: str = "") -> Any:
-    """`base` (a config dataclass) with the values of a YAML mapping; unknown keys are errors naming the field."""
-    kwargs: dict[str, Any] = {}
-    by_name = {f.name: f for f in dataclasses.fields(base)}
-    for key, value in (data or {}).items():
-        if key not in by_name:
-            raise ValueError(f"unknown config field {prefix}{key} (known: {', '.join(sorted(by_name))})")
-        default = getattr(base, key)
-        if dataclasses.is_dataclass(default):
-            if not isinstance(value, dict):
-                raise ValueError(f"config field {prefix}{key} must be a mapping")
-            value = _from_dict(default, value, f"{prefix}{key}.")
-        elif isinstance(default, tuple):
-            value = tuple(value)
-        kwargs[key] = value
-    return dataclasses.replace(base, **kwargs)
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    def plain(v: Any) -> Any:
-        return list(v) if isinstance(v, tuple) else {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v
-    return plain(dataclasses.asdict(cfg))
-
-
-def load_config(argv: list[str] | None = None, *, check_files: bool = True, prog: str = "molt train",
-                sft: bool = False) -> Any:
-    """`[--config recipe.yaml] [--group.field value ...]` -> validated MoltConfig."""
-    import tyro
-    import yaml
-
-    from molt.config import MoltConfig, validate
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    default = MoltConfig()
-    if "--config" in argv:
-        i = argv.index("--config")
-        if i + 1 >= len(argv):
-            raise ValueError("--config needs a YAML file")
-        path = Path(argv[i + 1])
-        if not path.is_file():
-            raise ValueError(f"--config: no such file: {path}")
-        default = _from_dict(MoltConfig(), yaml.safe_load(path.read_text()) or {})
-        del argv[i : i + 2]
-    argv, engine_args, given = translate(argv, dotted(to_dict(default)))
-    cfg = tyro.cli(MoltConfig, args=argv, default=default, use_underscores=True, prog=prog,
-                   description="Train a model on an agent's experience. Flags override the --config YAML recipe. "
-                               "Every flag of the reference's train_rl_ray is accepted too (molt.flags).")
-    cfg.vllm.engine_args = {**engine_args, **cfg.vllm.engine_args}
-    after_parse(cfg.rollout.engine, given)
-    return validate(cfg, check_files=check_files, sft=sft)
-
-
-def save_config(cfg: Any, path: str | Path) -> None:
-    import yaml
-
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -21,6 +21,7 @@ from molt.algo.advantages import (
     AdvantageResult,
     RolloutStats,
     compute_advantages,
+    estimator_spec,
     register_estimator,
     rollout_stats,
     to_tokens,
@@ -30,7 +31,7 @@ from molt.algo.importance import importance_weights
 from molt.algo.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_divergence, register_kl
 from molt.algo.losses import POLICY_LOSSES, PolicyLossParams, policy_loss, register_policy_loss, value_loss
 from molt.algo.normalize import count_action_tokens, window_normalize
-from molt.algo.ops import masked_mean, masked_whiten
+from molt.algo.ops import import_files, masked_mean, masked_whiten
 
 __all__ = [
     "ESTIMATORS",
@@ -46,7 +47,9 @@ __all__ = [
     "adaptive_kl_coef",
     "compute_advantages",
     "count_action_tokens",
+    "estimator_spec",
     "filter_groups",
+    "import_files",
     "importance_weights",
     "kl_divergence",
     "masked_mean",

@@ -23,12 +23,42 @@ from molt.algo.ops import (
 from molt.types import Experience
 
 ESTIMATORS = Registry("advantage estimator")
+KINDS = ("group", "token")
 
 
-def register_estimator(name: str) -> Callable:
-    """Decorator: `@register_estimator("name")` on `fn(batch: AdvantageBatch, params: AdvantageParams) ->
-    AdvantageResult` makes it selectable as `--algo.advantage.estimator name`."""
-    return ESTIMATORS.register(name)
+@dataclass(frozen=True, slots=True)
+class EstimatorSpec:
+    """How a run computes an estimator (`molt.runtime.trainer_group`), as its registration declares it."""
+
+    kind: str  # group: one advantage per rollout from its group's rewards, by the controller; token: per token on
+    # the trainer ranks, each over its own rollouts (KL rewards, critic values)
+    centred: bool = False  # token: the controller subtracts each rollout's group mean from its reward (a group
+    # may span ranks) and the ranks run the estimator with `AdvantageParams.centred`
+    critic: bool = False  # token: needs critic values (a run builds a critic)
+
+
+SPECS: dict[str, EstimatorSpec] = {}
+
+
+def register_estimator(name: str, kind: str, *, centred: bool = False, critic: bool = False) -> Callable:
+    """Decorator: `@register_estimator("name", "group")` on `fn(batch: AdvantageBatch, params: AdvantageParams) ->
+    AdvantageResult` makes it selectable as `--algo.advantage.estimator name`; `kind` and the flags: EstimatorSpec."""
+    if kind not in KINDS or (kind == "group" and (centred or critic)):
+        raise ValueError(f"kind must be one of {KINDS} (centred and critic: token only), got {kind!r}")
+    register = ESTIMATORS.register(name)
+
+    def deco(fn: Callable) -> Callable:
+        register(fn)  # refuses a name already taken
+        SPECS[name] = EstimatorSpec(kind, centred, critic)
+        return fn
+
+    return deco
+
+
+def estimator_spec(name: str) -> EstimatorSpec:
+    """The registered estimator's spec; an unknown name raises ValueError listing the known ones."""
+    ESTIMATORS.get_fn(name)
+    return SPECS[name]
 
 
 @dataclass(slots=True)
@@ -39,6 +69,7 @@ class AdvantageParams:
     whiten: bool = True  # global whitening over action tokens (reinforce, reinforce_baseline, gae)
     std_eps: float = 1e-6  # grpo: (r - mean) / (std + std_eps)
     reward_coef: float = 0.0  # on_policy_distill: weight of the reward next to the teacher's KL
+    centred: bool = False  # rewards are already minus their group's mean (reinforce_baseline skips its own)
 
     def validate(self) -> AdvantageParams:
         for name in ("gamma", "lam"):
@@ -221,7 +252,7 @@ def _float_like(batch: AdvantageBatch) -> Tensor:
 def _reinforce(batch: AdvantageBatch, params: AdvantageParams, baseline: bool) -> AdvantageResult:
     stats = rollout_stats(batch)
     seqs = ActionSequences.build(batch, stats)
-    terminal = stats.reward - stats.group_mean if baseline else stats.reward
+    terminal = stats.reward - stats.group_mean if baseline and not params.centred else stats.reward
     returns = seqs.scatter(
         discounted_reverse_cumsum(seqs.token_rewards(terminal, batch, params), params.gamma),
         _float_like(batch),
@@ -230,19 +261,19 @@ def _reinforce(batch: AdvantageBatch, params: AdvantageParams, baseline: bool) -
     return AdvantageResult(adv, returns)
 
 
-@register_estimator("reinforce")
+@register_estimator("reinforce", "token")
 def reinforce(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     """REINFORCE++: discounted token returns (KL penalty as token reward), globally whitened."""
     return _reinforce(batch, params, baseline=False)
 
 
-@register_estimator("reinforce_baseline")
+@register_estimator("reinforce_baseline", "token", centred=True)
 def reinforce_baseline(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     """REINFORCE++-baseline: as reinforce, with the group mean subtracted from each rollout's reward."""
     return _reinforce(batch, params, baseline=True)
 
 
-@register_estimator("gae")
+@register_estimator("gae", "token", critic=True)
 def gae(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     """GAE over each rollout's action sequence: delta_k = r_k + gamma V_{k+1} - V_k (V = 0 past the end),
     A_k = sum_j (gamma lam)^j delta_{k+j}; returns = A + V (unwhitened); advantages whitened."""
@@ -260,7 +291,7 @@ def gae(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     return AdvantageResult(masked_whiten(adv, batch.action_mask) if params.whiten else adv, returns)
 
 
-@register_estimator("on_policy_distill")
+@register_estimator("on_policy_distill", "token", centred=True)
 def on_policy_distill(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     """Per-token reverse KL to the teacher as the advantage (see the module docstring)."""
     if batch.kl is None and params.kl_coef > 0:
@@ -276,7 +307,7 @@ def _group_result(per_rollout: Tensor, stats: RolloutStats, batch: AdvantageBatc
     return AdvantageResult(to_tokens(adv, stats, batch))
 
 
-@register_estimator("grpo")
+@register_estimator("grpo", "group")
 def grpo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     """(r - group mean) / (group std + std_eps), one value per rollout."""
     _no_kl_reward(params, "grpo")
@@ -284,7 +315,7 @@ def grpo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     return _group_result((s.reward - s.group_mean) / (s.group_std + params.std_eps), s, batch)
 
 
-@register_estimator("dr_grpo")
+@register_estimator("dr_grpo", "group")
 def dr_grpo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     """Dr. GRPO: r - group mean, no std normalization."""
     _no_kl_reward(params, "dr_grpo")
@@ -292,7 +323,7 @@ def dr_grpo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     return _group_result(s.reward - s.group_mean, s, batch)
 
 
-@register_estimator("rloo")
+@register_estimator("rloo", "group")
 def rloo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     """RLOO: r - mean of the other rollouts of the group = n / (n - 1) * (r - group mean)."""
     _no_kl_reward(params, "rloo")

@@ -6,7 +6,10 @@ Design notes and decisions: docs/internals.md, section `molt/algo/ops.py`.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -41,6 +44,21 @@ class Registry(dict):
         if name not in self:
             raise ValueError(f"unknown {self.kind} {name!r}; known: {sorted(self)}")
         return self[name]
+
+
+def import_files(paths: list[str], what: str = "plugins") -> None:
+    """Import Python files that register variants (`algo.plugins`), each once per process: a registry is filled
+    on import, and the controller and every trainer rank need the same names."""
+    for entry in paths:
+        path = Path(entry).resolve()
+        name = f"molt_plugin_{path.stem}_{abs(hash(str(path)))}"
+        if name in sys.modules:
+            continue
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or not path.is_file():
+            raise ValueError(f"{what}: cannot import {entry}")
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
 
 
 def as_mask(action_mask: Tensor, like: Tensor | None = None, name: str = "action_mask") -> Tensor:

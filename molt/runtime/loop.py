@@ -5,6 +5,7 @@ Design notes and decisions: docs/internals.md, section `molt/runtime/loop.py`.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import sys
@@ -14,22 +15,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from molt.config import MoltConfig, save_config, to_dict
+from molt.config import MoltConfig, optimizer_windows, resolve, save_config, to_dict
 from molt.runtime.checkpoints import RunControl, resume_point, rotate, truncate_after
 from molt.runtime.data import load_prompts
 from molt.runtime.experience import assign_to_ranks
 from molt.runtime.metrics import MetricsLogger, rollout_metrics
 from molt.runtime.pool import Group, PromptStream, RolloutPool, RolloutTask, RunStopped
-from molt.runtime.trainer_group import (
-    RANK_ESTIMATORS,
-    TrainerGroup,
-    optimizer_windows,
-    rollout_advantages,
-    terminal_rewards,
-    trainer_fields,
-)
+from molt.runtime.trainer_group import TrainerGroup, rollout_advantages, terminal_rewards
 from molt.runtime.worker import RolloutWorker, Workers
-from molt.trainer.config import GROUP_ESTIMATORS
 from molt.types import RolloutStatus, SamplingParams
 
 BUCKET_BYTES = 64 << 20
@@ -88,13 +81,13 @@ class Run:
     async def setup(self) -> None:
         import ray
 
+        from molt.algo import estimator_spec, import_files
         from molt.models import resolve_model
 
         cfg = self.cfg
         self._resume_from = resume_point(self.dir, self.ckpt_dir, cfg.ckpt.resume)
-        if cfg.algo.advantage.estimator not in GROUP_ESTIMATORS + RANK_ESTIMATORS:
-            raise ValueError(f"algo.advantage.estimator {cfg.algo.advantage.estimator!r} is not supported by the "
-                             f"runtime yet (use one of {', '.join(GROUP_ESTIMATORS + RANK_ESTIMATORS)})")
+        import_files(cfg.algo.plugins, "algo.plugins")  # as load_config did: a run built in Python may not have
+        self.spec = estimator_spec(cfg.algo.advantage.estimator)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model_path = str(resolve_model(cfg.actor.model_name_or_path))
         d = cfg.data
@@ -104,13 +97,17 @@ class Run:
                                  max_samples=d.max_samples, **keys)
         self.eval_rows = load_prompts(cfg.eval.dataset, split=cfg.eval.split, what="eval.dataset",
                                       **keys) if cfg.eval.dataset else []
-        if not cfg.train.max_steps:  # num_episodes passes over the prompts, as the reference counts them
-            cfg.train.max_steps = max(1, cfg.train.num_episodes * len(self.rows) // cfg.rollout.batch_size)
+        self.cfg = cfg = resolve(cfg, len(self.rows))  # the run's own copy, derived values filled in
         save_config(cfg, self.dir / "config.yaml")
+        # the trainer's copy names local checkpoints (an alias or hub id resolved once, here)
+        self.trainer_cfg = copy.deepcopy(cfg)
+        self.trainer_cfg.actor.model_name_or_path = self.model_path
+        if self.spec.critic:
+            self.trainer_cfg.critic.model_name_or_path = str(resolve_model(cfg.critic.model_name_or_path))
         if cfg.ref.model_name_or_path:
-            cfg.ref.model_name_or_path = str(resolve_model(cfg.ref.model_name_or_path))
+            self.trainer_cfg.ref.model_name_or_path = str(resolve_model(cfg.ref.model_name_or_path))
             if cfg.algo.advantage.estimator == "on_policy_distill":
-                _same_tokenizer(self.model_path, cfg.ref.model_name_or_path)
+                _same_tokenizer(self.model_path, self.trainer_cfg.ref.model_name_or_path)
         if not ray.is_initialized():
             _init_ray(cfg)
         worker_threads, trainer_threads = _threads(cfg)
@@ -136,14 +133,8 @@ class Run:
                                        engine_options=engine_options, max_restarts=cfg.rollout.engine_max_restarts),
                                n_workers, cfg.rollout.worker_max_restarts)
         self.trainer = TrainerGroup(cfg.train.num_ranks, torch_threads=trainer_threads,
-                                    num_gpus_per_rank=1 if cfg.rollout.engine == "vllm" else 0,
-                                    estimator=cfg.algo.advantage.estimator,
-                                    advantage_params={"gamma": cfg.algo.advantage.gamma, "lam": cfg.algo.advantage.lam,
-                                                      "whiten": not cfg.algo.advantage.no_whiten,
-                                                      "reward_coef": cfg.algo.advantage.reward_coef})
-        critic_path = str(resolve_model(cfg.critic.model_name_or_path)) if cfg.algo.advantage.estimator == "gae" else None
-        await asyncio.gather(*[w.start.remote() for w in self.workers.actors],
-                             self.trainer.setup(*trainer_fields(cfg, self.model_path, critic_path)))
+                                    num_gpus_per_rank=1 if cfg.rollout.engine == "vllm" else 0)
+        await asyncio.gather(*[w.start.remote() for w in self.workers.actors], self.trainer.setup(self.trainer_cfg))
         sync = cfg.train.weight_sync
         self._weight_plan = None
         if sync == "collective" or (sync == "auto" and cfg.rollout.engine == "vllm"):
@@ -249,10 +240,10 @@ class Run:
         estimator = cfg.algo.advantage.estimator
         rows = [(o.rollout_id, g.group_id, min(max(o.reward, low), high)) for g in groups for o in g.outcomes]
         advantages = rewards = None
-        if estimator in GROUP_ESTIMATORS:
+        if self.spec.kind == "group":
             advantages = rollout_advantages(estimator, rows)
         else:
-            rewards = terminal_rewards(estimator, rows)
+            rewards = terminal_rewards(self.spec.centred, rows)
         # optimizer windows of whole groups; each rank gets its balanced share of every window
         size = len(groups) // optimizer_windows(cfg)
         windows = [assign_to_ranks([e for g in groups[i:i + size] for o in g.outcomes for e in o.experiences],

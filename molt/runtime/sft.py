@@ -14,7 +14,6 @@ template that rewrites earlier turns (dropping old reasoning) is refused. Chats 
 """
 from __future__ import annotations
 
-import copy
 import json
 import random
 import time
@@ -63,13 +62,12 @@ def chat_experiences(rows: list[dict], tokenizer: Any, max_len: int | None, what
 def run_sft(cfg: Any) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from molt.config import save_config, to_dict
+    from molt.config import override, resolve, save_config, to_dict
     from molt.models import resolve_model
     from molt.runtime.checkpoints import RunControl, resume_point, rotate, truncate_after
     from molt.runtime.data import load_prompts
     from molt.runtime.metrics import MetricsLogger
-    from molt.runtime.trainer_group import trainer_fields
-    from molt.trainer import Actor, ActorConfig
+    from molt.trainer import Actor
 
     t0, d, out = time.perf_counter(), cfg.data, Path(cfg.ckpt.output_dir)
     model_path = str(resolve_model(cfg.actor.model_name_or_path))
@@ -80,12 +78,9 @@ def run_sft(cfg: Any) -> dict[str, Any]:
                              tokenizer, d.max_len, "data.prompt_dataset")
     held = chat_experiences(load_prompts(cfg.eval.dataset, split=cfg.eval.split, what="eval.dataset", **keys),
                             tokenizer, d.max_len, "eval.dataset") if cfg.eval.dataset else []
-    size = cfg.train.batch_size
-    steps = cfg.train.max_steps or max(1, cfg.train.num_episodes * len(train) // size)
-    one = copy.deepcopy(cfg)  # one optimizer step per training step (the schedule's length)
-    one.train.max_steps, one.train.batch_size, one.train.max_epochs = steps, 0, 1
-    actor = Actor(ActorConfig(**{**trainer_fields(one, model_path, None)[0], "policy_loss": "sft",
-                                 "is_correction_level": "off", "kl_coef": 0.0}))
+    cfg = resolve(cfg, len(train), sft=True)  # the schedule's length, policy loss sft (molt.config.resolve)
+    size, steps = cfg.train.batch_size, cfg.train.max_steps
+    actor = Actor(override(cfg, {"actor.model_name_or_path": model_path}))
     rank0, ckpt_dir = actor.rank == 0, Path(cfg.ckpt.path) if cfg.ckpt.path else out / "checkpoints"
     rng, order = random.Random(cfg.train.seed), []
     while len(order) < steps * size:  # one seeded shuffle per epoch: a resume finds the same order

@@ -5,16 +5,12 @@ Design notes and decisions: docs/internals.md, section `molt/runtime/trainer_gro
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import math
 import os
 import socket
 from collections import Counter, defaultdict
 from typing import Any
 
 from molt.types import Experience
-
-RANK_ESTIMATORS = ("reinforce", "reinforce_baseline", "gae", "on_policy_distill")
 
 
 def rollout_advantages(estimator: str, rollouts: list[tuple[str, str, float]], params: Any = None) -> dict[str, float]:
@@ -34,55 +30,17 @@ def rollout_advantages(estimator: str, rollouts: list[tuple[str, str, float]], p
     return {rid: float(a) for (rid, _, _), a in zip(rollouts, adv)}
 
 
-def terminal_rewards(estimator: str, rollouts: list[tuple[str, str, float]]) -> dict[str, float]:
-    """{rollout_id: reward a rank-level estimator starts from}: reinforce_baseline's (and on_policy_distill's)
-    group mean is subtracted here, where whole groups are known."""
-    if estimator in ("reinforce_baseline", "on_policy_distill"):
+def terminal_rewards(centred: bool, rollouts: list[tuple[str, str, float]]) -> dict[str, float]:
+    """{rollout_id: reward a token estimator starts from}: minus its group's mean for the estimators that declare
+    `centred` (reinforce_baseline, on_policy_distill), subtracted here, where whole groups are known."""
+    if centred:
         return rollout_advantages("dr_grpo", rollouts)  # r - group mean
     return {rid: r for rid, _, r in rollouts}
 
 
-def optimizer_windows(cfg: Any) -> int:
-    """Optimizer steps per pass over a training step's rollouts (`train.batch_size` rollouts each)."""
-    total = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
-    return total // cfg.train.batch_size if cfg.train.batch_size else 1
-
-
-def trainer_fields(cfg: Any, model_path: str, critic_path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """`molt.trainer.ActorConfig` keywords of the actor and (for gae) the critic of a `molt.config.MoltConfig`."""
-    a, adv = cfg.actor, cfg.algo.advantage
-
-    def optimizer(o: Any, epochs: int) -> dict[str, Any]:
-        total = cfg.train.max_steps * optimizer_windows(cfg) * epochs
-        return dict(lr=o.adam.lr, betas=tuple(o.adam.betas), adam_eps=o.adam.eps,  # noqa: C408 (ActorConfig's call)
-                    weight_decay=o.adam.weight_decay, lr_scheduler=o.lr_scheduler, total_steps=total,
-                    lr_warmup_steps=max(getattr(o, "lr_warmup_steps", 0), math.ceil(o.lr_warmup_ratio * total)),
-                    min_lr_ratio=o.min_lr_ratio, max_norm=o.max_norm, optim=o.optim, muon=dataclasses.asdict(o.muon))
-
-    actor = dict(
-        model_name_or_path=model_path, **optimizer(a, cfg.train.max_epochs), policy_loss=a.policy_loss,
-        eps_clip_low_high=tuple(a.eps_clip_low_high), dual_clip=a.dual_clip, entropy_coef=a.entropy_coef,
-        advantage_estimator=adv.estimator, kl_coef=cfg.algo.kl.init_coef, kl_estimator=cfg.algo.kl.estimator,
-        kl_use_loss=cfg.algo.kl.use_loss, is_correction_level=adv.is_correction_level,
-        is_correction_mode=adv.is_correction_mode, is_correction_threshold=tuple(adv.is_correction_threshold),
-        ref_model_name_or_path=cfg.ref.model_name_or_path or "",
-        micro_batch_size=cfg.train.micro_batch_size or None, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu,
-        share_prefix=cfg.train.share_prefix, attn_implementation=cfg.fsdp.attn_implementation,
-        gradient_checkpoint=a.gradient_checkpoint, freeze_visual_encoder=a.freeze_visual_encoder,
-        param_dtype=a.dtype, tp_size=cfg.fsdp.tp_size,
-        offload=cfg.fsdp.offload, packing_samples=cfg.fsdp.packing_samples, seed=cfg.train.seed,
-        routing_replay=cfg.train.routing_replay, freeze_moe_router=a.freeze_moe_router, aux_loss_coef=a.aux_loss_coef,
-    )
-    critic = {**optimizer(cfg.critic, cfg.critic.max_epochs or cfg.train.max_epochs),
-              "model_name_or_path": critic_path, "value_clip": cfg.critic.value_clip}
-    return actor, critic
-
-
 class TrainerRank:
-    def __init__(self, rank: int, world: int, torch_threads: int = 0, estimator: str = "grpo",
-                 advantage_params: dict[str, Any] | None = None):
-        self.rank, self.world, self.torch_threads, self.estimator = rank, world, torch_threads, estimator
-        self.advantage_params = advantage_params or {}
+    def __init__(self, rank: int, world: int, torch_threads: int = 0):
+        self.rank, self.world, self.torch_threads = rank, world, torch_threads
         self.actor: Any = None
         self.critic: Any = None
 
@@ -92,25 +50,27 @@ class TrainerRank:
 
         return f"{ray.util.get_node_ip_address()}:{_free_port()}"
 
-    def setup(self, master: str, actor_fields: dict[str, Any], critic_fields: dict[str, Any] | None = None) -> None:
+    def setup(self, master: str, cfg: Any) -> None:
+        """cfg: the run's resolved `molt.config.MoltConfig`, model paths resolved to local checkpoints."""
         addr, port = master.rsplit(":", 1)
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0", MASTER_ADDR=addr,
                           MASTER_PORT=port)
         import torch
 
-        from molt.trainer import Actor, ActorConfig, Critic
+        from molt.algo import estimator_spec, import_files
+        from molt.trainer import Actor, Critic
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
-        self.actor = Actor(ActorConfig(**actor_fields))
+        import_files(cfg.algo.plugins, "algo.plugins")  # the user's estimators and losses, registered here too
+        self.cfg, self.spec = cfg, estimator_spec(cfg.algo.advantage.estimator)
+        self.actor = Actor(cfg)
         # the KL as a token reward (token-level estimators, `algo.kl.use_loss` false): its coefficient, adapted
         # by the controller like the loss's, and the last window's metrics for the step line
-        self.kl_reward_coef = 0.0 if self.actor.cfg.kl_use_loss else self.actor.cfg.kl_coef
+        self.kl_reward_coef = 0.0 if cfg.algo.kl.use_loss else cfg.algo.kl.init_coef
         self.kl_metrics: dict[str, float] = {}
-        if self.estimator == "gae":
-            fields = dict(critic_fields or {})
-            clip = fields.pop("value_clip", 0.2)
-            self.critic = Critic(ActorConfig(**{**actor_fields, **fields}), value_clip=clip or None)
+        if self.spec.critic:
+            self.critic = Critic(cfg)
 
     def train_step(self, windows: list[list[Experience]], advantages: dict[str, float] | None,
                    rewards: dict[str, float] | None = None, *, epochs: int = 1, critic_epochs: int = 1,
@@ -145,7 +105,7 @@ class TrainerRank:
 
     def set_kl_coef(self, coef: float) -> None:
         """The adaptive KL controller's new coefficient (`molt.algo.adaptive_kl_coef`)."""
-        if self.actor.cfg.kl_use_loss:
+        if self.cfg.algo.kl.use_loss:
             self.actor.loss_params.kl_coef = coef
         else:
             self.kl_reward_coef = coef
@@ -170,8 +130,9 @@ class TrainerRank:
         values = self.critic.compute_values(experiences) if self.critic is not None else []
         # KL reward: behavior (sampling-time) log-probs against the reference's, per action token (collective)
         ref = self.actor.compute_logprobs(experiences, reference=True) if self.kl_reward_coef > 0 else []
-        params = AdvantageParams(**{**self.advantage_params, "whiten": False, "kl_coef": self.kl_reward_coef})
-        estimator = "reinforce" if self.estimator == "reinforce_baseline" else self.estimator  # rewards baselined
+        a = self.cfg.algo.advantage
+        params = AdvantageParams(gamma=a.gamma, lam=a.lam, kl_coef=self.kl_reward_coef, whiten=False,
+                                 reward_coef=a.reward_coef, centred=self.spec.centred)  # centred by the controller
         adv = mask = None
         returns: list[list[float]] = []
         if experiences:
@@ -183,14 +144,14 @@ class TrainerRank:
 
                 batch.kl, kl_metrics = kl_divergence(_pad([e.behavior_logprobs for e in experiences], length),
                                                      _pad(ref, length), batch.action_mask,
-                                                     self.actor.cfg.kl_estimator, placement="reward")
+                                                     self.cfg.algo.kl.estimator, placement="reward")
                 self.kl_metrics = {k: float(v) for k, v in kl_metrics.items()} | {"kl_coef": self.kl_reward_coef}
             batch.rewards = torch.tensor([rewards.get(e.rollout_id, float(e.reward)) for e in experiences])
-            result = compute_advantages(estimator, batch, params)
+            result = compute_advantages(a.estimator, batch, params)
             adv, mask = result.advantages.double(), batch.action_mask
             if result.returns is not None:
                 returns = [result.returns[i, : e.num_tokens].tolist() for i, e in enumerate(experiences)]
-        if self.advantage_params.get("whiten", True):
+        if not a.no_whiten:
             adv = self._whiten(adv, mask)
         for i, exp in enumerate(experiences):
             exp.advantages = adv[i, : exp.num_tokens].tolist()
@@ -297,16 +258,15 @@ def thread_options(threads: int) -> dict[str, Any]:
 class TrainerGroup:
     """Creates the rank actors and calls them collectively."""
 
-    def __init__(self, world: int, *, torch_threads: int = 0, estimator: str = "grpo",
-                 advantage_params: dict[str, Any] | None = None, num_gpus_per_rank: float = 0):
+    def __init__(self, world: int, *, torch_threads: int = 0, num_gpus_per_rank: float = 0):
         import ray
 
         cls = ray.remote(num_cpus=0, num_gpus=num_gpus_per_rank)(TrainerRank).options(**thread_options(torch_threads))
-        self.ranks = [cls.remote(r, world, torch_threads, estimator, advantage_params) for r in range(world)]
+        self.ranks = [cls.remote(r, world, torch_threads) for r in range(world)]
 
-    async def setup(self, actor_fields: dict[str, Any], critic_path: str | None = None) -> None:
+    async def setup(self, cfg: Any) -> None:
         master = await self.ranks[0].master_address.remote()
-        await self.same("setup", master, actor_fields, critic_path)
+        await self.same("setup", master, cfg)
 
     async def call(self, method: str, *per_rank_args: list[Any], **kwargs: Any) -> list[Any]:
         """Every rank's result; the first rank to fail (an exception, a dead actor) raises at once, naming itself:

@@ -1,19 +1,19 @@
 """The optimization side: FSDP2 actor (policy), critic and reference on Hugging Face models.
 
 Public API (what the runtime calls; every call is collective over the trainer ranks):
-    actor = Actor(ActorConfig(model_name_or_path=path, lr=..., ...))   # or Actor.from_pretrained(path, **fields)
+    actor = Actor(cfg)   # a resolved molt.config.MoltConfig; or Actor.from_pretrained(path, **{"actor.adam.lr": ...})
     metrics = actor.train_step(experiences)                            # one optimizer window
     actor.compute_logprobs(experiences, reference=False)               # per-token log-probs
     for bucket in actor.iter_weights(bucket_bytes): ...                # [(hf_name, full tensor), ...]
     actor.save(dir); actor.load(dir); actor.export_hf(dir)
-    critic = Critic(ActorConfig(model_name_or_path=path, ...))        # for gae
+    critic = Critic(cfg)                                               # for gae (the critic section)
     values = critic.compute_values(exps); critic.train_step(exps, returns, old_values)
 
-Imports only molt.types and molt.algo (plus torch/transformers); torch loads when this package is imported.
+Imports only molt.types, molt.algo and the records of molt.config (plus torch/transformers); torch loads when this
+package is imported.
 """
 from molt.trainer.actor import Actor
-from molt.trainer.config import ActorConfig
 from molt.trainer.critic import Critic
 from molt.trainer.weights import export_hf, iter_weight_buckets
 
-__all__ = ["Actor", "ActorConfig", "Critic", "export_hf", "iter_weight_buckets"]
+__all__ = ["Actor", "Critic", "export_hf", "iter_weight_buckets"]

@@ -8,23 +8,20 @@ from __future__ import annotations
 import math
 import os
 import time
-import warnings
 from collections.abc import Iterator
 
 import torch
 
 from molt.algo import (
-    KL_ESTIMATORS,
-    POLICY_LOSSES,
     PolicyLossParams,
     importance_weights,
     kl_divergence,
     policy_loss,
     window_normalize,
 )
+from molt.config import MoltConfig
 from molt.trainer import parallel
 from molt.trainer.base import ShardedModelTrainer
-from molt.trainer.config import GROUP_ESTIMATORS, ActorConfig
 from molt.trainer.logprobs import CausalLMLogProbs
 from molt.trainer.moe import Routing
 from molt.trainer.optim import build_optimizer
@@ -34,37 +31,32 @@ ALIASES = {"policy/clip_frac": "policy_clip_ratio", "is/logprob_gap": "logprobs_
 
 
 class Actor(ShardedModelTrainer):
-    """Build on every rank with the same config: `Actor(ActorConfig(model_name_or_path=...))` or
-    `Actor.from_pretrained(path, lr=..., ...)`. Under torchrun it joins the process group from the environment."""
+    """Build on every rank with the same configuration: `Actor(cfg)` reads the actor, algo, fsdp and trainer (train)
+    sections of a validated and resolved `molt.config.MoltConfig`; or `Actor.from_pretrained(path, **overrides)`
+    (`ShardedModelTrainer.from_pretrained`).
+    Under torchrun it joins the process group from the environment."""
 
-    def __init__(self, cfg: ActorConfig):
-        POLICY_LOSSES.get_fn(cfg.policy_loss)  # fail before loading anything: ValueError listing the known names
-        KL_ESTIMATORS.get_fn(cfg.kl_estimator)
-        super().__init__(cfg)
-        self.lm = self.load_lm(cfg.model_name_or_path)
+    def __init__(self, cfg: MoltConfig):
+        super().__init__(cfg, cfg.actor)
+        a, kl = cfg.actor, cfg.algo.kl
+        self.lm = self.load_lm(a.model_name_or_path)
         self.routing = Routing(self.lm, cfg)
         self.routing = self.routing if self.routing.routers else None  # a dense model
-        blocks = parallel.decoder_layers(self.lm) if cfg.optim == "muon" else ()  # before FSDP2 renames their classes
-        self.model = self.wrap(CausalLMLogProbs(self.lm, cfg.logprob_chunk_size, self.routing), self.lm,
+        blocks = parallel.decoder_layers(self.lm) if a.optim == "muon" else ()  # before FSDP2 renames their classes
+        self.model = self.wrap(CausalLMLogProbs(self.lm, a.logprob_chunk_size, self.routing), self.lm,
                                trainable=True)
-        self.optimizers, self.schedulers = build_optimizer(self.model.parameters(), cfg, blocks=blocks)
+        self.optimizers, self.schedulers = build_optimizer(self.model.parameters(), a, tp_size=cfg.fsdp.tp_size,
+                                                           blocks=blocks)
         self.loss_params = PolicyLossParams(
-            eps_low=cfg.eps_clip_low_high[0], eps_high=cfg.eps_clip_low_high[1], dual_clip=cfg.dual_clip,
-            entropy_coef=cfg.entropy_coef, kl_coef=cfg.kl_coef if cfg.kl_use_loss else 0.0).validate()
+            eps_low=a.eps_clip_low_high[0], eps_high=a.eps_clip_low_high[1], dual_clip=a.dual_clip,
+            entropy_coef=a.entropy_coef, kl_coef=kl.init_coef if kl.use_loss else 0.0).validate()
         # test-only fault injection (tests/*/test_nonfinite.py): these optimizer windows of this process, counted
         # from 1 with skipped ones, get a NaN added to their loss on this rank (the gradients stay finite)
         self.nan_windows = {int(w) for w in os.environ.get("MOLT_FAULT_NAN_LOSS", "").split(",") if w}
         self.ref = None
-        if cfg.needs_reference:
-            if not cfg.kl_use_loss and cfg.advantage_estimator in GROUP_ESTIMATORS:
-                warnings.warn(f"kl_coef={cfg.kl_coef} with kl_use_loss=False: the group estimator "
-                              f"{cfg.advantage_estimator!r} ignores a KL placed in the reward; set kl_use_loss=True")
-            ref_lm = self.load_lm(cfg.ref_model_name_or_path or cfg.model_name_or_path)
-            self.ref = self.wrap(CausalLMLogProbs(ref_lm, cfg.logprob_chunk_size), ref_lm, trainable=False)
-
-    @classmethod
-    def from_pretrained(cls, model_name_or_path: str, **kwargs) -> Actor:
-        return cls(ActorConfig(model_name_or_path=str(model_name_or_path), **kwargs))
+        if kl.init_coef > 0:  # a reference model: the KL's, in the loss or (the runtime's) in the token rewards
+            ref_lm = self.load_lm(cfg.ref.model_name_or_path or a.model_name_or_path)
+            self.ref = self.wrap(CausalLMLogProbs(ref_lm, a.logprob_chunk_size), ref_lm, trainable=False)
 
     # ---- training ----------------------------------------------------------------------------------------
     def train_step(self, experiences: list[Experience], old_logprobs: list[list[float]] | None = None
@@ -76,7 +68,7 @@ class Actor(ShardedModelTrainer):
         plan, n_passes, global_count = self.schedule(experiences)
         sums: dict[str, torch.Tensor] = {}
         tokens, window_loss = 0, torch.zeros((), device=self.device)
-        dp = parallel.dp_size(self.mesh)
+        dp, adv, coef = parallel.dp_size(self.mesh), self.cfg.algo.advantage, self.cfg.actor.aux_loss_coef
         fault = self.step + self.skipped + 1 in self.nan_windows
         for _, mb in self.micro_batches(experiences, plan, n_passes, extra={"old_logprobs": old_logprobs}):
             lp, ent = self.model(mb, True)
@@ -86,20 +78,20 @@ class Actor(ShardedModelTrainer):
             old = mb.extra.get("old_logprobs", lp.detach())
             mask = mb.action_mask
             weights, metrics = importance_weights(
-                old, mb.behavior_logprobs, mask, self.cfg.is_correction_level, self.cfg.is_correction_mode,
-                *self.cfg.is_correction_threshold, seq_ids=mb.seq_ids)
+                old, mb.behavior_logprobs, mask, adv.is_correction_level, adv.is_correction_mode,
+                *adv.is_correction_threshold, seq_ids=mb.seq_ids)
             kl = None
-            if self.ref is not None and self.cfg.kl_use_loss:
+            if self.ref is not None and self.cfg.algo.kl.use_loss:
                 with torch.no_grad():
                     ref_lp, _ = self.ref(mb)
-                kl, kl_metrics = kl_divergence(lp, ref_lp, mask, self.cfg.kl_estimator, placement="loss")
+                kl, kl_metrics = kl_divergence(lp, ref_lp, mask, self.cfg.algo.kl.estimator, placement="loss")
                 metrics.update(kl_metrics)
-            tok_loss, pl_metrics = policy_loss(self.cfg.policy_loss, lp, old, mb.advantages, mask,
+            tok_loss, pl_metrics = policy_loss(self.cfg.actor.policy_loss, lp, old, mb.advantages, mask,
                                                params=self.loss_params, is_weights=weights, entropy=ent, kl=kl,
                                                seq_ids=mb.seq_ids)
             loss, _ = window_normalize(tok_loss, mask, global_count, dp_size=dp)
-            if self.cfg.aux_loss_coef > 0:  # token-weighted over the window's micro-batches, as the policy loss
-                loss = loss + self.cfg.aux_loss_coef * aux * mb.num_actions * dp / global_count.clamp(min=1)
+            if coef > 0:  # token-weighted over the window's micro-batches, as the policy loss
+                loss = loss + coef * aux * mb.num_actions * dp / global_count.clamp(min=1)
                 metrics["moe/aux_loss"] = aux
             if mb.ghost:
                 loss = loss * 0.0
@@ -135,7 +127,7 @@ class Actor(ShardedModelTrainer):
         reference model. Collective: every rank calls it with its own experiences."""
         model = self.ref if reference else self.model
         if model is None:
-            raise ValueError("reference: no reference model (kl_coef is 0)")
+            raise ValueError("reference: no reference model (algo.kl.init_coef is 0)")
         return self.per_token_pass(model, experiences, lambda mb: model(mb)[0])
 
     # ---- weights out -------------------------------------------------------------------------------------
@@ -158,5 +150,5 @@ class Actor(ShardedModelTrainer):
         vLLM load. Collective; rank 0 writes."""
         from molt.trainer.weights import export_hf
 
-        export_hf(self.lm, path, tokenizer_from=self.cfg.model_name_or_path, dtype=dtype,
+        export_hf(self.lm, path, tokenizer_from=self.cfg.actor.model_name_or_path, dtype=dtype,
                   bucket_bytes=bucket_bytes, write=self.rank == 0)

@@ -8,48 +8,58 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
+from molt.config import MoltConfig, OptimConfig, override, resolve, validate
 from molt.trainer import parallel
 from molt.trainer.batching import MicroBatch, blank_image, collate, ghost_batch, plan_micro_batches
-from molt.trainer.config import ActorConfig
 from molt.types import Experience
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class ShardedModelTrainer:
-    """Holds the device, process group, mesh and config; subclasses set `self.model` (an nn.Module whose
-    `forward(input_ids, attention_mask, action_mask, temperature, ...)` works on a MicroBatch)."""
+    """Holds the device, process group, mesh and configuration (the run's tree: `optim` is the actor's or the
+    critic's section); subclasses set `self.model` (an nn.Module whose `forward(input_ids, attention_mask,
+    action_mask, temperature, ...)` works on a MicroBatch)."""
 
-    def __init__(self, cfg: ActorConfig):
-        self.cfg = cfg.validate()
-        self.device = parallel.resolve_device(cfg.device)
-        if cfg.offload and self.device.type != "cuda":
-            raise ValueError("offload: optimizer-state CPU offload is a CUDA option (the CPU path has nothing to offload)")
-        if cfg.param_dtype == "auto":
+    def __init__(self, cfg: MoltConfig, optim: OptimConfig):
+        self.cfg, self.optim_cfg, fsdp = cfg, optim, cfg.fsdp
+        self.device = parallel.resolve_device(fsdp.device)
+        if fsdp.offload and self.device.type != "cuda":
+            raise ValueError("fsdp.offload: optimizer-state CPU offload is a CUDA option (the CPU path has nothing "
+                             "to offload)")
+        if cfg.actor.dtype == "auto":
             self.param_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
-            self.param_dtype = DTYPES[cfg.param_dtype]
-        one_rank_mesh = self.device.type == "cuda" or self.param_dtype != torch.float32 or cfg.offload
+            self.param_dtype = DTYPES[cfg.actor.dtype]
+        one_rank_mesh = self.device.type == "cuda" or self.param_dtype != torch.float32 or fsdp.offload
         self.rank, self.world = parallel.init_distributed(self.device, one_rank=one_rank_mesh)
-        self.mesh = parallel.build_mesh(self.device, self.world, cfg.tp_size, one_rank=one_rank_mesh)
-        if cfg.tp_size > 1 and self.mesh is None:
-            raise ValueError("tp_size > 1 needs a process group with at least tp_size ranks")
-        torch.manual_seed(cfg.seed)
-        # see molt.trainer.config and the module docstring: packed, a layout (any ranks, checkpointing too);
-        # padded, a KV cache and a second decoder call (a single plain process only); a CPU win either way
-        if cfg.packing_samples:
-            self.share_prefix = cfg.share_prefix and self.device.type == "cpu"
+        self.mesh = parallel.build_mesh(self.device, self.world, fsdp.tp_size, one_rank=one_rank_mesh)
+        if fsdp.tp_size > 1 and self.mesh is None:
+            raise ValueError("fsdp.tp_size > 1 needs a process group with at least tp_size ranks")
+        torch.manual_seed(cfg.train.seed)
+        # see docs/internals.md (molt/trainer/base.py): packed, a layout (any ranks, checkpointing too); padded, a
+        # KV cache and a second decoder call (a single plain process only); a CPU win either way
+        if fsdp.packing_samples:
+            self.share_prefix = cfg.train.share_prefix and self.device.type == "cpu"
         else:
-            self.share_prefix = cfg.share_prefix and self.mesh is None and not cfg.gradient_checkpoint
+            self.share_prefix = cfg.train.share_prefix and self.mesh is None and not cfg.actor.gradient_checkpoint
         self.step = 0  # optimizer steps taken
         self.skipped = self.skipped_in_a_row = 0  # optimizer steps skipped (non-finite): in all, and the last run
         self.window_tokens = 0.0  # action tokens of the last scheduled window (all ranks), on the host
         self.pad_id = 0
         self.blank = None  # see `molt.trainer.batching.blank_image`
+
+    @classmethod
+    def from_pretrained(cls, model_name_or_path: str, **overrides: Any):
+        """`molt train`'s defaults with `model_name_or_path` (the actor's; the critic's too unless overridden);
+        `overrides`: dotted fields as the command line names them, `**{"actor.adam.lr": 1e-5, "fsdp.device": "cpu"}`."""
+        cfg = override(MoltConfig(), {"actor.model_name_or_path": str(model_name_or_path), **overrides})
+        return cls(resolve(validate(cfg, check_files=False)))
 
     # ---- models ----------------------------------------------------------------------------------------
     def load_lm(self, path: str, auto_class=None) -> nn.Module:
@@ -57,8 +67,8 @@ class ShardedModelTrainer:
         `--actor.freeze_visual_encoder` freezes a vision-language model's vision tower."""
         import transformers as tf
 
-        attn = self.cfg.attn_implementation
-        if self.cfg.packing_samples:
+        attn = self.cfg.fsdp.attn_implementation
+        if self.cfg.fsdp.packing_samples:
             from molt.trainer.packing import register
 
             attn = register()
@@ -71,10 +81,11 @@ class ShardedModelTrainer:
         lm.config.use_cache = False
         text = lm.config.get_text_config()
         pad = text.pad_token_id if text.pad_token_id is not None else text.eos_token_id
-        frozen = [p.requires_grad_(False) for n, p in lm.named_parameters() if self.cfg.freeze_visual_encoder
+        freeze = self.cfg.actor.freeze_visual_encoder
+        frozen = [p.requires_grad_(False) for n, p in lm.named_parameters() if freeze
                   and re.search(r"\.(vision_tower|visual|vision_model)\.", n)]  # LLaVA, Qwen2-VL, Idefics3
-        if self.cfg.freeze_visual_encoder and not frozen:
-            raise ValueError(f"freeze_visual_encoder: {path} has no vision encoder")
+        if freeze and not frozen:
+            raise ValueError(f"actor.freeze_visual_encoder: {path} has no vision encoder")
         self.pad_id = int(pad[0] if isinstance(pad, (list, tuple)) else (pad or 0))
         return lm
 
@@ -82,17 +93,17 @@ class ShardedModelTrainer:
         """Tensor-parallel split (tp_size > 1), then FSDP2 over "dp"; a single process only moves to device."""
         if not trainable:
             module.requires_grad_(False).eval()
-        elif self.cfg.gradient_checkpoint:
+        elif self.cfg.actor.gradient_checkpoint:
             # non-reentrant: works under FSDP2's hooks and with inputs that do not require grad
             # (transformers renamed the method in 5.x; the old name remains as a deprecated alias)
             enable = getattr(lm, "activation_checkpointing_enable", None) or lm.gradient_checkpointing_enable
             enable({"use_reentrant": False})
         if self.mesh is None:
             return module.to(self.device)
-        if self.cfg.tp_size > 1:
+        if self.cfg.fsdp.tp_size > 1:
             parallel.apply_tensor_parallel(lm, self.mesh["tp"])
         parallel.shard(module, parallel.decoder_layers(lm), self.mesh, param_dtype=self.param_dtype,
-                       offload=self.cfg.offload and trainable, keep_unsharded=self.world == 1)
+                       offload=self.cfg.fsdp.offload and trainable, keep_unsharded=self.world == 1)
         return module
 
     def end_pass(self, module: nn.Module) -> None:
@@ -107,8 +118,8 @@ class ShardedModelTrainer:
         for e in experiences:
             if e.token_ids is None:
                 raise ValueError(f"experience {e.rollout_id}/{e.segment_index} is offloaded: reload() it first")
-        plan = plan_micro_batches([len(e.token_ids) for e in experiences], self.cfg.micro_batch_size,
-                                  self.cfg.max_tokens_per_gpu, packed=self.cfg.packing_samples)
+        plan = plan_micro_batches([len(e.token_ids) for e in experiences], self.cfg.train.micro_batch_size or None,
+                                  self.cfg.train.max_tokens_per_gpu or None, packed=self.cfg.fsdp.packing_samples)
         count = sum(sum(e.action_mask) for e in experiences)
         if self.world == 1:  # nothing to agree on: count on the host, one copy to the device
             if not plan:
@@ -135,7 +146,7 @@ class ShardedModelTrainer:
         for k, v in extra.items():
             if len(v) != len(experiences):
                 raise ValueError(f"{k}: {len(v)} rows for {len(experiences)} experiences")
-        pack = self.cfg.packing_samples
+        pack = self.cfg.fsdp.packing_samples
         for k in range(n_passes):
             idx = plan[k] if k < len(plan) else []
             mb = collate([experiences[i] for i in idx], self.pad_id, self.device,
@@ -191,7 +202,8 @@ class ShardedModelTrainer:
         non-finite one skips the step, dropping the gradients and changing no state (docs/internals.md)."""
         lr = self.schedulers[0].get_last_lr()[0]  # AdamW's (Muon's is muon["lr"] times the same factor)
         params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
-        norm = parallel.clip_grad_norm(params, self.cfg.max_norm)
+        max_norm = self.optim_cfg.max_norm
+        norm = parallel.clip_grad_norm(params, max_norm)
         skip = not (math.isfinite(loss) and math.isfinite(norm))
         for opt, schedule in zip(self.optimizers, self.schedulers):
             if not skip:
@@ -201,8 +213,8 @@ class ShardedModelTrainer:
         self.step += not skip
         self.skipped += skip
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skip else 0
-        return {"grad_norm": norm, "lr": lr, "clip_coef": min(1.0, self.cfg.max_norm / (norm + 1e-6))
-                if self.cfg.max_norm > 0 else 1.0, "train/skipped_steps": float(skip)}
+        return {"grad_norm": norm, "lr": lr, "clip_coef": min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0,
+                "train/skipped_steps": float(skip)}
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     def save(self, path: str) -> None:

@@ -1,5 +1,6 @@
 """The critic for `gae`: a Hugging Face backbone (`AutoModel`, no LM head) with a scalar value head, sharded
-and optimized like the actor (same config fields: lr, max_norm, micro-batching, FSDP2).
+and optimized like the actor (the run's fsdp and train sections), with the critic section's model, optimizer and
+value clip.
 
 Layout: `values[t]` is the value of the state in which token t was sampled, i.e. the head applied to the
 hidden state at t-1 (the same shift as the log-probs), 0 off action tokens (`molt.algo` "values" field).
@@ -14,10 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from molt.algo import value_loss, window_normalize
+from molt.config import MoltConfig
 from molt.trainer import parallel
 from molt.trainer.base import ShardedModelTrainer
 from molt.trainer.batching import prebuilt_mask
-from molt.trainer.config import ActorConfig
 from molt.trainer.logprobs import hidden_states
 from molt.trainer.optim import build_optimizer
 from molt.types import Experience
@@ -42,18 +43,20 @@ class ValueModel(nn.Module):
 
 
 class Critic(ShardedModelTrainer):
-    """`Critic(ActorConfig(model_name_or_path=...))` (the critic's checkpoint, `--critic.model_name_or_path`)."""
+    """`Critic(cfg)`: a resolved `molt.config.MoltConfig` (`--critic.model_name_or_path`, `--critic.adam.*`, ...)."""
 
-    def __init__(self, cfg: ActorConfig, value_clip: float | None = 0.2):
+    def __init__(self, cfg: MoltConfig):
         from transformers import AutoModel
 
-        super().__init__(cfg)
+        c = cfg.critic
+        super().__init__(cfg, c)
         self.share_prefix = False  # the value model runs whole rows: finding shared prefixes would be wasted work
-        self.value_clip = value_clip
-        backbone = self.load_lm(cfg.model_name_or_path, AutoModel)
-        blocks = parallel.decoder_layers(backbone) if cfg.optim == "muon" else ()  # before FSDP2 renames them
+        self.value_clip = c.value_clip or None
+        backbone = self.load_lm(c.model_name_or_path or cfg.actor.model_name_or_path, AutoModel)
+        blocks = parallel.decoder_layers(backbone) if c.optim == "muon" else ()  # before FSDP2 renames them
         self.model = self.wrap(ValueModel(backbone), backbone, trainable=True)
-        self.optimizers, self.schedulers = build_optimizer(self.model.parameters(), cfg, blocks=blocks)
+        self.optimizers, self.schedulers = build_optimizer(self.model.parameters(), c, tp_size=cfg.fsdp.tp_size,
+                                                           blocks=blocks)
 
     @torch.no_grad()
     def compute_values(self, experiences: list[Experience]) -> list[list[float]]:

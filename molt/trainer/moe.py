@@ -17,18 +17,20 @@ class Routing:
     """Hooks on every router of `lm` (layer order). `set(mb)` before each forward (CausalLMLogProbs does it)."""
 
     def __init__(self, lm: nn.Module, cfg):
+        """cfg: the run's `molt.config.MoltConfig`."""
+        a = cfg.actor
         self.routers = [m for m in lm.modules() if type(m).__name__ in FAMILIES]
-        if not self.routers and (cfg.routing_replay or cfg.freeze_moe_router or cfg.aux_loss_coef):
-            raise ValueError("routing_replay, freeze_moe_router, aux_loss_coef: the model has no MoE router of a "
-                             f"supported family ({', '.join(FAMILIES)})")
-        self.replay, self.aux = cfg.routing_replay, cfg.aux_loss_coef > 0
+        if not self.routers and (cfg.train.routing_replay or a.freeze_moe_router or a.aux_loss_coef):
+            raise ValueError("train.routing_replay, actor.freeze_moe_router, actor.aux_loss_coef: the model has no "
+                             f"MoE router of a supported family ({', '.join(FAMILIES)})")
+        self.replay, self.aux = cfg.train.routing_replay, a.aux_loss_coef > 0
         self.record = self.mask = None
         # per layer of the last forward: [N] bool (own top-k set == recorded set); (logits, experts) for the aux loss
         self.match, self.used = [], []
         self.sums = torch.zeros(3)  # over a window: agreeing share, |gap|, tokens (see `observe`)
         for i, router in enumerate(self.routers):
             router.register_forward_hook(functools.partial(self._hook, i))
-            router.requires_grad_(not cfg.freeze_moe_router)
+            router.requires_grad_(not a.freeze_moe_router)
 
     def set(self, mb) -> None:
         if self.replay and mb.routes is None and not mb.ghost:

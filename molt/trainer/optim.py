@@ -12,12 +12,16 @@ import math
 
 import torch
 
-from molt.trainer.config import ActorConfig
+from molt.config import OptimConfig
 
 
-def lr_multiplier(cfg: ActorConfig):
-    """step -> factor of cfg.lr: linear warm-up over lr_warmup_steps, then constant or cosine to min_lr_ratio."""
+def lr_multiplier(cfg: OptimConfig):
+    """step -> factor of the lr: linear warm-up over lr_warmup_steps, then constant or cosine to min_lr_ratio over
+    total_steps (both resolved: `molt.config.resolve`)."""
     warm, total, floor = cfg.lr_warmup_steps, cfg.total_steps, cfg.min_lr_ratio
+    if cfg.lr_scheduler == "cosine" and total <= warm:
+        raise ValueError(f"total_steps ({total}) must exceed lr_warmup_steps ({warm}) for the cosine schedule: "
+                         "set train.max_steps (or actor.total_steps, critic.total_steps)")
 
     def f(step: int) -> float:
         if step < warm:
@@ -30,23 +34,24 @@ def lr_multiplier(cfg: ActorConfig):
     return f
 
 
-def build_optimizer(params, cfg: ActorConfig, *, blocks=()):
+def build_optimizer(params, cfg: OptimConfig, *, tp_size: int = 1, blocks=()):
     """([AdamW, Muon if cfg.optim is muon], [their LambdaLRs]) over the trainable `params`; `blocks`: the decoder
     blocks, whose 2-D weights Muon takes."""
     params = [p for p in params if p.requires_grad]
     # tensor parallelism puts parameters on different device meshes (2-D block weights next to 1-D root
     # weights), which the foreach kernels cannot mix
-    foreach = False if cfg.tp_size > 1 else None
+    foreach = False if tp_size > 1 else None
     hidden = {id(p) for b in blocks for p in b.parameters() if p.ndim == 2} if cfg.optim == "muon" else set()
     adam = [p for p in params if id(p) not in hidden]
     # the fused kernel: on GPUs one launch for all parameters, step counts on the device (no host reads); on a
     # CPU one pass over memory instead of foreach's several (SmolLM2-135M: 0.08 s a step against 0.53 s, 1 thread)
     fused = foreach is None and bool(adam) and len({p.device.type for p in adam}) == 1 and \
         adam[0].device.type in ("cuda", "cpu") and all(p.dtype in (torch.float32, torch.bfloat16) for p in adam)
-    opts = [torch.optim.AdamW(adam, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
-                              weight_decay=cfg.weight_decay, foreach=foreach, fused=fused or None)]
+    a, m = cfg.adam, cfg.muon
+    opts = [torch.optim.AdamW(adam, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay,
+                              foreach=foreach, fused=fused or None)]
     if hidden:
-        decay = cfg.muon.get("weight_decay")
-        opts.append(torch.optim.Muon([p for p in params if id(p) in hidden], **{
-            **cfg.muon, "weight_decay": cfg.weight_decay if decay is None else decay}))
+        opts.append(torch.optim.Muon([p for p in params if id(p) in hidden], lr=m.lr, momentum=m.momentum,
+                                     nesterov=m.nesterov, ns_steps=m.ns_steps,
+                                     weight_decay=a.weight_decay if m.weight_decay is None else m.weight_decay))
     return opts, [torch.optim.lr_scheduler.LambdaLR(o, lr_multiplier(cfg)) for o in opts]

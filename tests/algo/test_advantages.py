@@ -214,11 +214,13 @@ def test_user_mistakes_raise_value_error():
             rewards=T([1.0]), group_ids=T([0, 0]), rollout_ids=T([0, 1]), action_mask=torch.ones(2, 2)
         )
     with pytest.raises(ValueError, match="already registered"):
-        register_estimator("grpo")(lambda b, p: None)
+        register_estimator("grpo", "group")(lambda b, p: None)
+    with pytest.raises(ValueError, match="kind"):
+        register_estimator("test_nowhere", "rank")
 
 
 def test_a_new_estimator_registered_by_name():
-    @register_estimator("test_max_baseline")
+    @register_estimator("test_max_baseline", "group")
     def max_baseline(batch, params):
         s = rollout_stats(batch)
         group_max = torch.zeros(int(s.group.max()) + 1, dtype=s.reward.dtype).scatter_reduce(

@@ -1,7 +1,11 @@
 """Configuration: YAML recipe + dotted overrides with the reference's flag names, validated with clear errors."""
+import copy
+from pathlib import Path
+
 import pytest
 
-from molt.config import MoltConfig, load_config, save_config, validate
+from molt.algo import estimator_spec
+from molt.config import MoltConfig, load_config, override, resolve, save_config, to_dict, validate
 
 
 def _files(tmp_path):
@@ -53,3 +57,64 @@ def test_missing_files_and_unknown_yaml_keys(tmp_path):
     recipe.write_text("rollout:\n  n_samples: 4\n")
     with pytest.raises(ValueError, match="unknown config field rollout.n_samples"):
         load_config(["--config", str(recipe)])
+
+
+GRPO_MEDIAN = Path(__file__).parents[1] / "data" / "grpo_median.py"  # docs/algo.md's example, a user's file
+
+
+def test_num_ranks_beyond_an_optimizer_steps_rollouts_is_refused_at_validation(tmp_path):
+    # 4 prompts x 2 samples a step, 2 rollouts an optimizer step: 4 ranks would leave two without a rollout
+    with pytest.raises(ValueError, match=r"train.num_ranks \(4\) exceeds train.batch_size \(2\)"):
+        load_config(["--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "2", "--train.batch_size", "2",
+                     "--train.num_ranks", "4", *_files(tmp_path)])
+
+
+def test_validate_changes_nothing_and_resolve_derives_on_a_copy():
+    for estimator in ("on_policy_distill", "gae"):
+        cfg = MoltConfig()
+        cfg.algo.advantage.estimator, cfg.ref.model_name_or_path = estimator, "t"
+        before = copy.deepcopy(cfg)
+        validate(cfg, check_files=False)
+        assert cfg == before, estimator  # the implied settings are resolve()'s
+        run = resolve(cfg, num_prompts=10)
+        assert cfg == before and run.critic.model_name_or_path == cfg.actor.model_name_or_path
+        assert run.train.max_steps == 5 and run.actor.total_steps == 5  # 10 prompts, rollout.batch_size 2
+    assert (run.algo.kl.use_loss, run.algo.kl.init_coef) == (True, 0.0)  # gae: as given
+    distill = resolve(override(cfg, {"algo.advantage.estimator": "on_policy_distill"}))
+    assert (distill.algo.kl.use_loss, distill.algo.kl.estimator, distill.algo.kl.init_coef) == (False, "k1", 1.0)
+
+
+def test_the_python_api_and_the_cli_given_nothing_build_the_same_trainer(tmp_path, tiny_llama_dir):
+    """`molt train` given a model, an agent and data, and `Actor.from_pretrained` given the model: the same trainer
+    settings field by field, but for what the command line was given and the run length counted from its data."""
+    from molt.trainer import Actor
+
+    cli = resolve(load_config(["--actor.model_name_or_path", str(tiny_llama_dir), *_files(tmp_path)]), num_prompts=1)
+    api = Actor.from_pretrained(tiny_llama_dir)
+    flat = [_flat(to_dict(c)) for c in (cli, api.cfg)]
+    differ = {k for k in flat[0] if flat[0][k] != flat[1][k]}
+    assert differ == {"train.agent_path", "data.prompt_dataset", "train.max_steps", "actor.total_steps",
+                      "critic.total_steps"}, {k: (flat[0][k], flat[1][k]) for k in differ}
+    built = Actor(cli)  # what the trainer ranks of `molt train` build
+    for name in ("param_dtype", "device", "share_prefix", "loss_params"):
+        assert getattr(built, name) == getattr(api, name), name
+    groups = [[{k: v for k, v in g.items() if k != "params"} for g in a.optimizers[0].param_groups] for a in (built, api)]
+    assert groups[0] == groups[1]
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) and value else {prefix + key: value})
+    return out
+
+
+def test_a_registered_estimator_is_selectable_from_the_command_line(tmp_path):
+    plugin = GRPO_MEDIAN
+    with pytest.raises(ValueError, match=r"algo.advantage.estimator: unknown advantage estimator 'nope'.*'rloo'"):
+        load_config(["--algo.advantage.estimator", "nope", *_files(tmp_path)])  # the registered names listed
+    cfg = load_config(["--algo.plugins", str(plugin), "--algo.advantage.estimator", "grpo_median", *_files(tmp_path)])
+    assert estimator_spec(cfg.algo.advantage.estimator).kind == "group"
+    with pytest.raises(ValueError, match="algo.kl.use_loss false"):  # a group estimator takes no KL reward
+        load_config(["--algo.plugins", str(plugin), "--algo.advantage.estimator", "grpo_median",
+                     "--algo.kl.init_coef", "0.1", "--algo.kl.no-use-loss", *_files(tmp_path)])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from molt.config import MoltConfig, load_config, validate
+from molt.config import MoltConfig, load_config, resolve, validate
 
 DATA = Path(__file__).parents[2] / "recipes" / "math" / "data"
 
@@ -77,8 +77,9 @@ def test_distill_config_is_forced_and_checked(tmp_path):
         load_config(["--algo.advantage.estimator", "on_policy_distill", "--data.prompt_dataset", data])
     cfg = load_config(["--algo.advantage.estimator", "on_policy_distill", "--ref.model_name_or_path", "t",
                        "--data.prompt_dataset", data])  # no agent file: the built-in agent
-    kl = cfg.algo.kl
-    assert (kl.use_loss, kl.estimator, kl.init_coef, cfg.algo.advantage.no_whiten) == (False, "k1", 1.0, True)
+    run = resolve(cfg)  # the settings distillation implies are derived ones
+    kl = run.algo.kl
+    assert (kl.use_loss, kl.estimator, kl.init_coef, run.algo.advantage.no_whiten) == (False, "k1", 1.0, True)
     with pytest.raises(ValueError, match="train.agent_path is required"):
         load_config(["--data.prompt_dataset", data])  # other estimators still need an agent
 

@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from molt.algo import AdvantageBatch, AdvantageParams, compute_advantages
+from molt.algo import AdvantageBatch, AdvantageParams, compute_advantages, estimator_spec
+from molt.config import MoltConfig, override, resolve
 from molt.runtime.experience import assign_to_ranks
 from molt.runtime.trainer_group import TrainerGroup, terminal_rewards
 from molt.types import Experience
@@ -34,9 +35,15 @@ def test_two_ranks_equal_one_window(tiny_llama_dir, ray_local, estimator):
     batch = AdvantageBatch.from_experiences(exps)
     expected = compute_advantages(estimator, batch, AdvantageParams(**params)).advantages
     rows = list({e.rollout_id: (e.rollout_id, e.group_id, e.reward) for e in exps}.values())
-    rewards = terminal_rewards(estimator, rows)
-    _assert_two_ranks_give(expected, exps, rewards, ray_local, TrainerGroup(2, estimator=estimator,
-                           advantage_params=params), {"model_name_or_path": str(tiny_llama_dir)}, atol=1e-5)
+    rewards = terminal_rewards(estimator_spec(estimator).centred, rows)
+    _assert_two_ranks_give(expected, exps, rewards, ray_local, TrainerGroup(2), _cfg(
+        tiny_llama_dir, estimator, **{"algo.advantage.gamma": 0.9, "algo.advantage.lam": 1.0}), atol=1e-5)
+
+
+def _cfg(model_dir, estimator: str, **fields):
+    """A run's resolved configuration with `estimator` (the trainer ranks' `setup` argument)."""
+    return resolve(override(MoltConfig(), {"actor.model_name_or_path": str(model_dir),
+                                           "algo.advantage.estimator": estimator, **fields}))
 
 
 def _assert_two_ranks_give(expected, exps, rewards, ray_local, group, *setup, atol, prepare=None):
@@ -93,10 +100,9 @@ def test_gae_on_two_ranks_equals_one_window_with_independent_values(tiny_llama_d
     params = {"gamma": 0.9, "lam": 0.8}
     expected = compute_advantages("gae", AdvantageBatch.from_experiences(exps, values=values),
                                   AdvantageParams(**params)).advantages
-    tiny = {"model_name_or_path": str(tiny_llama_dir)}
-    _assert_two_ranks_give(expected, exps, {e.rollout_id: e.reward for e in exps}, ray_local,
-                           TrainerGroup(2, estimator="gae", advantage_params=params), tiny, tiny, atol=1e-4,
-                           prepare=(_set_value_head, w, b))
+    cfg = _cfg(tiny_llama_dir, "gae", **{"algo.advantage.gamma": 0.9, "algo.advantage.lam": 0.8})
+    _assert_two_ranks_give(expected, exps, {e.rollout_id: e.reward for e in exps}, ray_local, TrainerGroup(2), cfg,
+                           atol=1e-4, prepare=(_set_value_head, w, b))
     # the values mattered: GAE with zero values (plain discounted returns) differs
     zero = compute_advantages("gae", AdvantageBatch.from_experiences(exps, values=torch.zeros_like(values)),
                               AdvantageParams(**params)).advantages
@@ -129,10 +135,11 @@ def test_kl_as_a_token_reward_by_hand(tiny_llama_dir, ray_local):
         expected.append([sum(r[t:]) if m else 0.0 for t, m in enumerate(e.action_mask)])
 
     async def main():
-        group = TrainerGroup(1, estimator="reinforce", advantage_params={"gamma": 1.0, "lam": 1.0, "whiten": False})
+        group = TrainerGroup(1)
         try:
-            await group.setup({"model_name_or_path": str(tiny_llama_dir), "kl_coef": coef, "kl_use_loss": False,
-                               "kl_estimator": "k1"})
+            await group.setup(_cfg(tiny_llama_dir, "reinforce", **{
+                "algo.advantage.no_whiten": True, "algo.kl.init_coef": coef, "algo.kl.use_loss": False,
+                "algo.kl.estimator": "k1"}))
             return await group.call("advantages", [exps], [{e.rollout_id: e.reward for e in exps}])
         finally:
             for rank in group.ranks:
@@ -141,3 +148,33 @@ def test_kl_as_a_token_reward_by_hand(tiny_llama_dir, ray_local):
     for adv, want in zip(got, expected):
         assert adv == pytest.approx(want, abs=1e-4)
     assert any(abs(w - e.reward) > 0.05 for w, e in zip((w[3] for w in expected), exps))  # the KL moved them
+
+
+TOKEN_PLUGIN = '''
+from molt.algo import AdvantageResult, register_estimator
+from molt.algo.advantages import reinforce
+
+
+@register_estimator("test_double_reinforce", "token")
+def double_reinforce(batch, params):
+    r = reinforce(batch, params)
+    return AdvantageResult(2 * r.advantages, r.returns)
+'''
+
+
+def test_a_token_estimator_registered_by_the_user_runs_on_the_ranks(tiny_llama_dir, ray_local, tmp_path):
+    """The ranks import `algo.plugins` themselves (a Ray actor never saw the driver's imports) and run the
+    estimator the registry declares a token one, with the controller's rewards as they are."""
+    from molt.algo import import_files
+
+    plugin = tmp_path / "double.py"
+    plugin.write_text(TOKEN_PLUGIN)
+    import_files([str(plugin)])
+    assert estimator_spec("test_double_reinforce").kind == "token"
+    exps = _window(2)
+    batch = AdvantageBatch.from_experiences(exps)
+    expected = compute_advantages("test_double_reinforce", batch, AdvantageParams(gamma=0.9, whiten=False)).advantages
+    rows = list({e.rollout_id: (e.rollout_id, e.group_id, e.reward) for e in exps}.values())
+    cfg = _cfg(tiny_llama_dir, "test_double_reinforce", **{"algo.plugins": [str(plugin)], "algo.advantage.gamma": 0.9,
+                                                            "algo.advantage.no_whiten": True})
+    _assert_two_ranks_give(expected, exps, terminal_rewards(False, rows), ray_local, TrainerGroup(2), cfg, atol=1e-5)

@@ -75,7 +75,8 @@ def test_loss_is_the_cross_entropy_of_the_assistant_tokens(tiny_llama_dir, token
     ids = torch.tensor([exps[0].token_ids])
     labels = torch.where(torch.tensor([exps[0].action_mask]).bool(), ids, -100)
     expected = float(AutoModelForCausalLM.from_pretrained(tiny_llama_dir)(ids, labels=labels).loss)
-    actor = Actor.from_pretrained(tiny_llama_dir, device="cpu", policy_loss="sft", is_correction_level="off")
+    actor = Actor.from_pretrained(tiny_llama_dir, **{"fsdp.device": "cpu", "actor.policy_loss": "sft",
+                                                     "algo.advantage.is_correction_level": "off"})
     assert actor.train_step(exps)["policy_loss"] == pytest.approx(expected, rel=1e-5)
 
 

@@ -268,3 +268,17 @@ def _assert_trained_export(base_dir, out, last) -> None:
     assert final.keys() == base.keys() == saved.keys()
     assert all(torch.equal(final[k], saved[k]) for k in final)
     assert sum(not torch.equal(final[k], base[k]) for k in final) > len(final) // 2
+
+
+def test_a_group_estimator_registered_by_the_user_trains(tiny_llama_dir, tmp_path, ray_local):
+    """docs/algo.md's grpo_median, named by `algo.plugins`: validated, then computed by the controller (a group
+    estimator, as its registration declares) on each step's groups."""
+    plugin = Path(__file__).parents[1] / "data" / "grpo_median.py"
+    out = tmp_path / "run"
+    cfg = _cfg(tiny_llama_dir, out, train__max_steps=1, train__max_staleness=0, algo__plugins=[str(plugin)])
+    cfg.algo.advantage.estimator = "grpo_median"  # the run imports the plugin before it looks the name up
+    asyncio.run(run_training(cfg))
+    rows = {r["rollout_id"]: r for r in _read(out, "dumps/step_1.jsonl")}
+    for group in _by_group(rows.values()).values():
+        median = sorted(r["reward"] for r in group)[(len(group) - 1) // 2]  # torch's: the lower middle value
+        assert len(group) == 4 and all(r["advantage"] == pytest.approx(r["reward"] - median) for r in group)

@@ -40,7 +40,7 @@ def test_fp32_engine_and_trainer_agree_on_cuda(tiny_llama_dir, pack):
     from molt.trainer import Actor
 
     window = _engine_window(tiny_llama_dir, 0.7)
-    actor = Actor.from_pretrained(tiny_llama_dir, param_dtype="float32", packing_samples=pack)
+    actor = Actor.from_pretrained(tiny_llama_dir, **{"actor.dtype": "float32", "fsdp.packing_samples": pack})
     assert actor.device.type == "cuda" and actor.mesh is not None  # one GPU: FSDP2 on a one-rank mesh
     gaps = [abs(r - b) for e, lp in zip(window, actor.compute_logprobs(window))
             for r, b, m in zip(lp, e.behavior_logprobs, e.action_mask) if m]
@@ -51,7 +51,7 @@ def test_packed_flash_attention_matches_padded_sdpa_in_bf16(tiny_llama_dir):
     from molt.trainer import Actor
 
     window = grouped_window(tiny_llama_dir, seed=5)
-    lps = [Actor.from_pretrained(tiny_llama_dir, packing_samples=pack).compute_logprobs(window)
+    lps = [Actor.from_pretrained(tiny_llama_dir, **{"fsdp.packing_samples": pack}).compute_logprobs(window)
            for pack in (False, True)]
     gaps = [abs(a - b) for x, y in zip(*lps) for a, b in zip(x, y)]
     assert 0 < max(gaps) < 0.1  # bf16 both ways, different kernels
@@ -64,9 +64,9 @@ def test_bf16_step_has_no_host_sync_per_micro_batch(tiny_llama_dir, level, loss)
     window = make_window(tiny_llama_dir, n=8, seed=1)
     counts = {}
     for budget in (10_000, 40):
-        actor = Actor.from_pretrained(tiny_llama_dir, **{**BASE, "device": "cuda", "max_tokens_per_gpu": budget,
-                                                         "policy_loss": loss,
-                                                         "is_correction_level": level, "packing_samples": True})
+        actor = Actor.from_pretrained(tiny_llama_dir, **{
+            **BASE, "fsdp.device": "cuda", "train.max_tokens_per_gpu": budget, "actor.policy_loss": loss,
+            "algo.advantage.is_correction_level": level, "fsdp.packing_samples": True})
         assert actor.param_dtype == torch.bfloat16
         actor.train_step(window)  # warm-up: lazy optimizer state, allocator
         plan, _, _ = actor.schedule(window)

@@ -97,9 +97,10 @@ def test_a_step_reads_nothing_back_per_micro_batch(tiny_llama_dir, pack, level, 
     window = make_window(tiny_llama_dir, n=8, seed=1)
     counts = {}
     for budget in (10_000, 40):  # one micro-batch, then several
-        actor = Actor.from_pretrained(tiny_llama_dir, **{**BASE, "max_tokens_per_gpu": budget, "policy_loss": loss,
-                                                         "is_correction_level": level, "is_correction_mode": "mask",
-                                                         "packing_samples": pack, "share_prefix": False})
+        actor = Actor.from_pretrained(tiny_llama_dir, **{
+            **BASE, "train.max_tokens_per_gpu": budget, "actor.policy_loss": loss, "fsdp.packing_samples": pack,
+            "algo.advantage.is_correction_level": level, "algo.advantage.is_correction_mode": "mask",
+            "train.share_prefix": False})
         plan, _, _ = actor.schedule(window)
         counts[len(plan)] = _syncs_per_step(actor, window)
     (one, n_one), (many, n_many) = sorted(counts.items())
@@ -114,11 +115,13 @@ def test_one_rank_mesh_applies_mixed_precision_and_casts_weights_once_per_step(t
     from molt.trainer import Actor
 
     with pytest.raises(ValueError, match="offload"):
-        Actor.from_pretrained(tiny_llama_dir, device="cpu", offload=True)  # nothing to offload: refused, not ignored
+        # nothing to offload: refused, not ignored
+        Actor.from_pretrained(tiny_llama_dir, **{"fsdp.device": "cpu", "fsdp.offload": True})
     window = make_window(tiny_llama_dir, n=8, seed=1)
     cast = {}
     for budget in (10_000, 40):
-        actor = Actor.from_pretrained(tiny_llama_dir, param_dtype="bfloat16", max_tokens_per_gpu=budget, **BASE)
+        actor = Actor.from_pretrained(tiny_llama_dir, **{"actor.dtype": "bfloat16",
+                                                         "train.max_tokens_per_gpu": budget}, **BASE)
         assert actor.mesh is not None and actor.mesh["dp"].size() == 1 and isinstance(actor.model, FSDPModule)
         n_params = sum(p.numel() for p in actor.model.parameters())
         plan, _, _ = actor.schedule(window)
@@ -130,7 +133,7 @@ def test_one_rank_mesh_applies_mixed_precision_and_casts_weights_once_per_step(t
     (_, c_one), (many, c_many) = sorted(cast.items())
     assert many >= 4 and c_one == c_many == n_params, (n_params, cast)  # once a step, however many passes
     with torch.no_grad():  # the bf16 policy computes nearly the fp32 log-probs
-        lp16 = Actor.from_pretrained(tiny_llama_dir, param_dtype="bfloat16", **BASE).compute_logprobs(window[:2])
+        lp16 = Actor.from_pretrained(tiny_llama_dir, **{"actor.dtype": "bfloat16"}, **BASE).compute_logprobs(window[:2])
         lp32 = Actor.from_pretrained(tiny_llama_dir, **BASE).compute_logprobs(window[:2])
     gap = max(abs(a - b) for x, y in zip(lp16, lp32) for a, b in zip(x, y))
     assert 0 < gap < 0.2
@@ -150,7 +153,7 @@ def test_one_rank_mesh_hands_the_exact_temperature_to_the_log_prob_kernel(tiny_l
     window = make_window(tiny_llama_dir, n=4, seed=1)
     for exp in window:
         exp.temperature = 0.7
-    Actor.from_pretrained(tiny_llama_dir, param_dtype="bfloat16", **BASE).compute_logprobs(window)
+    Actor.from_pretrained(tiny_llama_dir, **{"actor.dtype": "bfloat16"}, **BASE).compute_logprobs(window)
     assert seen and all(t.dtype == torch.float32 and bool((t == torch.tensor(0.7)).all()) for t in seen), seen
 
 
@@ -159,12 +162,12 @@ def test_one_rank_mesh_checkpoints_resume_and_export_exactly(tiny_llama_dir, tmp
 
     from molt.trainer import Actor
 
-    actor = Actor.from_pretrained(tiny_llama_dir, param_dtype="bfloat16", **BASE)
+    actor = Actor.from_pretrained(tiny_llama_dir, **{"actor.dtype": "bfloat16"}, **BASE)
     actor.train_step(make_window(tiny_llama_dir, seed=1))
     actor.save(str(tmp_path / "ckpt"))
     actor.train_step(make_window(tiny_llama_dir, seed=2))
     after = full_params(actor)
-    resumed = Actor.from_pretrained(tiny_llama_dir, param_dtype="bfloat16", **BASE)
+    resumed = Actor.from_pretrained(tiny_llama_dir, **{"actor.dtype": "bfloat16"}, **BASE)
     resumed.load(str(tmp_path / "ckpt"))
     resumed.train_step(make_window(tiny_llama_dir, seed=2))
     assert all(torch.equal(full_params(resumed)[k], v) and v.dtype == torch.float32 for k, v in after.items())

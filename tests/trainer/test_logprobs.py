@@ -59,7 +59,7 @@ def test_first_token_cannot_be_an_action_and_softcap_is_refused():
 def actor(tiny_llama_dir):
     from molt.trainer import Actor
 
-    return Actor.from_pretrained(tiny_llama_dir, logprob_chunk_size=16)
+    return Actor.from_pretrained(tiny_llama_dir, **{"actor.logprob_chunk_size": 16})
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

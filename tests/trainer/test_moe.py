@@ -102,10 +102,9 @@ FAMILIES = {  # tiny configs of the four families; both normalisations of the to
 def test_every_family_replays_its_own_routes_exactly(family):
     """Replaying the routes the model would choose itself changes nothing (the family's weights are rebuilt
     exactly); other routes change the log-probs."""
-    from types import SimpleNamespace
-
     import transformers
 
+    from molt.config import MoltConfig, override
     from molt.trainer.batching import collate
     from molt.trainer.logprobs import CausalLMLogProbs
     from molt.trainer.moe import Routing
@@ -121,7 +120,7 @@ def test_every_family_replays_its_own_routes_exactly(family):
     with torch.no_grad():
         logits = lm(torch.tensor([ids]), output_router_logits=True).router_logits
     own = torch.stack([torch.softmax(x.float(), -1).topk(2).indices for x in logits], 1).numpy()
-    cfg = SimpleNamespace(routing_replay=True, freeze_moe_router=False, aux_loss_coef=0.0)
+    cfg = override(MoltConfig(), {"train.routing_replay": True})
     model = CausalLMLogProbs(lm, routing=Routing(lm, cfg))
     assert len(model.routing.routers) == 2
 
@@ -139,7 +138,12 @@ def test_every_family_replays_its_own_routes_exactly(family):
 
 
 def _actor(path, **kw):
-    return Actor.from_pretrained(path, device="cpu", lr=1e-3, is_correction_level="off", **kw)
+    """kw: trainer fields by their last name (routing_replay=True)."""
+    names = {"routing_replay": "train", "packing_samples": "fsdp", "freeze_moe_router": "actor",
+             "aux_loss_coef": "actor"}
+    return Actor.from_pretrained(path, **{"fsdp.device": "cpu", "actor.adam.lr": 1e-3,
+                                          "algo.advantage.is_correction_level": "off",
+                                          **{f"{names[k]}.{k}": v for k, v in kw.items()}})
 
 
 def _perturb(actor, scale: float, seed: int = 0) -> None:
@@ -172,7 +176,8 @@ def test_perturbed_router_lowers_agreement_and_replay_closes_the_gap(tiny_moe_di
 def test_replay_reproduces_the_engine_and_the_router_still_learns(tiny_moe_dir, sampled):
     exps = [_experience(p, c, i) for i, (p, c) in enumerate(sampled)]
     # padded, and packed with the two turns of session s0 sharing their prefix (routes laid out like the tokens)
-    for actor in (_actor(tiny_moe_dir, routing_replay=True, packing_samples=True), _actor(tiny_moe_dir, routing_replay=True)):
+    for actor in (_actor(tiny_moe_dir, routing_replay=True, packing_samples=True),
+                  _actor(tiny_moe_dir, routing_replay=True)):
         for exp, lp in zip(exps, actor.compute_logprobs(exps)):
             act = [i for i, m in enumerate(exp.action_mask) if m]
             np.testing.assert_allclose([lp[i] for i in act], [exp.behavior_logprobs[i] for i in act], atol=1e-5)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from trainer_helpers import BASE, full_params, make_window
 
-MUON = {**BASE, "optim": "muon", "muon": {"lr": 0.02, "momentum": 0.95, "ns_steps": 5, "nesterov": True}}
+MUON = {**BASE, "actor.optim": "muon", "actor.muon": {"lr": 0.02, "momentum": 0.95, "ns_steps": 5, "nesterov": True}}
 HIDDEN = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")  # the blocks' 2-D weights
 
 
@@ -34,7 +34,7 @@ def test_groups_under_fsdp2(tiny_llama_dir):
     the same, over DTensors, and a step runs."""
     from molt.trainer import Actor
 
-    actor = Actor.from_pretrained(tiny_llama_dir, **MUON, param_dtype="bfloat16")
+    actor = Actor.from_pretrained(tiny_llama_dir, **{"actor.dtype": "bfloat16"}, **MUON)
     assert actor.mesh is not None and len(_groups(actor)["Muon"]) == 14
     assert actor.train_step(make_window(tiny_llama_dir, seed=1))["actor_grad_norm"] > 0
 
@@ -87,10 +87,10 @@ def test_muon_run_resumes_exactly(tiny_llama_dir, tmp_path):
 
 def test_bad_optimizer_names_the_field(tiny_llama_dir):
     from molt.config import load_config
-    from molt.trainer import ActorConfig
+    from molt.trainer import Actor
 
-    with pytest.raises(ValueError, match="optim"):
-        ActorConfig(model_name_or_path=str(tiny_llama_dir), optim="sgd").validate()
+    with pytest.raises(ValueError, match="actor.optim"):
+        Actor.from_pretrained(tiny_llama_dir, **{"actor.optim": "sgd"})
     cfg = load_config(["--actor.optim", "muon", "--actor.muon.lr", "0.01", "--actor.muon.no_nesterov",
                        "--critic.muon.ns_steps", "3"], check_files=False)
     assert (cfg.actor.optim, cfg.actor.muon.lr, cfg.actor.muon.nesterov, cfg.critic.muon.ns_steps) == ("muon", 0.01,

@@ -17,7 +17,7 @@ def test_a_nan_loss_skips_the_step_and_the_next_one_trains(tiny_llama_dir, monke
     from molt.trainer import Actor
 
     monkeypatch.setenv("MOLT_FAULT_NAN_LOSS", "2")
-    actor = Actor.from_pretrained(tiny_llama_dir, **BASE, optim=optim)
+    actor = Actor.from_pretrained(tiny_llama_dir, **{"actor.optim": optim}, **BASE)
     assert actor.train_step(make_window(tiny_llama_dir, seed=1))["train/skipped_steps"] == 0.0
     before = trainer_state(actor)
     assert any(k.endswith(("exp_avg", "momentum_buffer")) for k in before)  # there is optimizer state to keep
@@ -46,9 +46,9 @@ def test_an_inf_gradient_skips_the_step(tiny_llama_dir):
 
 
 def test_a_nan_value_loss_skips_the_critic_step(tiny_llama_dir):
-    from molt.trainer import ActorConfig, Critic
+    from molt.trainer import Critic
 
-    critic = Critic(ActorConfig(model_name_or_path=str(tiny_llama_dir), **BASE))
+    critic = Critic.from_pretrained(tiny_llama_dir, **BASE)
     window = make_window(tiny_llama_dir, seed=1)
     returns = [[1.0 if m else 0.0 for m in e.action_mask] for e in window]
     old = critic.compute_values(window)

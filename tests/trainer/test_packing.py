@@ -86,11 +86,11 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_pass(request, mo
 def test_packed_actor_steps_equal_padded_steps(tiny_llama_dir, level):
     from molt.trainer import Actor
 
-    cfg = {**BASE, "is_correction_level": level, "max_tokens_per_gpu": 64}
+    cfg = {**BASE, "algo.advantage.is_correction_level": level, "train.max_tokens_per_gpu": 64}
     windows = [make_window(tiny_llama_dir, seed=1), grouped_window(tiny_llama_dir, seed=2)]  # one with prompt groups
     runs = []
     for pack in (False, True):  # padded: shared prefixes through the KV cache; packed: laid out once
-        actor = Actor.from_pretrained(tiny_llama_dir, packing_samples=pack, **cfg)
+        actor = Actor.from_pretrained(tiny_llama_dir, **{"fsdp.packing_samples": pack}, **cfg)
         metrics = [actor.train_step(w) for w in windows]
         lps = actor.compute_logprobs(grouped_window(tiny_llama_dir, seed=4))
         runs.append((metrics, full_params(actor), lps))

@@ -78,7 +78,7 @@ def test_an_actor_step_is_the_same_with_and_without_sharing(tiny_llama_dir):
     window = grouped_window(tiny_llama_dir, seed=1)
     runs = []
     for share in (False, True):
-        actor = Actor.from_pretrained(tiny_llama_dir, **BASE, share_prefix=share)
+        actor = Actor.from_pretrained(tiny_llama_dir, **{"train.share_prefix": share}, **BASE)
         assert actor.share_prefix is share
         metrics = [actor.train_step(window) for _ in range(2)]
         runs.append((metrics, full_params(actor), actor.compute_logprobs(window)))
@@ -90,4 +90,4 @@ def test_an_actor_step_is_the_same_with_and_without_sharing(tiny_llama_dir):
     assert max((p0[n] - p1[n]).abs().max().item() for n in p0) <= 5e-5
     assert max(abs(x - y) for r0, r1 in zip(lp0, lp1) for x, y in zip(r0, r1)) <= 1e-5
     # sharing needs one process and the KV cache: off with gradient checkpointing
-    assert not Actor.from_pretrained(tiny_llama_dir, gradient_checkpoint=True).share_prefix
+    assert not Actor.from_pretrained(tiny_llama_dir, **{"actor.gradient_checkpoint": True}).share_prefix

@@ -5,12 +5,13 @@ import pytest
 import torch
 from trainer_helpers import make_window
 
-from molt.trainer import Actor, ActorConfig, Critic
+from molt.trainer import Actor, Critic
 
 
 @pytest.fixture(scope="module")
 def trained(tiny_llama_dir):
-    actor = Actor.from_pretrained(tiny_llama_dir, lr=1e-2, micro_batch_size=4)
+    actor = Actor.from_pretrained(tiny_llama_dir, **{"actor.adam.lr": 1e-2, "train.micro_batch_size": 4,
+                                                     "train.max_tokens_per_gpu": 0})
     actor.train_step(make_window(tiny_llama_dir, seed=5))
     return actor
 
@@ -63,11 +64,12 @@ def test_export_loads_and_generates_same_greedy_text(trained, tmp_path):
     assert out_loaded.shape[1] > ids.shape[1]
 
 
-def test_reference_only_with_kl_and_warns_for_group_estimators(tiny_llama_dir):
+def test_reference_only_with_kl_and_refused_as_a_reward_of_group_estimators(tiny_llama_dir):
     assert Actor.from_pretrained(tiny_llama_dir).ref is None
-    with pytest.warns(UserWarning, match="ignores a KL"):
-        Actor.from_pretrained(tiny_llama_dir, kl_coef=0.1, kl_use_loss=False, advantage_estimator="grpo")
-    actor = Actor.from_pretrained(tiny_llama_dir, kl_coef=0.1, lr=1e-2)
+    with pytest.raises(ValueError, match="algo.kl.use_loss false"):
+        Actor.from_pretrained(tiny_llama_dir, **{"algo.kl.init_coef": 0.1, "algo.kl.use_loss": False,
+                                                 "algo.advantage.estimator": "grpo"})
+    actor = Actor.from_pretrained(tiny_llama_dir, **{"algo.kl.init_coef": 0.1, "actor.adam.lr": 1e-2})
     window = make_window(tiny_llama_dir, seed=6)
     first = actor.train_step(window)
     assert first["kl/mean"] == pytest.approx(0.0, abs=1e-6)  # the reference starts equal to the policy
@@ -78,7 +80,8 @@ def test_reference_only_with_kl_and_warns_for_group_estimators(tiny_llama_dir):
 
 
 def test_critic_learns_returns(tiny_llama_dir):
-    critic = Critic(ActorConfig(model_name_or_path=str(tiny_llama_dir), lr=5e-3, micro_batch_size=3))
+    critic = Critic.from_pretrained(tiny_llama_dir, **{"critic.adam.lr": 5e-3, "train.micro_batch_size": 3,
+                                                       "train.max_tokens_per_gpu": 0})
     window = make_window(tiny_llama_dir, seed=7)
     values = critic.compute_values(window)
     assert all(v == 0.0 for row in values for v in row)  # zero-initialized head
@@ -90,24 +93,24 @@ def test_critic_learns_returns(tiny_llama_dir):
     assert losses[0] == pytest.approx(0.5, abs=1e-6) and losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("field,value", [("lr", -1.0), ("lr_scheduler", "linear"), ("micro_batch_size", 0),
-                                         ("max_tokens_per_gpu", 0), ("eps_clip_low_high", (-0.1, 0.2)),
-                                         ("param_dtype", "int8"), ("total_steps", 0)])
-def test_config_errors_name_the_field(field, value):
-    kwargs = {field: value}
-    if field == "total_steps":
-        kwargs["lr_scheduler"] = "cosine"
-    with pytest.raises(ValueError, match=field):
-        ActorConfig(model_name_or_path="x", **kwargs).validate()
+@pytest.mark.parametrize("field,value", [("actor.adam.lr", -1.0), ("actor.lr_scheduler", "linear"),
+                                         ("train.micro_batch_size", -1), ("train.max_tokens_per_gpu", -1),
+                                         ("actor.eps_clip_low_high", (-0.1, 0.2)), ("actor.dtype", "int8"),
+                                         ("fsdp.device", "tpu"), ("actor.policy_loss", "nope"),
+                                         ("actor.total_steps", 0)])
+def test_config_errors_name_the_field(tiny_llama_dir, field, value):
+    over = {field: value, **({"actor.lr_scheduler": "cosine"} if field == "actor.total_steps" else {})}
+    with pytest.raises(ValueError, match=field.rsplit(".", 1)[-1]):
+        Actor.from_pretrained(tiny_llama_dir, **over)
 
 
 def test_cosine_schedule_with_warmup():
+    from molt.config import ActorConfig
     from molt.trainer.optim import lr_multiplier
 
-    f = lr_multiplier(ActorConfig(model_name_or_path="x", lr_scheduler="cosine", lr_warmup_steps=2,
-                                  total_steps=6, min_lr_ratio=0.1))
+    f = lr_multiplier(ActorConfig(lr_scheduler="cosine", lr_warmup_steps=2, total_steps=6, min_lr_ratio=0.1))
     assert [round(f(s), 6) for s in range(7)] == [0.5, 1.0, 1.0, round(0.1 + 0.9 * 0.5 * (1 + 0.7071067811865476), 6),
                                                  0.55, round(0.1 + 0.9 * 0.5 * (1 - 0.7071067811865476), 6), 0.1]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert lr_multiplier(ActorConfig(model_name_or_path="x"))(100) == 1.0
+        assert lr_multiplier(ActorConfig())(100) == 1.0

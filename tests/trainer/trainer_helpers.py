@@ -12,13 +12,14 @@ from molt.types import Experience
 
 # clip mode gives non-trivial importance weights; on the CPU even where a GPU is present (the CPU fp32 path is
 # the reference; tests/trainer/test_cuda.py is the GPU's)
-BASE = {"device": "cpu", "lr": 1e-3, "max_norm": 1.0, "is_correction_level": "token", "is_correction_mode": "clip",
-            "is_correction_threshold": (0.8, 1.25), "entropy_coef": 0.01, "eps_clip_low_high": (0.2, 0.28),
-            "lr_scheduler": "cosine", "lr_warmup_steps": 1, "total_steps": 6}
+BASE = {"fsdp.device": "cpu", "actor.adam.lr": 1e-3, "actor.max_norm": 1.0, "actor.entropy_coef": 0.01,
+        "algo.advantage.is_correction_level": "token", "algo.advantage.is_correction_mode": "clip",
+        "algo.advantage.is_correction_threshold": (0.8, 1.25), "actor.eps_clip_low_high": (0.2, 0.28),
+        "actor.lr_scheduler": "cosine", "actor.lr_warmup_steps": 1, "actor.total_steps": 6}
 SPLITS = {
-    "mbs2_ckpt": {"micro_batch_size": 2, "gradient_checkpoint": True},
-    "tok48": {"max_tokens_per_gpu": 48},
-    "packed48": {"packing_samples": True, "max_tokens_per_gpu": 48},
+    "mbs2_ckpt": {"train.micro_batch_size": 2, "train.max_tokens_per_gpu": 0, "actor.gradient_checkpoint": True},
+    "tok48": {"train.max_tokens_per_gpu": 48},
+    "packed48": {"fsdp.packing_samples": True, "train.max_tokens_per_gpu": 48},
 }
 
 
@@ -99,7 +100,7 @@ def dist_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) 
             results["resumed"] = full_params(resumed)
             results["resumed_step"] = resumed.step
     # tensor parallelism over both ranks (a (dp=1, tp=2) mesh): tp ranks see the same data
-    tp_actor = Actor.from_pretrained(model_dir, tp_size=2, **BASE)
+    tp_actor = Actor.from_pretrained(model_dir, **{"fsdp.tp_size": 2}, **BASE)
     results["tp"] = {"metrics": [tp_actor.train_step(w1)], "params": full_params(tp_actor)}
     if rank == 0:
         torch.save(results, out / "results.pt")

@@ -10,7 +10,7 @@ from molt.capture.render import canonical_messages, message_images
 from molt.trainer import Actor
 from molt.types import Experience, SamplingParams, Trajectory, vision_token_ids
 
-FP32 = {"device": "cpu", "param_dtype": "float32"}
+FP32 = {"fsdp.device": "cpu", "actor.dtype": "float32"}
 
 
 def prompt(renderer, *images):
@@ -71,7 +71,7 @@ async def test_engine_and_trainer_logprobs_agree_on_image_replies(vlm_engine, vl
     blind.images = None  # the same tokens without the pixels: the image tokens' plain embeddings
     lps = actor.compute_logprobs([blind])[0]
     assert max(abs(lp - b) for lp, b, m in zip(lps, blind.behavior_logprobs, blind.action_mask) if m) > 1e-3
-    packed = Actor.from_pretrained(str(tiny_vlm_dir), packing_samples=True, **FP32)
+    packed = Actor.from_pretrained(str(tiny_vlm_dir), **{"fsdp.packing_samples": True}, **FP32)
     with pytest.raises(ValueError, match="packing_samples"):
         packed.compute_logprobs(exps)
 
@@ -80,11 +80,12 @@ async def test_freeze_visual_encoder(vlm_engine, vlm_renderer, tiny_vlm_dir, tin
     (segment,) = await two_turn_rollouts(vlm_engine, vlm_renderer, ["blue"])
     exp = Experience.from_segment(Trajectory("r", "g", [segment]), 0)
     exp.advantages = [1.0 if m else 0.0 for m in exp.action_mask]
-    actor = Actor.from_pretrained(str(tiny_vlm_dir), freeze_visual_encoder=True, lr=1e-2, **FP32)
+    actor = Actor.from_pretrained(str(tiny_vlm_dir), **{"actor.freeze_visual_encoder": True, "actor.adam.lr": 1e-2},
+                                  **FP32)
     before = {n: p.detach().clone() for n, p in actor.lm.named_parameters()}
     actor.train_step([exp])
     changed = {n for n, p in actor.lm.named_parameters() if not torch.equal(p, before[n])}
     assert changed and not any(".vision_tower." in n for n in changed)
     assert any(".multi_modal_projector." in n for n in changed) and any(".language_model." in n for n in changed)
     with pytest.raises(ValueError, match="freeze_visual_encoder: .* has no vision encoder"):
-        Actor.from_pretrained(str(tiny_llama_dir), freeze_visual_encoder=True, **FP32)
+        Actor.from_pretrained(str(tiny_llama_dir), **{"actor.freeze_visual_encoder": True}, **FP32)

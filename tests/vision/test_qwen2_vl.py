@@ -22,7 +22,7 @@ from molt.testing.models import build_tiny_qwen2_vl
 from molt.trainer import Actor, logprobs
 from molt.types import Experience, SamplingParams, Trajectory, vision_token_ids
 
-FP32 = {"device": "cpu", "param_dtype": "float32"}
+FP32 = {"fsdp.device": "cpu", "actor.dtype": "float32"}
 
 
 def image_only(processor_class):

@@ -91,7 +91,8 @@ def image_window(model_dir, kinds: str, seed: int = 0) -> list:
 
 
 FSDP_WINDOW, FSDP_SHARES = "itiiii", ([0, 1], [2, 3, 4, 5])  # rank 0: an image, a text row, then a ghost
-FSDP_CFG = {"device": "cpu", "param_dtype": "float32", "micro_batch_size": 1, "lr": 1e-3, "max_norm": 1.0}
+FSDP_CFG = {"fsdp.device": "cpu", "actor.dtype": "float32", "train.micro_batch_size": 1, "train.max_tokens_per_gpu": 0,
+            "actor.adam.lr": 1e-3, "actor.max_norm": 1.0, "critic.adam.lr": 1e-3}
 
 
 def fsdp_run(model_dir, rank: int | None = None) -> dict:
@@ -99,16 +100,15 @@ def fsdp_run(model_dir, rank: int | None = None) -> dict:
     process (rank None), or this rank's share."""
 
     from molt.trainer import Actor, Critic
-    from molt.trainer.config import ActorConfig
 
     window = image_window(model_dir, FSDP_WINDOW)
     exps = window if rank is None else [window[i] for i in FSDP_SHARES[rank]]
     # Adam's first update is lr * g / (|g| + eps): with lr = eps = 1 the parameters move by g / (|g| + 1), so
     # comparing them compares the gradients (with a small eps, rounding noise in a near-zero g would be scaled up)
-    actor = Actor.from_pretrained(str(model_dir), **{**FSDP_CFG, "lr": 1.0, "adam_eps": 1.0})
+    actor = Actor.from_pretrained(str(model_dir), **{**FSDP_CFG, "actor.adam.lr": 1.0, "actor.adam.eps": 1.0})
     out = {"logprobs": actor.compute_logprobs(exps), "metrics": actor.train_step(exps)}
     out["params"] = {n: t.clone() for b in actor.iter_weights(bucket_bytes=64 << 10) for n, t in b}
-    critic = Critic(ActorConfig(model_name_or_path=str(model_dir), **FSDP_CFG))
+    critic = Critic.from_pretrained(str(model_dir), **FSDP_CFG)
     returns = [[float(m) for m in e.action_mask] for e in exps]
     for _ in range(2):
         old = critic.compute_values(exps)
