@@ -191,7 +191,8 @@ def test_sbatch_run_requeued_and_preempted_resumes_exactly_once(slurm, tiny_llam
     print(f"slurm-test: scontrol requeue {job_id} at step {requeued_at} (last checkpoint step_{ckpt_before})")
     running(1, ckpt_before + 2)
     preempt_at = _steps(out)
-    high = slurm.run("sbatch", "--parsable", "--partition=high", "--nodes=1", "--wrap", "sleep 1").strip()
+    high = slurm.run("sbatch", "--parsable", "--partition=high", "--nodes=1", f"--output={tmp_path}/high.out",
+                     "--wrap", "sleep 1").strip()
     print(f"slurm-test: job {high} in the high partition preempts job {job_id} at step {preempt_at}")
     _wait(lambda: slurm.job(job_id)["JobState"] == "COMPLETED", 900, f"job {job_id} to complete; log:\n{text()[-3000:]}")
     wall = time.time() - t0
