@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.molt-installed
 
-.PHONY: demo demo-agent test test-slow test-chaos gpu-check gpu-rehearse install harness clean
+.PHONY: demo demo-agent test test-slow test-chaos test-slurm gpu-check gpu-rehearse install harness clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,12 +40,17 @@ test: $(STAMP) harness
 	$(BIN)/pytest -q -x
 
 test-slow: $(STAMP)
-	$(BIN)/pytest -q -m slow
+	$(BIN)/pytest -q -m 'slow and not slurm'  # test-slurm installs system packages
 
 # Kill an engine process, then the whole run, at random steps of a tiny-model run; resume; check the ledger
 # (docs/reliability.md). CHAOS_SEEDS="0 1 2" by default.
 test-chaos: $(STAMP)
 	$(BIN)/pytest -q -m chaos tests/runtime/test_chaos.py
+
+# Slurm for real (root): installs Debian's Slurm and munge, starts a one-node cluster, runs a tiny-model job
+# through scripts/slurm.sbatch, requeues and preempts it, checks the resumed run's ledger (docs/slurm.md).
+test-slurm: $(STAMP)
+	$(BIN)/pytest -q -s -m slurm tests/runtime/test_slurm.py
 
 # On a machine with a GPU: the CUDA tests and the GPU benches (needs torch, transformers and pytest only).
 gpu-check:

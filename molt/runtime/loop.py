@@ -154,6 +154,7 @@ class Run:
     async def _load_checkpoint(self) -> None:
         path = self._resume_from
         state = json.loads((path / "state.json").read_text())
+        print(f"molt: resuming from {path} (step {state['step']})", file=sys.stderr)
         await self.trainer.same("load", str(path / "trainer"))
         self.step = self.version = state["step"]
         self.stream = state.get("stream")
