@@ -119,6 +119,52 @@ async def test_worker_restarts_a_dead_engine_with_its_weights_and_version(tiny_l
         await worker.stop()
 
 
+async def test_an_engine_dead_at_any_call_of_a_refit_is_revived_with_the_refit(tiny_llama_dir, ray_local):
+    import torch
+
+    from molt.runtime.worker import RolloutWorker
+
+    worker = RolloutWorker(str(tiny_llama_dir), str(AGENT), max_restarts=3)
+    await worker.start()
+
+    def kill():
+        os.kill(worker.engine.engine._proc.pid, signal.SIGKILL)
+    try:
+        names = ["model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"]
+        buckets = [[(n, torch.full(tuple(_shape(tiny_llama_dir, n)), 0.25 * (i + 1)))] for i, n in enumerate(names)]
+        running = asyncio.create_task(rollout(worker, RolloutTask(ROW, (0, 0), "g", "g-s0-a0", 0, 0, seed=1),
+                                              SamplingParams(max_tokens=200, min_tokens=200)))
+        while worker.engine.engine.num_requests == 0:
+            assert not running.done(), running.result()
+            await asyncio.sleep(0.01)
+        kill()
+        while not worker._restart_lock.locked():  # the failed rollout's revival starts a new engine
+            assert not running.done(), running.result()
+            await asyncio.sleep(0.01)
+        await worker.begin_refit(False)  # meanwhile the refit begins: it must pause the new engine
+        real, killed = worker._buckets, []
+
+        async def killing_after_the_first(refs):
+            async for bucket in real(refs):
+                yield bucket
+                if not killed:
+                    killed.append(kill())
+        worker._buckets = killing_after_the_first
+        await worker.update_weights(buckets, 4)  # the engine dies between its two buckets
+        kill()
+        await worker.end_refit()  # the resume meets a dead engine
+        outcome, _ = await running
+        assert outcome.status is RolloutStatus.ENGINE_RESTART and worker.restarts == 3, outcome.error
+        sums = await worker.weight_sums()
+        assert await worker.version() == 4 and [sums[n] for n in names] == [float(b[0][1].double().sum())
+                                                                             for b in buckets]
+        again, payloads = await rollout(worker, RolloutTask(ROW, (0, 0), "g", "g-s0-a1", 0, 4, seed=1),
+                                        SamplingParams(max_tokens=4))
+        assert again.ok and {v for p in payloads for v in p["versions"] if v >= 0} == {4}
+    finally:
+        await worker.stop()
+
+
 async def rollout(worker, task, params):
     """A rollout as the runtime streams it from the worker: the outcome, then its experiences' payloads."""
     outcome, *payloads = [item async for item in worker.run(task, params)]
