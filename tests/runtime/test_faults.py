@@ -230,6 +230,46 @@ def test_engine_killed_mid_rollout_is_restarted_and_the_run_goes_on(tiny_llama_d
     assert (out / "checkpoints" / "step_5" / "state.json").is_file()  # the final checkpoint
 
 
+def test_engine_killed_at_each_call_of_a_refit_the_run_goes_on(tiny_llama_dir, tmp_path, ray_local, monkeypatch):
+    """A run whose engine process is SIGKILLed before a refit's pause, between its pause and its weights, and
+    between its weights and its resume (the refits after steps 1, 2, 3): it trains every step, exactly once."""
+    from molt.runtime.worker import Workers
+
+    calls, killed = [], []
+
+    def kill(at):
+        if len(calls) == at:
+            for pid in engine_pids(os.getpid()):  # the one live engine, under this process's Ray
+                if not gone(pid):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+
+    async def refit(actor, partial, refs, version):  # Workers._refit, with the kills
+        calls.append(version)
+        kill(1)
+        await actor.begin_refit.remote(partial)
+        try:
+            kill(2)
+            await actor.update_weights.remote((await refs)[0], version)
+            kill(3)
+        finally:
+            await actor.end_refit.remote()
+    monkeypatch.setattr(Workers, "_refit", staticmethod(refit))
+    out = tmp_path / "run"
+    cfg = load_config(args(tiny_llama_dir, out, 5, "--rollout.engine_max_restarts", "3"))
+
+    async def main():
+        run = Run(cfg)
+        try:
+            await run.setup()
+            return await run.train(), await run.workers.actors[0].version.remote()
+        finally:
+            await run.close()
+    summary, version = asyncio.run(main())
+    assert summary["steps"] == 5 and version == 5 and len(calls) >= 4 and len(killed) == 3
+    check_exactly_once(out, 5)
+
+
 def test_an_engine_crash_loop_stops_the_run_with_a_checkpoint(tiny_llama_dir, tmp_path, ray_local):
     out = tmp_path / "run"
     # from step 2 on every env step kills the engine: no rollout of step 2 can finish
