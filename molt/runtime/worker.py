@@ -126,25 +126,31 @@ class RolloutWorker:
 
     async def _revive(self) -> bool:
         code = getattr(self.engine.engine, "exitcode", None)
-        if code is None:
-            return False
-        self._deaths = [t for t in self._deaths if time.monotonic() - t < RESTART_WINDOW_S] + [time.monotonic()]
-        if len(self._deaths) > self.max_restarts or self._joined:
-            raise RunStopped(f"the engine process died (exit code {code}), {len(self._deaths)} time(s) within "
-                             f"{RESTART_WINDOW_S:.0f} s; rollout.engine_max_restarts is {self.max_restarts}")
-        print(f"molt: the engine process died (exit code {code}){' in a refit' if self._refitting else ''}; "
-              "starting a new one", file=sys.stderr)
-        new = await asyncio.to_thread(self._new_engine)
-        await new.pause()
-        refs, version = self._weights or ([], 0)
-        async for bucket in self._buckets(refs):
-            await new.update_weights(bucket, version)
-        if not self._refitting:  # within a refit it stays paused, as the one it replaces was
-            await new.resume()
-        await self.engine.engine.close()
-        self.engine.engine = new
-        self.restarts += 1
-        return True
+        while code is not None:
+            self._deaths = [t for t in self._deaths if time.monotonic() - t < RESTART_WINDOW_S] + [time.monotonic()]
+            if len(self._deaths) > self.max_restarts or self._joined:
+                raise RunStopped(f"the engine process died (exit code {code}), {len(self._deaths)} time(s) within "
+                                 f"{RESTART_WINDOW_S:.0f} s; rollout.engine_max_restarts is {self.max_restarts}")
+            print(f"molt: the engine process died (exit code {code}){' in a refit' if self._refitting else ''}; "
+                  "starting a new one", file=sys.stderr)
+            new = await asyncio.to_thread(self._new_engine, False)
+            try:
+                await asyncio.to_thread(getattr(new, "started", lambda: None))
+                await new.pause()
+                refs, version = self._weights or ([], 0)
+                async for bucket in self._buckets(refs):
+                    await new.update_weights(bucket, version)
+                if not self._refitting:  # within a refit it stays paused, as the one it replaces was
+                    await new.resume()
+            except EngineGone:  # the new one died too before it served anything: one more death, one more try
+                await new.close()
+                code = new.exitcode
+                continue
+            await self.engine.engine.close()
+            self.engine.engine = new
+            self.restarts += 1
+            return True
+        return False
 
     async def _engine(self, method: str, *args: Any) -> None:
         """A refit call on the engine. If its process died, a new engine stands in, holding the refit's weights

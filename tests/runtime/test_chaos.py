@@ -23,7 +23,7 @@ SEEDS = [int(s) for s in os.environ.get("CHAOS_SEEDS", "0 1 2").split()]
 
 def wait_for(predicate, proc, what, poll=0.2):
     while not predicate():
-        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before {what}"
+        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}"
         time.sleep(poll)
 
 

@@ -124,7 +124,7 @@ async def test_an_engine_dead_at_any_call_of_a_refit_is_revived_with_the_refit(t
 
     from molt.runtime.worker import RolloutWorker
 
-    worker = RolloutWorker(str(tiny_llama_dir), str(AGENT), max_restarts=3)
+    worker = RolloutWorker(str(tiny_llama_dir), str(AGENT), max_restarts=4)
     await worker.start()
 
     def kill():
@@ -137,11 +137,17 @@ async def test_an_engine_dead_at_any_call_of_a_refit_is_revived_with_the_refit(t
         while worker.engine.engine.num_requests == 0:
             assert not running.done(), running.result()
             await asyncio.sleep(0.01)
+        first = worker.engine.engine._proc.pid
         kill()
         while not worker._restart_lock.locked():  # the failed rollout's revival starts a new engine
             assert not running.done(), running.result()
             await asyncio.sleep(0.01)
-        await worker.begin_refit(False)  # meanwhile the refit begins: it must pause the new engine
+        refit = asyncio.create_task(worker.begin_refit(False))  # meanwhile the refit begins: it must pause the new one
+        while not (new := [p for p in psutil.Process().children() if p.pid != first and p.status() !=
+                           psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline())]):
+            await asyncio.sleep(0.01)
+        new[0].kill()  # which dies as it starts: the revival starts another
+        await refit
         real, killed = worker._buckets, []
 
         async def killing_after_the_first(refs):
@@ -155,6 +161,7 @@ async def test_an_engine_dead_at_any_call_of_a_refit_is_revived_with_the_refit(t
         await worker.end_refit()  # the resume meets a dead engine
         outcome, _ = await running
         assert outcome.status is RolloutStatus.ENGINE_RESTART and worker.restarts == 3, outcome.error
+        assert len(worker._deaths) == 4
         sums = await worker.weight_sums()
         assert await worker.version() == 4 and [sums[n] for n in names] == [float(b[0][1].double().sum())
                                                                              for b in buckets]
