@@ -8,8 +8,9 @@ functions. Subcommands with a large typed configuration (`train`, `sft`, `demo`)
 `load_config`: a YAML recipe, then flags (the reference's rewritten by `molt.flags`), tyro over
 `molt.config.MoltConfig`, `algo.plugins` imported, then `molt.config.validate`.
 
-Errors: a user mistake (`ValueError`, which includes `molt.engine.base.EngineError`) prints one line and exits
-with status 2, like argparse's own usage errors; a failed download/conversion exits with status 1; a training run
+Errors: a user mistake (`ValueError`, which includes `molt.engine.base.RequestError`) prints one line and exits
+with status 2, like argparse's own usage errors; an engine failure (`EngineError`, not a ValueError) is no user
+mistake: it ends with its traceback (status 1), as any other bug does; a failed download/conversion exits with status 1; a training run
 stopped by a signal exits with 128 + its number, after a checkpoint (`molt.runtime.loop`).
 """
 from __future__ import annotations
@@ -135,7 +136,7 @@ def _load(model_ref: str):
 def _generate_all(path, prompts: list[list[int]], params, timings: dict | None = None) -> list:
     """Completions of `prompts` (sent concurrently, so the engine batches them) from an embedded engine that
     lives for this call only; `timings` receives the seconds spent loading and generating. The engine
-    rejects a prompt that leaves no room in the context window (EngineError)."""
+    rejects a prompt that leaves no room in the context window (RequestError)."""
     import asyncio
 
     from molt.engine.hf import HFEngine

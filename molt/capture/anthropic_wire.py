@@ -33,9 +33,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from molt.capture.errors import WireError, client_error, refuse_structured_output
+from molt.capture.errors import ANSWERED, WireError, error_reply, refuse_structured_output
 from molt.capture.render import canonical_tools, content_parts, merge_leading_system
-from molt.capture.session import ChatRequest, Choice, Generation, Session, SessionClosed, text_pieces
+from molt.capture.session import ChatRequest, Choice, Generation, Session, text_pieces
 from molt.capture.streaming import LiveReply
 from molt.capture.tools import tool_call
 
@@ -230,8 +230,8 @@ async def stream(live: LiveReply, req: MessagesRequest, session: Session | None 
         yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": piece}})
     try:
         gen = await live.result()
-    except (SessionClosed, ValueError) as e:
-        yield _event("error", {"error": client_error(e).anthropic_body()["error"]})
+    except ANSWERED as e:
+        yield _event("error", {"error": error_reply(e).anthropic_body()["error"]})
         return
     body = response_body(gen, req)
     shift = 0

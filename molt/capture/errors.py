@@ -1,6 +1,8 @@
-"""Client errors and their wire shapes.
+"""Errors and their wire shapes.
 
-Every client mistake becomes a `WireError` with a 4xx status, answered in the shape the client's SDK parses:
+Every client mistake becomes a `WireError` with a 4xx status, an engine failure (`molt.engine.base.EngineError`)
+one with a 5xx: 503 while the engine is gone (`EngineGone`: a rollout worker is starting a new one, so an SDK's
+retry may succeed), 500 otherwise. Each is answered in the shape the client's SDK parses:
 OpenAI `{"error": {"message", "type", "param", "code"}}`, Anthropic `{"type": "error", "error": {"type",
 "message"}}` (on `/messages`). Request bodies are parsed here rather than by FastAPI, so malformed JSON and
 schema mistakes are 400s with a readable message instead of FastAPI's 422.
@@ -11,6 +13,9 @@ import json
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
+
+from molt.capture.session import ContextTooLong, SessionClosed
+from molt.engine.base import EngineError, EngineGone
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                     405: "invalid_request_error"}
@@ -44,11 +49,15 @@ def refuse_structured_output(fmt: Any, param: str) -> None:
                         code="unsupported_parameter", param=param)
 
 
-def client_error(error: Exception) -> WireError:
-    """The 4xx for a request that cannot be served: a closed session (404); a RenderError, ContextTooLong or
-    EngineError (400)."""
-    from molt.capture.session import ContextTooLong, SessionClosed
+ANSWERED = (SessionClosed, ValueError, EngineError)  # how a request may fail with a reply in the wire's shape
 
+
+def error_reply(error: Exception) -> WireError:
+    """The reply to a request that failed (one of ANSWERED): a closed session 404; a RenderError, ContextTooLong,
+    RequestError (a ValueError) 400; an engine failure 500, 503 while the engine is gone."""
+    if isinstance(error, EngineError):
+        gone = isinstance(error, EngineGone)
+        return WireError(503 if gone else 500, str(error), code="engine_unavailable" if gone else "engine_error")
     if isinstance(error, SessionClosed):
         return WireError(404, str(error), code="session_closed")
     code = "context_length_exceeded" if isinstance(error, ContextTooLong) else "invalid_request"

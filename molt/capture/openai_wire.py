@@ -24,9 +24,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from molt.capture.errors import WireError, client_error, refuse_structured_output
+from molt.capture.errors import ANSWERED, WireError, error_reply, refuse_structured_output
 from molt.capture.render import canonical_messages, canonical_tools
-from molt.capture.session import ChatRequest, Choice, Generation, Session, SessionClosed, text_pieces
+from molt.capture.session import ChatRequest, Choice, Generation, Session, text_pieces
 from molt.capture.streaming import LiveReply
 from molt.capture.tools import arguments_json
 
@@ -188,8 +188,8 @@ async def stream(live: LiveReply, req: ChatCompletionRequest, session: Session) 
         yield chunk(0, {"content": piece})
     try:
         gen = await live.result()
-    except (SessionClosed, ValueError) as e:
-        yield b"data: " + json.dumps(client_error(e).openai_body()).encode() + b"\n\n"
+    except ANSWERED as e:
+        yield b"data: " + json.dumps(error_reply(e).openai_body()).encode() + b"\n\n"
         return
     for i, ch in enumerate(gen.choices):
         if i:

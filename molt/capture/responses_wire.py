@@ -34,10 +34,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from molt.capture.errors import WireError, client_error, refuse_structured_output
+from molt.capture.errors import ANSWERED, WireError, error_reply, refuse_structured_output
 from molt.capture.openai_wire import stop_list, tool_choice
 from molt.capture.render import canonical_messages, canonical_tools, merge_leading_system
-from molt.capture.session import ChatRequest, Generation, Session, SessionClosed, text_pieces
+from molt.capture.session import ChatRequest, Generation, Session, text_pieces
 from molt.capture.streaming import LiveReply
 from molt.capture.tools import arguments_json, tool_call
 
@@ -199,8 +199,8 @@ async def stream(live: LiveReply, req: ResponsesRequest, session: Session | None
         yield event("response.output_text.delta", **text_at, delta=piece, logprobs=[])
     try:
         gen = await live.result()
-    except (SessionClosed, ValueError) as e:
-        error = client_error(e).openai_body()["error"]
+    except ANSWERED as e:
+        error = error_reply(e).openai_body()["error"]
         yield event("error", code=error["code"], message=error["message"], param=error["param"])
         return
     body = response_body(gen, req)

@@ -14,7 +14,8 @@ does, so an unchanged black-box agent that names its own model (`model="gpt-4o"`
 
 Errors: client mistakes are 4xx in the caller's wire shape (`errors.py`): malformed JSON, schema violations,
 an unknown model name (strict only), a conversation the template rejects or that does not fit the window -> 400;
-a wrong or missing key -> 401; an unknown or closed session -> 404. They never touch other sessions.
+a wrong or missing key -> 401; an unknown or closed session -> 404. They never touch other sessions. An engine
+failure is a 500 in the same shape, 503 while the engine is gone (being replaced).
 
 `CaptureServer` implements `molt.agents.SessionProvider`; the runtime opens one session per rollout and closes
 it when the rollout ends (which returns the segments).
@@ -34,9 +35,9 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from molt.capture import anthropic_wire, openai_wire, responses_wire
-from molt.capture.errors import WireError, client_error, parse_body
+from molt.capture.errors import ANSWERED, WireError, error_reply, parse_body
 from molt.capture.render import ChatRenderer
-from molt.capture.session import Session, SessionClosed, cache_key
+from molt.capture.session import Session, cache_key
 from molt.capture.streaming import LiveReply
 from molt.capture.tools import get_tool_parser
 from molt.engine.base import Engine
@@ -168,7 +169,7 @@ class CaptureServer:
             try:
                 return JSONResponse(anthropic_wire.count_tokens(req, data, session))
             except ValueError as e:
-                raise client_error(e) from None
+                raise error_reply(e) from None
 
         @app.api_route("/s/{session_id}", methods=["GET", "HEAD"])
         async def base(session_id: str) -> JSONResponse:
@@ -194,8 +195,8 @@ class CaptureServer:
                 return StreamingResponse(module.stream(live, req, session), media_type="text/event-stream",
                                          background=BackgroundTask(live.cancel))
             gen = await session.complete(chat, key, lookup)
-        except (SessionClosed, ValueError) as e:
-            raise client_error(e) from None
+        except ANSWERED as e:
+            raise error_reply(e) from None
         return JSONResponse(module.response_body(gen, req, session))
 
     @classmethod

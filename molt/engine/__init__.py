@@ -1,9 +1,9 @@
 """Inference engines behind one protocol (`base.Engine`): the embedded transformers engine (`hf.HFEngine`), the
 session-sticky `router.Router`. Importing this package stays light: torch loads only when `HFEngine` is used."""
-from molt.engine.base import Engine, EngineError
+from molt.engine.base import Engine, EngineError, EngineGone, RequestError
 from molt.engine.router import Router
 
-__all__ = ["Engine", "EngineError", "HFEngine", "Router"]
+__all__ = ["Engine", "EngineError", "EngineGone", "HFEngine", "RequestError", "Router"]
 
 
 def __getattr__(name: str):

@@ -12,9 +12,18 @@ from typing import Any, Protocol, runtime_checkable
 from molt.types import Completion, SamplingParams
 
 
-class EngineError(ValueError):
-    """A request the engine cannot serve (prompt longer than the context window, bad sampling params);
-    the capture server turns it into a 400."""
+class EngineError(RuntimeError):
+    """The engine failed (a step raised, a weight it was sent does not fit, its process died): not the caller's
+    mistake. The capture server answers 500 (503 for `EngineGone`); the CLI prints its traceback."""
+
+
+class EngineGone(EngineError):
+    """The engine is closed or its process is gone: a new one may take its place (the capture server's 503)."""
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (a prompt longer than the context window, bad sampling params, an image
+    for a text model): the caller's mistake, which the capture server answers with a 400."""
 
 
 def copy_weights(params: dict[str, Any], named_tensors: Iterable[tuple[str, Any]], model_name: str) -> None:
@@ -55,19 +64,19 @@ def unpack_weights(bucket: list[tuple]) -> list[tuple[str, Any]]:
 def check_request(prompt: list[int], params: SamplingParams, *, max_model_len: int, vocab_size: int,
                   model_name: str) -> int:
     """Validate one request the same way in every engine; returns how many new tokens it may generate
-    (max_tokens capped by the room left in the context window). EngineError names the problem."""
+    (max_tokens capped by the room left in the context window). RequestError names the problem."""
     try:
         params.validate()
     except ValueError as e:
-        raise EngineError(str(e)) from None
+        raise RequestError(str(e)) from None
     if not prompt:
-        raise EngineError("the prompt is empty: at least one prompt token is required")
+        raise RequestError("the prompt is empty: at least one prompt token is required")
     if len(prompt) >= max_model_len:
-        raise EngineError(f"the prompt has {len(prompt)} tokens but the context window (max_model_len) of "
+        raise RequestError(f"the prompt has {len(prompt)} tokens but the context window (max_model_len) of "
                           f"{model_name} is {max_model_len}: no room left to generate")
     for what, ids in (("prompt", prompt), ("stop", params.stop_token_ids)):
         if ids and (min(ids) < 0 or max(ids) >= vocab_size):
-            raise EngineError(f"{what} token ids must be in [0, {vocab_size}) for {model_name}")
+            raise RequestError(f"{what} token ids must be in [0, {vocab_size}) for {model_name}")
     room = max_model_len - len(prompt)
     return room if params.max_tokens is None else min(params.max_tokens, room)
 

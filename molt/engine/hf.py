@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from molt.engine.base import EngineError, check_request, copy_weights
+from molt.engine.base import EngineError, EngineGone, RequestError, check_request, copy_weights
 from molt.engine.prefix_cache import PrefixCache, copies_of, prefill_inputs
 from molt.engine.sampling import sample
 from molt.engine.slots import GraphDecoder, Slots, adapt_model, dynamic_rope, engine_device
@@ -70,6 +70,11 @@ def _resolve(req: _Request, result: Any = None, error: BaseException | None = No
     req.loop.call_soon_threadsafe(done)
 
 
+def _failed(error: BaseException) -> EngineError:
+    """What a request the engine failed ends with: an EngineError naming the cause (the capture server's 500)."""
+    return error if isinstance(error, EngineError) else EngineError(f"the engine failed: {error!r}")
+
+
 class HFEngine(InProcessWeightReceiver):
     """Embedded engine on a transformers causal LM. See the module docstring for the batching design."""
 
@@ -80,7 +85,7 @@ class HFEngine(InProcessWeightReceiver):
         import transformers as tf
 
         if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
-            raise EngineError(f"unknown dtype {dtype!r} (use e.g. 'float32', 'bfloat16')")
+            raise ValueError(f"unknown dtype {dtype!r} (use e.g. 'float32', 'bfloat16')")
         self.device = engine_device(device)
         self.vision = hasattr(tf.AutoConfig.from_pretrained(model_path), "vision_config")
         auto = tf.AutoModelForImageTextToText if self.vision else tf.AutoModelForCausalLM
@@ -105,7 +110,7 @@ class HFEngine(InProcessWeightReceiver):
         self._new_cache = lambda: tf.DynamicCache(config=config)
         layer_types = {type(layer).__name__ for layer in self._new_cache().layers}
         if layer_types != {"DynamicLayer"}:  # sliding-window layers cannot be left-padded and merged
-            raise EngineError(f"HFEngine supports full-attention caches only, got {sorted(layer_types)}")
+            raise ValueError(f"HFEngine supports full-attention caches only, got {sorted(layer_types)}")
         self._routes: list[torch.Tensor] = []  # MoE: each router's top-k experts in this forward, in layer order
         routers = [m for m in self.model.modules() if type(m).__name__.endswith("TopKRouter")]
         for router in routers:
@@ -149,13 +154,13 @@ class HFEngine(InProcessWeightReceiver):
                        sources: Any = None) -> Completion:  # sources: for engines that process images (vLLM)
         req = self._make_request(list(prompt_ids), params, request_id)
         if images and not self.vision:
-            raise EngineError(f"{self.model_name} takes no images")
+            raise RequestError(f"{self.model_name} takes no images")
         req.on_tokens, req.session_id, req.images = on_tokens, session_id, images
         with self._cv:
             if self._closed:
-                raise EngineError("the engine is closed")
+                raise EngineGone("the engine is closed")
             if req.id in self._active:
-                raise EngineError(f"request id {req.id!r} is already in use")
+                raise RequestError(f"request id {req.id!r} is already in use")
             self._active[req.id] = req
             self._waiting.append(req)
             self._cv.notify_all()
@@ -238,6 +243,25 @@ class HFEngine(InProcessWeightReceiver):
     # ---------------------------------------------------------------- worker thread
 
     def _run(self) -> None:
+        """The step loop. Every request ends with a result or an error: a step that raises fails the requests it
+        held (the kept ones too), and a failure outside a step fails every request and closes the engine."""
+        failure: BaseException | None = None
+        try:
+            self._loop()
+        except BaseException as error:  # noqa: BLE001 - ended below, with every request
+            failure = error
+        with self._cv:
+            self._closed, self._busy = True, False
+            self._cv.notify_all()
+            left = list(self._active.values())
+        for req in left:
+            if failure is None:  # closed
+                req.finish = req.finish or FinishReason.ABORT
+                _resolve(req, req.completion())
+            else:
+                _resolve(req, error=_failed(failure))
+
+    def _loop(self) -> None:
         if self.device.type == "cuda":  # this thread's streams and captures go to its current device
             torch.cuda.set_device(self.device)
         with torch.inference_mode():
@@ -246,7 +270,7 @@ class HFEngine(InProcessWeightReceiver):
                     self._cv.wait_for(lambda: self._closed or self._abort_pending or (
                         not self._paused and bool(self._waiting or self._rows)))
                     if self._closed:
-                        break
+                        return
                     self._sweep()
                     if self._paused or not (self._waiting or self._rows):
                         continue
@@ -257,22 +281,26 @@ class HFEngine(InProcessWeightReceiver):
                     else:
                         self._held = 0
                     self._waiting = self._waiting[len(new):]
+                    if self._stale_cache:  # weights changed: the kept requests prefill again with the new ones
+                        new, self._stale_cache = self._drop_rows() + new, False
+                        self.prefixes.refit()
                     self._busy = True
                 try:
                     self._step(new)
                 except Exception as error:  # noqa: BLE001 - fail the requests rather than leave agents waiting
-                    for req in self._rows + new:
-                        _resolve(req, error=error)
-                    self._rows = []
-                    if self._slots is not None:
-                        self._slots.reset()
+                    for req in self._drop_rows() + new:
+                        _resolve(req, error=_failed(error))
                 finally:
                     with self._cv:
                         self._busy = False
                         self._cv.notify_all()
-            for req in self._rows + self._waiting:
-                req.finish = FinishReason.ABORT
-                _resolve(req, req.completion())
+
+    def _drop_rows(self) -> list[_Request]:
+        """Empty the running batch (its keys and values too); returns its requests."""
+        rows, self._rows = self._rows, []
+        if self._slots is not None:
+            self._slots.reset()
+        return rows
 
     def _sweep(self) -> None:
         """At a step boundary (under the lock): end aborted requests, release finished rows."""
@@ -290,12 +318,6 @@ class HFEngine(InProcessWeightReceiver):
 
     def _step(self, new: list[_Request]) -> None:
         """Advance every running request and every new one by exactly one token."""
-        if self._stale_cache:  # weights changed: recompute the retained requests' caches with the new ones
-            new = self._rows + new
-            self._rows, self._stale_cache = [], False
-            if self._slots is not None:
-                self._slots.reset()
-            self.prefixes.refit()
         version = self._version
         if self._rows:
             slots = self._slots

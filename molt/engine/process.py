@@ -21,9 +21,9 @@ The collective refit (`join_weight_group` / `receive_weights`) is forwarded: the
 Streaming: a request with `on_tokens` gets ("tokens", id, ids) messages before its answer.
 
 Decisions: `torch_threads` sets the child's intra-op threads (a spawned process does not inherit the
-parent's setting). The child is a daemon (it dies with its parent); if it exits, every waiting request fails with an
-EngineError naming the exit code, and `exitcode` turns from None to that code (the rollout worker then starts a
-new engine: `molt.runtime.worker`). `close()` closes the engine in the child, then the child itself, which
+parent's setting). The child is a daemon (it dies with its parent); if it exits, every waiting request and every later call fails
+with `EngineGone` naming the exit code, and `exitcode` is that code before any of them fails (the rollout worker
+then starts a new engine: `molt.runtime.worker`). `close()` closes the engine in the child, then the child itself, which
 leaves with `os._exit` (the interpreter's teardown of torch took 1.7 s of every close). A rollout worker starts
 the child first (`wait=False`) and waits for it (`started()`) after its own imports.
 """
@@ -39,7 +39,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from molt.engine.base import EngineError, copy_weights
+from molt.engine.base import EngineError, EngineGone, copy_weights
 from molt.types import Completion, SamplingParams
 
 _FORWARDED = ("pause", "resume", "join_weight_group", "weight_sums", "prefix_stats")  # update/receive_weights: below
@@ -60,7 +60,7 @@ class EngineProcess:
         self._ids = itertools.count()
         self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future, Any]] = {}
         self._send_lock = threading.Lock()
-        self._closed = self._gone = False
+        self._closed = False
         if wait:
             self.started()
 
@@ -76,7 +76,7 @@ class EngineProcess:
             kind, _, info = self._conn.recv()
         except EOFError:
             self._failed()
-            raise EngineError(f"the engine process died while starting (exit code {self._proc.exitcode})") from None
+            raise EngineGone(f"the engine process died while starting (exit code {self._proc.exitcode})") from None
         except BaseException:
             self._failed(kill=True)
             raise
@@ -108,8 +108,8 @@ class EngineProcess:
 
     @property
     def exitcode(self) -> int | None:
-        """None while the child runs (set once the reader has seen it go, before any request fails)."""
-        return self._proc.exitcode if self._gone else None
+        """None while the child runs."""
+        return self._proc.exitcode
 
     @property
     def num_requests(self) -> int:
@@ -168,7 +168,7 @@ class EngineProcess:
 
     async def _request(self, kind: str, *payload: Any, on_tokens: Any = None) -> Any:
         if self._closed:
-            raise EngineError("the engine is closed")
+            raise EngineGone("the engine is closed")
         loop = asyncio.get_running_loop()
         key = next(self._ids)
         future = loop.create_future()
@@ -185,7 +185,7 @@ class EngineProcess:
                 self._conn.send(message)
             except (BrokenPipeError, OSError) as e:
                 if message[0] not in ("abort", "exit"):
-                    raise EngineError(f"the engine process is gone (exit code {self._proc.exitcode})") from e
+                    raise self._gone_error() from e
 
     def _read(self) -> None:
         while True:
@@ -207,11 +207,18 @@ class EngineProcess:
                     loop.call_soon_threadsafe(on_tokens, value)
             else:
                 loop.call_soon_threadsafe(_settle, future, kind, value)
-        self._proc.join(10)  # its end of the pipe closed: it is exiting
-        self._gone = True
-        error = EngineError(f"the engine process exited (exit code {self._proc.exitcode})")
+        error = self._gone_error()
         for loop, future, _ in list(self._waiting.values()):
             loop.call_soon_threadsafe(_settle, future, "error", error)
+
+    def _gone_error(self) -> EngineGone:
+        """The error of a call the child can no longer answer, once its exit code is known: its end of the pipe
+        closes a moment before it can be reaped, and the worker revives a dead engine by that code."""
+        self._proc.join(10)
+        if self._proc.exitcode is None:  # the pipe broke but the child lives on: it cannot serve anyone
+            self._proc.kill()
+            self._proc.join(10)
+        return EngineGone(f"the engine process exited (exit code {self._proc.exitcode})")
 
 
 def _settle(future: asyncio.Future, kind: str, value: Any) -> None:

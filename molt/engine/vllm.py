@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from molt.engine import vllm_worker
-from molt.engine.base import EngineError, check_request
+from molt.engine.base import EngineError, EngineGone, RequestError, check_request
 from molt.types import Completion, FinishReason, SamplingParams, vision_token_ids
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def mm_prompt(prompt: list[int], images: dict | None, sources: list | None, plac
     grid = images.get("image_grid_thw")
     n = len(grid if grid is not None else images["pixel_values"])  # images in the processor inputs
     counts = [int(g) // merge ** 2 for g in grid.prod(-1)] if grid is not None else [prompt.count(placeholder) // n] * n
-    error = EngineError(f"the prompt's image tokens do not match its {n} images (or their {len(sources or ())} "
+    error = RequestError(f"the prompt's image tokens do not match its {n} images (or their {len(sources or ())} "
                         "sources)")
     out, i = [], 0
     for c in counts:
@@ -135,22 +135,22 @@ class _Request:
 
 
 def _import_vllm() -> tuple[Any, Any]:
-    """(the vllm module, AsyncLLM), or an EngineError that says what is missing."""
+    """(the vllm module, AsyncLLM), or a ValueError that says what is missing (the setup is the user's)."""
     try:
         import vllm
         import vllm.sampling_params  # RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as e:
-        raise EngineError("VLLMEngine needs vLLM, which is not installed: `pip install molt[vllm]` (vLLM needs "
+        raise ValueError("VLLMEngine needs vLLM, which is not installed: `pip install molt[vllm]` (vLLM needs "
                           "an NVIDIA GPU with CUDA; on a CPU machine use `--rollout.engine hf`)") from e
     import torch
     from packaging.version import Version
 
     if Version(vllm.__version__).release < MIN_VLLM:
-        raise EngineError(f"VLLMEngine needs vLLM >= {'.'.join(map(str, MIN_VLLM))}, found {vllm.__version__}: "
+        raise ValueError(f"VLLMEngine needs vLLM >= {'.'.join(map(str, MIN_VLLM))}, found {vllm.__version__}: "
                           "`pip install -U molt[vllm]`")
     if not torch.cuda.is_available():
-        raise EngineError("VLLMEngine needs a GPU and torch sees none; on a CPU machine use `--rollout.engine hf`")
+        raise ValueError("VLLMEngine needs a GPU and torch sees none; on a CPU machine use `--rollout.engine hf`")
     return vllm, AsyncLLM
 
 
@@ -174,11 +174,11 @@ class VLLMEngine:
                  seed: int = 0, enable_prefix_caching: bool = True, version: int = 0, **engine_args: Any):
         for arg in ("pipeline_parallel_size", "data_parallel_size"):
             if engine_args.get(arg, 1) != 1:  # its workers would wait forever in the refit group's rendezvous
-                raise EngineError(f"VLLMEngine does not support {arg}={engine_args[arg]}: the refit group "
+                raise ValueError(f"VLLMEngine does not support {arg}={engine_args[arg]}: the refit group "
                                   "(molt.engine.weight_group) has one rank per tensor-parallel worker only")
         vllm, AsyncLLM = _import_vllm()
         if engine_args.get("quantization") and vllm_worker.layerwise_reload() is None:
-            raise EngineError("a quantized VLLMEngine needs a vLLM with layerwise reload (vllm.model_executor."
+            raise ValueError("a quantized VLLMEngine needs a vLLM with layerwise reload (vllm.model_executor."
                               "model_loader.reload, e.g. v0.18): without it refits skip vLLM's post-load processing")
         self._vllm = vllm
         self.model_name = model_name or Path(model_path).name
@@ -259,7 +259,9 @@ class VLLMEngine:
         except EngineError:
             raise
         except ValueError as e:  # vLLM's request validation
-            raise EngineError(f"vLLM rejected the request: {e}") from e
+            raise RequestError(f"vLLM rejected the request: {e}") from e
+        except Exception as e:  # vLLM failed (e.g. its engine core died): not the request's fault
+            raise EngineError(f"vLLM failed the request: {e!r}") from e
         assert req.finish is not None, "vLLM's stream ended before the request finished"
 
     async def abort(self, request_id: str) -> None:
@@ -335,11 +337,11 @@ class VLLMEngine:
 
     def _admit(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> _Request:
         if self._closed:
-            raise EngineError("the engine is closed")
+            raise EngineGone("the engine is closed")
         max_new = check_request(prompt, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                 model_name=self.model_name)
         rid = request_id or uuid.uuid4().hex
         if rid in self._active:
-            raise EngineError(f"request id {rid!r} is already in use")
+            raise RequestError(f"request id {rid!r} is already in use")
         return _Request(id=rid, prompt=prompt, params=params, max_new=max_new,
                         stops=sorted(set(self.eos_token_ids) | set(params.stop_token_ids)))

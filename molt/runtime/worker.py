@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
-from molt.engine.base import Engine, EngineError, can_stream, unpack_weights
+from molt.engine.base import Engine, EngineGone, can_stream, unpack_weights
 from molt.runtime.experience import outcome_from_trajectory
 from molt.runtime.pool import RolloutOutcome, RolloutTask, RunStopped
 from molt.types import Completion, RolloutStatus, SamplingParams
@@ -122,32 +122,46 @@ class RolloutWorker:
     async def revive(self) -> bool:
         """Start a new engine if the engine process died (module docstring); whether it did."""
         async with self._restart_lock:
-            code = getattr(self.engine.engine, "exitcode", None)
-            if code is None:
-                return False
+            return await self._revive()
+
+    async def _revive(self) -> bool:
+        code = getattr(self.engine.engine, "exitcode", None)
+        while code is not None:
             self._deaths = [t for t in self._deaths if time.monotonic() - t < RESTART_WINDOW_S] + [time.monotonic()]
             if len(self._deaths) > self.max_restarts or self._joined:
                 raise RunStopped(f"the engine process died (exit code {code}), {len(self._deaths)} time(s) within "
                                  f"{RESTART_WINDOW_S:.0f} s; rollout.engine_max_restarts is {self.max_restarts}")
-            new = await asyncio.to_thread(self._new_engine)
-            await new.pause()
-            refs, version = self._weights or ([], 0)
-            async for bucket in self._buckets(refs):
-                await new.update_weights(bucket, version)
-            if not self._refitting:  # within a refit it stays paused, as the one it replaces was
-                await new.resume()
+            print(f"molt: the engine process died (exit code {code}){' in a refit' if self._refitting else ''}; "
+                  "starting a new one", file=sys.stderr)
+            new = await asyncio.to_thread(self._new_engine, False)
+            try:
+                await asyncio.to_thread(getattr(new, "started", lambda: None))
+                await new.pause()
+                refs, version = self._weights or ([], 0)
+                async for bucket in self._buckets(refs):
+                    await new.update_weights(bucket, version)
+                if not self._refitting:  # within a refit it stays paused, as the one it replaces was
+                    await new.resume()
+            except EngineGone:  # the new one died too before it served anything: one more death, one more try
+                await new.close()
+                code = new.exitcode
+                continue
             await self.engine.engine.close()
             self.engine.engine = new
             self.restarts += 1
             return True
+        return False
 
     async def _engine(self, method: str, *args: Any) -> None:
-        """A refit call on the engine; if its process died, the new one (holding the refit's weights) stands in."""
-        try:
-            await getattr(self.engine.engine, method)(*args)
-        except EngineError:
-            if not await self.revive():
-                raise
+        """A refit call on the engine. If its process died, a new engine stands in, holding the refit's weights
+        and version and paused within a refit, so the call is done. Revivals wait for the call (one lock): a
+        revival that began before the refit would otherwise swap in an engine that missed it."""
+        async with self._restart_lock:
+            try:
+                await getattr(self.engine.engine, method)(*args)
+            except EngineGone:
+                if not await self._revive():
+                    raise
 
     async def run(self, task: RolloutTask, params: SamplingParams, train: bool = True) -> AsyncIterator[Any]:
         """One rollout, for Ray's num_returns="streaming": the outcome (only its light fields for evaluation),
@@ -176,8 +190,10 @@ class RolloutWorker:
 
     async def end_refit(self) -> None:
         self._refitting = False
-        await self._engine("resume")
-        self.engine.reopen()
+        try:
+            await self._engine("resume")
+        finally:  # admitted requests fail rather than wait forever at a closed gate
+            self.engine.reopen()
 
     async def update_weights(self, bucket_refs: Iterable[Any], version: int) -> None:
         """Between begin_refit and end_refit: object refs (or plain lists) of [(name, tensor), ...]."""
@@ -202,7 +218,7 @@ class RolloutWorker:
 
     async def receive_weights(self, plan: list, version: int) -> None:
         """Between begin_refit and end_refit: the buckets trainer rank 0 broadcasts over the refit group."""
-        await self.engine.engine.receive_weights(plan, version)
+        await self._engine("receive_weights", plan, version)
 
     async def weight_sums(self) -> dict[str, float]:
         """{HF name: float64 sum} of an embedded engine's weights: a cheap fingerprint to check a refit."""

@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
-from molt.engine.base import EngineError, can_stream
+from molt.engine.base import RequestError, can_stream
 from molt.types import Completion, FinishReason, SamplingParams
 
 
@@ -51,7 +51,7 @@ class ScriptedEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
                        request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
         if len(prompt_ids) >= self.max_model_len:
-            raise EngineError(f"prompt of {len(prompt_ids)} tokens does not fit the window of {self.max_model_len}")
+            raise RequestError(f"prompt of {len(prompt_ids)} tokens does not fit the window of {self.max_model_len}")
         self.calls.append({"prompt_ids": list(prompt_ids), "params": params, "session_id": session_id})
         text = self._text(prompt_ids, params)
         ids = self._encoded.get(text)

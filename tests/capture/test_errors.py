@@ -1,10 +1,12 @@
-"""Client mistakes: a 4xx in the caller's wire shape, never a 5xx, and the session keeps working."""
+"""Client mistakes: a 4xx in the caller's wire shape, never a 5xx, and the session keeps working; an engine
+failure: a 5xx in the same shape."""
 import httpx
 import openai
 import pytest
 from anthropic import AsyncAnthropic
 from openai import AsyncOpenAI
 
+from molt.engine.base import EngineError, EngineGone
 from molt.testing.scripted import ScriptedEngine, live_capture_server
 
 GOOD = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
@@ -107,3 +109,38 @@ async def test_sdks_raise_their_own_errors(served):
         await AsyncAnthropic(base_url=session.session_url, api_key=session.api_key, max_retries=0).messages.create(
             model="scripted", max_tokens=8, messages=[{"role": "user", "content": "word " * 600}])
     assert "context window" in e.value.message
+
+
+async def test_an_engine_failure_is_a_5xx_that_the_sdks_raise(tokenizer):
+    """An engine that failed is the server's fault, not the client's: 503 while the engine is gone (a new one is
+    being started: a retry may succeed), 500 otherwise, in each wire's error shape; the session goes on."""
+    import anthropic
+
+    failures = []
+
+    def reply(prompt_ids, params):
+        if failures:
+            raise failures.pop()
+        return "fine"
+    async with live_capture_server(ScriptedEngine(tokenizer, reply), tokenizer) as server:
+        session = await server.open_session()
+        oa = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        an = AsyncAnthropic(base_url=session.session_url, api_key=session.api_key, max_retries=0)
+        calls = {"openai": lambda stream: oa.chat.completions.create(model="m", messages=GOOD["messages"],
+                                                                     stream=stream),
+                 "anthropic": lambda stream: an.messages.create(model="m", max_tokens=8, messages=GOOD["messages"],
+                                                                stream=stream)}
+        for wire, call in calls.items():
+            for stream in (False, True):
+                for error, status in ((EngineGone("the engine process exited (exit code -9)"), 503),
+                                      (EngineError("the engine failed: RuntimeError('CUDA error')"), 500)):
+                    failures.append(error)
+                    with pytest.raises((openai.InternalServerError, anthropic.InternalServerError)) as e:
+                        await call(stream)
+                    assert e.value.status_code == status and str(error) in e.value.message, (wire, stream)
+                    if wire == "openai":
+                        assert e.value.code == ("engine_unavailable" if status == 503 else "engine_error")
+                    else:
+                        assert e.value.body["error"]["type"] == "api_error"
+        reply_ok = await oa.chat.completions.create(model="m", messages=GOOD["messages"])
+        assert reply_ok.choices[0].message.content == "fine"

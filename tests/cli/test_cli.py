@@ -120,6 +120,18 @@ def test_prompt_longer_than_context(tiny_llama_dir, capsys):
     assert "context window" in line
 
 
+def test_an_engine_failure_is_no_user_error(tiny_llama_dir, monkeypatch):
+    """A user mistake is one line (above); an engine that failed raises on with its traceback."""
+    from molt.engine.base import EngineGone
+    from molt.engine.hf import HFEngine
+
+    async def gone(self, *args, **kwargs):
+        raise EngineGone("the engine process exited (exit code -9)")
+    monkeypatch.setattr(HFEngine, "generate", gone)
+    with pytest.raises(EngineGone, match="exit code -9"):
+        main(["generate", "--model", str(tiny_llama_dir), "--prompt", "hi"])
+
+
 def test_errors_from_the_console_script_are_one_line():
     out = subprocess.run([str(MOLT), "generate", "--model", "no-such-model", "--prompt", "hi"],
                          check=False, capture_output=True, text=True, timeout=60)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from molt.engine.base import Engine, EngineError
+from molt.engine.base import Engine, EngineError, EngineGone, RequestError
 from molt.engine.hf import HFEngine
 from molt.types import FinishReason, SamplingParams
 
@@ -223,9 +223,41 @@ async def test_abort_and_cancel(engine):
     ([5], SamplingParams(stop_token_ids=[-1]), "stop token ids"),
 ])
 async def test_bad_input_errors(engine, prompt, params, message):
-    with pytest.raises(EngineError, match=message):
+    with pytest.raises(RequestError, match=message):
         await engine.generate(prompt, params)
-    assert issubclass(EngineError, ValueError)
+    assert issubclass(RequestError, ValueError) and not issubclass(EngineError, ValueError)  # 400 vs 5xx
+
+
+async def test_a_failing_step_ends_every_request_with_an_error(engine):
+    """Requests kept across a refit re-prefill in the next step: if it raises, they fail with the running and
+    the new ones; if the step loop itself breaks, every request fails and the engine refuses new ones."""
+    params = SamplingParams(max_tokens=400, min_tokens=400)
+    kept = [asyncio.create_task(engine.generate(PROMPTS[i], params, request_id=f"k{i}")) for i in (1, 2)]
+    await progress(engine, "k1", 3)
+    await progress(engine, "k2", 3)
+    await engine.pause()
+    await engine.update_weights([], version=1)  # the kept requests' caches are stale: they prefill again
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    engine._forward = boom
+    await engine.resume()
+    for task in kept:
+        with pytest.raises(EngineError, match="illegal memory access"):
+            await asyncio.wait_for(task, 10)
+    del engine._forward  # the engine goes on serving
+    assert len((await engine.generate(PROMPTS[3], SamplingParams(max_tokens=2, min_tokens=2))).token_ids) == 2
+
+    await engine.pause()
+    waiting = asyncio.create_task(engine.generate(PROMPTS[1], params, request_id="w"))
+    while "w" not in engine._active:
+        await asyncio.sleep(0.001)
+    engine._sweep = boom  # a failure outside a step (here: at the step boundary the abort wakes) ends the thread
+    await engine.abort("w")
+    with pytest.raises(EngineError, match="illegal memory access"):
+        await asyncio.wait_for(waiting, 10)
+    with pytest.raises(EngineGone, match="closed"):
+        await engine.generate(PROMPTS[1], params)
 
 
 def test_min_tokens_masks_each_row_its_own_stops_in_one_batch():

@@ -4,7 +4,7 @@ import asyncio
 import pytest
 import torch
 
-from molt.engine.base import EngineError
+from molt.engine.base import EngineError, RequestError
 from molt.engine.process import EngineProcess
 from molt.types import FinishReason, SamplingParams
 
@@ -31,7 +31,7 @@ def test_same_tokens_and_logprobs_as_in_process(proc_engine, hf_engine):
 
 def test_errors_cancel_and_refit_cross_the_process(proc_engine, tiny_llama_dir):
     async def main():
-        with pytest.raises(EngineError, match="context window"):
+        with pytest.raises(RequestError, match="context window"):
             await proc_engine.generate([1] * (proc_engine.max_model_len + 1), SamplingParams(max_tokens=4))
         long = asyncio.create_task(proc_engine.generate([3, 4], SamplingParams(max_tokens=400, min_tokens=400)))
         await asyncio.sleep(0.3)

@@ -15,7 +15,7 @@ from fake_vllm import FakeAsyncLLM, FakeKeepAsyncLLM, lp
 
 from molt.engine import vllm as mv
 from molt.engine import vllm_worker as vw
-from molt.engine.base import Engine, EngineError
+from molt.engine.base import Engine, EngineError, EngineGone, RequestError
 from molt.types import FinishReason, SamplingParams
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -30,7 +30,7 @@ def test_import_is_light_and_construction_says_what_to_install():
     code = "import sys, molt.engine.vllm; assert 'vllm' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
     if not HAS_VLLM:
-        with pytest.raises(EngineError, match=r"pip install molt\[vllm\].*GPU"):
+        with pytest.raises(ValueError, match=r"pip install molt\[vllm\].*GPU"):
             mv.VLLMEngine("/nonexistent")
 
 
@@ -271,23 +271,23 @@ async def test_cancelling_the_caller_aborts_the_vllm_request(fake):
 
 
 async def test_bad_requests_raise_engine_error(fake):
-    with pytest.raises(EngineError, match="context window"):
+    with pytest.raises(RequestError, match="context window"):
         await fake.generate(list(range(64)), SamplingParams())
-    with pytest.raises(EngineError, match="prompt token ids"):
+    with pytest.raises(RequestError, match="prompt token ids"):
         await fake.generate([1000], SamplingParams())
-    with pytest.raises(EngineError, match="empty"):
+    with pytest.raises(RequestError, match="empty"):
         await fake.generate([], SamplingParams())
-    with pytest.raises(EngineError, match="top_p"):
+    with pytest.raises(RequestError, match="top_p"):
         await fake.generate([1], SamplingParams(top_p=0.0))
     with pytest.raises(EngineError, match="paused"):
         await fake.update_weights([], 1)
     task = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=40), request_id="d"))
     await until(lambda: "d" in fake._active)
-    with pytest.raises(EngineError, match="already in use"):
+    with pytest.raises(RequestError, match="already in use"):
         await fake.generate([10], SamplingParams(), request_id="d")
     await fake.close()
     assert (await task).finish_reason is FinishReason.ABORT and fake._llm.shut
-    with pytest.raises(EngineError, match="closed"):
+    with pytest.raises(EngineGone, match="closed"):
         await fake.generate([10], SamplingParams())
 
 
@@ -296,7 +296,7 @@ async def test_what_vllm_rejects_or_fails_is_an_error(fake, monkeypatch):
         raise ValueError("temperature must be non-negative")
 
     monkeypatch.setattr(fake._vllm, "SamplingParams", reject)  # vLLM validates when the params are built
-    with pytest.raises(EngineError, match="vLLM rejected the request: temperature"):
+    with pytest.raises(RequestError, match="vLLM rejected the request: temperature"):
         await fake.generate([10], SamplingParams())
     monkeypatch.setattr(fake._vllm, "SamplingParams", lambda **kwargs: kwargs)
 
@@ -306,6 +306,14 @@ async def test_what_vllm_rejects_or_fails_is_an_error(fake, monkeypatch):
     monkeypatch.setattr(fake._llm, "generate", failed)
     with pytest.raises(EngineError, match="vLLM ended the request with finish reason 'error'"):
         await fake.generate([10], SamplingParams())
+
+    async def dead(prompt, params, request_id):  # vLLM's engine core died: a server error, not the request's
+        raise RuntimeError("EngineCore encountered an issue")
+        yield
+
+    monkeypatch.setattr(fake._llm, "generate", dead)
+    with pytest.raises(EngineError, match="vLLM failed the request: RuntimeError"):
+        await fake.generate([10], SamplingParams())
     fake._llm.reset_ok = False  # old-weight cache entries would serve new requests
     with pytest.raises(RuntimeError, match="prefix cache"):
         await refit(fake, 1.0)
@@ -313,12 +321,12 @@ async def test_what_vllm_rejects_or_fails_is_an_error(fake, monkeypatch):
 
 @pytest.mark.parametrize("arg", ["pipeline_parallel_size", "data_parallel_size"])
 def test_parallelism_the_refit_group_cannot_serve_is_refused(arg):
-    with pytest.raises(EngineError, match=f"{arg}=2: the refit group"):
+    with pytest.raises(ValueError, match=f"{arg}=2: the refit group"):
         mv.VLLMEngine("/nonexistent", **{arg: 2})
 
 
 def test_a_quantized_engine_needs_layerwise_reload(fake, tmp_path):
-    with pytest.raises(EngineError, match="layerwise reload"):  # the stand-in's vLLM has none
+    with pytest.raises(ValueError, match="layerwise reload"):  # the stand-in's vLLM has none
         mv.VLLMEngine(str(tmp_path), quantization="fp8")
 
 
@@ -379,7 +387,7 @@ async def test_gpu_engine_against_transformers(tmp_path):
         stops = list(range(30, 230))
         out = await eng.generate(prompts[0], SamplingParams(max_tokens=50, stop_token_ids=stops, seed=1))
         assert out.finish_reason is FinishReason.STOP and out.token_ids[-1] in stops
-        with pytest.raises(EngineError, match="context window"):
+        with pytest.raises(RequestError, match="context window"):
             await eng.generate(list(range(10, 10 + 512)), SamplingParams())
         # partial rollout across a refit to model B; min_tokens keeps EOS away (and masked: see reference)
         prompt, n = prompts[2], 400

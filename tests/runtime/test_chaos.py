@@ -1,10 +1,11 @@
 """Chaos (`make test-chaos`, minutes): a tiny-model `molt train` run whose engine process is SIGKILLed at a random
-step, then its rollout worker actor's process (as an OOM kill would) at a later one, then the whole run is stopped
-at a later random step still (SIGKILL of its process group, or SIGTERM as a scheduler's preemption would), and the
-same command is run again until it finishes. Checked: the ledger has every trained group exactly once and no
-rollout twice, metrics.jsonl every step once, the summary and the final checkpoint's optimizer step count equal
-`train.max_steps`. CHAOS_SEEDS="0 1 2" picks the seeds; CHAOS_REPORT=PATH appends one JSON line per seed
-(docs/reliability.md's table)."""
+step, then again as a later step's refit begins (its ledger lines are written just before the refit; the report
+has the kill's delay after them and the refit's seconds, about 0.04), then its rollout worker actor's process (as
+an OOM kill would) at a later step, then the whole run is stopped at a later step still (SIGKILL of its process
+group, or SIGTERM as a scheduler's preemption would), and the same command is run again until it finishes.
+Checked: the ledger has every trained group exactly once and no rollout twice, metrics.jsonl every step once, the
+summary and the final checkpoint's optimizer step count equal `train.max_steps`. CHAOS_SEEDS="0 1 2" picks the
+seeds; CHAOS_REPORT=PATH appends one JSON line per seed (docs/reliability.md's table)."""
 import json
 import os
 import random
@@ -14,16 +15,16 @@ import sys
 import time
 
 import pytest
-from test_faults import args, check_exactly_once, engine_pids, ledger
+from test_faults import args, check_exactly_once, engine_pids, gone, ledger
 
 STEPS = 8
 SEEDS = [int(s) for s in os.environ.get("CHAOS_SEEDS", "0 1 2").split()]
 
 
-def wait_for(predicate, proc, what):
+def wait_for(predicate, proc, what, poll=0.2):
     while not predicate():
-        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before {what}"
-        time.sleep(0.2)
+        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}"
+        time.sleep(poll)
 
 
 @pytest.mark.slow
@@ -32,7 +33,8 @@ def wait_for(predicate, proc, what):
 def test_chaos_engine_then_run_killed_resumes_exactly_once(tiny_llama_dir, tmp_path, seed):
     rng = random.Random(seed)
     out = tmp_path / "run"
-    engine_at, worker_at, run_at = rng.randint(1, 2), rng.randint(3, 4), rng.randint(5, 6)  # after these steps
+    engine_at, worker_at, run_at = rng.randint(1, 2), rng.randint(4, 5), 6  # after these steps
+    refit_at, refit_delay = rng.randint(engine_at + 1, 3), rng.uniform(0, 0.03)  # the refit after this step (40 ms)
     how = ["SIGKILL", "SIGTERM"][seed % 2]
     cmd = [sys.executable, "-m", "molt.cli", "train", *args(tiny_llama_dir, out, STEPS, "--ckpt.save_interval_s", "5",
                                                          "--train.seed", str(seed), "--rollout.max_failed_retries", "4")]
@@ -42,6 +44,11 @@ def test_chaos_engine_then_run_killed_resumes_exactly_once(tiny_llama_dir, tmp_p
     time.sleep(rng.uniform(0, 2))  # anywhere in the next step: generation, training or the refit
     engine = engine_pids(proc.pid)[0]
     os.kill(engine, signal.SIGKILL)
+    wait_for(lambda: len(ledger(out)) >= 2 * refit_at, proc, "the refit's engine kill", poll=0.005)
+    time.sleep(refit_delay)
+    live = [pid for pid in engine_pids(proc.pid) if not gone(pid)]  # none if the first death is not found yet:
+    for pid in live:  # then the refit finds it
+        os.kill(pid, signal.SIGKILL)
     wait_for(lambda: len(ledger(out)) >= 2 * worker_at and engine_pids(proc.pid, "ray::RolloutWorker"), proc,
              "the worker kill")
     time.sleep(rng.uniform(0, 2))
@@ -56,6 +63,7 @@ def test_chaos_engine_then_run_killed_resumes_exactly_once(tiny_llama_dir, tmp_p
     first_rc, stopped_at = proc.returncode, len(ledger(out)) // 2
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     engine_failures = max(m.get("rollout/failed/engine_restart", 0) for m in metrics)
+    refit_s = next(m["timing/broadcast"] for m in metrics if m["step"] == refit_at)
     worker_failures = max(m.get("rollout/failed/worker_restart", 0) for m in metrics)
     assert first_rc == (-signal.SIGKILL if how == "SIGKILL" else 128 + signal.SIGTERM), err[-2000:]
     assert "molt: rollout worker 0 died (ActorDiedError); starting a new one" in err  # found before the run stopped
@@ -75,7 +83,9 @@ def test_chaos_engine_then_run_killed_resumes_exactly_once(tiny_llama_dir, tmp_p
     assert state["train"]["step"] == STEPS  # one optimizer step a training step: none lost, none repeated
     if os.environ.get("CHAOS_REPORT"):
         with open(os.environ["CHAOS_REPORT"], "a") as f:
-            f.write(json.dumps({"seed": seed, "engine_killed_in_step": engine_at + 1,
+            f.write(json.dumps({"seed": seed, "engine_killed_in_step": engine_at + 1, "refit_kill_after_step": refit_at,
+                                "refit_kill_delay_s": round(refit_delay, 3), "refit_s": round(refit_s, 3),
+                                "refit_killed_a_live_engine": bool(live),
                                 "worker_killed_in_step": worker_at + 1, "worker_restart_failures": worker_failures,
                                 "run_killed": how,
                                 "run_killed_in_step": run_at + 1, "first_rc": first_rc, "stopped_at": stopped_at,

@@ -121,6 +121,59 @@ async def test_worker_restarts_a_dead_engine_with_its_weights_and_version(tiny_l
         await worker.stop()
 
 
+async def test_an_engine_dead_at_any_call_of_a_refit_is_revived_with_the_refit(tiny_llama_dir, ray_local):
+    import torch
+
+    from molt.runtime.worker import RolloutWorker
+
+    worker = RolloutWorker(str(tiny_llama_dir), str(AGENT), max_restarts=4)
+    await worker.start()
+
+    def kill():
+        os.kill(worker.engine.engine._proc.pid, signal.SIGKILL)
+    try:
+        names = ["model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"]
+        buckets = [[(n, torch.full(tuple(_shape(tiny_llama_dir, n)), 0.25 * (i + 1)))] for i, n in enumerate(names)]
+        running = asyncio.create_task(rollout(worker, RolloutTask(ROW, (0, 0), "g", "g-s0-a0", 0, 0, seed=1),
+                                              SamplingParams(max_tokens=200, min_tokens=200)))
+        while worker.engine.engine.num_requests == 0:
+            assert not running.done(), running.result()
+            await asyncio.sleep(0.01)
+        first = worker.engine.engine._proc.pid
+        kill()
+        while not worker._restart_lock.locked():  # the failed rollout's revival starts a new engine
+            assert not running.done(), running.result()
+            await asyncio.sleep(0.01)
+        refit = asyncio.create_task(worker.begin_refit(False))  # meanwhile the refit begins: it must pause the new one
+        while not (new := [p for p in psutil.Process().children() if p.pid != first and p.status() !=
+                           psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline())]):
+            await asyncio.sleep(0.01)
+        new[0].kill()  # which dies as it starts: the revival starts another
+        await refit
+        real, killed = worker._buckets, []
+
+        async def killing_after_the_first(refs):
+            async for bucket in real(refs):
+                yield bucket
+                if not killed:
+                    killed.append(kill())
+        worker._buckets = killing_after_the_first
+        await worker.update_weights(buckets, 4)  # the engine dies between its two buckets
+        kill()
+        await worker.end_refit()  # the resume meets a dead engine
+        outcome, _ = await running
+        assert outcome.status is RolloutStatus.ENGINE_RESTART and worker.restarts == 3, outcome.error
+        assert len(worker._deaths) == 4
+        sums = await worker.weight_sums()
+        assert await worker.version() == 4 and [sums[n] for n in names] == [float(b[0][1].double().sum())
+                                                                             for b in buckets]
+        again, payloads = await rollout(worker, RolloutTask(ROW, (0, 0), "g", "g-s0-a1", 0, 4, seed=1),
+                                        SamplingParams(max_tokens=4))
+        assert again.ok and {v for p in payloads for v in p["versions"] if v >= 0} == {4}
+    finally:
+        await worker.stop()
+
+
 async def rollout(worker, task, params):
     """A rollout as the runtime streams it from the worker: the outcome, then its experiences' payloads."""
     outcome, *payloads = [item async for item in worker.run(task, params)]
@@ -184,6 +237,46 @@ def test_engine_killed_mid_rollout_is_restarted_and_the_run_goes_on(tiny_llama_d
     retried = [rid for r in ledger(out) for rid in r["rollouts"] if not rid.endswith("-a0")]
     assert len(retried) == counted and all(r["step"] >= 3 for r in ledger(out) if set(r["rollouts"]) & set(retried))
     assert (out / "checkpoints" / "step_5" / "state.json").is_file()  # the final checkpoint
+
+
+def test_engine_killed_at_each_call_of_a_refit_the_run_goes_on(tiny_llama_dir, tmp_path, ray_local, monkeypatch):
+    """A run whose engine process is SIGKILLed before a refit's pause, between its pause and its weights, and
+    between its weights and its resume (the refits after steps 1, 2, 3): it trains every step, exactly once."""
+    from molt.runtime.worker import Workers
+
+    calls, killed = [], []
+
+    def kill(at):
+        if len(calls) == at:
+            for pid in engine_pids(os.getpid()):  # the one live engine, under this process's Ray
+                if not gone(pid):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+
+    async def refit(actor, partial, refs, version):  # Workers._refit, with the kills
+        calls.append(version)
+        kill(1)
+        await actor.begin_refit.remote(partial)
+        try:
+            kill(2)
+            await actor.update_weights.remote((await refs)[0], version)
+            kill(3)
+        finally:
+            await actor.end_refit.remote()
+    monkeypatch.setattr(Workers, "_refit", staticmethod(refit))
+    out = tmp_path / "run"
+    cfg = load_config(args(tiny_llama_dir, out, 5, "--rollout.engine_max_restarts", "3"))
+
+    async def main():
+        run = Run(cfg)
+        try:
+            await run.setup()
+            return await run.train(), await run.workers.actors[0].version.remote()
+        finally:
+            await run.close()
+    summary, version = asyncio.run(main())
+    assert summary["steps"] == 5 and version == 5 and len(calls) >= 4 and len(killed) == 3
+    check_exactly_once(out, 5)
 
 
 def test_an_engine_crash_loop_stops_the_run_with_a_checkpoint(tiny_llama_dir, tmp_path, ray_local):

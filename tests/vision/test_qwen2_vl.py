@@ -142,5 +142,5 @@ def test_the_vllm_prompt_has_one_placeholder_per_image(qwen_renderer, qwen_dir):
     assert images["image_grid_thw"].prod(-1).tolist() == [8, 16] and ids.count(pad) == 6
     prompt = mv.mm_prompt(ids, images, sources, pad, merge)
     assert prompt["prompt_token_ids"] == qwen_renderer.encode(rendered) and prompt["multi_modal_data"]["image"] == sources
-    with pytest.raises(mv.EngineError, match="image tokens do not match"):
+    with pytest.raises(mv.RequestError, match="image tokens do not match"):
         mv.mm_prompt(ids, {**images, "image_grid_thw": images["image_grid_thw"].flip(0)}, sources, pad, merge)

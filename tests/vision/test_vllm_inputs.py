@@ -8,7 +8,7 @@ from vision_helpers import png, user
 
 from molt.capture.render import canonical_messages, message_images
 from molt.engine import vllm as mv
-from molt.engine.base import EngineError
+from molt.engine.base import RequestError
 from molt.types import SamplingParams, vision_token_ids
 
 
@@ -30,9 +30,9 @@ def test_llava_prompt_goes_back_to_one_placeholder_per_image(vlm_renderer):
         assert prompt["multi_modal_data"] == {"image": sources} and sources[0].size == (32, 32)
     assert mv.mm_prompt(ids, None, None, image) == {"prompt_token_ids": ids}  # a text request
     for bad in (sources[:1], sources * 2, []):  # the images do not match the placeholders
-        with pytest.raises(EngineError, match="image tokens do not match"):
+        with pytest.raises(RequestError, match="image tokens do not match"):
             mv.mm_prompt(ids, inputs, bad, image)
-    with pytest.raises(EngineError, match="image tokens do not match"):
+    with pytest.raises(RequestError, match="image tokens do not match"):
         mv.mm_prompt(ids[:-len(ids) + ids.index(image) + 2] + ids[ids.index(image) + 3:], inputs, sources, image)
 
 
