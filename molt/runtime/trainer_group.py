@@ -255,14 +255,29 @@ def thread_options(threads: int) -> dict[str, Any]:
     return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}}}
 
 
+def spread(i: int, count: int, gpus: float) -> dict[str, Any]:
+    """Ray actor options that pin the i-th of `count` actors that reserve nothing to alive node i * nodes // count,
+    the driver's node first: Ray's SPREAD, or a soft affinity, often put them on one node (docs/internals.md).
+    {} on one node, and for actors that reserve GPUs: Ray's resource accounting places those."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    nodes = sorted((n["NodeID"] for n in ray.nodes() if n["Alive"]), key=lambda n: (n != here, n))
+    if len(nodes) < 2 or gpus:
+        return {}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(nodes[i * len(nodes) // count], soft=False)}
+
+
 class TrainerGroup:
     """Creates the rank actors and calls them collectively."""
 
     def __init__(self, world: int, *, torch_threads: int = 0, num_gpus_per_rank: float = 0):
         import ray
 
-        cls = ray.remote(num_cpus=0, num_gpus=num_gpus_per_rank)(TrainerRank).options(**thread_options(torch_threads))
-        self.ranks = [cls.remote(r, world, torch_threads) for r in range(world)]
+        cls = ray.remote(num_cpus=0, num_gpus=num_gpus_per_rank)(TrainerRank)
+        options = [{**thread_options(torch_threads), **spread(r, world, num_gpus_per_rank)} for r in range(world)]
+        self.ranks = [cls.options(**options[r]).remote(r, world, torch_threads) for r in range(world)]
 
     async def setup(self, cfg: Any) -> None:
         master = await self.ranks[0].master_address.remote()

@@ -216,3 +216,31 @@ def test_sbatch_run_requeued_and_preempted_resumes_exactly_once(slurm, tiny_llam
     assert state["train"]["step"] == STEPS  # one optimizer step a training step: none lost, none repeated
     print(f"slurm-test: ledger exactly-once over {STEPS} steps, optimizer steps {state['train']['step']}; "
           f"wall time {wall:.0f} s")
+
+
+@pytest.mark.slow
+def test_trainer_ranks_spread_over_the_ray_nodes():
+    """Two Ray nodes on this machine: the two trainer ranks land one on each, every time. Ray alone places actors
+    that reserve nothing (num_cpus=0) anywhere, its SPREAD strategy too (7 of 10 tries put a pair on one node)."""
+    import ray
+    from ray._private.state import actors
+    from ray.cluster_utils import Cluster
+
+    from molt.runtime.trainer_group import TrainerGroup
+
+    ray.shutdown()  # the shared local instance, if a test started it
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, log_to_driver=False, logging_level="error")
+        cluster.wait_for_nodes()
+        for _ in range(4):
+            ranks = TrainerGroup(2).ranks
+            ray.get([r.master_address.remote() for r in ranks])  # created
+            nodes = [actors(r._actor_id.hex())["Address"]["NodeID"] for r in ranks]
+            assert len(set(nodes)) == 2, nodes
+            for r in ranks:
+                ray.kill(r)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
