@@ -52,9 +52,13 @@ class TrainerRank:
 
     def setup(self, master: str, cfg: Any) -> None:
         """cfg: the run's resolved `molt.config.MoltConfig`, model paths resolved to local checkpoints."""
+        import ray
+
         addr, port = master.rsplit(":", 1)
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0", MASTER_ADDR=addr,
                           MASTER_PORT=port)
+        if "GLOO_SOCKET_IFNAME" not in os.environ and (ifname := _interface_of(ray.util.get_node_ip_address())):
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname  # else gloo takes the hostname's address, or loopback
         import torch
 
         from molt.algo import estimator_spec, import_files
@@ -243,6 +247,22 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _interface_of(ip: str) -> str | None:
+    """The network interface that holds IPv4 address `ip` (Linux), for gloo: a rank on another node must reach it
+    there, not at the address this host's name resolves to (none, in a network namespace; 127.0.1.1 on Debian)."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR
+                if socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))[20:24]) == ip:
+                    return name
+            except OSError:
+                continue  # no IPv4 address
+    return None
 
 
 def thread_options(threads: int) -> dict[str, Any]:
