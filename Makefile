@@ -48,7 +48,8 @@ test-chaos: $(STAMP)
 	$(BIN)/pytest -q -m chaos tests/runtime/test_chaos.py
 
 # Slurm for real (root): installs Debian's Slurm and munge, starts a one-node cluster, runs a tiny-model job
-# through scripts/slurm.sbatch, requeues and preempts it, checks the resumed run's ledger (docs/slurm.md).
+# through scripts/slurm.sbatch, requeues and preempts it, checks the resumed run's ledger; then the same on two
+# slurmd nodes in network namespaces, checking that trainer ranks and rollout workers run on both (docs/slurm.md).
 test-slurm: $(STAMP)
 	$(BIN)/pytest -q -s -m slurm tests/runtime/test_slurm.py
 

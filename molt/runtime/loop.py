@@ -11,7 +11,6 @@ import os
 import sys
 import time
 from contextlib import closing
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from molt.runtime.data import load_prompts
 from molt.runtime.experience import assign_to_ranks
 from molt.runtime.metrics import MetricsLogger, rollout_metrics
 from molt.runtime.pool import Group, PromptStream, RolloutPool, RolloutTask, RunStopped
-from molt.runtime.trainer_group import TrainerGroup, rollout_advantages, terminal_rewards
+from molt.runtime.trainer_group import TrainerGroup, rollout_advantages, spread, terminal_rewards
 from molt.runtime.worker import RolloutWorker, Workers
 from molt.types import RolloutStatus, SamplingParams
 
@@ -128,10 +127,10 @@ class Run:
             n_workers, gpus = v.num_engines, v.tensor_parallel_size
         worker_cls = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=10_000)(RolloutWorker)
         agent = cfg.train.agent_path and str(Path(cfg.train.agent_path).resolve())  # "": the built-in agent
-        self.workers = Workers(partial(worker_cls.remote, self.model_path, agent, engine_kind=cfg.rollout.engine,
-                                       torch_threads=worker_threads, runner_options=runner_options,
-                                       engine_options=engine_options, max_restarts=cfg.rollout.engine_max_restarts),
-                               n_workers, cfg.rollout.worker_max_restarts)
+        spawn = lambda i, n: worker_cls.options(**spread(i, n, gpus)).remote(
+            self.model_path, agent, engine_kind=cfg.rollout.engine, torch_threads=worker_threads,
+            runner_options=runner_options, engine_options=engine_options, max_restarts=cfg.rollout.engine_max_restarts)
+        self.workers = Workers(spawn, n_workers, cfg.rollout.worker_max_restarts)
         self.trainer = TrainerGroup(cfg.train.num_ranks, torch_threads=trainer_threads,
                                     num_gpus_per_rank=1 if cfg.rollout.engine == "vllm" else 0)
         await asyncio.gather(*[w.start.remote() for w in self.workers.actors], self.trainer.setup(self.trainer_cfg))

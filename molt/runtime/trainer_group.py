@@ -52,9 +52,13 @@ class TrainerRank:
 
     def setup(self, master: str, cfg: Any) -> None:
         """cfg: the run's resolved `molt.config.MoltConfig`, model paths resolved to local checkpoints."""
+        import ray
+
         addr, port = master.rsplit(":", 1)
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0", MASTER_ADDR=addr,
                           MASTER_PORT=port)
+        if "GLOO_SOCKET_IFNAME" not in os.environ and (ifname := _interface_of(ray.util.get_node_ip_address())):
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname  # else gloo takes the hostname's address, or loopback
         import torch
 
         from molt.algo import estimator_spec, import_files
@@ -245,6 +249,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _interface_of(ip: str) -> str | None:
+    """The network interface that holds IPv4 address `ip` (Linux), for gloo: a rank on another node must reach it
+    there, not at the address this host's name resolves to (none, in a network namespace; 127.0.1.1 on Debian)."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR
+                if socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))[20:24]) == ip:
+                    return name
+            except OSError:
+                continue  # no IPv4 address
+    return None
+
+
 def thread_options(threads: int) -> dict[str, Any]:
     """Ray actor options that give a trainer rank `threads` OpenMP threads. Ray sets OMP_NUM_THREADS=1 in
     actors that reserve no CPU, and torch.set_num_threads alone does not lift it for every kernel: a 2-thread
@@ -255,14 +275,29 @@ def thread_options(threads: int) -> dict[str, Any]:
     return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}}}
 
 
+def spread(i: int, count: int, gpus: float) -> dict[str, Any]:
+    """Ray actor options that pin the i-th of `count` actors that reserve nothing to alive node i * nodes // count,
+    the driver's node first: Ray's SPREAD, or a soft affinity, often put them on one node (docs/internals.md).
+    {} on one node, and for actors that reserve GPUs: Ray's resource accounting places those."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    nodes = sorted((n["NodeID"] for n in ray.nodes() if n["Alive"]), key=lambda n: (n != here, n))
+    if len(nodes) < 2 or gpus:
+        return {}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(nodes[i * len(nodes) // count], soft=False)}
+
+
 class TrainerGroup:
     """Creates the rank actors and calls them collectively."""
 
     def __init__(self, world: int, *, torch_threads: int = 0, num_gpus_per_rank: float = 0):
         import ray
 
-        cls = ray.remote(num_cpus=0, num_gpus=num_gpus_per_rank)(TrainerRank).options(**thread_options(torch_threads))
-        self.ranks = [cls.remote(r, world, torch_threads) for r in range(world)]
+        cls = ray.remote(num_cpus=0, num_gpus=num_gpus_per_rank)(TrainerRank)
+        options = [{**thread_options(torch_threads), **spread(r, world, num_gpus_per_rank)} for r in range(world)]
+        self.ranks = [cls.options(**options[r]).remote(r, world, torch_threads) for r in range(world)]
 
     async def setup(self, cfg: Any) -> None:
         master = await self.ranks[0].master_address.remote()

@@ -237,9 +237,10 @@ class RolloutWorker:
 class Workers:
     """The controller's rollout worker actors: least-loaded dispatch, refits, a new actor for a dead one."""
 
-    def __init__(self, spawn: Callable[[], Any], n: int, max_restarts: int):
+    def __init__(self, spawn: Callable[[int, int], Any], n: int, max_restarts: int):
+        """spawn(i, n): a new actor for worker i of n."""
         self.spawn, self.max_restarts = spawn, max_restarts  # max_restarts 0 with the collective refit group
-        self.actors, self.inflight = [spawn() for _ in range(n)], [0] * n
+        self.actors, self.inflight = [spawn(i, n) for i in range(n)], [0] * n
         self.weights: tuple[asyncio.Future, int] | None = None  # the last refit's (trainer ranks' refs, version)
         self._deaths: list[float] = []
         self._lock = asyncio.Lock()  # held by refits and replacements; a dispatch waits for them
@@ -302,7 +303,7 @@ class Workers:
                                  "worker_max_restarts; none with the collective refit group)")
             print(f"molt: rollout worker {i} died ({type(error).__name__}); starting a new one", file=sys.stderr)
             ray.kill(dead)  # in case it was only unreachable
-            self.actors[i] = new = self.spawn()
+            self.actors[i] = new = self.spawn(i, len(self.actors))
             await new.start.remote()
             if self.weights is not None:
                 await self._refit(new, False, *self.weights)

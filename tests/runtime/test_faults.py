@@ -370,7 +370,7 @@ def test_workers_replace_a_dead_actor_with_the_last_weights_and_keep_its_payload
         return await running
 
     async def main():
-        workers = Workers(ray_local.remote(max_concurrency=100)(ToyWorker).remote, 1, max_restarts=1)
+        workers = Workers(lambda i, n: ray_local.remote(max_concurrency=100)(ToyWorker).remote(), 1, max_restarts=1)
         await workers.actors[0].start.remote()
         refs = asyncio.ensure_future(asyncio.sleep(0, [[ray_local.put("bucket-7")]]))  # the trainer ranks' refs
         await workers.refit(False, refs, 7)
@@ -420,7 +420,7 @@ def test_a_rollout_cancelled_on_the_controller_ends_on_its_worker(tiny_llama_dir
     async def main():
         spawn = partial(ray_local.remote(num_cpus=0, max_concurrency=100)(RolloutWorker).remote, str(tiny_llama_dir),
                         str(agent), engine_options={"process": False})
-        workers = Workers(spawn, 1, max_restarts=0)
+        workers = Workers(lambda i, n: spawn(), 1, max_restarts=0)
         actor = workers.actors[0]
         await actor.start.remote()
         try:

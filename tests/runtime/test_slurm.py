@@ -3,10 +3,13 @@ cluster started on this machine; a tiny-model run goes through `scripts/slurm.sb
 mid-run, then preempted by a higher-priority job, and must finish by itself with an exactly-once ledger.
 
 `scontrol requeue` sends SIGTERM to every process of the job, Ray's included, so the requeued job resumes from
-the last periodic checkpoint and redoes the steps after it. Preemption (# the preempted job gets its --signal (B:TERM) first, then GraceTime to stop
-SlurmctldParameters=preempt_send_user_signal)
-delivers the script's `--signal=B:TERM` to the batch shell only: `molt train` checkpoints the step in progress,
-the job requeues itself, and the next start resumes that very step (docs/slurm.md)."""
+the last periodic checkpoint and redoes the steps after it. Preemption (with
+SlurmctldParameters=preempt_send_user_signal) delivers the script's `--signal=B:TERM` to the batch shell only: `molt train` checkpoints the step in progress,
+the job requeues itself, and the next start resumes that very step (docs/slurm.md).
+
+The two-node test runs two slurmd nodes, each in a network namespace of its own on this machine, and checks that
+the trainer ranks and rollout workers of a requeued run are placed on both."""
+import contextlib
 import json
 import os
 import re
@@ -73,7 +76,7 @@ def _wait(predicate, timeout, what):
 
 
 CONF = """ClusterName=molt
-SlurmctldHost={host}
+SlurmctldHost={ctld}
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 SlurmUser=root
@@ -95,34 +98,44 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 # the preempted job gets its --signal (B:TERM) first, then GraceTime to stop
 SlurmctldParameters=preempt_send_user_signal
-NodeName={host} CPUs={cpus} RealMemory={mem} State=UNKNOWN
+{nodes}
 PartitionName=low Nodes=ALL Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=120
 PartitionName=high Nodes=ALL PriorityTier=2 PreemptMode=OFF
 """
 
 
 class Slurm:
-    """A one-node Slurm cluster of this machine's daemons, its files under `d`."""
+    """A Slurm cluster of this machine's daemons, its files under `d`: this host as the one node, or `nodes`
+    ({name: address}), each slurmd in the network namespace of its name (Namespaces)."""
 
-    def __init__(self, d: Path):
-        self.d = d
+    def __init__(self, d: Path, nodes: dict[str, str] | None = None):
+        self.d, host = d, socket.gethostname()
+        self.nodes = nodes or {host: ""}
         for sub in ("state", "spool"):
             (d / sub).mkdir(parents=True)
-        conf = CONF.format(host=socket.gethostname(), ctld_port=_free_port(), slurmd_port=_free_port(), d=d,
-                           cpus=os.cpu_count(), mem=psutil.virtual_memory().total // 2**20 * 9 // 10)
+        mem = psutil.virtual_memory().total // 2**20 * 9 // 10 // len(self.nodes)
+        lines = [f"NodeName={n}" + (f" NodeAddr={a} NodeHostname={host}" if a else "") +
+                 f" CPUs={os.cpu_count()} RealMemory={mem} State=UNKNOWN" for n, a in self.nodes.items()]
+        conf = CONF.format(ctld=f"{host}({BRIDGE})" if nodes else host, ctld_port=_free_port(),
+                           slurmd_port=_free_port(), d=d, nodes="\n".join(lines))
         (d / "slurm.conf").write_text(conf)
         self.env = {**os.environ, "SLURM_CONF": str(d / "slurm.conf")}
         self.daemons: list[subprocess.Popen] = []
 
     def start(self) -> None:
         d = self.d
-        self.daemons = [subprocess.Popen([name, "-D"], env=self.env, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL) for name in ("slurmctld", "slurmd")]
+        # nsenter, not `ip netns exec`: that mounts a fresh /sys, where slurmd finds no cgroup file system
+        cmds = [["slurmctld", "-D"]] + [["nsenter", f"--net=/run/netns/{n}", "slurmd", "-D", "-N", n] if a
+                                        else ["slurmd", "-D"] for n, a in self.nodes.items()]
+        logs = ["slurmctld.log"] + [f"slurmd-{n}.log" for n in self.nodes]
+        self.daemons = [subprocess.Popen(c, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        for c in cmds]
         def idle():
-            for p, log in zip(self.daemons, ("slurmctld.log", f"slurmd-{socket.gethostname()}.log")):
-                assert p.poll() is None, f"{p.args[0]} exited: {(d / log).read_text()[-2000:] if (d / log).exists() else ''}"
-            return "idle" in self.run("sinfo", "-h", "-o", "%T", check=False)
-        _wait(idle, 60, "the node to be idle in sinfo")
+            for p, log in zip(self.daemons, logs):
+                assert p.poll() is None, f"{p.args} exited: {(d / log).read_text()[-2000:] if (d / log).exists() else ''}"
+            out = self.run("sinfo", "-h", "-N", "-o", "%N %T", check=False)
+            return {line.split()[0] for line in out.splitlines() if line.endswith(" idle")} >= set(self.nodes)
+        _wait(idle, 60, "the nodes to be idle in sinfo")
 
     def run(self, *cmd, check=True) -> str:
         return _sh(*cmd, env=self.env, check=check)
@@ -139,18 +152,54 @@ class Slurm:
             p.wait(30)
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    _install_or_skip()
-    munged = _start_munge()
-    cluster = Slurm(tmp_path_factory.mktemp("slurm"))
+BRIDGE, NODES = "10.77.0.1", {"molt-n1": "10.77.0.11", "molt-n2": "10.77.0.12"}
+
+
+@contextlib.contextmanager
+def namespaces():
+    """A bridge with this host at BRIDGE and a network namespace per node of NODES on it (a veth pair each):
+    each node its own address, all traffic between them inside what this creates; removed on the way out."""
+    def remove():
+        for n in NODES:
+            subprocess.run(["ip", "netns", "del", n], check=False, capture_output=True)  # its veth end too
+        subprocess.run(["ip", "link", "del", "br-molt"], check=False, capture_output=True)
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("nsenter"):
+        pytest.skip("two Slurm nodes on one host need root, ip (iproute2) and nsenter")
+    remove()  # an interrupted run's
     try:
-        cluster.start()
-        yield cluster
+        _sh("ip", "link", "add", "br-molt", "type", "bridge")
+        _sh("ip", "addr", "add", f"{BRIDGE}/24", "dev", "br-molt")
+        _sh("ip", "link", "set", "br-molt", "up")
+        for k, (n, addr) in enumerate(NODES.items()):
+            _sh("ip", "netns", "add", n)
+            _sh("ip", "link", "add", f"veth-molt{k}", "type", "veth", "peer", "name", "eth0", "netns", n)
+            _sh("ip", "link", "set", f"veth-molt{k}", "master", "br-molt", "up")
+            for cmd in (["addr", "add", f"{addr}/24", "dev", "eth0"], ["link", "set", "eth0", "up"],
+                        ["link", "set", "lo", "up"], ["route", "add", "default", "via", BRIDGE]):
+                _sh("ip", "-n", n, *cmd)
+        yield NODES
     finally:
-        cluster.close()
+        remove()
+
+
+@contextlib.contextmanager
+def cluster(d: Path, nodes: dict[str, str] | None = None):
+    _install_or_skip()
+    munged = _start_munge()  # its socket is a file: the namespaces share it
+    slurm = Slurm(d, nodes)
+    try:
+        slurm.start()
+        yield slurm
+    finally:
+        slurm.close()
         if munged is not None:
             munged.terminate()
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    with cluster(tmp_path_factory.mktemp("slurm")) as c:
+        yield c
 
 
 def _steps(out: Path) -> int:
@@ -161,58 +210,140 @@ def _checkpoints(out: Path) -> list[int]:
     return sorted(int(p.parent.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*/state.json"))
 
 
+class Job:
+    """A tiny-model run of `steps` steps submitted through scripts/slurm.sbatch from directory `d`."""
+
+    def __init__(self, slurm: Slurm, d: Path, tiny: Path, steps: int, nodes: int, *args: str):
+        env = {**slurm.env, "PY": str(Path(sys.executable).parent), "PYTHONPATH": str(ROOT),
+               "RAY_PORT": str(_free_port() % 3000 + 6380)}  # below Ray's worker ports (10002-19999)
+        args = ("--actor.model_name_or_path", str(tiny), "--train.agent_path", str(AGENT), "--data.prompt_dataset",
+                str(ROOT / "recipes/math/data/single_train.jsonl"), "--rollout.batch_size", "2",
+                "--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "8", "--train.max_steps",
+                str(steps), "--train.max_staleness", "0", "--ckpt.save_steps", "1", "--rollout.no_engine_process", *args)
+        self.slurm, self.steps, self.log, self.t0 = slurm, steps, d / "job.out", time.time()
+        self.id = _sh("sbatch", "--parsable", f"--nodes={nodes}", f"--output={self.log}",
+                      str(ROOT / "scripts/slurm.sbatch"), *args, env=env, cwd=d).strip()
+        self.out = d / f"runs/slurm-{self.id}"  # the script's default run directory, under the submit directory
+        print(f"\nslurm-test: submitted job {self.id} on {nodes} node(s)")
+
+    def text(self) -> str:
+        return self.log.read_text() if self.log.is_file() else ""
+
+    def running(self, restart: int, steps: int) -> None:
+        """Waits until start `restart` of the job has trained and checkpointed step `steps`."""
+        def reached():
+            state = self.slurm.job(self.id)["JobState"]
+            assert state not in ENDED, f"job {self.id} {state}; log:\n{self.text()[-3000:]}"
+            return (f"restart {restart}," in self.text() and _steps(self.out) >= steps
+                    and _checkpoints(self.out)[-1:] >= [steps])
+        _wait(reached, 600, f"restart {restart} to train step {steps}; log:\n{self.text()[-3000:]}")
+
+    def requeue(self) -> int:
+        """`scontrol requeue`: SIGTERM to the whole job, Ray's processes too. The last checkpoint's step."""
+        at, ckpt = _steps(self.out), _checkpoints(self.out)[-1]
+        self.slurm.run("scontrol", "requeue", self.id)
+        print(f"slurm-test: scontrol requeue {self.id} at step {at} (last checkpoint step_{ckpt})")
+        return ckpt
+
+    def completed(self, restarts: int) -> tuple[list[int], str]:
+        """Waits for the job to complete by itself after `restarts` restarts, checks the exactly-once ledger and
+        the optimizer's step count; the steps its starts resumed, and its log."""
+        _wait(lambda: self.slurm.job(self.id)["JobState"] == "COMPLETED", 900,
+              f"job {self.id} to complete; log:\n{self.text()[-3000:]}")
+        log = self.text()
+        resumed = [int(s) for s in re.findall(r"molt: resuming from .*step_(\d+)", log)]
+        codes = re.findall(r"molt train exited with (\d+)", log)
+        print(f"slurm-test: restarts {self.slurm.job(self.id)['Restarts']}, resumed from steps {resumed}, exit codes "
+              f"of molt train: {codes}")
+        assert self.slurm.job(self.id)["Restarts"] == str(restarts), log[-3000:]
+        assert log.count("molt-slurm: molt train exited with 0") == 1
+        check_exactly_once(self.out, self.steps)
+        assert json.loads((self.out / "summary.json").read_text())["steps"] == self.steps
+        import torch.distributed.checkpoint as dcp
+
+        state = {"train": {"step": -1}}
+        dcp.load(state, checkpoint_id=str(self.out / "checkpoints" / f"step_{self.steps}" / "trainer"))
+        assert state["train"]["step"] == self.steps  # one optimizer step a training step: none lost, none repeated
+        print(f"slurm-test: ledger exactly-once over {self.steps} steps, optimizer steps {state['train']['step']}; "
+              f"wall time {time.time() - self.t0:.0f} s")
+        return resumed, log
+
+
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_sbatch_run_requeued_and_preempted_resumes_exactly_once(slurm, tiny_llama_dir, tmp_path):
-    t0 = time.time()
-    env = {**slurm.env, "PY": str(Path(sys.executable).parent), "PYTHONPATH": str(ROOT),
-           "RAY_PORT": str(_free_port() % 3000 + 6380)}  # below Ray's worker ports (10002-19999)
-    args = ["--actor.model_name_or_path", str(tiny_llama_dir), "--train.agent_path", str(AGENT),
-            "--data.prompt_dataset", str(ROOT / "recipes/math/data/single_train.jsonl"), "--rollout.batch_size", "2",
-            "--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "8", "--train.max_steps", str(STEPS),
-            "--train.max_staleness", "0", "--ckpt.save_steps", "1", "--rollout.no_engine_process"]
-    log = tmp_path / "job.out"
-    job_id = _sh("sbatch", "--parsable", "--nodes=1", f"--output={log}", str(ROOT / "scripts/slurm.sbatch"), *args,
-                 env=env, cwd=tmp_path).strip()
-    out = tmp_path / f"runs/slurm-{job_id}"  # the script's default run directory, under the submit directory
-    text = lambda: log.read_text() if log.is_file() else ""
-    print(f"\nslurm-test: submitted job {job_id}")
-
-    def running(restart: int, steps: int):
-        def reached():
-            state = slurm.job(job_id)["JobState"]
-            assert state not in ENDED, f"job {job_id} {state}; log:\n{text()[-3000:]}"
-            return f"restart {restart}," in text() and _steps(out) >= steps and _checkpoints(out)[-1:] >= [steps]
-        _wait(reached, 600, f"restart {restart} to train step {steps}; log:\n{text()[-3000:]}")
-
-    running(0, 2)
-    requeued_at, ckpt_before = _steps(out), _checkpoints(out)[-1]
-    slurm.run("scontrol", "requeue", job_id)  # SIGTERM to the whole job, Ray's processes too
-    print(f"slurm-test: scontrol requeue {job_id} at step {requeued_at} (last checkpoint step_{ckpt_before})")
-    running(1, ckpt_before + 2)
-    preempt_at = _steps(out)
+    job = Job(slurm, tmp_path, tiny_llama_dir, STEPS, 1)
+    job.running(0, 2)
+    ckpt_before = job.requeue()
+    job.running(1, ckpt_before + 2)
+    preempt_at = _steps(job.out)
     high = slurm.run("sbatch", "--parsable", "--partition=high", "--nodes=1", f"--output={tmp_path}/high.out",
                      "--wrap", "sleep 1").strip()
-    print(f"slurm-test: job {high} in the high partition preempts job {job_id} at step {preempt_at}")
-    _wait(lambda: slurm.job(job_id)["JobState"] == "COMPLETED", 900, f"job {job_id} to complete; log:\n{text()[-3000:]}")
-    wall = time.time() - t0
-
-    log_text = text()
-    resumed = [int(s) for s in re.findall(r"molt: resuming from .*step_(\d+)", log_text)]
-    stopped = [int(s) for s in re.findall(r"stopped by SIGTERM; step (\d+) is checkpointed", log_text)]
-    codes = re.findall(r"molt train exited with (\d+)", log_text)
-    print(f"slurm-test: restarts {slurm.job(job_id)['Restarts']}, resumed from steps {resumed}, the preempted run "
-          f"checkpointed step {stopped[-1:]}, exit codes of molt train: {codes}")
-    assert slurm.job(job_id)["Restarts"] == "2", log_text[-3000:]
+    print(f"slurm-test: job {high} in the high partition preempts job {job.id} at step {preempt_at}")
+    resumed, log = job.completed(restarts=2)
+    stopped = [int(s) for s in re.findall(r"stopped by SIGTERM; step (\d+) is checkpointed", log)]
+    print(f"slurm-test: the preempted run checkpointed step {stopped[-1:]}")
     assert resumed[0] >= ckpt_before  # the checkpoint the requeue found (the step in progress may have finished)
     assert len(resumed) == 2 and resumed[1] == stopped[-1] >= preempt_at  # preempted: nothing redone
-    assert log_text.count("molt-slurm: molt train exited with 0") == 1
-    check_exactly_once(out, STEPS)
-    assert json.loads((out / "summary.json").read_text())["steps"] == STEPS
-    import torch.distributed.checkpoint as dcp
 
-    state = {"train": {"step": -1}}
-    dcp.load(state, checkpoint_id=str(out / "checkpoints" / f"step_{STEPS}" / "trainer"))
-    assert state["train"]["step"] == STEPS  # one optimizer step a training step: none lost, none repeated
-    print(f"slurm-test: ledger exactly-once over {STEPS} steps, optimizer steps {state['train']['step']}; "
-          f"wall time {wall:.0f} s")
+
+def _placement(nodes) -> dict[str, list[str]]:
+    """{actor class: the namespaces its processes run in}, over the Ray actor processes in `nodes`' namespaces."""
+    ns = {os.stat(f"/run/netns/{n}").st_ino: n for n in nodes}
+    found: dict[str, list[str]] = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        title = " ".join(p.info["cmdline"] or [])
+        kind = next((k for k in ("TrainerRank", "RolloutWorker") if f"ray::{k}" in title), None)
+        try:
+            where = ns.get(os.stat(f"/proc/{p.info['pid']}/ns/net").st_ino)
+        except OSError:
+            continue  # ended
+        if kind and where:
+            found.setdefault(kind, []).append(where)
+    return {k: sorted(v) for k, v in found.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_two_node_sbatch_run_spans_both_nodes_and_resumes_exactly_once(tiny_llama_dir, tmp_path):
+    """Two slurmd nodes, each in its own network namespace: Ray spans both, each node runs one trainer rank and
+    one rollout worker, and a requeued run resumes with the exactly-once ledger."""
+    with namespaces() as nodes, cluster(tmp_path / "slurm", nodes) as slurm:
+        print(f"\nslurm-test: nodes {slurm.run('srun', '-N2', '-l', 'hostname', '-I').split()}")
+        job = Job(slurm, tmp_path, tiny_llama_dir, 4, 2, "--train.num_ranks", "2", "--rollout.num_workers", "2")
+        job.running(0, 1)
+        placement = _placement(nodes)
+        print(f"slurm-test: placement {placement}")
+        assert placement == {"TrainerRank": sorted(nodes), "RolloutWorker": sorted(nodes)}
+        ckpt = job.requeue()
+        resumed, log = job.completed(restarts=1)
+        assert f"molt-slurm: 2 Ray nodes up at {nodes['molt-n1']}:" in log
+        assert resumed[0] >= ckpt
+
+
+@pytest.mark.slow
+def test_trainer_ranks_spread_over_the_ray_nodes():
+    """Two Ray nodes on this machine: the two trainer ranks land one on each, every time. Ray alone places actors
+    that reserve nothing (num_cpus=0) anywhere, its SPREAD strategy too (7 of 10 tries put a pair on one node)."""
+    import ray
+    from ray._private.state import actors
+    from ray.cluster_utils import Cluster
+
+    from molt.runtime.trainer_group import TrainerGroup
+
+    ray.shutdown()  # the shared local instance, if a test started it
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, log_to_driver=False, logging_level="error")
+        cluster.wait_for_nodes()
+        for _ in range(4):
+            ranks = TrainerGroup(2).ranks
+            ray.get([r.master_address.remote() for r in ranks])  # created
+            nodes = [actors(r._actor_id.hex())["Address"]["NodeID"] for r in ranks]
+            assert len(set(nodes)) == 2, nodes
+            for r in ranks:
+                ray.kill(r)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
