@@ -4,7 +4,6 @@ import asyncio
 import time
 
 import httpx
-import pytest
 
 from molt.testing.scripted import live_capture_server
 from molt.types import SamplingParams

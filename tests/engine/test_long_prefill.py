@@ -5,12 +5,11 @@ import asyncio
 import pytest
 import torch
 import torch.nn.functional as F
+from test_hf import load, recompute
 
 from molt.engine.hf import HFEngine
 from molt.testing.models import build_tiny_llama
 from molt.types import SamplingParams
-
-from test_hf import load, recompute
 
 
 def long_prompt(n, salt=0):
