@@ -311,7 +311,11 @@ def _train_and_report(cfg) -> dict:
          arg("--prefix-cache-mb", type=int, default=None,
              help="session prefix cache of the engine in MB, 0: off (default: the engine's, 1024)"),
          arg("--allow-remote-images", action="store_true",
-             help="fetch the http(s) image URLs clients send (default: refuse them with 400)"))
+             help="fetch the http(s) image URLs clients send (default: refuse them with 400)"),
+         arg("--max-request-mb", type=float, default=32, help="refuse request bodies over this size with 413"),
+         arg("--max-chars-per-token", type=float, default=16,
+             help="refuse, before tokenizing, a conversation of more characters than this many per token of the "
+                  "context window (400; 0: off)"))
 def serve(args: argparse.Namespace) -> int:
     from molt.capture.serve import serve_main
 

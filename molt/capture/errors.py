@@ -18,7 +18,7 @@ from molt.capture.session import ContextTooLong, SessionClosed
 from molt.engine.base import EngineError, EngineGone
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                    405: "invalid_request_error"}
+                    405: "invalid_request_error", 413: "request_too_large"}
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -117,8 +117,8 @@ class ChatRenderer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token markup in it becomes the special tokens (as templates intend)."""
-        if self._backend is not None:
-            return self._backend.encode(text, add_special_tokens=False).ids
+        if self._backend is not None:  # encode_batch lets other threads run meanwhile (`encode` holds the GIL)
+            return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:

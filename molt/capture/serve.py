@@ -1,6 +1,6 @@
 """`molt serve --model REF [--host 127.0.0.1] [--port N] [--strict-model] [--prefix-cache-mb MB]
-[--allow-remote-images]`: the engine and capture server as a standalone service, for debugging agents and for
-external harnesses. The engine keeps each session's last turn in its prefix cache (`molt.engine.prefix_cache`),
+[--allow-remote-images] [--max-request-mb MB] [--max-chars-per-token N]`: the engine and capture server as a
+standalone service, for debugging agents and for external harnesses. The engine keeps each session's last turn in its prefix cache (`molt.engine.prefix_cache`),
 so an agent's next turn prefills only its new tokens. Remote image URLs are refused unless allowed.
 
 Routes added to the capture server's:
@@ -80,7 +80,7 @@ def add_service_routes(server: CaptureServer) -> None:
 
 async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: Any = None,
                 ready: Any = print, strict_model: bool = False, allow_remote_images: bool = False,
-                **engine_options: Any) -> None:
+                max_request_mb: float = 32, max_chars_per_token: float = 16, **engine_options: Any) -> None:
     """Run the service until SIGINT/SIGTERM. `engine` defaults to an HFEngine on `model` (a path) in a process
     of its own (`molt.engine.process`), leaving one core to the server, built with `engine_options`."""
     from molt.capture.render import ChatRenderer
@@ -94,8 +94,8 @@ async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: A
         engine = EngineProcess("molt.engine.hf:HFEngine", model, torch_threads=max(1, (os.cpu_count() or 2) - 1),
                                **engine_options)
     renderer = ChatRenderer.from_pretrained(model, allow_remote_images=allow_remote_images)
-    server = CaptureServer(engine, renderer, host=host, port=port,
-                           strict_model=strict_model)
+    server = CaptureServer(engine, renderer, host=host, port=port, strict_model=strict_model,
+                           max_request_mb=max_request_mb, max_chars_per_token=max_chars_per_token)
     add_service_routes(server)
     await server.start()
     loop = asyncio.get_running_loop()
@@ -121,5 +121,7 @@ def serve_main(args: Any) -> int:
     options = {} if cache_mb is None else {"prefix_cache_mb": cache_mb}
     asyncio.run(serve(str(resolve_model(args.model)), args.host, args.port,
                       strict_model=getattr(args, "strict_model", False),
-                      allow_remote_images=getattr(args, "allow_remote_images", False), **options))
+                      allow_remote_images=getattr(args, "allow_remote_images", False),
+                      max_request_mb=getattr(args, "max_request_mb", 32),
+                      max_chars_per_token=getattr(args, "max_chars_per_token", 16), **options))
     return 0

@@ -13,9 +13,10 @@ does, so an unchanged black-box agent that names its own model (`model="gpt-4o"`
 (`molt serve --strict-model`) answers a name other than the engine's (or `served_names`) with 400.
 
 Errors: client mistakes are 4xx in the caller's wire shape (`errors.py`): malformed JSON, schema violations,
-an unknown model name (strict only), a conversation the template rejects or that does not fit the window -> 400;
-a wrong or missing key -> 401; an unknown or closed session -> 404. They never touch other sessions. An engine
-failure is a 500 in the same shape, 503 while the engine is gone (being replaced).
+an unknown model name (strict only), a conversation the template rejects or that does not fit the window -> 400
+(over `max_chars_per_token` characters a token of the window: refused before it is tokenized); a body over
+`max_request_mb` -> 413; a wrong or missing key -> 401; an unknown or closed session -> 404. They never touch
+other sessions. An engine failure is a 500 in the same shape, 503 while the engine is gone (being replaced).
 
 `CaptureServer` implements `molt.agents.SessionProvider`; the runtime opens one session per rollout and closes
 it when the rollout ends (which returns the segments).
@@ -59,13 +60,15 @@ class _EmbeddedServer(uvicorn.Server):
 
 class CaptureServer:
     def __init__(self, engine: Engine, renderer: ChatRenderer, *, host: str = "127.0.0.1", port: int = 0,
-                 tool_parser: str = "hermes", served_names: tuple[str, ...] = (), strict_model: bool = False):
+                 tool_parser: str = "hermes", served_names: tuple[str, ...] = (), strict_model: bool = False,
+                 max_request_mb: float = 32, max_chars_per_token: float = 16):
         self.engine, self.renderer = engine, renderer
         self.host, self.port = host, port
         self.parser = get_tool_parser(tool_parser)
         renderer.keep_special(self.parser.markers)  # type: ignore[attr-defined]
         self.model_names = {engine.model_name, *served_names}  # names /v1/models lists (the only ones, if strict)
         self.strict_model = strict_model
+        self.max_request_mb, self.max_chars_per_token = max_request_mb, max_chars_per_token
         self.sessions: dict[str, Session] = {}
         self.app = FastAPI(title="molt capture", openapi_url=None, docs_url=None, redoc_url=None, **_NO_TELEMETRY)
         self.app.add_exception_handler(WireError, self._wire_error)
@@ -116,6 +119,7 @@ class CaptureServer:
         session = Session(session_id=session_id, api_key=f"molt-{secrets.token_urlsafe(24)}", root_url=self.url,
                           engine=self.engine, renderer=self.renderer, parser=self.parser,
                           defaults=(sampling_params or SamplingParams(max_tokens=None)).copy(), rollout_id=rollout_id,
+                          max_chars_per_token=self.max_chars_per_token,
                           on_close=lambda s: self.sessions.pop(s.session_id, None))
         self.sessions[session_id] = session
         return session
@@ -165,7 +169,7 @@ class CaptureServer:
         @app.post("/s/{session_id}/v1/messages/count_tokens")
         async def count_tokens(session_id: str, request: Request) -> JSONResponse:
             session = self.session_for(session_id, request)
-            req, data = parse_body(anthropic_wire.SCHEMA, await request.body())
+            req, data = parse_body(anthropic_wire.SCHEMA, await self._body(request))
             try:
                 return JSONResponse(anthropic_wire.count_tokens(req, data, session))
             except ValueError as e:
@@ -180,7 +184,7 @@ class CaptureServer:
     async def _handle(self, request: Request, wire: str, module: Any) -> Response:
         """Shared by the wires: a wire module has SCHEMA, to_chat, response_body and stream."""
         session = self.session_for(request.path_params["session_id"], request)
-        raw = await request.body()
+        raw = await self._body(request)
         req, data = parse_body(module.SCHEMA, raw)
         if self.strict_model and req.model not in self.model_names:
             raise WireError(400, f"unknown model {req.model!r}; this server serves {sorted(self.model_names)}",
@@ -198,6 +202,15 @@ class CaptureServer:
         except ANSWERED as e:
             raise error_reply(e) from None
         return JSONResponse(module.response_body(gen, req, session))
+
+    async def _body(self, request: Request) -> bytes:
+        """The request's body, refused (413) over max_request_mb: by its declared length before it is read."""
+        limit = int(self.max_request_mb * 2**20)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit or len(raw := await request.body()) > limit:
+            raise WireError(413, f"the request body is over this server's limit of {self.max_request_mb:g} MB "
+                            "(max_request_mb)", code="request_too_large")
+        return raw
 
     @classmethod
     async def _http_error(cls, request: Request, error: StarletteHTTPException) -> JSONResponse:

@@ -82,7 +82,8 @@ class Session:
 
     def __init__(self, *, session_id: str, api_key: str, root_url: str, engine: Engine, renderer: ChatRenderer,
                  parser: ToolParser, defaults: SamplingParams, rollout_id: str = "", cache_size: int = 16,
-                 history_size: int = 64, on_close: Callable[[Session], None] | None = None):
+                 history_size: int = 64, max_chars_per_token: float = 16,
+                 on_close: Callable[[Session], None] | None = None):
         self.session_id, self.api_key, self.rollout_id = session_id, api_key, rollout_id
         self.session_url = f"{root_url}/s/{session_id}"
         self.base_url = f"{self.session_url}/v1"
@@ -90,6 +91,7 @@ class Session:
         self.model_name, self.max_model_len = engine.model_name, engine.max_model_len
         self.can_stream = can_stream(engine)  # see streaming.py
         self.defaults = defaults
+        self.max_chars = max_chars_per_token * self.max_model_len  # refused before tokenizing above it (0: off)
         self.tracker = SegmentTracker(renderer, engine.eos_token_ids)
         self.closed = False
         self.reward: float | None = None  # set through `molt serve`'s POST /s/{id}/reward
@@ -117,7 +119,7 @@ class Session:
         async with self._lock:
             self._check_open()
             self.stats["requests"] += 1
-            plan = self.tracker.plan_raw(text)
+            plan = await asyncio.to_thread(self.tracker.plan_raw, self._fits(text))
             gen = await self._generate(plan, ChatRequest([], None, params, parse_tools=False))
         choice = gen.choices[0]
         return Turn(choice.message, gen.prompt_ids, choice.action_ids, choice.finish_reason)
@@ -140,13 +142,16 @@ class Session:
         """Answer one request: from the retry cache (when `lookup`), or plan -> generate -> record (and cache
         under `cache_key`). `listener` (a `streaming.LiveReply`, n == 1 only) hears the planned prompt and
         the sampled tokens as they come."""
+        self._fits(request.messages, request.tools)
         async with self._lock:
             self._check_open()
             self.stats["requests"] += 1
             if lookup and cache_key is not None and cache_key in self._cache:
                 self.stats["cache_hits"] += 1
                 return self._cache[cache_key]
-            plan = self.tracker.plan(request.messages, request.tools, request.params.temperature)
+            # rendering and tokenizing grow with the conversation: in a thread, so other sessions go on meanwhile
+            plan = await asyncio.to_thread(self.tracker.plan, request.messages, request.tools,
+                                           request.params.temperature)
             gen = await self._generate(plan, request, listener)
             if cache_key is not None:
                 _put(self._cache, cache_key, gen, self._cache_size)
@@ -201,6 +206,21 @@ class Session:
                    for ch, c in zip(choices, completions)]
         self.tracker.commit(plan, actions, [ch.message for ch in choices])
         return Generation(request.id, int(time.time()), plan.prompt_ids, choices)
+
+    def _fits(self, *parts: Any) -> Any:
+        """The first part, once the characters of every part (strings nested in lists and dicts) are within
+        max_chars_per_token x the window: a cheap bound that refuses an oversized request before tokenizing it."""
+        def chars(x: Any) -> int:
+            if isinstance(x, str):
+                return len(x)
+            return sum(map(chars, x.values() if isinstance(x, dict) else x)) if isinstance(x, dict | list) else 0
+        n = chars(list(parts))
+        if self.max_chars and n > self.max_chars:
+            raise ContextTooLong(
+                f"this conversation has {n} characters, more than the context window of {self.model_name} "
+                f"({self.max_model_len} tokens) can hold at up to {self.max_chars / self.max_model_len:g} characters a "
+                "token (max_chars_per_token); shorten the messages")
+        return parts[0]
 
     def _call_opening(self, request: ChatRequest) -> str:
         """The forced start of the reply for tool_choice "required" / "function" ("" otherwise); ValueError

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from molt.engine.base import EngineError, EngineGone, RequestError, check_request, copy_weights
-from molt.engine.prefix_cache import PrefixCache, copies_of, prefill_inputs
+from molt.engine.prefix_cache import PrefixCache, copies_of, prefill_groups, prefill_inputs
 from molt.engine.sampling import sample
 from molt.engine.slots import GraphDecoder, Slots, adapt_model, dynamic_rope, engine_device
 from molt.engine.weight_group import InProcessWeightReceiver
@@ -338,7 +338,7 @@ class HFEngine(InProcessWeightReceiver):
         reused = {r: self.prefixes.lookup(None if r.images else r.session_id, r.prompt + r.tokens) for r in new}
         copies = copies_of(new, reused)
         work = {r: len(r.prompt) + len(r.tokens) - reused[r][1] for r in copies}
-        for group in self._prefill_groups(list(copies), work):
+        for group in prefill_groups(list(copies), work, self.max_prefill_tokens):
             cache = self._new_cache()
             ids, mask, positions = (t.to(self.device) for t in prefill_inputs(
                 [r.prompt + r.tokens for r in group], [reused[r] for r in group], self.pad_token_id, cache))
@@ -347,7 +347,7 @@ class HFEngine(InProcessWeightReceiver):
             for r, offset in zip(group, offsets):
                 for c in copies[r]:
                     c.rope_offset = offset
-            logits, routes = self._forward(ids, mask, positions, cache, **{k: v.to(self.device, self.model.dtype)
+            logits, routes = self._prefill(ids, mask, positions, cache, {k: v.to(self.device, self.model.dtype)
                                            if v.is_floating_point() else v.to(self.device) for k, v in (images or {}).items()})
             if any(len(copies[r]) > 1 for r in group):  # the copies take their leader's row of what the forward made
                 index = torch.tensor([i for i, r in enumerate(group) for _ in copies[r]], device=self.device)
@@ -383,17 +383,20 @@ class HFEngine(InProcessWeightReceiver):
             self.graph_error, self._graphs, self.hold_steps = str(cause), False, 0
             return None
 
-    def _prefill_groups(self, new: list[_Request], work: dict[_Request, int]) -> Iterable[list[_Request]]:
-        """Split new requests (least work first, less padding) into prefills of at most max_prefill_tokens, work
-        being the tokens a request prefills (its context minus what the prefix cache holds)."""
-        group: list[_Request] = []
-        for req in sorted(new, key=work.__getitem__):
-            if group and (len(group) + 1) * work[req] > self.max_prefill_tokens:
-                yield group
-                group = []
-            group.append(req)
-        if group:
-            yield group
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
+                 images: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A prefill group's forward in chunks of at most max_prefill_tokens new tokens (rows x chunk columns),
+        each chunk's keys/values appended to `cache`: attention meets a mask of chunk x context at most, never
+        one over the whole prompt (docs/internals.md). Images enter whole: their placeholders are not split."""
+        total, past = ids.shape[1], mask.shape[1] - ids.shape[1]
+        size = total if images else max(1, self.max_prefill_tokens // ids.shape[0])
+        routes = []
+        for start in range(0, total, size):
+            end = min(start + size, total)
+            logits, r = self._forward(ids[:, start:end], mask[:, :past + end], positions[..., start:end], cache,
+                                      **images)
+            routes.append(r)
+        return logits, None if routes[0] is None else torch.cat(routes, 1)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
                  **images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -6,6 +6,7 @@ Design notes and decisions: docs/internals.md, section `molt/engine/prefix_cache
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,20 @@ def copies_of(new: list[Any], reused: dict[Any, tuple[Prefix | None, int]]) -> d
         leader = r if r.images or reused[r][1] else leaders.setdefault(tuple(r.prompt + r.tokens), r)
         copies.setdefault(leader, []).append(r)
     return copies
+
+
+def prefill_groups(new: list[Any], work: dict[Any, int], budget: int) -> Iterable[list[Any]]:
+    """Split new requests (least work first, less padding) into prefill groups of at most `budget` tokens
+    (rows x the longest work), work being the tokens a request prefills (its context minus what this cache holds).
+    A request over the budget alone is one group, which `molt.engine.hf` prefills in chunks."""
+    group: list[Any] = []
+    for req in sorted(new, key=work.__getitem__):
+        if group and (len(group) + 1) * work[req] > budget:
+            yield group
+            group = []
+        group.append(req)
+    if group:
+        yield group
 
 
 def left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:

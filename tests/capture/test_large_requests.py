@@ -1,0 +1,60 @@
+"""Oversized requests are refused cheaply (a body limit, a character count against the window, before any
+tokenizing), and one session's large request does not hold up another session's small one."""
+import asyncio
+import time
+
+import httpx
+
+from molt.testing.scripted import live_capture_server
+from molt.types import SamplingParams
+
+
+def chat(text):
+    return {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
+
+
+async def post(http, session, body, path="chat/completions"):
+    return await http.post(f"/s/{session.session_id}/v1/{path}", json=body,
+                           headers={"Authorization": f"Bearer {session.api_key}", "x-api-key": session.api_key,
+                                    "anthropic-version": "2023-06-01"})
+
+
+async def test_oversized_requests_are_refused_before_tokenizing(hf_engine, tokenizer, monkeypatch):
+    tokenized = []
+    async with live_capture_server(hf_engine, tokenizer, max_request_mb=1) as server:
+        render = server.renderer.render
+        monkeypatch.setattr(server.renderer, "render", lambda *a, **k: tokenized.append(1) or render(*a, **k))
+        session = await server.open_session("r", SamplingParams(max_tokens=4))
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            over_window = await post(http, session, chat("word " * 100_000))  # 0.5 MB, a 512-token window
+            too_big = await post(http, session, {**chat("x " * 600_000), "max_tokens": 4}, "messages")  # 1.2 MB
+    assert over_window.status_code == 400, over_window.text
+    assert over_window.json()["error"]["code"] == "context_length_exceeded"
+    assert "characters" in over_window.json()["error"]["message"]
+    assert too_big.status_code == 413 and too_big.json()["error"]["type"] == "request_too_large"
+    assert "max_request_mb" in too_big.json()["error"]["message"]
+    assert not tokenized
+
+
+async def test_a_large_request_does_not_hold_up_another_session(hf_engine, tokenizer):
+    """Session A sends a message that takes seconds to render and tokenize (the character check is off, so it
+    is tokenized and then refused by the window); session B's small requests meanwhile are answered within
+    about twice their usual latency."""
+    async with live_capture_server(hf_engine, tokenizer, max_chars_per_token=0) as server:
+        a, b = [await server.open_session(r, SamplingParams(max_tokens=4)) for r in "ab"]
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            async def small():
+                start = time.perf_counter()
+                assert (await post(http, b, chat("hi"))).status_code == 200
+                return time.perf_counter() - start
+            usual = min([await small() for _ in range(5)])
+            start = time.perf_counter()
+            large = asyncio.create_task(post(http, a, chat("hello world, many words. " * 20_000)))  # 0.5 MB
+            await asyncio.sleep(0.3)  # A is being rendered and tokenized
+            during = [await small() for _ in range(3)]
+            assert not large.done(), "the large request should still be tokenizing"
+            refused = await large
+            took = time.perf_counter() - start
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    assert took > 1.0, f"the large request took only {took:.2f} s: too small to show anything"
+    assert max(during) <= 2 * usual + 0.05, f"small requests took {during} s during the large one, {usual:.3f} s alone"
