@@ -46,7 +46,7 @@ vllm: $(VLLM_VENV)/.molt-installed
 
 # The vLLM engine on real vLLM (one engine per module: start-up takes minutes on this CPU).
 test-vllm: $(VLLM_VENV)/.molt-installed
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/pytest -q -m vllm -rs tests/engine
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/pytest -q -m 'vllm and not slow' -rs tests/engine
 
 demo: $(STAMP)
 	$(BIN)/molt demo

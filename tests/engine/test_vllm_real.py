@@ -178,6 +178,34 @@ def reference_masked(model, prompt, tokens, suppress):
     return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_smollm2_agreement(dtype):
+    """SmolLM2-135M-Instruct (`molt model fetch smollm2-135m-instruct`): sampled tokens' log-probs vs a
+    transformers fp32 forward; fp32 within 1e-5 mean, bf16 reported (docs/benchmarks.md)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from molt.engine.vllm import VLLMEngine
+    from molt.models import resolve_model
+
+    path = resolve_model("smollm2-135m-instruct")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}], tokenize=True,
+                                             add_generation_prompt=True)["input_ids"] for a, b in zip(range(8), range(3, 11))]
+    eng = VLLMEngine(str(path), dtype=dtype, max_model_len=1024, enforce_eager=True)
+    try:
+        outs = await asyncio.gather(*[eng.generate(p, SamplingParams(max_tokens=32, seed=i)) for i, p in enumerate(prompts)])
+    finally:
+        await eng.close()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    gaps = torch.cat([(torch.tensor(o.logprobs).double() - reference(model, p, o.token_ids)).abs()
+                      for p, o in zip(prompts, outs)])
+    print(f"SmolLM2 vLLM {dtype} vs transformers fp32: mean {gaps.mean():.2e}, max {gaps.max():.2e} "
+          f"over {len(gaps)} tokens")
+    assert dtype != "float32" or gaps.mean() <= 1e-5
+
+
 async def test_a_dead_engine_is_an_engine_error(engine):
     """Last in the module: the engine core process is killed; requests then fail as the embedded engine's do."""
     import signal
