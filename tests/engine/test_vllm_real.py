@@ -44,9 +44,11 @@ async def engine(models):
 
 
 @torch.no_grad()
-def reference(model, prompt, tokens, temperature=1.0):
-    """The sampled tokens' log_softmax(logits / T) by a plain forward pass (docs/algo.md)."""
+def reference(model, prompt, tokens, temperature=1.0, suppress=()):
+    """The sampled tokens' log_softmax(logits / T) by a plain forward pass (docs/algo.md); `suppress`: token ids
+    masked first, as vLLM's log-probs are during min_tokens (docs/internals.md)."""
     logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1].double()
+    logits[:, list(suppress)] = -float("inf")
     logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
     return logp.gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
@@ -61,7 +63,7 @@ async def until(cond, timeout=120.0):
 
 async def test_logprobs_versions_and_agreement_with_transformers(engine, models):
     """fp32: each sampled token's log-prob is log_softmax(logits / T) of a transformers fp32 forward, to a mean
-    gap of at most 1e-5; every token carries version 0; top alternatives are the reference's best."""
+    gap of at most 1e-5; every token carries version 0 and three top alternatives."""
     model = models[1][0]
     assert engine.max_model_len == 512 and engine.eos_token_ids == [model.config.eos_token_id]
     gaps = []
@@ -163,19 +165,11 @@ async def test_refit_keeps_requests_and_changes_outputs(engine, models):
     assert 5 <= k < n and out.versions == [0] * k + [1] * (n - k) and engine.version == 1
     eos = engine.eos_token_ids
     got = torch.tensor(out.logprobs).double()
-    ref_a, ref_b = (reference_masked(m, prompt, out.token_ids, eos) for m in (model_a, model_b))
+    ref_a, ref_b = (reference(m, prompt, out.token_ids, 1.0, eos) for m in (model_a, model_b))
     assert torch.allclose(got[:k], ref_a[:k], atol=1e-4) and torch.allclose(got[k:], ref_b[k:], atol=1e-4)
     after = await engine.generate(PROMPTS[4], greedy)
     hf = model_b.generate(torch.tensor([PROMPTS[4]]), do_sample=False, max_new_tokens=16, min_new_tokens=16)
     assert after.token_ids != before.token_ids and after.token_ids == hf[0, len(PROMPTS[4]):].tolist()
-
-
-@torch.no_grad()
-def reference_masked(model, prompt, tokens, suppress):
-    """`reference` with the stop tokens masked, as vLLM's log-probs are during min_tokens (docs/algo.md)."""
-    logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1].double()
-    logits[:, list(suppress)] = -float("inf")
-    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
 @pytest.mark.slow
