@@ -7,6 +7,8 @@ groups of 8 sharing a 128-token prompt, 384 action tokens each, micro-batches of
 Variants, each timed in this process after a warm-up step (`--repeats` steps, the mean and the fastest reported):
 - molt-packed: `Actor` with `packing_samples` (one packed row per micro-batch, varlen attention);
 - molt-padded: `Actor` with padded micro-batches (either with `:N`: log-prob chunks of N rows, default 512);
+- molt-packed-lora: molt-packed training LoRA adapters of rank 16 on every attention and MLP projection (its
+  MFU still counts 6 x parameters per token, though the frozen base computes no weight gradients);
 - plain: fp32 master weights, bf16 autocast, full logits, fp32 log_softmax, fused AdamW, padded micro-batches
   of the same token budget (the loop a researcher would write first).
 MFU = 6 x parameters x tokens / step time / peak (`--peak-tflops`, 989 for an H200's dense bf16). Peak memory is
@@ -70,11 +72,11 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def molt_step(args, path, window, pack: bool, chunk: int):
+def molt_step(args, path, window, pack: bool, chunk: int, lora: int = 0):
     from molt.trainer import Actor
 
     actor = Actor.from_pretrained(str(path), **{
-        "actor.adam.lr": 1e-6, "train.max_tokens_per_gpu": args.budget, "fsdp.packing_samples": pack,
+        "actor.lora_rank": lora, "actor.lora_alpha": 2 * lora, "actor.adam.lr": 1e-6, "train.max_tokens_per_gpu": args.budget, "fsdp.packing_samples": pack,
         "actor.logprob_chunk_size": chunk, "train.share_prefix": False, "algo.advantage.is_correction_level": "token",
         "algo.advantage.is_correction_mode": "trunc", "algo.advantage.is_correction_threshold": (0.0, 2.0)})
     for e, lp in zip(window, actor.compute_logprobs(window)):  # behavior log-probs near the trainer's
@@ -149,8 +151,10 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--budget", type=int, default=8192, help="tokens per micro-batch")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", nargs="+", default=["molt-packed", "molt-packed:2048", "molt-padded", "plain"],
-                   help="molt-packed, molt-padded (optionally :CHUNK, the log-prob chunk size; 512), plain")
+    p.add_argument("--variants", nargs="+", default=["molt-packed", "molt-packed:2048", "molt-padded", "plain",
+                                                      "molt-packed-lora"],
+                   help="molt-packed, molt-padded (optionally -lora: LoRA rank 16, docs/lora.md; optionally :CHUNK, "
+                        "the log-prob chunk size; 512), plain")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--write", action="store_true", help="append the table to docs/benchmarks.md")
     p.add_argument("--json", help="also write the results here")
@@ -169,7 +173,9 @@ def main() -> None:
                     step, device = plain_step(args, tmp, window)
                 else:
                     name, _, chunk = variant.partition(":")
-                    step, device = molt_step(args, tmp, window, pack=name == "molt-packed", chunk=int(chunk or 512))
+                    lora = 16 if name.endswith("-lora") else 0
+                    step, device = molt_step(args, tmp, window, pack=name.removesuffix("-lora") == "molt-packed",
+                                             chunk=int(chunk or 512), lora=lora)
                 r = measure(step, device, args.repeats)
             except Exception as e:  # noqa: BLE001 - reported and counted in the exit code
                 failed[variant] = f"{type(e).__name__}: {e}"

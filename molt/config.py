@@ -61,6 +61,15 @@ class OptimConfig:
     """Floor of the cosine schedule, as a share of the learning rate."""
     total_steps: int = 0
     """Optimizer steps of the run, the cosine schedule's length (0: derived from train.max_steps)."""
+    lora_rank: int = 0
+    """LoRA rank: train PEFT adapters on a frozen base (0: full fine-tuning; docs/lora.md)."""
+    lora_alpha: int = 16
+    """LoRA scaling numerator (the adapters' update is alpha / rank * B @ A)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    lora_target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Module names that get adapters (default: the attention and MLP projections)."""
 
 
 @dataclass
@@ -502,6 +511,8 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
     if not sft and cfg.train.num_ranks > (size or total):  # checked here, not at the first optimizer step
         raise ValueError(f"train.num_ranks ({cfg.train.num_ranks}) exceeds train.batch_size ({size}), the rollouts "
                          "of an optimizer step: every rank needs one of each")
+    for o in ("actor", "critic"):
+        _check_lora(cfg, o)
     if check_files:
         from molt.runtime.data import BUILDERS
 
@@ -517,6 +528,22 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
                 if Path(entry.strip()).suffix in (".jsonl", *BUILDERS) and not Path(entry.strip()).is_file():
                     raise ValueError(f"{name}: no such file: {entry.strip()}")
     return cfg
+
+
+def _check_lora(cfg: MoltConfig, name: str) -> None:
+    o = _get(cfg, name)
+    if o.lora_rank < 0 or not 0 <= o.lora_dropout < 1:
+        raise ValueError(f"{name}.lora_rank must be >= 0 and {name}.lora_dropout in [0, 1) (got {o.lora_rank}, "
+                         f"{o.lora_dropout})")
+    if o.lora_rank and not o.lora_target_modules:
+        raise ValueError(f"{name}.lora_target_modules: name at least one module")
+    if o.lora_rank and cfg.fsdp.tp_size > 1:  # the tensor-parallel plan splits nn.Linear, not PEFT's wrappers
+        raise ValueError(f"fsdp.tp_size > 1 does not compose with {name}.lora_rank")
+    # vLLM fuses q/k/v and gate/up into one layer: a refit of part of one would load into a half-empty layer
+    fused = [g for g in ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})
+             if 0 < len(g & set(o.lora_target_modules)) < len(g)]
+    if name == "actor" and o.lora_rank and cfg.rollout.engine == "vllm" and fused:
+        raise ValueError(f"actor.lora_target_modules: vLLM fuses {', '.join(sorted(fused[0]))}: target all or none")
 
 
 def override(cfg: MoltConfig, values: dict[str, Any]) -> MoltConfig:

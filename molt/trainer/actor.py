@@ -9,6 +9,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import torch
 
@@ -54,7 +55,9 @@ class Actor(ShardedModelTrainer):
         # from 1 with skipped ones, get a NaN added to their loss on this rank (the gradients stay finite)
         self.nan_windows = {int(w) for w in os.environ.get("MOLT_FAULT_NAN_LOSS", "").split(",") if w}
         self.ref = None
-        if kl.init_coef > 0:  # a reference model: the KL's, in the loss or (the runtime's) in the token rewards
+        if kl.init_coef > 0 and a.lora_rank and cfg.ref.model_name_or_path in (None, a.model_name_or_path):
+            self.ref = self.model  # the base model is this one with the adapters off (`_reference`): no copy
+        elif kl.init_coef > 0:  # a reference model: the KL's, in the loss or (the runtime's) in the token rewards
             ref_lm = self.load_lm(cfg.ref.model_name_or_path or a.model_name_or_path)
             self.ref = self.wrap(CausalLMLogProbs(ref_lm, a.logprob_chunk_size), ref_lm, trainable=False)
 
@@ -82,7 +85,7 @@ class Actor(ShardedModelTrainer):
                 *adv.is_correction_threshold, seq_ids=mb.seq_ids)
             kl = None
             if self.ref is not None and self.cfg.algo.kl.use_loss:
-                with torch.no_grad():
+                with torch.no_grad(), self._reference():
                     ref_lp, _ = self.ref(mb)
                 kl, kl_metrics = kl_divergence(lp, ref_lp, mask, self.cfg.algo.kl.estimator, placement="loss")
                 metrics.update(kl_metrics)
@@ -102,7 +105,7 @@ class Actor(ShardedModelTrainer):
             tokens += mb.num_actions
             self.accumulate(sums, {**metrics, **pl_metrics}, mb.num_actions)
         self.end_pass(self.model)
-        if self.ref is not None:
+        if self.ref not in (None, self.model):
             self.end_pass(self.ref)
         totals = self.routing.totals() if self.routing is not None else {}
         out = self.reduce_metrics(sums, tokens, {"policy_loss": window_loss, **totals})
@@ -128,27 +131,39 @@ class Actor(ShardedModelTrainer):
         model = self.ref if reference else self.model
         if model is None:
             raise ValueError("reference: no reference model (algo.kl.init_coef is 0)")
-        return self.per_token_pass(model, experiences, lambda mb: model(mb)[0])
+        with self._reference() if reference else nullcontext():
+            return self.per_token_pass(model, experiences, lambda mb: model(mb)[0])
+
+    def _reference(self):
+        """Where the reference is the policy's own module: its adapters off inside."""
+        from molt.trainer.lora import adapters_off
+
+        return adapters_off(self.lm) if self.ref is self.model else nullcontext()
 
     # ---- weights out -------------------------------------------------------------------------------------
     def iter_weights(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None,
                      device: str | torch.device = "cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full parameters in Hugging Face names, bucket by bucket (collective: all ranks iterate).
-        See `molt.trainer.weights.iter_weight_buckets` (tied embeddings appear once, as the input embedding)."""
+        """Full parameters in Hugging Face names, bucket by bucket (collective: all ranks iterate); with LoRA only
+        the targeted modules' merged weights, all that a refit changes. See `molt.trainer.weights.iter_weight_buckets`
+        (tied embeddings appear once, as the input embedding)."""
         from molt.trainer.weights import iter_weight_buckets
 
-        return iter_weight_buckets(self.lm, bucket_bytes, dtype=dtype, device=device)
+        return iter_weight_buckets(self.lm, bucket_bytes, dtype=dtype, device=device, changed_only=True)
 
     def weight_plan(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None) -> list[list[tuple]]:
         """The buckets of `iter_weights` as (HF name, shape, dtype name), for receivers of a collective refit."""
         from molt.trainer.weights import plan_weight_buckets
 
-        return plan_weight_buckets(self.lm, bucket_bytes, dtype=dtype)
+        return plan_weight_buckets(self.lm, bucket_bytes, dtype=dtype, changed_only=True)
 
     def export_hf(self, path: str, dtype: torch.dtype | None = None, bucket_bytes: int = 1 << 30) -> None:
         """Write a Hugging Face checkpoint (safetensors shards + config + tokenizer) that `from_pretrained` and
-        vLLM load. Collective; rank 0 writes."""
+        vLLM load; with LoRA the merged model, and the adapter in PEFT's format in `path/adapter`. Collective;
+        rank 0 writes."""
+        from molt.trainer.lora import export_adapter, lora_layers
         from molt.trainer.weights import export_hf
 
-        export_hf(self.lm, path, tokenizer_from=self.cfg.actor.model_name_or_path, dtype=dtype,
-                  bucket_bytes=bucket_bytes, write=self.rank == 0)
+        base = self.cfg.actor.model_name_or_path
+        export_hf(self.lm, path, tokenizer_from=base, dtype=dtype, bucket_bytes=bucket_bytes, write=self.rank == 0)
+        if lora_layers(self.lm):
+            export_adapter(self.lm, os.path.join(path, "adapter"), base, write=self.rank == 0)

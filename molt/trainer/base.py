@@ -90,7 +90,12 @@ class ShardedModelTrainer:
         return lm
 
     def wrap(self, module: nn.Module, lm: nn.Module, *, trainable: bool) -> nn.Module:
-        """Tensor-parallel split (tp_size > 1), then FSDP2 over "dp"; a single process only moves to device."""
+        """LoRA adapters on `lm` when this trainer's section asks (molt.trainer.lora), tensor-parallel split
+        (tp_size > 1), then FSDP2 over "dp"; a single process only moves to device."""
+        if trainable and self.optim_cfg.lora_rank:
+            from molt.trainer.lora import apply_lora
+
+            apply_lora(lm, self.optim_cfg)
         if not trainable:
             module.requires_grad_(False).eval()
         elif self.cfg.actor.gradient_checkpoint:
@@ -200,7 +205,7 @@ class ShardedModelTrainer:
         "train/skipped_steps". `loss`: the window's loss as every rank read it after the all-reduce of the
         metrics; with the gradient norm (a global reduction too) it makes every rank take the same decision: a
         non-finite one skips the step, dropping the gradients and changing no state (docs/internals.md)."""
-        lr = self.schedulers[0].get_last_lr()[0]  # AdamW's (Muon's is muon["lr"] times the same factor)
+        lr = self.schedulers[0].get_last_lr()[0]  # AdamW's, or Muon's where all is Muon (LoRA)
         params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
         max_norm = self.optim_cfg.max_norm
         norm = parallel.clip_grad_norm(params, max_norm)

@@ -17,7 +17,7 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 
@@ -25,13 +25,19 @@ class _TrainState(Stateful):
     def __init__(self, trainer):
         self.t = trainer
 
+    def options(self) -> StateDictOptions:
+        """With LoRA the frozen base is not written (a resumed trainer loads it from the model path again)."""
+        lora = bool(self.t.optim_cfg.lora_rank)
+        return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
     def state_dict(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.t.model, self.t.optimizers)  # AdamW and Muon in one dict
+        model_sd, optim_sd = get_state_dict(self.t.model, self.t.optimizers, options=self.options())  # AdamW, Muon
         return {"model": model_sd, "optim": optim_sd, "scheduler": [s.state_dict() for s in self.t.schedulers],
                 "step": self.t.step}
 
     def load_state_dict(self, sd: dict) -> None:
-        set_state_dict(self.t.model, self.t.optimizers, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        set_state_dict(self.t.model, self.t.optimizers, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                       options=self.options())
         for schedule, state in zip(self.t.schedulers, sd["scheduler"], strict=True):
             schedule.load_state_dict(state)
         self.t.step = int(sd["step"])

@@ -5,6 +5,8 @@ Decisions: schedules are `LambdaLR` multipliers of each optimizer's lr, stepped 
 state is `last_epoch`). `optim="muon"`: `torch.optim.Muon` takes the 2-D weights inside the decoder blocks
 (attention and MLP matrices); embeddings, LM or value head, norms, biases and 3-D expert weights stay with
 AdamW. Both follow the schedule; Muon's weight decay None means AdamW's. Muon runs on FSDP2/TP DTensors.
+With LoRA (molt.trainer.lora) the only trainable weights are the adapter factors A [r, in] and B [out, r], 2-D
+weights of the blocks: Muon takes them all (each factor orthogonalized on its own) and there is no AdamW.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def build_optimizer(params, cfg: OptimConfig, *, tp_size: int = 1, blocks=()):
         adam[0].device.type in ("cuda", "cpu") and all(p.dtype in (torch.float32, torch.bfloat16) for p in adam)
     a, m = cfg.adam, cfg.muon
     opts = [torch.optim.AdamW(adam, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay,
-                              foreach=foreach, fused=fused or None)]
+                              foreach=foreach, fused=fused or None)] if adam else []  # LoRA + Muon: all 2-D
     if hidden:
         opts.append(torch.optim.Muon([p for p in params if id(p) in hidden], lr=m.lr, momentum=m.momentum,
                                      nesterov=m.nesterov, ns_steps=m.ns_steps,

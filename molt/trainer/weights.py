@@ -7,31 +7,49 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
 
 
-def _unique_weights(lm: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, stored tensor) in state-dict order, a tied parameter once (under its first name)."""
-    seen: set[int] = set()
+def gathered(t: torch.Tensor) -> torch.Tensor:
+    """The whole of `t` (a sharded DTensor gathered on every rank: collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _unique_weights(lm: nn.Module, changed_only: bool = False
+                    ) -> Iterator[tuple[str, torch.Tensor, Callable[[], torch.Tensor]]]:
+    """(HF name, stored tensor, its full value) in state-dict order, a tied parameter once (under its first name).
+    With LoRA adapters (`molt.trainer.lora`) a targeted layer appears as its merged weight under the base name and
+    the factors not at all; `changed_only`: then nothing else (the base weights never change)."""
+    from molt.trainer.lora import lora_layers, merged
+
+    layers, seen = lora_layers(lm), set()
     for name, t in lm.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            yield name, t
+        if id(t) in seen or ".lora_" in name:
+            continue
+        seen.add(id(t))
+        hf = name.replace(".base_layer.", ".")
+        if name in layers:
+            yield hf, t, partial(merged, layers[name])
+        elif not (changed_only and layers):
+            yield hf, t, partial(gathered, t)
 
 
-def plan_weight_buckets(lm: nn.Module, bucket_bytes: int = 256 << 20, *, dtype: torch.dtype | None = None
-                        ) -> list[list[tuple[str, tuple[int, ...], str]]]:
+def plan_weight_buckets(lm: nn.Module, bucket_bytes: int = 256 << 20, *, dtype: torch.dtype | None = None,
+                        changed_only: bool = False) -> list[list[tuple[str, tuple[int, ...], str]]]:
     """The buckets `iter_weight_buckets` yields, as (HF name, full shape, dtype name) without gathering anything:
     what a receiver needs to allocate before a collective refit. Local, not collective."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1 (got {bucket_bytes})")
     plan: list[list[tuple[str, tuple[int, ...], str]]] = []
     size = 0
-    for name, t in _unique_weights(lm):
+    for name, t, _ in _unique_weights(lm, changed_only):
         out = dtype if dtype is not None and t.is_floating_point() else t.dtype
         nbytes = t.numel() * out.itemsize  # a DTensor reports its global shape and numel
         if not plan or (plan[-1] and size + nbytes > bucket_bytes):
@@ -43,20 +61,18 @@ def plan_weight_buckets(lm: nn.Module, bucket_bytes: int = 256 << 20, *, dtype: 
 
 
 def iter_weight_buckets(lm: nn.Module, bucket_bytes: int = 256 << 20, *, dtype: torch.dtype | None = None,
-                        device: str | torch.device = "cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
+                        device: str | torch.device = "cpu", changed_only: bool = False
+                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of (HF name, full tensor) whose sizes sum to at most `bucket_bytes` (a larger tensor gets a
     bucket of its own), bucketed as `plan_weight_buckets` says. dtype: cast floating-point tensors (None keeps
     the stored dtype)."""
-    from torch.distributed.tensor import DTensor
-
-    plan = plan_weight_buckets(lm, bucket_bytes, dtype=dtype)
-    tensors = dict(_unique_weights(lm))
+    plan = plan_weight_buckets(lm, bucket_bytes, dtype=dtype, changed_only=changed_only)
+    gather = {name: value for name, _, value in _unique_weights(lm, changed_only)}
     with torch.no_grad():
         for entries in plan:
             bucket = []
             for name, _, _ in entries:
-                t = tensors[name]
-                full = t.full_tensor() if isinstance(t, DTensor) else t
+                full = gather[name]()
                 cast = dtype if dtype is not None and full.is_floating_point() else None
                 bucket.append((name, full.detach().to(device, dtype=cast)))
             yield bucket
@@ -64,7 +80,8 @@ def iter_weight_buckets(lm: nn.Module, bucket_bytes: int = 256 << 20, *, dtype: 
 
 def export_hf(lm: nn.Module, path: str | Path, *, tokenizer_from: str | None = None,
               dtype: torch.dtype | None = None, bucket_bytes: int = 1 << 30, write: bool = True) -> Path:
-    """Save `lm` as a Hugging Face checkpoint directory. Collective over ranks; only `write=True` writes."""
+    """Save `lm` as a Hugging Face checkpoint directory (LoRA adapters merged). Collective over ranks; only
+    `write=True` writes."""
     from safetensors.torch import save_file
 
     path = Path(path)

@@ -15,10 +15,11 @@ from molt.config import load_config
 from molt.runtime.loop import run_training
 
 ROOT = Path(__file__).parents[2]
+LORA = pytest.mark.parametrize("lora", [[], ["--actor.lora_rank", "4"]], ids=["full", "lora"])
 
 
-def _args(model_dir, out):
-    return ["--actor.model_name_or_path", str(model_dir), "--train.agent_path",
+def _args(model_dir, out, extra=()):
+    return [*extra, "--actor.model_name_or_path", str(model_dir), "--train.agent_path",
             str(ROOT / "tests/runtime/agents/letters_env.py"), "--data.prompt_dataset",
             str(ROOT / "recipes/math/data/single_train.jsonl"), "--rollout.batch_size", "2",
             "--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "8", "--train.max_steps", "6",
@@ -28,9 +29,10 @@ def _args(model_dir, out):
 
 @pytest.mark.slow  # 50 s; the default suite resumes after SIGINT and after a dead trainer rank (test_faults.py),
 # and the chaos runs kill the whole run as this test does
-def test_killed_run_resumes_with_an_exactly_once_ledger(tiny_llama_dir, tmp_path, ray_local):
+@LORA
+def test_killed_run_resumes_with_an_exactly_once_ledger(tiny_llama_dir, tmp_path, ray_local, lora):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "molt.cli", "train", *_args(tiny_llama_dir, out)],
+    proc = subprocess.Popen([sys.executable, "-m", "molt.cli", "train", *_args(tiny_llama_dir, out, lora)],
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     while not (out / "checkpoints" / "step_2" / "state.json").is_file():
@@ -41,7 +43,7 @@ def test_killed_run_resumes_with_an_exactly_once_ledger(tiny_llama_dir, tmp_path
     killed_at = len((out / "ledger.jsonl").read_text().splitlines()) // 2
     assert 2 <= killed_at < 6
 
-    summary = asyncio.run(run_training(load_config(_args(tiny_llama_dir, out))))
+    summary = asyncio.run(run_training(load_config(_args(tiny_llama_dir, out, lora))))
     assert summary["steps"] == 6
     ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
     keys = [tuple(r["key"]) for r in ledger]
@@ -89,15 +91,17 @@ def _merged(states: list[dict]) -> dict:
     return {**states[0], **{k: sum(s[k] for s in states) for k in ("weights", "exp_avg", "exp_avg_sq")}}
 
 
+@LORA
 def test_resume_restores_trainer_state_and_pool_counters_at_another_world_size(tiny_llama_dir, tmp_path,
-                                                                               ray_local):
+                                                                               ray_local, lora):
     """Saved by one trainer rank at step 2, resumed by two: the weights, Adam's moments and step counts, the
     schedule, the controller's step/version/ledger/token count, the engines' weights and the pool's counters
-    are the saved ones (a fresh trainer would have no moments and step 0; a fresh pool no failures)."""
+    are the saved ones (a fresh trainer would have no moments and step 0; a fresh pool no failures). With LoRA
+    the weights are the adapters' and the engines get only the merged targeted modules on top of the base."""
     from molt.runtime.loop import Run
 
     out = tmp_path / "run"
-    args = _args(tiny_llama_dir, out)
+    args = _args(tiny_llama_dir, out, lora)
     args += ["--actor.lr_scheduler", "cosine", "--actor.lr_warmup_steps", "1", "--actor.adam.lr", "1e-3"]
 
     async def first():

@@ -1,0 +1,114 @@
+"""Benchmark: LoRA against full fine-tuning of the same model in the trainer (molt.trainer.Actor): peak memory,
+optimizer state bytes, refit bytes and seconds per optimizer step.
+
+Each variant runs in a fresh subprocess (so the peaks do not mix): it builds the actor, takes one warm-up step and
+then `--steps` timed steps on the same window of `--batch` sequences of `--seq` tokens (half prompt, half action,
+random advantages), and streams one refit (`Actor.iter_weights`, what the engine receives, in the refit dtype).
+Peak memory: CUDA's max allocated on a GPU; on a CPU the process's RSS high-water mark above the RSS after
+building the actor (the weights themselves do not count, the step's gradients, optimizer state and activations
+do). Time: the median step, CPU seconds of the process on a CPU (this machine's cores are shared) and wall.
+
+    .venv/bin/python bench/lora.py [--model smollm2-135m-instruct] [--rank 16] [--batch 8] [--seq 256]
+                                   [--device cpu] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rss(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def run_variant(a) -> dict:
+    import torch
+
+    from molt.models import resolve_model
+    from molt.trainer import Actor
+    from molt.types import Experience
+
+    path = str(resolve_model(a.model))
+    over = {"fsdp.device": a.device, "actor.adam.lr": 1e-5, "actor.gradient_checkpoint": True,
+            "train.max_tokens_per_gpu": 0, **({"actor.lora_rank": a.rank, "actor.lora_alpha": 2 * a.rank}
+                                               if a.rank else {})}
+    actor = Actor.from_pretrained(path, **over)
+    rng, vocab = random.Random(0), actor.lm.config.vocab_size
+    half = a.seq // 2
+    window = [Experience(f"r{i}", "g", 0, 0.0, a.seq, a.seq - half, 0, token_ids=[rng.randrange(vocab)
+                         for _ in range(a.seq)], action_mask=[0] * half + [1] * (a.seq - half),
+                         behavior_logprobs=[0.0] * half + [-2.0] * (a.seq - half),
+                         advantages=[0.0] * half + [rng.gauss(0, 1) for _ in range(a.seq - half)])
+              for i in range(a.batch)]
+    actor.train_step(window)  # warm-up: allocates the optimizer state
+    cuda = actor.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    base = torch.cuda.memory_allocated() if cuda else _rss("VmRSS")
+    cpu, wall = [], []
+    for _ in range(a.steps):
+        c0, w0 = time.process_time(), time.perf_counter()
+        actor.train_step(window)
+        if cuda:
+            torch.cuda.synchronize()
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    peak = (torch.cuda.max_memory_allocated() if cuda else _rss("VmHWM")) - base
+    state = [t for o in actor.optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
+    t0 = time.perf_counter()
+    dtype = torch.bfloat16 if cuda else None
+    refit = sum(t.numel() * t.element_size() for b in actor.iter_weights(dtype=dtype) for _, t in b)
+    return {"variant": f"lora r={a.rank}" if a.rank else "full", "peak_step_bytes": peak,
+            "optimizer_state_bytes": sum(t.numel() * t.element_size() for t in state),
+            "trainable_params": sum(p.numel() for p in actor.model.parameters() if p.requires_grad),
+            "refit_bytes": refit, "refit_gather_s": time.perf_counter() - t0,
+            "step_cpu_s": statistics.median(cpu), "step_wall_s": statistics.median(wall)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank of the LoRA variant")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", default="")
+    p.add_argument("--variant", action="store_true", help=argparse.SUPPRESS)  # one variant, in this process
+    a = p.parse_args()
+    if a.variant:
+        print(json.dumps(run_variant(a)))
+        return
+    rows = []
+    for rank in (0, a.rank):
+        args = [sys.executable, __file__, "--variant", "--rank", str(rank), "--model", a.model, "--batch",
+                str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps), "--device", a.device]
+        out = subprocess.run(args, check=True, capture_output=True, text=True, cwd=ROOT).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    full = rows[0]
+    print("| variant | peak step memory | optimizer state | trainable params | refit bytes | step (CPU s) | "
+          "step (wall s) |\n| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        share = {k: r[k] / full[k] for k in ("peak_step_bytes", "optimizer_state_bytes", "refit_bytes")}
+        print(f"| {r['variant']} | {r['peak_step_bytes'] / 2**20:.0f} MiB ({share['peak_step_bytes']:.0%}) | "
+              f"{r['optimizer_state_bytes'] / 2**20:.1f} MiB ({share['optimizer_state_bytes']:.1%}) | "
+              f"{r['trainable_params'] / 1e6:.2f} M | {r['refit_bytes'] / 2**20:.0f} MiB ({share['refit_bytes']:.0%}) "
+              f"| {r['step_cpu_s']:.2f} | {r['step_wall_s']:.2f} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
