@@ -49,7 +49,7 @@ async def test_a_large_request_does_not_hold_up_another_session(hf_engine, token
                 return time.perf_counter() - start
             usual = min([await small() for _ in range(5)])
             start = time.perf_counter()
-            large = asyncio.create_task(post(http, a, chat("hello world, many words. " * 20_000)))  # 0.5 MB
+            large = asyncio.create_task(post(http, a, chat("hello world, many words. " * 100_000)))  # 2.5 MB
             await asyncio.sleep(0.3)  # A is being rendered and tokenized
             during = [await small() for _ in range(3)]
             assert not large.done(), "the large request should still be tokenizing"
