@@ -160,14 +160,17 @@ async def test_rollouts_that_all_fail_stop_the_pool_with_the_first_traceback(cap
                        failure_window=8, max_failed_share=1.0)
     pool.start()
     with pytest.raises(RunStopped, match=r"8 of the last 8 rollouts failed \(rollout.max_failed_share 1.0 of "
-                                         r"rollout.failure_window 8\).*agent_error.*ValueError: no tool named"):
+                                         r"rollout.failure_window 8\); .*failed/agent_error \d+, failed/timeout \d+; "
+                                         r"first (agent_error .*ValueError: no tool named|timeout .*slow)"):
         await asyncio.wait_for(pool.next_step_groups(), 10)
     await pool.stop()
     err = capsys.readouterr().err
     # the first error of each reason, once, with its traceback when there is one
     assert err.count("molt: first agent_error") == 1 and err.count("molt: first timeout") == 1
     assert err.count("Traceback (most recent call last)") == 1 and 'in run\n    raise ValueError' in err
-    assert pool.counters["failed/agent_error"] >= 4 and pool.counters["failed/timeout"] >= 4
+    # which reason fills the window more depends on the order the tasks finish in; the message names the larger
+    assert pool.counters["failed/agent_error"] >= 1 and pool.counters["failed/timeout"] >= 1
+    assert pool.counters["failed/agent_error"] + pool.counters["failed/timeout"] >= 8
 
 
 async def test_a_healthy_share_of_failures_does_not_stop_the_pool():
