@@ -5,7 +5,6 @@ Design notes and decisions: docs/internals.md, section `molt/engine/hf.py`.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import random
 import threading
 import uuid
@@ -20,9 +19,9 @@ import torch
 from molt.engine.base import EngineError, EngineGone, RequestError, check_request, copy_weights
 from molt.engine.prefix_cache import PrefixCache, copies_of, prefill_groups, prefill_inputs
 from molt.engine.sampling import sample
-from molt.engine.slots import GraphDecoder, Slots, adapt_model, dynamic_rope, engine_device
+from molt.engine.slots import GraphDecoder, Slots, adapt_model, engine_device
 from molt.engine.weight_group import InProcessWeightReceiver
-from molt.types import Completion, FinishReason, SamplingParams, join_inputs, rope_positions, vision_token_ids
+from molt.types import Completion, FinishReason, ModelSpec, SamplingParams, join_inputs, rope_positions
 
 
 @dataclass(eq=False)
@@ -87,27 +86,19 @@ class HFEngine(InProcessWeightReceiver):
         if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r} (use e.g. 'float32', 'bfloat16')")
         self.device = engine_device(device)
-        self.vision = hasattr(tf.AutoConfig.from_pretrained(model_path), "vision_config")
-        auto = tf.AutoModelForImageTextToText if self.vision else tf.AutoModelForCausalLM
-        self.model = auto.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
+        self.spec = spec = ModelSpec.from_pretrained(model_path)
+        self.vision, self.banned = spec.vision, list(spec.banned)  # banned: never sampled (module docstring)
+        self.model = spec.auto_class.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
         self.model.eval()
         adapt_model(self.model, text=not self.vision)  # its decode attention and output head
         self.tokenizer = tf.AutoTokenizer.from_pretrained(model_path)
-        self.banned = vision_token_ids(self.model.config)  # never sampled (module docstring)
-        config = self.model.config.get_text_config()
         self.model_name = model_name or Path(model_path).name
-        self.max_model_len = int(config.max_position_embeddings)
-        self.vocab_size = int(config.vocab_size)
-        eos = self.model.generation_config.eos_token_id
-        eos = config.eos_token_id if eos is None else eos
-        self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        pad = self.model.generation_config.pad_token_id
-        self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or [0])[0])
+        self.max_model_len, self.vocab_size, self.pad_token_id = spec.max_model_len, spec.vocab_size, spec.pad_token_id
+        self.eos_token_ids = list(spec.eos_token_ids)
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
-        # transformers 5.x renamed `past_key_values` to `cache`; accept either
-        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        self._new_cache = lambda: tf.DynamicCache(config=config)
+        self._cache_kw = spec.cache_kw
+        self._new_cache = lambda: tf.DynamicCache(config=self.model.config.get_text_config())
         layer_types = {type(layer).__name__ for layer in self._new_cache().layers}
         if layer_types != {"DynamicLayer"}:  # sliding-window layers cannot be left-padded and merged
             raise ValueError(f"HFEngine supports full-attention caches only, got {sorted(layer_types)}")
@@ -118,7 +109,7 @@ class HFEngine(InProcessWeightReceiver):
         self._route_dtype = torch.uint8 if all(r.weight.shape[0] <= 256 for r in routers) else torch.int16
         # CUDA graphs for the decode step (molt.engine.slots), not where a step needs Python (route hooks, images)
         self._graphs: GraphDecoder | bool = cuda_graphs and self.device.type == "cuda" and not routers \
-            and not self.vision and not dynamic_rope(self.model)  # the decoder itself once the slots exist
+            and not self.vision and not spec.dynamic_rope  # the decoder itself once the slots exist
         # with graphs a decode step is cheap and an eager prefill is not: arrivals wait up to this many steps for
         # company (or a full batch) before they prefill
         self.hold_steps, self._held = (8 if self._graphs else 0), 0
