@@ -1,17 +1,13 @@
 """The configuration tree of a Molt run, the one set of defaults (a record module: nothing of molt is imported
-at module level), and the pure functions over it: `validate` (errors, nothing changed), `resolve` (a copy with
-every derived value, the one place they are computed), `override` (dotted fields: the Python API).
+at module level but the functions over the tree, re-exported here): `validate` (molt.config_validate: errors,
+nothing changed), `resolve` (molt.config_resolve: a copy with every derived value, the one place they are
+computed), `override` (dotted fields: the Python API).
 
 Design notes and decisions: docs/internals.md, section `molt/config.py`.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
-import math
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 
@@ -399,196 +395,6 @@ class MoltConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
 
-def _get(cfg: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
-def _choices(cfg: Any, prefix: str = "") -> None:
-    """Every Literal field holds one of its values (the Python API bypasses tyro's check)."""
-    hints = typing.get_type_hints(type(cfg))
-    for f in dataclasses.fields(cfg):
-        value, allowed = getattr(cfg, f.name), typing.get_args(hints[f.name])
-        if dataclasses.is_dataclass(value):
-            _choices(value, f"{prefix}{f.name}.")
-        elif typing.get_origin(hints[f.name]) is Literal and value not in allowed:
-            raise ValueError(f"{prefix}{f.name} must be one of {', '.join(allowed)} (got {value!r})")
-
-
-def optimizer_windows(cfg: MoltConfig) -> int:
-    """Optimizer steps per pass over a training step's rollouts (`train.batch_size` rollouts each)."""
-    total = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
-    return total // cfg.train.batch_size if cfg.train.batch_size else 1
-
-
-def resolve(cfg: MoltConfig, num_prompts: int | None = None, *, sft: bool = False) -> MoltConfig:
-    """A copy of `cfg` with the values derived from others filled in: the one place they are computed.
-    `num_prompts`: the size of the prompt (`sft`: chat) dataset, over which train.max_steps 0 counts passes."""
-    cfg = copy.deepcopy(cfg)
-    t, adv, kl = cfg.train, cfg.algo.advantage, cfg.algo.kl
-    if not t.max_steps and num_prompts is not None:  # num_episodes passes over the prompts, as the reference counts
-        t.max_steps = max(1, t.num_episodes * num_prompts // (t.batch_size if sft else cfg.rollout.batch_size))
-    if sft:  # the cross entropy of the assistant's tokens: no importance correction, no reference
-        cfg.actor.policy_loss, adv.is_correction_level, kl.init_coef = "sft", "off", 0.0
-    if adv.estimator == "on_policy_distill":  # the teacher's KL as a token reward, taken as it is
-        kl.use_loss, kl.estimator, adv.no_whiten, kl.init_coef = False, "k1", True, kl.init_coef or 1.0
-    cfg.critic.model_name_or_path = cfg.critic.model_name_or_path or cfg.actor.model_name_or_path
-    windows = 1 if sft else optimizer_windows(cfg)  # sft: one optimizer step a training step
-    for o, epochs in ((cfg.actor, t.max_epochs), (cfg.critic, cfg.critic.max_epochs or t.max_epochs)):
-        o.total_steps = o.total_steps or t.max_steps * windows * (1 if sft else epochs)
-        o.lr_warmup_steps = max(o.lr_warmup_steps, math.ceil(o.lr_warmup_ratio * o.total_steps))
-    return cfg
-
-
-def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) -> MoltConfig:
-    """Raise ValueError naming the field for anything that cannot run (`molt sft`'s run with `sft`); return cfg,
-    unchanged. Registered names are looked up in molt.algo's registries (load_config imports algo.plugins first)."""
-    from molt.algo import POLICY_LOSSES, estimator_spec
-
-    _choices(cfg)
-    for name in ("rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens", "train.num_episodes",
-                 "train.max_epochs", "train.num_ranks", "rollout.num_workers", "rollout.max_turns",
-                 "actor.logprob_chunk_size", "fsdp.tp_size", "train.max_skipped_steps"):
-        if _get(cfg, name) < 1:
-            raise ValueError(f"{name} must be >= 1 (got {_get(cfg, name)})")
-    for name in ("train.max_staleness", "train.max_steps", "rollout.temperature", "train.micro_batch_size",
-                 "train.max_tokens_per_gpu", "actor.lr_warmup_steps", "critic.lr_warmup_steps", "algo.kl.init_coef"):
-        if _get(cfg, name) < 0:
-            raise ValueError(f"{name} must be >= 0 (got {_get(cfg, name)})")
-    for name, lookup in (("algo.advantage.estimator", estimator_spec), ("actor.policy_loss", POLICY_LOSSES.get_fn)):
-        try:
-            lookup(_get(cfg, name))
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
-    if not 0 < cfg.rollout.top_p <= 1:
-        raise ValueError(f"rollout.top_p must be in (0, 1] (got {cfg.rollout.top_p})")
-    truncated = cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0  # vLLM's log-probs are then not the trainer's
-    if truncated and cfg.rollout.engine == "vllm" and cfg.algo.advantage.is_correction_level != "off":
-        raise ValueError("rollout.top_p < 1 or rollout.top_k > 0 with rollout.engine vllm needs "
-                         "algo.advantage.is_correction_level off: vLLM records log-probs after the truncation, "
-                         "the trainer recomputes them over the full vocabulary (docs/algo.md)")
-    if not 0 < cfg.rollout.max_failed_share <= 1 or cfg.rollout.failure_window < 0:
-        raise ValueError(f"rollout.max_failed_share must be in (0, 1] and rollout.failure_window >= 0 (got "
-                         f"{cfg.rollout.max_failed_share}, {cfg.rollout.failure_window})")
-    if 0 < cfg.train.stall_timeout_s <= cfg.rollout.timeout_s:  # a step waits for whole rollouts
-        raise ValueError(f"train.stall_timeout_s ({cfg.train.stall_timeout_s}) must be 0 (never) or more than "
-                         f"rollout.timeout_s ({cfg.rollout.timeout_s}), the time one rollout may take")
-    if cfg.actor.adam.lr <= 0:
-        raise ValueError(f"actor.adam.lr must be > 0 (got {cfg.actor.adam.lr})")
-    for name in ("actor.min_lr_ratio", "critic.min_lr_ratio"):
-        if not 0 <= _get(cfg, name) <= 1:
-            raise ValueError(f"{name} must be in [0, 1] (got {_get(cfg, name)})")
-    if min(cfg.actor.eps_clip_low_high) < 0:
-        raise ValueError(f"actor.eps_clip_low_high must be two numbers >= 0 (got {cfg.actor.eps_clip_low_high})")
-    low, high = cfg.algo.advantage.is_correction_threshold
-    if not 0 <= low < high:
-        raise ValueError(f"algo.advantage.is_correction_threshold must satisfy 0 <= LOW < HIGH (got {low} {high})")
-    if cfg.train.partial_rollout_enable and cfg.algo.advantage.is_correction_level == "off":
-        raise ValueError("train.partial_rollout_enable needs importance correction: set "
-                         "algo.advantage.is_correction_level to token, seq or geo")
-    kl, estimator = cfg.algo.kl, cfg.algo.advantage.estimator
-    distill = estimator == "on_policy_distill"  # its KL settings are implied (resolve)
-    if distill and not cfg.ref.model_name_or_path:
-        raise ValueError("ref.model_name_or_path: on_policy_distill needs the teacher model")
-    if kl.init_coef and kl.use_loss and kl.estimator == "k1" and not distill:  # fail now, not at the first step
-        raise ValueError("algo.kl.estimator k1 has zero expected gradient as a loss: use k2 or k3 with "
-                         "algo.kl.use_loss")
-    if kl.init_coef and not kl.use_loss and estimator_spec(estimator).kind == "group":
-        raise ValueError(f"algo.kl.use_loss false puts the KL into token rewards, which the group estimator "
-                         f"{estimator} does not take: keep algo.kl.use_loss, or use a token estimator (reinforce, "
-                         "reinforce_baseline, gae)")
-    total = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
-    if cfg.train.num_ranks > total:
-        raise ValueError(f"train.num_ranks ({cfg.train.num_ranks}) exceeds the rollouts of a step "
-                         f"(rollout.batch_size x n_samples_per_prompt = {total}): every rank needs a rollout")
-    if sft and cfg.train.batch_size < 1:
-        raise ValueError("train.batch_size: chats per optimizer step, must be >= 1 for molt sft")
-    size, group = cfg.train.batch_size, cfg.rollout.n_samples_per_prompt
-    if not sft and size and (total % size or size % group):
-        raise ValueError(f"train.batch_size ({size}) must divide rollout.batch_size * "
-                         f"rollout.n_samples_per_prompt ({total}) in whole groups of {group}")
-    if not sft and cfg.train.num_ranks > (size or total):  # checked here, not at the first optimizer step
-        raise ValueError(f"train.num_ranks ({cfg.train.num_ranks}) exceeds train.batch_size ({size}), the rollouts "
-                         "of an optimizer step: every rank needs one of each")
-    for o in ("actor", "critic"):
-        _check_lora(cfg, o)
-    if check_files:
-        from molt.runtime.data import BUILDERS
-
-        for name in ("train.agent_path", "data.prompt_dataset")[distill or sft:]:  # distillation: a built-in agent
-            if not _get(cfg, name):
-                raise ValueError(f"{name} is required")
-        files = (("train.agent_path", cfg.train.agent_path), *(("algo.plugins", p) for p in cfg.algo.plugins))
-        for name, path in files:
-            if path and not Path(path).is_file():
-                raise ValueError(f"{name}: no such file: {path}")
-        for name in ("data.prompt_dataset", "eval.dataset"):  # a directory or a hub name is checked at load
-            for entry in _get(cfg, name).split(","):
-                if Path(entry.strip()).suffix in (".jsonl", *BUILDERS) and not Path(entry.strip()).is_file():
-                    raise ValueError(f"{name}: no such file: {entry.strip()}")
-    return cfg
-
-
-def _check_lora(cfg: MoltConfig, name: str) -> None:
-    o = _get(cfg, name)
-    if o.lora_rank < 0 or not 0 <= o.lora_dropout < 1:
-        raise ValueError(f"{name}.lora_rank must be >= 0 and {name}.lora_dropout in [0, 1) (got {o.lora_rank}, "
-                         f"{o.lora_dropout})")
-    if o.lora_rank and not o.lora_target_modules:
-        raise ValueError(f"{name}.lora_target_modules: name at least one module")
-    if o.lora_rank and cfg.fsdp.tp_size > 1:  # the tensor-parallel plan splits nn.Linear, not PEFT's wrappers
-        raise ValueError(f"fsdp.tp_size > 1 does not compose with {name}.lora_rank")
-    # vLLM fuses q/k/v and gate/up into one layer: a refit of part of one would load into a half-empty layer
-    fused = [g for g in ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})
-             if 0 < len(g & set(o.lora_target_modules)) < len(g)]
-    if name == "actor" and o.lora_rank and cfg.rollout.engine == "vllm" and fused:
-        raise ValueError(f"actor.lora_target_modules: vLLM fuses {', '.join(sorted(fused[0]))}: target all or none")
-
-
-def override(cfg: MoltConfig, values: dict[str, Any]) -> MoltConfig:
-    """A copy of `cfg` with dotted fields set, as the command line names them: `{"actor.adam.lr": 1e-5}` (the Python
-    API's overrides); an unknown name is an error naming it."""
-    nested: dict[str, Any] = {}
-    for dotted, value in values.items():
-        *groups, name = dotted.split(".")
-        node = nested
-        for group in groups:
-            node = node.setdefault(group, {})
-        node[name] = value
-    return from_dict(cfg, nested)
-
-
-def from_dict(base: Any, data: dict[str, Any], prefix: str = "") -> Any:
-    """`base` (a config dataclass) with the values of a YAML mapping; unknown keys are errors naming the field."""
-    kwargs: dict[str, Any] = {}
-    by_name = {f.name: f for f in dataclasses.fields(base)}
-    for key, value in (data or {}).items():
-        if key not in by_name:
-            raise ValueError(f"unknown config field {prefix}{key} (known: {', '.join(sorted(by_name))})")
-        default = getattr(base, key)
-        if dataclasses.is_dataclass(default):
-            if not isinstance(value, dict):
-                raise ValueError(f"config field {prefix}{key} must be a mapping")
-            value = from_dict(default, value, f"{prefix}{key}.")
-        elif isinstance(default, tuple):
-            value = tuple(value)
-        kwargs[key] = value
-    return dataclasses.replace(base, **kwargs)
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    def plain(v: Any) -> Any:
-        return list(v) if isinstance(v, tuple) else {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v
-    return plain(dataclasses.asdict(cfg))
-
-
-def save_config(cfg: MoltConfig, path: str | Path) -> None:
-    import yaml
-
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-
-
 def __getattr__(name: str) -> Any:
     """`load_config` lives with the command line (molt.cli); importable from here, lazily, as before."""
     if name == "load_config":
@@ -596,3 +402,8 @@ def __getattr__(name: str) -> Any:
 
         return load_config
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# the functions over the tree, importable from here as before (their modules import no part of the tree)
+from molt.config_resolve import from_dict, optimizer_windows, override, resolve, save_config, to_dict  # noqa: F401
+from molt.config_validate import validate  # noqa: F401

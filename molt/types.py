@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import re
 import zlib
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -194,14 +195,68 @@ def _mm_has_out_dtype() -> bool:
     return "dtype" in torch.ops.aten.mm.overloads()
 
 
-def vision_token_ids(config: Any) -> list[int]:
-    """A vision-language model's image/video placeholder and marker tokens (`image_token_id`, LLaVA's
-    `image_token_index`, Qwen2-VL's `video_token_id`, `vision_start_token_id`, ...): outside the policy's action
-    space (docs/vision.md), so the engine never samples them and the trainer's log-probs exclude them too."""
-    import re
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """What engines, capture and the trainer need to know about a checkpoint, read once from its config files
+    (no weights, no modeling code): one description instead of each room probing the config its own way."""
 
-    return sorted({v for k, v in config.to_dict().items()
-                   if re.fullmatch(r"(image|video|vision)\w*_token_(id|index)", k) and isinstance(v, int) and v >= 0})
+    vision: bool  # a vision-language model (the config has a vision tower): AutoModelForImageTextToText, AutoProcessor
+    eos_token_ids: tuple[int, ...]  # generation config's (generation_config.json, else the model config's)
+    pad_token_id: int  # generation config's, else the first EOS, else 0
+    banned: tuple[int, ...]  # a VLM's image/video placeholder and marker ids: never sampled nor trained (docs/vision.md)
+    image_token_id: int | None  # the image placeholder (LLaVA's `image_token_index`)
+    merge_size: int  # image patches merged per side into one token (Qwen2-VL's `spatial_merge_size`; else 1)
+    max_model_len: int  # context window: the text config's max_position_embeddings
+    vocab_size: int
+    dynamic_rope: bool  # dynamic or long RoPE: a Python `if` on the largest position (a host sync, no CUDA graphs)
+    sliding: bool  # some layer attends over a sliding window only
+    config: Any = field(repr=False, compare=False, default=None)  # the transformers config it was read from
+
+    @classmethod
+    def from_pretrained(cls, path: Any) -> ModelSpec:
+        from transformers import AutoConfig, GenerationConfig
+
+        try:
+            generation = GenerationConfig.from_pretrained(path)
+        except OSError:  # no generation_config.json: derived from the model config, as transformers does
+            generation = None
+        return cls.from_config(AutoConfig.from_pretrained(path), generation)
+
+    @classmethod
+    def from_config(cls, config: Any, generation: Any = None) -> ModelSpec:
+        from transformers import GenerationConfig
+
+        text, generation = config.get_text_config(), generation or GenerationConfig.from_model_config(config)
+        eos = generation.eos_token_id if generation.eos_token_id is not None else text.eos_token_id
+        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        pad = generation.pad_token_id if generation.pad_token_id is not None else (*eos, 0)[0]
+        banned = {v for k, v in config.to_dict().items()  # LLaVA's image_token_index, Qwen2-VL's vision_start_...
+                  if re.fullmatch(r"(image|video|vision)\w*_token_(id|index)", k) and isinstance(v, int) and v >= 0}
+        rope = getattr(text, "rope_parameters", None) or {}  # one dict, or one per layer type
+        kinds = {rope.get("rope_type")} | {v.get("rope_type") for v in rope.values() if isinstance(v, dict)}
+        layers = getattr(text, "layer_types", None)
+        sliding = "sliding_attention" in layers if layers else bool(
+            getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True))
+        return cls(vision=hasattr(config, "vision_config"), eos_token_ids=eos, pad_token_id=int(pad),
+                   banned=tuple(sorted(banned)),
+                   image_token_id=getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None),
+                   merge_size=getattr(getattr(config, "vision_config", None), "spatial_merge_size", 1),
+                   max_model_len=int(text.max_position_embeddings), vocab_size=int(text.vocab_size),
+                   dynamic_rope=bool(kinds & {"dynamic", "longrope"}), sliding=sliding, config=config)
+
+    @property
+    def auto_class(self) -> Any:
+        import transformers as tf
+
+        return tf.AutoModelForImageTextToText if self.vision else tf.AutoModelForCausalLM
+
+    @property
+    def cache_kw(self) -> str:
+        """The forward's KV-cache keyword: transformers 5.x renamed `past_key_values` to `cache`."""
+        import inspect
+
+        forward = self.auto_class._model_mapping[type(self.config)].forward
+        return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 # Heavy per-token fields of an Experience; they travel through the object store, never through queues.

@@ -240,11 +240,6 @@ class ActionSequences:
         return rew
 
 
-def _no_kl_reward(params: AdvantageParams, name: str) -> None:
-    if params.kl_coef > 0:
-        raise ValueError(f"kl_coef: {name} takes no KL token reward; put KL in the loss (kl placement 'loss')")
-
-
 def _float_like(batch: AdvantageBatch) -> Tensor:
     return torch.zeros(batch.action_mask.shape, dtype=batch.rewards.dtype, device=batch.action_mask.device)
 
@@ -310,7 +305,6 @@ def _group_result(per_rollout: Tensor, stats: RolloutStats, batch: AdvantageBatc
 @register_estimator("grpo", "group")
 def grpo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     """(r - group mean) / (group std + std_eps), one value per rollout."""
-    _no_kl_reward(params, "grpo")
     s = rollout_stats(batch)
     return _group_result((s.reward - s.group_mean) / (s.group_std + params.std_eps), s, batch)
 
@@ -318,7 +312,6 @@ def grpo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
 @register_estimator("dr_grpo", "group")
 def dr_grpo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     """Dr. GRPO: r - group mean, no std normalization."""
-    _no_kl_reward(params, "dr_grpo")
     s = rollout_stats(batch)
     return _group_result(s.reward - s.group_mean, s, batch)
 
@@ -326,7 +319,6 @@ def dr_grpo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
 @register_estimator("rloo", "group")
 def rloo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     """RLOO: r - mean of the other rollouts of the group = n / (n - 1) * (r - group mean)."""
-    _no_kl_reward(params, "rloo")
     s = rollout_stats(batch)
     return _group_result((s.reward - s.group_mean) * s.group_size / (s.group_size - 1).clamp(min=1), s, batch)
 
@@ -335,8 +327,10 @@ def compute_advantages(name: str, batch: AdvantageBatch, params: AdvantageParams
     """Run the estimator registered as `name` on `batch` and add common metrics:
     "advantage/mean", "advantage/abs_mean" (over action tokens), "advantage/num_rollouts",
     "advantage/degenerate_group_frac" (groups of one or with all-equal rewards)."""
-    params = (params or AdvantageParams()).validate()
-    result = ESTIMATORS.get_fn(name)(batch, params)
+    params, fn = (params or AdvantageParams()).validate(), ESTIMATORS.get_fn(name)
+    if SPECS[name].kind == "group" and params.kl_coef > 0:  # it sees one reward per rollout, no token rewards
+        raise ValueError(f"kl_coef: {name} takes no KL token reward; put KL in the loss (kl placement 'loss')")
+    result = fn(batch, params)
     if result.advantages.shape != batch.action_mask.shape:
         raise ValueError(
             f"estimator {name!r} returned advantages of shape {tuple(result.advantages.shape)}, "

@@ -9,6 +9,7 @@ from typing import Any
 
 from molt.capture.render import ChatRenderer, canonical_messages, canonical_tools
 from molt.capture.segments import Action, SegmentTracker
+from molt.types import ModelSpec
 
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -39,19 +40,6 @@ class Finding:
     check: str
     ok: bool
     detail: str
-
-
-def _eos_ids(tokenizer: Any, path: str | None) -> list[int]:
-    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    if path is not None:
-        from transformers import GenerationConfig
-
-        try:
-            eos = GenerationConfig.from_pretrained(path).eos_token_id
-        except OSError:  # no generation_config.json
-            eos = None
-        ids += [eos] if isinstance(eos, int) else list(eos or [])
-    return list(dict.fromkeys(ids))
 
 
 def play(renderer: ChatRenderer, eos_ids: list[int], tools: list | None, turns: list) -> list[str]:
@@ -96,7 +84,7 @@ def doctor_main(args: Any) -> int:
     path = str(resolve_model(args.model))
     renderer = ChatRenderer.from_pretrained(path)
     print(f"molt doctor: chat template of {args.model}")
-    for f in diagnose(renderer, _eos_ids(renderer.tokenizer, path)):
+    for f in diagnose(renderer, list(ModelSpec.from_pretrained(path).eos_token_ids)):  # the engines' EOS ids
         print(f"  [{'ok' if f.ok else '!!'}] {f.check}: {f.detail}")
     print("A new segment costs nothing in correctness (each segment is token-exact), but its context is "
           "re-encoded and trained separately; see DESIGN.md, 'Capture continuation rule'.")

@@ -14,6 +14,8 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from molt.types import ModelSpec
+
 
 class RenderError(ValueError):
     """The chat template rejected the conversation."""
@@ -63,9 +65,9 @@ class ChatRenderer:
 
     @classmethod
     def from_pretrained(cls, path: str, **options: Any) -> ChatRenderer:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        if hasattr(AutoConfig.from_pretrained(path), "vision_config"):
+        if ModelSpec.from_pretrained(path).vision:
             from transformers import AutoProcessor  # imports torch and the modeling code: vision models only
 
             processor = AutoProcessor.from_pretrained(path)

@@ -5,13 +5,11 @@ Design notes and decisions: docs/internals.md, section `molt/engine/hf.py`.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import random
 import threading
 import uuid
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,60 +17,13 @@ import torch
 
 from molt.engine.base import EngineError, EngineGone, RequestError, check_request, copy_weights
 from molt.engine.prefix_cache import PrefixCache, copies_of, prefill_groups, prefill_inputs
+from molt.engine.request import Request as _Request  # hf.py's old names
+from molt.engine.request import failed as _failed
+from molt.engine.request import resolve as _resolve
 from molt.engine.sampling import sample
-from molt.engine.slots import GraphDecoder, Slots, adapt_model, dynamic_rope, engine_device
+from molt.engine.slots import GraphDecoder, Slots, adapt_model, engine_device
 from molt.engine.weight_group import InProcessWeightReceiver
-from molt.types import Completion, FinishReason, SamplingParams, join_inputs, rope_positions, vision_token_ids
-
-
-@dataclass(eq=False)
-class _Request:
-    id: str
-    prompt: list[int]
-    params: SamplingParams
-    max_new: int  # max_tokens capped by the context window
-    stops: list[int]  # EOS ids + params.stop_token_ids
-    generator: random.Random
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-    on_tokens: Any = None  # called on `loop` with each new token id (streaming)
-    images: Any = None  # processor inputs of the prompt's images (vision-language models)
-    session_id: str | None = None  # key of the prefix cache
-    kv_version: int = 0  # policy version of the oldest keys/values in this request's cache (stale prefixes)
-    rope_offset: int = 0  # M-RoPE: next position = tokens so far + rope_offset (`rope_positions`)
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    top: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish: FinishReason | None = None
-    aborted: bool = False
-    routes: list[torch.Tensor] = field(default_factory=list)  # MoE: [n, layers, k] chunks of positions 0..routed
-    routed: int = 0
-
-    def route(self, start: int, rows: torch.Tensor | None) -> None:
-        """Routes of context positions start...; a position keeps the first one it got (see module doc)."""
-        if rows is not None and start + len(rows) > self.routed:
-            self.routes.append(rows[self.routed - start:])
-            self.routed = start + len(rows)
-
-    def completion(self) -> Completion:
-        return Completion(list(self.tokens), list(self.logprobs), list(self.versions), self.finish,
-                          top_logprobs=self.top if self.params.top_logprobs else None,
-                          prompt_tokens=len(self.prompt),
-                          routed_experts=torch.cat(self.routes).numpy() if self.routes else None)
-
-
-def _resolve(req: _Request, result: Any = None, error: BaseException | None = None) -> None:
-    """Complete the request's future from the worker thread (it may already be cancelled)."""
-    def done() -> None:
-        if not req.future.done():
-            req.future.set_exception(error) if error else req.future.set_result(result)
-    req.loop.call_soon_threadsafe(done)
-
-
-def _failed(error: BaseException) -> EngineError:
-    """What a request the engine failed ends with: an EngineError naming the cause (the capture server's 500)."""
-    return error if isinstance(error, EngineError) else EngineError(f"the engine failed: {error!r}")
+from molt.types import Completion, FinishReason, ModelSpec, SamplingParams, join_inputs, rope_positions
 
 
 class HFEngine(InProcessWeightReceiver):
@@ -87,27 +38,19 @@ class HFEngine(InProcessWeightReceiver):
         if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r} (use e.g. 'float32', 'bfloat16')")
         self.device = engine_device(device)
-        self.vision = hasattr(tf.AutoConfig.from_pretrained(model_path), "vision_config")
-        auto = tf.AutoModelForImageTextToText if self.vision else tf.AutoModelForCausalLM
-        self.model = auto.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
+        self.spec = spec = ModelSpec.from_pretrained(model_path)
+        self.vision, self.banned = spec.vision, list(spec.banned)  # banned: never sampled (module docstring)
+        self.model = spec.auto_class.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
         self.model.eval()
         adapt_model(self.model, text=not self.vision)  # its decode attention and output head
         self.tokenizer = tf.AutoTokenizer.from_pretrained(model_path)
-        self.banned = vision_token_ids(self.model.config)  # never sampled (module docstring)
-        config = self.model.config.get_text_config()
         self.model_name = model_name or Path(model_path).name
-        self.max_model_len = int(config.max_position_embeddings)
-        self.vocab_size = int(config.vocab_size)
-        eos = self.model.generation_config.eos_token_id
-        eos = config.eos_token_id if eos is None else eos
-        self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        pad = self.model.generation_config.pad_token_id
-        self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or [0])[0])
+        self.max_model_len, self.vocab_size, self.pad_token_id = spec.max_model_len, spec.vocab_size, spec.pad_token_id
+        self.eos_token_ids = list(spec.eos_token_ids)
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
-        # transformers 5.x renamed `past_key_values` to `cache`; accept either
-        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        self._new_cache = lambda: tf.DynamicCache(config=config)
+        self._cache_kw = spec.cache_kw
+        self._new_cache = lambda: tf.DynamicCache(config=self.model.config.get_text_config())
         layer_types = {type(layer).__name__ for layer in self._new_cache().layers}
         if layer_types != {"DynamicLayer"}:  # sliding-window layers cannot be left-padded and merged
             raise ValueError(f"HFEngine supports full-attention caches only, got {sorted(layer_types)}")
@@ -118,7 +61,7 @@ class HFEngine(InProcessWeightReceiver):
         self._route_dtype = torch.uint8 if all(r.weight.shape[0] <= 256 for r in routers) else torch.int16
         # CUDA graphs for the decode step (molt.engine.slots), not where a step needs Python (route hooks, images)
         self._graphs: GraphDecoder | bool = cuda_graphs and self.device.type == "cuda" and not routers \
-            and not self.vision and not dynamic_rope(self.model)  # the decoder itself once the slots exist
+            and not self.vision and not spec.dynamic_rope  # the decoder itself once the slots exist
         # with graphs a decode step is cheap and an eager prefill is not: arrivals wait up to this many steps for
         # company (or a full batch) before they prefill
         self.hold_steps, self._held = (8 if self._graphs else 0), 0

@@ -230,16 +230,6 @@ def engine_device(device: str) -> torch.device:
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
-def dynamic_rope(model: Any) -> bool:
-    """Dynamic and long RoPE compare the largest position with a Python `if`: a host sync, not capturable."""
-    types: set = set()
-    for module in model.modules():
-        if type(module).__name__.endswith("RotaryEmbedding"):
-            kind = getattr(module, "rope_type", None)
-            types |= set(kind.values()) if isinstance(kind, dict) else {kind}
-    return bool(types & {"dynamic", "longrope"})
-
-
 class GraphDecoder:
     """Decode forwards on padded power-of-two shapes from static buffers; captured as CUDA graphs on CUDA."""
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from molt.engine import vllm_worker
 from molt.engine.base import EngineError, EngineGone, RequestError, check_request
-from molt.types import Completion, FinishReason, SamplingParams, vision_token_ids
+from molt.types import Completion, FinishReason, ModelSpec, SamplingParams
 
 log = logging.getLogger(__name__)
 MIN_VLLM = (0, 10, 2)  # "processed_logprobs" means after top-k/top-p from here on (vllm-project/vllm#22387)
@@ -151,18 +151,6 @@ def _import_vllm() -> tuple[Any, Any]:
     return vllm, AsyncLLM
 
 
-def _eos_ids(model_path: str) -> list[int]:
-    """EOS ids the way `molt.engine.hf` reads them: generation_config first, then the model config."""
-    from transformers import AutoConfig, GenerationConfig
-
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:  # no generation_config.json
-        eos = None
-    eos = AutoConfig.from_pretrained(model_path).eos_token_id if eos is None else eos
-    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-
-
 class VLLMEngine:
     """`Engine` on vLLM's AsyncLLM. Extra keyword arguments go to `vllm.AsyncEngineArgs` unchanged."""
 
@@ -190,13 +178,8 @@ class VLLMEngine:
         self.weight_group_size = tensor_parallel_size  # one refit-group rank per worker process
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
-        self.eos_token_ids = _eos_ids(model_path)
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(model_path)  # a VLM's vision tokens are never sampled (docs/vision.md)
-        self._banned = vision_token_ids(config)
-        self._image = (getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None),
-                       getattr(getattr(config, "vision_config", None), "spatial_merge_size", 1))
+        self.spec = spec = ModelSpec.from_pretrained(model_path)  # EOS ids the way molt.engine.hf reads them
+        self.eos_token_ids = list(spec.eos_token_ids)
         self._version = self._serving = version  # of the loaded weights; given to the tokens arriving now
         self._active: dict[str, _Request] = {}
         self._paused = self._closed = self._refitted = False  # refitted: weights loaded since the last resume()
@@ -218,7 +201,8 @@ class VLLMEngine:
                        request_id: str | None = None, *, on_tokens: Any = None, images: Any = None,
                        sources: Any = None) -> Completion:
         req = self._admit(list(prompt_ids), params, request_id)
-        req.on_tokens, req.mm = on_tokens, mm_prompt(req.prompt, images, sources, *self._image)
+        spec = self.spec
+        req.on_tokens, req.mm = on_tokens, mm_prompt(req.prompt, images, sources, spec.image_token_id, spec.merge_size)
         self._active[req.id] = req
         try:
             while req.finish is None:
@@ -246,7 +230,7 @@ class VLLMEngine:
         """Run one vLLM request (the prompt plus everything generated so far) and keep each output on arrival."""
         req.segments += 1
         try:
-            kw = sampling_kwargs(req.params, req.max_new, req.stops, len(req.tokens), self._banned)
+            kw = sampling_kwargs(req.params, req.max_new, req.stops, len(req.tokens), self.spec.banned)
             params = self._vllm.SamplingParams(**kw, output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA)
             prompt = {**req.mm, "prompt_token_ids": req.mm["prompt_token_ids"] + req.tokens}  # a TokensPrompt
             async for output in self._llm.generate(prompt, params, request_id=f"{req.id}-{req.segments}"):

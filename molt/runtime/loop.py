@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import os
 import sys
 import time
 from contextlib import closing
@@ -16,6 +15,7 @@ from typing import Any
 
 from molt.config import MoltConfig, optimizer_windows, resolve, save_config, to_dict
 from molt.runtime.checkpoints import RunControl, resume_point, rotate, truncate_after
+from molt.runtime.cluster import init_ray, torch_threads
 from molt.runtime.data import load_prompts
 from molt.runtime.experience import assign_to_ranks
 from molt.runtime.metrics import MetricsLogger, rollout_metrics
@@ -25,14 +25,6 @@ from molt.runtime.worker import RolloutWorker, Workers
 from molt.types import RolloutStatus, SamplingParams
 
 BUCKET_BYTES = 64 << 20
-
-
-def _threads(cfg: MoltConfig) -> tuple[int, int]:
-    """torch threads of (each worker, each trainer rank): share the cores when both run at once."""
-    cores = os.cpu_count() or 1
-    if cfg.train.max_staleness == 0:
-        return cores, cores  # generation and training alternate
-    return max(1, cores // 2), max(1, cores - cores // 2)
 
 
 def _dynamic_filter(group_size: int, score_range: tuple[float, float]):
@@ -108,8 +100,8 @@ class Run:
             if cfg.algo.advantage.estimator == "on_policy_distill":
                 _same_tokenizer(self.model_path, self.trainer_cfg.ref.model_name_or_path)
         if not ray.is_initialized():
-            _init_ray(cfg)
-        worker_threads, trainer_threads = _threads(cfg)
+            init_ray(cfg)
+        worker_threads, trainer_threads = torch_threads(cfg)
         runner_options = {"timeout": cfg.rollout.timeout_s, "max_turns": cfg.rollout.max_turns}
         engine_options: dict[str, Any] = {"process": cfg.rollout.engine_process,
                                           "prefix_cache_mb": cfg.rollout.prefix_cache_mb,
@@ -156,10 +148,7 @@ class Run:
         print(f"molt: resuming from {path} (step {state['step']})", file=sys.stderr)
         await self.trainer.same("load", str(path / "trainer"))
         self.step = self.version = state["step"]
-        self.stream = state.get("stream")
-        if self.stream is None:  # a checkpoint written before the stream kept a state of its own
-            old = PromptStream(self.rows, self.cfg.train.seed)
-            self.stream = {"next": 0, "done": [old.position(k) for k in state["ledger"]]}
+        self.stream = state["stream"]
         self.generated_tokens, self.counters = state["generated_tokens"], state.get("counters", {})
         if state.get("kl_coef") is not None and self.cfg.algo.kl.target is not None:
             self.kl_coef = state["kl_coef"]
@@ -389,22 +378,3 @@ async def run_training(cfg: MoltConfig) -> dict[str, Any]:
         return await run.train()
     finally:
         await run.close()
-
-
-def _init_ray(cfg: MoltConfig, attempts: int = 3) -> None:
-    """Join `ray.address`, or start a new local instance (never another run's found in /tmp/ray: a shared
-    machine). Ray gives its node a fixed 30 s to start; a loaded machine can miss that, so a local start is tried
-    `attempts` times."""
-    import ray
-
-    if cfg.ray.address:
-        return ray.init(address=cfg.ray.address, log_to_driver=False)
-    for attempt in range(attempts):
-        try:
-            return ray.init("local", num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, log_to_driver=False,
-                            runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-        except Exception as e:  # Ray raises a bare Exception for this
-            if "timed out during startup" not in str(e) or attempt == attempts - 1:
-                raise
-            print(f"molt: Ray's node did not start in time ({e}); retrying", file=sys.stderr)
-            ray.shutdown()

@@ -97,18 +97,13 @@ _WARNINGS = [
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, total_steps: int, *, tensorboard_dir: str = "",
                  wandb: dict[str, str] | None = None, config: dict[str, Any] | None = None, start_step: int = 0):
+        from torch.utils.tensorboard import SummaryWriter
         from tqdm.auto import tqdm
 
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 (open for the logger's lifetime)
-        self._tb = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(tensorboard_dir or str(self.run_dir / "tb"))
-        except ImportError:  # tensorboard is a dependency; tolerate a trimmed install
-            pass
+        self._tb = SummaryWriter(tensorboard_dir or str(self.run_dir / "tb"))
         self._wandb = None
         w = wandb or {}
         if w.get("project"):  # W&B is optional: without the package the run goes on with one line saying so
@@ -131,10 +126,9 @@ class MetricsLogger:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}  # NaN and inf kept
         self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
         self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in clean.items():
-                self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+        for key, value in clean.items():
+            self._tb.add_scalar(key, value, step)
+        self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
         parts = [f"{label} {_fmt(clean[key])}" for key, label in _CONSOLE if key in clean]
@@ -149,8 +143,7 @@ class MetricsLogger:
     def close(self) -> None:
         self._bar.close()
         self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
 

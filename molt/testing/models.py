@@ -28,62 +28,15 @@ from pathlib import Path
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MARKER_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
 
-_TEMPLATE_HEAD = r"""
-{%- set msgs = messages -%}
-{%- if tools %}<|im_start|>system
-{% if msgs and msgs[0].role == 'system' %}{{ msgs[0].content }}
-
-{% endif %}# Tools
-You may call one or more functions. Function signatures:
-<tools>
-{% for t in tools %}{{ t | tojson }}
-{% endfor %}</tools>
-To call a function reply with <tool_call>{"name": NAME, "arguments": ARGS}</tool_call>.<|im_end|>
-{% elif msgs and msgs[0].role == 'system' %}<|im_start|>system
-{{ msgs[0].content }}<|im_end|>
-{% endif -%}
-{%- set ns = namespace(last_user=-1) -%}
-{%- for m in msgs %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor -%}
-"""
-
-_TEMPLATE_BODY = r"""
-{%- for m in msgs -%}
-{%- if m.role == 'system' and loop.first -%}
-{%- elif m.role == 'assistant' -%}
-{%- set content = m.content if m.content is string else '' -%}
-{%- if DROP_THINK and loop.index0 < ns.last_user and '</think>' in content -%}
-{%- set content = content.split('</think>')[-1].lstrip('\n') -%}
-{%- endif -%}
-<|im_start|>assistant
-{{ content }}
-{%- if m.tool_calls -%}
-{%- for tc in m.tool_calls -%}
-{%- set f = tc.function if tc.function is defined else tc -%}
-{%- if content or not loop.first %}{{ '\n' }}{% endif -%}
-<tool_call>
-{"name": "{{ f.name }}", "arguments": {% if f.arguments is string %}{{ f.arguments }}{% else %}{{ f.arguments | tojson }}{% endif %}}
-</tool_call>
-{%- endfor -%}
-{%- endif -%}
-<|im_end|>
-{% elif m.role == 'tool' -%}
-<|im_start|>tool
-{{ m.content }}<|im_end|>
-{% else -%}
-<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif -%}
-"""
-
-CHATML_TOOLS_TEMPLATE = (_TEMPLATE_HEAD + _TEMPLATE_BODY.replace("DROP_THINK", "false")).strip()
+# one ChatML template with tools, a data file (as Hugging Face ships chat_template.jinja); DROP_THINK: whether
+# reasoning before the last user turn is dropped (QWEN3_THINK_TEMPLATE)
+_TEMPLATE = (Path(__file__).parent / "chatml_tools.jinja").read_text().strip()
+CHATML_TOOLS_TEMPLATE = _TEMPLATE.replace("DROP_THINK", "false")
 # content may be a list of parts: text parts as their text, image parts as the processor's placeholder
 VLM_TEMPLATE = ("{%- macro show(c) -%}{%- if c is string -%}{{ c }}{%- else -%}{%- for p in c -%}{%- if p.type == "
                 "'image' -%}<image>{%- else -%}{{ p.text }}{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}"
                 + CHATML_TOOLS_TEMPLATE.replace("{{ m.content }}", "{{ show(m.content) }}"))
-QWEN3_THINK_TEMPLATE = (_TEMPLATE_HEAD + _TEMPLATE_BODY.replace("DROP_THINK", "true")).strip()
+QWEN3_THINK_TEMPLATE = _TEMPLATE.replace("DROP_THINK", "true")
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. What is 3 + 4? The answer is 7.",

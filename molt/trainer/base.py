@@ -16,7 +16,7 @@ from torch import nn
 from molt.config import MoltConfig, OptimConfig, override, resolve, validate
 from molt.trainer import parallel
 from molt.trainer.batching import MicroBatch, blank_image, collate, ghost_batch, plan_micro_batches
-from molt.types import Experience
+from molt.types import Experience, ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -65,28 +65,22 @@ class ShardedModelTrainer:
     def load_lm(self, path: str, auto_class=None) -> nn.Module:
         """`from_pretrained` in fp32 on CPU (the master weights; compute dtype comes from mixed precision);
         `--actor.freeze_visual_encoder` freezes a vision-language model's vision tower."""
-        import transformers as tf
-
         attn = self.cfg.fsdp.attn_implementation
         if self.cfg.fsdp.packing_samples:
             from molt.trainer.packing import register
 
             attn = register()
-        vision = hasattr(tf.AutoConfig.from_pretrained(path), "vision_config")
-        if vision and self.world > 1:  # FSDP2 collectives of the vision tower (molt.trainer.batching)
+        spec = ModelSpec.from_pretrained(path)
+        if spec.vision and self.world > 1:  # FSDP2 collectives of the vision tower (molt.trainer.batching)
             self.blank = blank_image(path, self.device)
-        if auto_class is None:  # a vision-language model when the config has a vision tower
-            auto_class = tf.AutoModelForImageTextToText if vision else tf.AutoModelForCausalLM
-        lm = auto_class.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+        lm = (auto_class or spec.auto_class).from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
         lm.config.use_cache = False
-        text = lm.config.get_text_config()
-        pad = text.pad_token_id if text.pad_token_id is not None else text.eos_token_id
         freeze = self.cfg.actor.freeze_visual_encoder
         frozen = [p.requires_grad_(False) for n, p in lm.named_parameters() if freeze
                   and re.search(r"\.(vision_tower|visual|vision_model)\.", n)]  # LLaVA, Qwen2-VL, Idefics3
         if freeze and not frozen:
             raise ValueError(f"actor.freeze_visual_encoder: {path} has no vision encoder")
-        self.pad_id = int(pad[0] if isinstance(pad, (list, tuple)) else (pad or 0))
+        self.pad_id = spec.pad_token_id  # the engine's too
         return lm
 
     def wrap(self, module: nn.Module, lm: nn.Module, *, trainable: bool) -> nn.Module:

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from molt.types import Experience, join_inputs
+from molt.types import Experience, ModelSpec, join_inputs
 
 
 def plan_micro_batches(lengths: list[int], micro_batch_size: int | None = None,
@@ -142,10 +142,7 @@ def prebuilt_mask(config) -> bool:
     """Whether a model takes `MicroBatch.decoder_inputs`' 4-D boolean mask: SDPA reads a boolean mask as is,
     and it is exact only where every layer attends fully causally (transformers uses a 4-D mask unchanged for
     sliding-window layers too, which would then see too much)."""
-    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
-        getattr(config, "layer_types", None) is None and getattr(config, "sliding_window", None)
-        and getattr(config, "use_sliding_window", True))
-    return config._attn_implementation == "sdpa" and not sliding
+    return config._attn_implementation == "sdpa" and not ModelSpec.from_config(config).sliding
 
 
 def _pad(rows: list, value, dtype: torch.dtype, length: int) -> Tensor:

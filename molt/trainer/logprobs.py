@@ -4,14 +4,12 @@ Design notes and decisions: docs/internals.md, section `molt/trainer/logprobs.py
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from molt.trainer.batching import prebuilt_mask
-from molt.types import mm_f32, rope_positions, vision_token_ids
+from molt.types import ModelSpec, mm_f32, rope_positions
 
 
 def check_supported(config) -> None:
@@ -188,11 +186,9 @@ class CausalLMLogProbs(nn.Module):
         self.lm = lm
         self.chunk_size = chunk_size
         self.routing = routing  # a `molt.trainer.moe.Routing` on lm's routers (MoE), told each micro-batch
-        # transformers 5.x renamed the decoder's `past_key_values` to `cache`; accept either
-        params = inspect.signature(lm.get_decoder().forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._mask_4d = prebuilt_mask(lm.config)
-        self.banned, self._ban = vision_token_ids(lm.config), None  # the engine never samples these: masked here too
+        spec = ModelSpec.from_config(lm.config)
+        self._cache_kw, self._mask_4d = spec.cache_kw, prebuilt_mask(lm.config)
+        self.banned, self._ban = list(spec.banned), None  # the engine never samples these: masked here too
 
     def forward(self, mb, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """mb: a `molt.trainer.batching.MicroBatch` (padded, packed, or padded with a shared prefix).

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from molt.engine.hf import HFEngine
-from molt.engine.slots import GraphDecoder, Slots, dynamic_rope, grouped_attention, use_grouped_attention
+from molt.engine.slots import GraphDecoder, Slots, grouped_attention, use_grouped_attention
 from molt.types import SamplingParams
 
 
@@ -263,11 +263,13 @@ def test_dynamic_rope_models_decode_without_graphs(tiny_llama_dir):
     """Dynamic RoPE syncs the host inside the forward (a Python `if` on the largest position): not capturable."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from molt.types import ModelSpec
 
     config = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
               "vocab_size": 64}
     dynamic = LlamaConfig(**config, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
-    assert dynamic_rope(LlamaForCausalLM(dynamic)) and not dynamic_rope(LlamaForCausalLM(LlamaConfig(**config)))
+    assert LlamaForCausalLM(dynamic).model.rotary_emb.rope_type == "dynamic"  # what the description reads
+    assert ModelSpec.from_config(dynamic).dynamic_rope and not ModelSpec.from_config(LlamaConfig(**config)).dynamic_rope
     engine = HFEngine(str(tiny_llama_dir))
-    assert not dynamic_rope(engine.model)
+    assert not engine.spec.dynamic_rope
     asyncio.run(engine.close())

@@ -3,7 +3,7 @@ machine), and passes any other failure through."""
 import pytest
 
 from molt.config import MoltConfig
-from molt.runtime import loop
+from molt.runtime import cluster
 
 
 class FakeRay:
@@ -36,7 +36,7 @@ TIMEOUT = Exception("The current node timed out during startup. This could happe
 
 def test_a_startup_timeout_is_retried(fake_ray, capsys):
     fake = fake_ray([TIMEOUT, TIMEOUT])
-    loop._init_ray(MoltConfig())
+    cluster.init_ray(MoltConfig())
     assert (fake.inits, fake.shutdowns) == (3, 2)
     assert capsys.readouterr().err.count("did not start in time") == 2
 
@@ -44,12 +44,12 @@ def test_a_startup_timeout_is_retried(fake_ray, capsys):
 def test_it_gives_up_after_the_attempts(fake_ray):
     fake = fake_ray([TIMEOUT] * 3)
     with pytest.raises(Exception, match="timed out during startup"):
-        loop._init_ray(MoltConfig())
+        cluster.init_ray(MoltConfig())
     assert fake.inits == 3
 
 
 def test_other_failures_are_not_retried(fake_ray):
     fake = fake_ray([ValueError("bad num_cpus")])
     with pytest.raises(ValueError, match="bad num_cpus"):
-        loop._init_ray(MoltConfig())
+        cluster.init_ray(MoltConfig())
     assert fake.inits == 1

@@ -8,7 +8,7 @@ from vision_helpers import png, two_turn_rollouts, user
 
 from molt.capture.render import canonical_messages, message_images
 from molt.trainer import Actor
-from molt.types import Experience, SamplingParams, Trajectory, vision_token_ids
+from molt.types import Experience, SamplingParams, Trajectory
 
 FP32 = {"fsdp.device": "cpu", "actor.dtype": "float32"}
 
@@ -38,7 +38,7 @@ async def test_the_engine_never_samples_vision_tokens(vlm_engine, vlm_renderer, 
     temperature 100 the tiny model is close to uniform: unmasked, the image token would hold ~1/390 of the mass."""
     from transformers import AutoModelForImageTextToText
 
-    banned = vision_token_ids(vlm_engine.model.config)
+    banned = list(vlm_engine.spec.banned)
     assert banned == [vlm_renderer.processor.image_token_id]
     ids, red = prompt(vlm_renderer, png("red"))
     out = await vlm_engine.generate(ids, SamplingParams(max_tokens=40, min_tokens=40, temperature=100.0, seed=0),

@@ -20,7 +20,7 @@ from vision_helpers import png, two_turn_rollouts, user
 from molt.capture.render import ChatRenderer, canonical_messages, message_images
 from molt.testing.models import build_tiny_qwen2_vl
 from molt.trainer import Actor, logprobs
-from molt.types import Experience, SamplingParams, Trajectory, vision_token_ids
+from molt.types import Experience, SamplingParams, Trajectory
 
 FP32 = {"fsdp.device": "cpu", "actor.dtype": "float32"}
 
@@ -84,7 +84,7 @@ def test_the_prompt_is_the_processors(qwen_renderer):
 async def test_engine_and_trainer_logprobs_agree(qwen_engine, qwen_renderer, qwen_dir, ray_local, monkeypatch):
     segments = await two_turn_rollouts(qwen_engine, qwen_renderer, ["red", "green"])
     image_id = qwen_renderer.processor.image_token_id
-    banned = vision_token_ids(qwen_engine.model.config)
+    banned = list(qwen_engine.spec.banned)
     assert len(banned) == 4  # <|image_pad|>, <|video_pad|>, <|vision_start|>, <|vision_end|>: never sampled
     for seg in segments:
         assert seg.token_ids.count(image_id) == 8 and seg.images["image_grid_thw"].shape == (2, 3)

@@ -9,7 +9,7 @@ from vision_helpers import png, user
 from molt.capture.render import canonical_messages, message_images
 from molt.engine import vllm as mv
 from molt.engine.base import RequestError
-from molt.types import SamplingParams, vision_token_ids
+from molt.types import ModelSpec, SamplingParams
 
 
 def collapse_case(renderer, *images, text="What is this?"):
@@ -37,9 +37,7 @@ def test_llava_prompt_goes_back_to_one_placeholder_per_image(vlm_renderer):
 
 
 def test_vision_tokens_are_banned_by_a_minus_infinite_bias(tiny_vlm_dir):
-    from transformers import AutoConfig
-
-    banned = vision_token_ids(AutoConfig.from_pretrained(tiny_vlm_dir))
+    banned = list(ModelSpec.from_pretrained(tiny_vlm_dir).banned)
     kw = mv.sampling_kwargs(SamplingParams(max_tokens=4, temperature=100.0), 4, [2], banned=banned)
     assert kw["logit_bias"] == {banned[0]: float("-inf")}
     assert "logit_bias" not in mv.sampling_kwargs(SamplingParams(max_tokens=4), 4, [2])  # a text model

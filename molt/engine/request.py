@@ -1,0 +1,65 @@
+"""A request of the embedded engine (`molt.engine.hf`) as its worker thread holds it, and how it completes.
+
+Design notes and decisions: docs/internals.md, section `molt/engine/hf.py`.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from molt.engine.base import EngineError
+from molt.types import Completion, FinishReason, SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_new: int  # max_tokens capped by the context window
+    stops: list[int]  # EOS ids + params.stop_token_ids
+    generator: random.Random
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    on_tokens: Any = None  # called on `loop` with each new token id (streaming)
+    images: Any = None  # processor inputs of the prompt's images (vision-language models)
+    session_id: str | None = None  # key of the prefix cache
+    kv_version: int = 0  # policy version of the oldest keys/values in this request's cache (stale prefixes)
+    rope_offset: int = 0  # M-RoPE: next position = tokens so far + rope_offset (`rope_positions`)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish: FinishReason | None = None
+    aborted: bool = False
+    routes: list[torch.Tensor] = field(default_factory=list)  # MoE: [n, layers, k] chunks of positions 0..routed
+    routed: int = 0
+
+    def route(self, start: int, rows: torch.Tensor | None) -> None:
+        """Routes of context positions start...; a position keeps the first one it got (see module doc)."""
+        if rows is not None and start + len(rows) > self.routed:
+            self.routes.append(rows[self.routed - start:])
+            self.routed = start + len(rows)
+
+    def completion(self) -> Completion:
+        return Completion(list(self.tokens), list(self.logprobs), list(self.versions), self.finish,
+                          top_logprobs=self.top if self.params.top_logprobs else None,
+                          prompt_tokens=len(self.prompt),
+                          routed_experts=torch.cat(self.routes).numpy() if self.routes else None)
+
+
+def resolve(req: Request, result: Any = None, error: BaseException | None = None) -> None:
+    """Complete the request's future from the worker thread (it may already be cancelled)."""
+    def done() -> None:
+        if not req.future.done():
+            req.future.set_exception(error) if error else req.future.set_result(result)
+    req.loop.call_soon_threadsafe(done)
+
+
+def failed(error: BaseException) -> EngineError:
+    """What a request the engine failed ends with: an EngineError naming the cause (the capture server's 500)."""
+    return error if isinstance(error, EngineError) else EngineError(f"the engine failed: {error!r}")
