@@ -148,7 +148,10 @@ class Run:
         print(f"molt: resuming from {path} (step {state['step']})", file=sys.stderr)
         await self.trainer.same("load", str(path / "trainer"))
         self.step = self.version = state["step"]
-        self.stream = state["stream"]
+        self.stream = state.get("stream")
+        if self.stream is None:  # a checkpoint written before the stream kept a state of its own
+            old = PromptStream(self.rows, self.cfg.train.seed)
+            self.stream = {"next": 0, "done": [old.position(k) for k in state["ledger"]]}
         self.generated_tokens, self.counters = state["generated_tokens"], state.get("counters", {})
         if state.get("kl_coef") is not None and self.cfg.algo.kl.target is not None:
             self.kl_coef = state["kl_coef"]

@@ -109,6 +109,9 @@ class PromptStream:
             random.Random(self.seed + epoch).shuffle(order)
         return self._orders[epoch]
 
+    def position(self, key: tuple[int, int]) -> int:
+        return key[0] * len(self.rows) + self.order(key[0]).index(key[1])
+
     def __iter__(self) -> Iterator[tuple[tuple[int, int], dict[str, Any]]]:
         while True:
             n, self._next = self._next, self._next + 1

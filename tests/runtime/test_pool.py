@@ -27,6 +27,7 @@ def test_prompt_stream_is_seeded_and_resumes_from_its_state():
     first = keys(PromptStream(ROWS, seed=1), 25)
     assert first == keys(PromptStream(ROWS, seed=1), 25)
     assert sorted(i for e, i in first[:10]) == list(range(10)) and first[10][0] == 1  # epoch after epoch
+    assert [PromptStream(ROWS, seed=1).position(k) for k in first] == list(range(25))  # old checkpoints' ledgers
     stream = PromptStream(ROWS, seed=1)
     yielded = keys(stream, 9)
     for key in yielded[:3] + yielded[4:6] + yielded[7:8]:  # trained out of order; 3 and 6 still in flight
