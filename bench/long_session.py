@@ -11,7 +11,8 @@ not the `openai` SDK, whose own client-side request transform walks the whole co
 then each turn adds a user message of about `window / turns` tokens and samples `--max-tokens` tokens
 (min_tokens = max_tokens, so every turn does the same decode work), growing to about the window. Every
 `--side-every` turns the harness sends a side request on the same session, as Claude Code's title request does:
-another system prompt over the same conversation (a cold prefill of the whole history), 8 tokens.
+another system prompt over the same conversation, 8 tokens (the first prefills the whole history cold; later ones
+can reuse the previous title's keys/values up to where the conversation went on).
 
 Reported per history length (median of the `--near` main turns closest to 1K, 8K, 16K and 32K tokens): the
 request latency seen by the client, the engine's part (time inside `engine.generate`) and capture's part (the
@@ -146,7 +147,8 @@ def table(result: dict, near: int) -> str:
     loaded, peak = result["loaded"], result["peak"]
     lines = [
         "", (f"Side requests (a title under another system prompt): {len(side)}, engine median "
-             f"{statistics.median(side):.0f} ms (a cold prefill of the history); the main turn right after one: "
+             f"{statistics.median(side):.0f} ms (each prefills the history since the previous title); the main turn "
+             f"right after one: "
              f"engine median {statistics.median(after):.0f} ms, other turns {statistics.median(others):.0f} ms.")
         if side else "",
         (f"Prefix cache at the end: {result['prefix']['entries']} entries, {result['prefix']['bytes'] / 2**20:.1f} MiB, "
