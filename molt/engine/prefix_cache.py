@@ -1,5 +1,6 @@
 """The embedded engine's session prefix cache: a multi-turn agent resends its whole history every turn, and the
-engine keeps the keys/values of the session's last turn so that the next turn prefills only its new tokens.
+engine keeps the keys/values of the session's last turns (its conversation and its side requests) so that the next
+turn prefills only its new tokens.
 
 Design notes and decisions: docs/internals.md, section `molt/engine/prefix_cache.py`.
 """
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # entries are told apart by identity
 class Prefix:
     tokens: list[int]  # the token ids the keys/values cover
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [1, kv_heads, len(tokens), head_dim]
@@ -23,44 +24,63 @@ class Prefix:
     routes: Any = None  # MoE: the experts each token was routed to [len(tokens), layers, k] (molt.engine.hf)
 
 
+# Entries kept per session: its main conversation plus the side requests harnesses send on the same session (a
+# title, a summary, a sub-agent with its own system prompt), so that one does not evict the other's keys/values.
+MAX_ENTRIES_PER_SESSION = 4
+
+
 class PrefixCache:
     def __init__(self, budget_mb: float, stale: bool = False):
         if budget_mb < 0:
             raise ValueError(f"prefix_cache_mb must be >= 0 (0 turns the cache off), got {budget_mb}")
         self.budget = int(budget_mb * 2**20)
         self.stale = stale
-        self.entries: OrderedDict[str, Prefix] = OrderedDict()  # LRU order: oldest first
+        # sessions in LRU order (oldest first); a session's entries least recently stored or used first
+        self.entries: OrderedDict[str, list[Prefix]] = OrderedDict()
         self.nbytes = 0
         self.reused_tokens = 0  # over the engine's life: how many prompt tokens were not prefilled again
 
     def lookup(self, session_id: str | None, context: list[int]) -> tuple[Prefix | None, int]:
-        """The session's entry and how many leading tokens of `context` it covers (0: no reuse)."""
-        entry = self.entries.get(session_id) if session_id is not None else None
-        if entry is None:
+        """The session's entry sharing the longest prefix with `context` and how many leading tokens of `context`
+        it covers (0: no reuse), never the last one (its logits are needed)."""
+        entries = self.entries.get(session_id) if session_id is not None else None
+        if not entries:
             return None, 0
-        limit = min(len(entry.tokens), len(context) - 1)
-        n = next((i for i in range(limit) if entry.tokens[i] != context[i]), limit)
+        n, entry = max(((min(common_prefix(e.tokens, context), len(context) - 1), e) for e in entries),
+                       key=lambda pair: pair[0])
         if n:
             self.entries.move_to_end(session_id)
+            entries.remove(entry)
+            entries.append(entry)
             self.reused_tokens += n
         return entry, n
 
     def store(self, session_id: str, tokens: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]],
               version: int, routes: list[torch.Tensor] | None = None) -> None:
+        """Keep a finished request's keys/values; the session's entries it extends (its earlier turns) go."""
         assert all(k.shape[-2] == len(tokens) for k, _ in layers), "keys/values must cover exactly `tokens`"
-        self.drop(session_id)
         nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
         if nbytes > self.budget:
             return
+        entries = self.entries.setdefault(session_id, [])
+        self.entries.move_to_end(session_id)
+        for old in [e for e in entries if common_prefix(e.tokens, tokens) == len(e.tokens)]:
+            self._remove(session_id, old)
+        if len(entries) >= MAX_ENTRIES_PER_SESSION:
+            self._remove(session_id, entries[0])
         while self.nbytes + nbytes > self.budget:
-            self.drop(next(iter(self.entries)))
-        self.entries[session_id] = Prefix(tokens, layers, version, nbytes, torch.cat(routes) if routes else None)
+            oldest = next(iter(self.entries))
+            self._remove(oldest, self.entries[oldest][0])
+        self.entries.setdefault(session_id, []).append(
+            Prefix(tokens, layers, version, nbytes, torch.cat(routes) if routes else None))
         self.nbytes += nbytes
 
-    def drop(self, session_id: str) -> None:
-        entry = self.entries.pop(session_id, None)
-        if entry is not None:
-            self.nbytes -= entry.nbytes
+    def _remove(self, session_id: str, entry: Prefix) -> None:
+        entries = self.entries[session_id]
+        entries.remove(entry)
+        self.nbytes -= entry.nbytes
+        if not entries:
+            del self.entries[session_id]
 
     def refit(self) -> None:
         """New weights were loaded: forget every entry unless stale prefixes are allowed."""
@@ -69,7 +89,17 @@ class PrefixCache:
             self.nbytes = 0
 
     def stats(self) -> dict[str, int]:
-        return {"entries": len(self.entries), "bytes": self.nbytes, "reused_tokens": self.reused_tokens}
+        return {"entries": sum(map(len, self.entries.values())), "bytes": self.nbytes,
+                "reused_tokens": self.reused_tokens}
+
+
+def common_prefix(a: list[int], b: list[int], block: int = 512) -> int:
+    """Length of the longest common prefix of two token lists: list slices compare in C block by block, and
+    only the first differing block is walked in Python (a 32K-token history costs microseconds, not a loop)."""
+    n, i = min(len(a), len(b)), 0
+    while i < n and a[i: min(i + block, n)] == b[i: min(i + block, n)]:
+        i += block
+    return n if i >= n else next(j for j in range(i, n) if a[j] != b[j])
 
 
 def copies_of(new: list[Any], reused: dict[Any, tuple[Prefix | None, int]]) -> dict[Any, list[Any]]:

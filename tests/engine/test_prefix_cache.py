@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from molt.engine.hf import HFEngine
-from molt.engine.prefix_cache import PrefixCache
+from molt.engine.prefix_cache import MAX_ENTRIES_PER_SESSION, PrefixCache, common_prefix
 from molt.types import FinishReason, SamplingParams
 
 HISTORIES = [[5 + i] + list(range(30, 30 + 17 * i)) for i in range(1, 5)]  # lengths 18..69
@@ -142,6 +142,40 @@ def test_lookup_takes_the_longest_common_prefix_but_never_the_last_token():
     assert cache.stats() == {"entries": 0, "bytes": 0, "reused_tokens": 2 + 4 + 5}
     with pytest.raises(ValueError, match="prefix_cache_mb"):
         PrefixCache(-1)
+
+
+async def test_a_side_request_does_not_evict_the_conversation(engine):
+    """A harness's side request on the session (a title under another system prompt, sharing almost nothing at
+    the start) between two turns: the next turn still reuses its whole history, exactly, and the side request's
+    own repeat reuses its entry too (issue 37: the next turn re-prefilled 23K tokens)."""
+    main, side = HISTORIES[3], [6] + HISTORIES[3][1:]  # the same content under another first token
+    first = await engine.generate(main, turn(0), "s")
+    title = await engine.generate(side, turn(1), "s")
+    before = await reused(engine)
+    second = main + first.token_ids + USER
+    cached = await engine.generate(second, turn(2), "s")
+    assert await reused(engine) - before == len(main) + len(first.token_ids) - 1
+    assert_same(cached, await engine.generate(second, turn(2)))
+    before = await reused(engine)
+    await engine.generate(side + title.token_ids + USER, turn(3), "s")
+    assert await reused(engine) - before == len(side) + len(title.token_ids) - 1
+
+
+def test_entries_per_session_are_bounded_and_a_longer_turn_replaces_its_prefix():
+    kv = lambda n: [(torch.zeros(1, 2, n, 4), torch.zeros(1, 2, n, 4))]  # 64 bytes a token
+    cache = PrefixCache(1000 * 64 / 2**20)  # room for 1,000 tokens
+    cache.store("s", [1, 2, 3], kv(3), version=0)
+    cache.store("s", [1, 2, 3, 4, 5], kv(5), version=0)  # the next turn: the shorter entry goes
+    assert cache.stats()["entries"] == 1 and cache.lookup("s", [1, 2, 3, 4, 5, 6])[1] == 5
+    for first in range(10, 10 + MAX_ENTRIES_PER_SESSION):  # side requests: each its own entry, up to the cap
+        cache.store("s", [first, 2, 3], kv(3), version=0)
+    assert cache.stats()["entries"] == MAX_ENTRIES_PER_SESSION
+    assert cache.lookup("s", [1, 2, 3, 4, 5, 6])[1] == 0  # the oldest went first
+    assert cache.lookup("s", [13, 2, 3, 7])[1] == 3
+    cache.store("t", list(range(990)), kv(990), version=0)  # the byte budget: the least recent session's oldest
+    assert cache.nbytes <= 1000 * 64 and cache.stats()["entries"] == MAX_ENTRIES_PER_SESSION
+    assert cache.lookup("s", [13, 2, 3, 7])[1] == 3 and cache.lookup("s", [10, 2, 3, 7])[1] == 0
+    assert common_prefix(list(range(2000)), list(range(1500)) + [0]) == 1500 and common_prefix([], [1]) == 0
 
 
 async def test_requests_with_one_prompt_prefill_it_once(engine):

@@ -1,0 +1,188 @@
+"""One long agent session through the capture server (issue 37): per-turn cost against history length, engine
+memory, and the bytes a token costs in the payloads that travel through Ray.
+
+    .venv/bin/python bench/long_session.py [--turns 100] [--window 32768] [--side-every 10] [--write docs/benchmarks.md]
+
+A tiny Llama (`molt.testing.build_tiny_llama`, 2 layers, 64 hidden) with a `--window`-token context runs in its
+own engine process (`molt.engine.process`, one torch thread, as rollout workers run it) behind a capture server in
+this process. One session of `--turns` turns over HTTP (one keep-alive httpx client posting OpenAI chat requests;
+not the `openai` SDK, whose own client-side request transform walks the whole conversation in Python: about
+360 ms per request at 38K tokens of history, more than the server's work): a ~800-token system prompt,
+then each turn adds a user message of about `window / turns` tokens and samples `--max-tokens` tokens
+(min_tokens = max_tokens, so every turn does the same decode work), growing to about the window. Every
+`--side-every` turns the harness sends a side request on the same session, as Claude Code's title request does:
+another system prompt over the same conversation, 8 tokens (the first prefills the whole history cold; later ones
+can reuse the previous title's keys/values up to where the conversation went on).
+
+Reported per history length (median of the `--near` main turns closest to 1K, 8K, 16K and 32K tokens): the
+request latency seen by the client, the engine's part (time inside `engine.generate`) and capture's part (the
+rest: SDK, HTTP, parsing, rendering, the continuation check, segment bookkeeping). Then the engine process's peak
+resident memory (which includes the cold prefill of the last side request over the whole ~32K history) against
+the KV cache such a prompt needs, the prefix cache's reuse, and the payload of the session's experience as the
+rollout worker offloads it: pickled bytes per token (`pickle` protocol 5, as Ray serializes it).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import pickle
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.capture import _Timed
+from molt.capture.render import ChatRenderer
+from molt.capture.server import CaptureServer
+from molt.types import Experience, SamplingParams, Trajectory
+
+WORDS = ["the", "file", "path", "src", "main", "python", "error", "line", "test", "function", "return", "value",
+         "list", "open", "read", "write", "class", "import", "module", "call", "result", "check", "fix", "bug"]
+
+
+def _text(rng: random.Random, renderer: ChatRenderer, tokens: int) -> str:
+    """Random words cut to about `tokens` tokens of the model's tokenizer."""
+    words = [rng.choice(WORDS) for _ in range(tokens)]
+    return renderer.decode(renderer.encode(" ".join(words))[:tokens])
+
+
+def _as_arrays(payload: dict) -> dict:
+    """The payload as issue 37 item 2 would ship it: int32 ids, a bool mask, and float32 log-probs and int32
+    versions of the action tokens only (context tokens carry none)."""
+    import numpy as np
+
+    mask = np.asarray(payload["action_mask"], bool)
+    return {"token_ids": np.asarray(payload["token_ids"], np.int32), "action_mask": mask,
+            "behavior_logprobs": np.asarray(payload["behavior_logprobs"], np.float32)[mask],
+            "versions": np.asarray(payload["versions"], np.int32)[mask]}
+
+
+def _rss_peak(pid: int) -> tuple[float, float]:
+    """(resident, peak resident) MiB of a process, from /proc (Linux)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return tuple(int(fields[k].split()[0]) / 1024 for k in ("VmRSS", "VmHWM"))
+
+
+async def run(args: argparse.Namespace) -> dict:
+    import httpx
+
+    from molt.engine.process import EngineProcess
+    from molt.testing.models import build_tiny_llama
+
+    model = str(build_tiny_llama(Path(tempfile.mkdtemp()) / "tiny32k", max_positions=args.window))
+    engine = _Timed(EngineProcess("molt.engine.hf:HFEngine", model, torch_threads=1))
+    renderer = ChatRenderer.from_pretrained(model)
+    server = CaptureServer(engine, renderer)
+    await server.start()
+    warm = await server.open_session("warm", SamplingParams(max_tokens=4))  # first-request costs, not counted
+    async with httpx.AsyncClient(timeout=600) as c:
+        await c.post(f"{warm.base_url}/chat/completions", headers={"Authorization": f"Bearer {warm.api_key}"},
+                     json={"model": warm.model_name, "messages": [{"role": "user", "content": "hi"}]})
+    await warm.close()
+    loaded = _rss_peak(engine.engine._proc.pid)
+    session = await server.open_session("long", SamplingParams(max_tokens=args.max_tokens,
+                                                                min_tokens=args.max_tokens, seed=0))
+    client = httpx.AsyncClient(timeout=600, headers={"Authorization": f"Bearer {session.api_key}"})
+    rng = random.Random(0)
+    per_turn = (args.window - 2000) // args.turns - args.max_tokens - 10  # the template's ~10 tokens a turn
+    messages = [{"role": "system", "content": "You are a coding agent. " + _text(rng, renderer, 800)}]
+    turns, side = [], []
+
+    async def ask(msgs: list[dict], max_tokens: int) -> tuple[float, float, int, str]:
+        engine.seconds = 0.0
+        t0 = time.perf_counter()
+        reply = await client.post(f"{session.base_url}/chat/completions", json={
+            "model": session.model_name, "messages": msgs, "max_tokens": max_tokens, "min_tokens": max_tokens})
+        wall = time.perf_counter() - t0
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        return wall, engine.seconds, body["usage"]["prompt_tokens"], body["choices"][0]["message"]["content"]
+
+    for t in range(args.turns):
+        messages.append({"role": "user", "content": _text(rng, renderer, per_turn)})
+        wall, in_engine, history, content = await ask(messages, args.max_tokens)
+        turns.append({"turn": t, "history": history, "wall": wall, "engine": in_engine, "after_side": bool(side)
+                      and side[-1]["turn"] == t - 1})
+        messages.append({"role": "assistant", "content": content})
+        if args.side_every and t % args.side_every == args.side_every - 1:
+            title = [{"role": "system", "content": "Write a five-word title for this conversation."}, *messages[1:]]
+            wall, in_engine, history, _ = await ask(title, 8)
+            side.append({"turn": t, "history": history, "wall": wall, "engine": in_engine})
+        if t % 10 == 9:
+            last = turns[-1]
+            print(f"turn {t + 1}: {last['history']} tokens, {last['wall'] * 1e3:.0f} ms "
+                  f"({last['engine'] * 1e3:.0f} in the engine)", flush=True)
+    stats = await engine.prefix_stats()
+    peak = _rss_peak(engine.engine._proc.pid)
+    segments = await session.close()
+    trajectory = Trajectory("long", "long", segments, reward=1.0)
+    experiences = [Experience.from_segment(trajectory, i) for i in range(len(segments))]
+    tokens = sum(e.num_tokens for e in experiences)
+    payloads = [e.split() for e in experiences]
+    payload = sum(len(pickle.dumps(p, protocol=5)) for p in payloads)
+    arrays = sum(len(pickle.dumps(_as_arrays(p), protocol=5)) for p in payloads)
+    await client.aclose()
+    await server.stop()
+    await engine.close()
+    return {"turns": turns, "side": side, "loaded": loaded, "peak": peak, "prefix": stats, "segments": len(segments),
+            "tokens": tokens, "payload_bytes": payload, "array_bytes": arrays, "kv_per_token": 2 * 2 * 2 * 16 * 4}  # layers x (k, v) x kv heads x head dim x fp32
+
+
+def table(result: dict, near: int) -> str:
+    main = result["turns"]
+    rows = ["| history (tokens) | turns | request (ms) | engine (ms) | capture (ms) |", "|---:|---:|---:|---:|---:|"]
+    for target in (1024, 8192, 16384, 32768):
+        picked = sorted(main, key=lambda t: abs(t["history"] - target))[:near]
+        wall, eng, cap = (statistics.median(f(t) * 1e3 for t in picked) for f in (
+            lambda t: t["wall"], lambda t: t["engine"], lambda t: t["wall"] - t["engine"]))
+        rows.append(f"| {statistics.median(t['history'] for t in picked):,.0f} | {min(t['turn'] for t in picked) + 1}"
+                    f"-{max(t['turn'] for t in picked) + 1} | {wall:.0f} | {eng:.0f} | {cap:.1f} |")
+    after = [t["engine"] * 1e3 for t in main if t["after_side"]]
+    others = [t["engine"] * 1e3 for t in main[1:] if not t["after_side"]]
+    side = [s["engine"] * 1e3 for s in result["side"]]
+    loaded, peak = result["loaded"], result["peak"]
+    lines = [
+        "", (f"Side requests (a title under another system prompt): {len(side)}, engine median "
+             f"{statistics.median(side):.0f} ms (each prefills the history since the previous title); the main turn "
+             f"right after one: "
+             f"engine median {statistics.median(after):.0f} ms, other turns {statistics.median(others):.0f} ms.")
+        if side else "",
+        (f"Prefix cache at the end: {result['prefix']['entries']} entries, {result['prefix']['bytes'] / 2**20:.1f} MiB, "
+        f"{result['prefix']['reused_tokens']:,} prompt tokens reused over the session."),
+        (f"Engine process: {loaded[0]:.0f} MiB resident after loading, peak {peak[1]:.0f} MiB over the session "
+        f"(+{peak[1] - loaded[1]:.0f} MiB; the KV cache of one {result['turns'][-1]['history']:,}-token prompt is "
+        f"{result['kv_per_token'] * result['turns'][-1]['history'] / 2**20:.0f} MiB)."),
+        (f"Payload: {result['segments']} segment(s), {result['tokens']:,} tokens, {result['payload_bytes']:,} bytes "
+        f"pickled = {result['payload_bytes'] / result['tokens']:.1f} bytes per token (Python lists); as arrays "
+         f"(int32 ids, bool mask, float32 log-probs and int32 versions on action tokens only) "
+         f"{result['array_bytes'] / result['tokens']:.1f} bytes per token."),
+    ]
+    return "\n".join(rows + [line for line in lines if line])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--turns", type=int, default=100)
+    parser.add_argument("--window", type=int, default=32768)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--side-every", type=int, default=10)
+    parser.add_argument("--near", type=int, default=5)
+    parser.add_argument("--write", help="append the table to this markdown file")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    result = asyncio.run(run(args))
+    out = table(result, args.near)
+    print(out, f"\n({time.perf_counter() - t0:.0f} s)")
+    if args.write:
+        command = "`.venv/bin/python bench/long_session.py " + " ".join(sys.argv[1:]) + "`"
+        with open(args.write, "a") as f:
+            f.write(f"\n## One long agent session (`bench/long_session.py`)\n\nCommand: {command}, "
+                    f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n{out}\n")
+
+
+if __name__ == "__main__":
+    main()
