@@ -231,6 +231,36 @@ async def test_smolagents_tool_calling_agent(tokenizer):
     h.check("smolagents ToolCallingAgent", version, segments, session, ["42", "50"])
 
 
+async def test_mini_swe_agent(tokenizer, tmp_path, monkeypatch):
+    """mini-swe-agent's `DefaultAgent` with the configuration its `mini` command uses (`mini.yaml`: the `bash` tool
+    through litellm's chat completions), on a local environment; it ends when a command prints the submit line."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm would fetch its price list at import
+    for key, value in {"MSWEA_SILENT_STARTUP": "1", "MSWEA_GLOBAL_CONFIG_DIR": str(tmp_path / "config"),
+                       "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1"}.items():  # a 4xx fails at once
+        monkeypatch.setenv(key, value)
+    version = version_of("mini-swe-agent", "minisweagent")
+    import yaml
+    from minisweagent import package_dir
+    from minisweagent.agents.default import DefaultAgent
+    from minisweagent.environments.local import LocalEnvironment
+    from minisweagent.models.litellm_model import LitellmModel
+
+    config = yaml.safe_load((Path(package_dir) / "config" / "mini.yaml").read_text())
+    calls = [{"name": "bash", "arguments": {"command": "echo molt-ok > out.txt"}},
+             {"name": "bash", "arguments": {"command": "cat out.txt"}},
+             {"name": "bash", "arguments": {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}}]
+    async with serving(tokenizer, calls) as (h, session):
+        model = LitellmModel(model_name="openai/gpt-4.1", cost_tracking="ignore_errors",
+                             model_kwargs={**config["model"]["model_kwargs"], "api_base": session.base_url,
+                                           "api_key": session.api_key, "num_retries": 0})
+        agent = DefaultAgent(model, LocalEnvironment(**config["environment"], cwd=str(tmp_path)), **config["agent"])
+        result = await asyncio.to_thread(agent.run, "Write molt-ok to out.txt, then read it.")
+        segments = await session.close()
+    assert result["exit_status"] == "Submitted", result
+    assert (tmp_path / "out.txt").read_text() == "molt-ok\n"
+    h.check("mini-swe-agent DefaultAgent + LitellmModel", version, segments, session, ["molt-ok"])
+
+
 async def test_openai_sdk_helpers(tokenizer):
     """`responses.stream` (function calls assembled from events) and `chat.completions.parse` (strict pydantic
     tools, parsed arguments)."""
