@@ -24,7 +24,8 @@ from molt.capture.server import CaptureServer
 from molt.testing.scripted import RecordingEngine, ScriptedEngine
 
 ROOT = Path(__file__).resolve().parents[2]
-NPM_BIN = Path(os.environ.get("MOLT_HARNESS_DIR", ROOT / ".cache" / "harness")) / "npm" / "node_modules" / ".bin"
+HARNESS_DIR = Path(os.environ.get("MOLT_HARNESS_DIR", ROOT / ".cache" / "harness"))
+NPM_BIN = HARNESS_DIR / "npm" / "node_modules" / ".bin"
 FINAL = "Done."
 # CLI harnesses: no telemetry, updates or error reports (nothing but the capture server is reachable)
 QUIET = {"DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
@@ -44,7 +45,8 @@ def policy(tokenizer, calls):
 
 class Harness:
     def __init__(self, tokenizer, calls):
-        self.engine = RecordingEngine(ScriptedEngine(tokenizer, policy(tokenizer, calls), max_model_len=1 << 20))
+        reply = calls if callable(calls) else policy(tokenizer, calls)  # a harness without tools brings its own
+        self.engine = RecordingEngine(ScriptedEngine(tokenizer, reply, max_model_len=1 << 20))
         self.server = CaptureServer(self.engine, ChatRenderer(tokenizer))
         self.statuses: list[int] = []
 
@@ -83,12 +85,16 @@ async def serving(tokenizer, calls):
         await harness.server.stop()
 
 
-def npm_bin(name):
-    path = NPM_BIN / name
+def installed_bin(folder, name, how="npm"):
+    path = folder / name
     if not path.exists():
-        pytest.skip(f"{name} is not installed under {NPM_BIN} (`make harness` installs it; npm or the registry was "
+        pytest.skip(f"{name} is not installed under {folder} (`make harness` installs it; {how} or the registry was "
                     "not available)")
     return str(path)
+
+
+def npm_bin(name):
+    return installed_bin(NPM_BIN, name)
 
 
 def version_of(package, module=None):
@@ -259,6 +265,36 @@ async def test_mini_swe_agent(tokenizer, tmp_path, monkeypatch):
     assert result["exit_status"] == "Submitted", result
     assert (tmp_path / "out.txt").read_text() == "molt-ok\n"
     h.check("mini-swe-agent DefaultAgent + LitellmModel", version, segments, session, ["molt-ok"])
+
+
+def edit_block(search):
+    """An aider SEARCH/REPLACE block (its `diff` edit format) that turns `search` into molt-ok in hello.txt."""
+    return f"hello.txt\n```\n<<<<<<< SEARCH\n{search}\n=======\nmolt-ok\n>>>>>>> REPLACE\n```"
+
+
+async def test_aider(tokenizer, tmp_path):
+    """`aider --message` (its own virtual environment: it pins old versions of many packages) with the `diff` edit
+    format, streamed chat completions and no `max_tokens`. The first edit's SEARCH text is not in the file, so
+    aider sends the failure back and the second edit applies: two turns in one segment."""
+    aider = installed_bin(HARNESS_DIR / "aider" / "bin", "aider", how="pip")
+    (tmp_path / "hello.txt").write_text("hello\n")
+
+    def reply(prompt_ids, params):
+        failed = "failed to match" in tokenizer.decode(prompt_ids)
+        return edit_block("hello" if failed else "goodbye")
+
+    async with serving(tokenizer, reply) as (h, session):
+        version = (await run_cli([aider, "--version"], {}, tmp_path)).split()[-1]
+        out = await run_cli([aider, "--model", "openai/gpt-4.1", "--openai-api-base", session.base_url,
+                             "--openai-api-key", session.api_key, "--edit-format", "diff", "--no-git", "--yes-always",
+                             "--no-check-update", "--analytics-disable", "--no-show-release-notes", "--no-pretty",
+                             "--no-auto-lint", "--no-show-model-warnings", "--message",
+                             "Change hello to molt-ok in hello.txt.", "hello.txt"],
+                            {"HOME": str(tmp_path), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}, tmp_path)
+        segments = await session.close()
+    assert (tmp_path / "hello.txt").read_text() == "molt-ok\n", out[-2000:]
+    assert len(h.engine.of_session(session.session_id)) == 2, out[-2000:]
+    h.check("aider --message, diff edit format", f"aider-chat {version}", segments, session, ["failed to match"])
 
 
 async def test_openai_sdk_helpers(tokenizer):
