@@ -102,12 +102,12 @@ def version_of(package, module=None):
     return f"{package} {importlib.metadata.version(package)}"
 
 
-async def run_cli(argv, env, cwd):
+async def run_cli(argv, env, cwd, ok=True):
     proc = await asyncio.create_subprocess_exec(*argv, env={**os.environ, **QUIET, **env}, cwd=cwd,
                                                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.STDOUT)
     out, _ = await asyncio.wait_for(proc.communicate(), 240)
-    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+    assert (proc.returncode == 0) == ok, out.decode(errors="replace")[-3000:]
     return out.decode(errors="replace")
 
 
@@ -129,20 +129,24 @@ async def test_claude_code_cli(tokenizer, tmp_path):
     h.check("Claude Code CLI", f"@anthropic-ai/claude-code {version}", segments, session, ["molt-ok"])
 
 
+def codex_env(session, tmp_path):
+    """Codex's home with a `[model_providers.x]` entry for the session: it ignores OPENAI_BASE_URL."""
+    home = tmp_path / "codex-home"
+    home.mkdir()
+    (home / "config.toml").write_text(f'model_provider = "molt"\n[model_providers.molt]\nname = "molt"\n'
+                                      f'base_url = "{session.base_url}"\nenv_key = "MOLT_API_KEY"\n'
+                                      'wire_api = "responses"\n')
+    return {"CODEX_HOME": str(home), "MOLT_API_KEY": session.api_key}
+
+
 async def test_codex_cli(tokenizer, tmp_path):
-    """`codex exec` on the Responses wire (a `[model_providers.x]` entry: it ignores OPENAI_BASE_URL). Its
-    default model is sent `additional_tools` input items and a free-form `custom` tool, which this wire refuses
-    (docs/harnesses.md), so the run names a model of its catalog that takes function tools."""
+    """`codex exec` on the Responses wire with a model of its catalog that takes function tools (its default model
+    is refused, see the next test)."""
     codex = npm_bin("codex")
     calls = [{"name": "exec_command", "arguments": {"cmd": "echo molt-ok > out.txt"}},
              {"name": "exec_command", "arguments": {"cmd": "cat out.txt"}}]
     async with serving(tokenizer, calls) as (h, session):
-        home = tmp_path / "codex-home"
-        home.mkdir()
-        (home / "config.toml").write_text(f'model_provider = "molt"\n[model_providers.molt]\nname = "molt"\n'
-                                          f'base_url = "{session.base_url}"\nenv_key = "MOLT_API_KEY"\n'
-                                          'wire_api = "responses"\n')
-        env = {"CODEX_HOME": str(home), "MOLT_API_KEY": session.api_key}
+        env = codex_env(session, tmp_path)
         version = (await run_cli([codex, "--version"], env, tmp_path)).split()[-1]
         work = tmp_path / "work"
         work.mkdir()
@@ -152,6 +156,19 @@ async def test_codex_cli(tokenizer, tmp_path):
         segments = await session.close()
     assert out.rstrip().endswith(FINAL) and (work / "out.txt").read_text() == "molt-ok\n"
     h.check("Codex CLI", f"@openai/codex {version}", segments, session, ["molt-ok"])
+
+
+async def test_codex_cli_default_model_is_refused_naming_its_grammar_tool(tokenizer, tmp_path):
+    """Codex's default model gets its tools in an `additional_tools` input item (accepted), among them `exec`, a
+    custom tool whose input is a Lark grammar: refused with a 400 naming it (a grammar needs constrained decoding),
+    which Codex shows and exits on; nothing reaches the engine."""
+    codex = npm_bin("codex")
+    async with serving(tokenizer, []) as (h, session):
+        out = await run_cli([codex, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+                             "Say done."], codex_env(session, tmp_path), tmp_path, ok=False)
+        await session.close()
+    assert "the custom tool 'exec' takes input in a lark grammar" in out, out[-2000:]
+    assert h.statuses == [400] and not h.engine.of_session(session.session_id)
 
 
 CALC = [{"name": "add", "arguments": {"a": 12, "b": 30}}, {"name": "add", "arguments": {"a": 42, "b": 8}}]
