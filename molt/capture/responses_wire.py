@@ -2,8 +2,8 @@
 conversion to a `ChatRequest`, the response and its SSE event sequence.
 
 Honoured: `input` as a string or items - messages (roles user/system/developer/assistant; `input_text`,
-`output_text` and `input_image` parts), `function_call`/`custom_tool_call` items and their outputs, `reasoning` items
-(their text goes to the next assistant turn's `reasoning_content` where the template renders one, else it is
+`output_text` and `input_image` parts), `function_call`/`custom_tool_call` items and their outputs, `reasoning`
+items (their text goes to the next assistant turn's `reasoning_content` where the template renders one, else it is
 dropped, as on the Anthropic wire), `additional_tools` items (their tools join `tools`: Codex sends its default
 model its tools there) - `instructions` (a system message first), function `tools`, `tool_choice`,
 `max_output_tokens` (left out: the session's default, see `server.py`), `temperature`, `top_p`, `stop`, `stream`,
@@ -11,10 +11,12 @@ model its tools there) - `instructions` (a system message first), function `tool
 `errors.refuse_structured_output`) and, for the same reason, `custom` tools whose input is a grammar (Codex's
 default model's `exec` tool, a Lark grammar). A free-text `custom` tool is offered to the model as a function of
 one string, `input`; a call to it comes back as a `custom_tool_call` item with that string (arguments without a
-string `input` come back as their JSON text, and then, sent back, do not extend the segment). `namespace` tools offer
-their tools by their own names (a call carries its `namespace` back); hosted tools (`HOSTED`: web search, file
-search, ...) are not shown to the model, since a model server runs none of them. Accepted and ignored: `store`, `include`, `reasoning`, `parallel_tool_calls` (the model decides
-how many calls to write), `prompt_cache_key`, `client_metadata`, `metadata`, `truncation`, `user`, ... .
+string `input` come back as their JSON text, and then, sent back, do not extend the segment; the recorded tools of
+`previous_response_id` are functions, so a request that relies on them gets `function_call` items). `namespace`
+tools offer their tools by their own names (a call carries its `namespace` back); hosted tools (`HOSTED`: web
+search, file search, ...) are not shown to the model, since a model server runs none of them. Accepted and ignored:
+`store`, `include`, `reasoning`, `parallel_tool_calls` (the model decides how many calls to write),
+`prompt_cache_key`, `client_metadata`, `metadata`, `truncation`, `user`, ... .
 
 State: nothing is stored beyond the session. `previous_response_id` names one of the session's latest 64
 replies (`Session.recall`); its conversation, reply included, comes before `input`, and its tools apply when
