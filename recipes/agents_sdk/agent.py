@@ -14,8 +14,9 @@ How a small model finds the tool (as in recipes/calculator): SmolLM2-135M-Instru
 its result (a `function_call_output` item) and the answer.
 
 Failures of the model's making end the rollout with reward 0 and a count in `info`, never an agent error: a call
-to a tool that does not exist (the SDK raises `ModelBehaviorError`), too many turns (`MaxTurnsExceeded`).
-Arguments the tool cannot take come back to the model as the SDK's error text (`tool_errors` in `info`).
+the SDK rejects (a tool that does not exist, arguments that do not fit `multiply`'s schema: `ModelBehaviorError`,
+`model_errors`; 30% of the base model's held-out rollouts), too many turns (`MaxTurnsExceeded`). A tool error the
+SDK hands back to the model as text counts in `tool_errors`.
 `OpenAIChatCompletionsModel` in `model_class` runs the same agent on the chat-completions wire.
 """
 import json
