@@ -311,6 +311,8 @@ async def test_aider(tokenizer, tmp_path):
         segments = await session.close()
     assert (tmp_path / "hello.txt").read_text() == "molt-ok\n", out[-2000:]
     assert len(h.engine.of_session(session.session_id)) == 2, out[-2000:]
+    # aider sends no max_tokens: the reply may use the rest of the window (not a 256-token default)
+    assert [c["params"].max_tokens for c in h.engine.inner.calls] == [None, None]
     h.check("aider --message, diff edit format", f"aider-chat {version}", segments, session, ["failed to match"])
 
 
