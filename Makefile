@@ -17,14 +17,18 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The agent harnesses of the conformance matrix (tests/harness, docs/harnesses.md), pinned: Python ones into the
-# venv, the CLIs from npm under .cache/harness (about 800 MB: each ships its native binary). A failed install
-# leaves their tests skipped, each with its reason.
+# venv, the CLIs from npm under .cache/harness (about 800 MB: each ships its native binary), aider into a venv of
+# its own there (about 700 MB: it pins old versions of many packages). A failed install leaves their tests
+# skipped, each with its reason.
 HARNESS := .cache/harness
 NPM_HARNESSES := @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0
+AIDER := aider-chat==0.86.2
 
 $(HARNESS)/.installed: $(STAMP) Makefile
 	-$(BIN)/pip install -q -e '.[harness]'
 	-npm install -q --no-audit --no-fund --prefix $(HARNESS)/npm $(NPM_HARNESSES)
+	-test -x $(HARNESS)/aider/bin/python || $(PY) -m venv $(HARNESS)/aider
+	-$(HARNESS)/aider/bin/pip install -q $(AIDER)
 	mkdir -p $(HARNESS) && touch $@
 
 harness: $(HARNESS)/.installed

@@ -2,16 +2,21 @@
 conversion to a `ChatRequest`, the response and its SSE event sequence.
 
 Honoured: `input` as a string or items - messages (roles user/system/developer/assistant; `input_text`,
-`output_text` and `input_image` parts), `function_call` and `function_call_output` items, `reasoning` items (their
-text goes to the next assistant turn's `reasoning_content` where the template renders one, else it is dropped,
-as on the Anthropic wire) - `instructions` (a system message first), function `tools`, `tool_choice`,
+`output_text` and `input_image` parts), `function_call`/`custom_tool_call` items and their outputs, `reasoning`
+items (their text goes to the next assistant turn's `reasoning_content` where the template renders one, else it is
+dropped, as on the Anthropic wire), `additional_tools` items (their tools join `tools`: Codex sends its default
+model its tools there) - `instructions` (a system message first), function `tools`, `tool_choice`,
 `max_output_tokens` (left out: the session's default, see `server.py`), `temperature`, `top_p`, `stop`, `stream`,
 `previous_response_id`. Refused (400): `text.format` json_schema/json_object (no constrained decoding, see
-`errors.refuse_structured_output`), `custom` tools and `additional_tools` input items (Codex's default model: free-form
-grammar tools, not functions). `namespace` tools offer their functions by their own names (a call carries its
-`namespace` back); hosted tools (`HOSTED`: web search, file search, ...) are not shown to the model, since a model
-server runs none of them. Accepted and ignored: `store`, `include`, `reasoning`, `parallel_tool_calls` (the model decides
-how many calls to write), `prompt_cache_key`, `client_metadata`, `metadata`, `truncation`, `user`, ... .
+`errors.refuse_structured_output`) and, for the same reason, `custom` tools whose input is a grammar (Codex's
+default model's `exec` tool, a Lark grammar). A free-text `custom` tool is offered to the model as a function of
+one string, `input`; a call to it comes back as a `custom_tool_call` item with that string (arguments without a
+string `input` come back as their JSON text, and then, sent back, do not extend the segment; the recorded tools of
+`previous_response_id` are functions, so a request that relies on them gets `function_call` items). `namespace`
+tools offer their tools by their own names (a call carries its `namespace` back); hosted tools (`HOSTED`: web
+search, file search, ...) are not shown to the model, since a model server runs none of them. Accepted and ignored:
+`store`, `include`, `reasoning`, `parallel_tool_calls` (the model decides how many calls to write),
+`prompt_cache_key`, `client_metadata`, `metadata`, `truncation`, `user`, ... .
 
 State: nothing is stored beyond the session. `previous_response_id` names one of the session's latest 64
 replies (`Session.recall`); its conversation, reply included, comes before `input`, and its tools apply when
@@ -20,9 +25,9 @@ them. Unknown or forgotten ids are a 400 `previous_response_not_found`; `store: 
 time (Codex) needs no state at all. Either way the continuation rule of `segments.py` decides the segments.
 
 Output: a `message` item with one `output_text` part (left out when the reply is only tool calls), then one
-`function_call` item per call; `status` is `incomplete` (`max_output_tokens`) when the reply hit the token limit.
-Streaming sends `response.created`, `response.in_progress`, the message item's text deltas while the engine
-samples (`molt.capture.streaming`), the function-call items, and `response.completed` (or
+`function_call` (or `custom_tool_call`) item per call; `status` is `incomplete` (`max_output_tokens`) when the
+reply hit the token limit. Streaming sends `response.created`, `response.in_progress`, the message item's text
+deltas while the engine samples (`molt.capture.streaming`), the call items, and `response.completed` (or
 `response.incomplete`), as the official SDK's `responses.stream` assembles them.
 """
 from __future__ import annotations
@@ -76,11 +81,11 @@ def _messages(items: list[dict[str, Any]], session: Session) -> list[dict[str, A
         kind = item.get("type", "message")
         if kind == "reasoning":
             reasoning += "".join(p.get("text") or "" for p in item.get("content") or item.get("summary") or [])
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
                         "content": output if isinstance(output, str) else [_part(p) for p in output or []]})
-        elif kind in ("message", "function_call"):
+        elif kind in ("message", "function_call", "custom_tool_call"):
             if kind == "message" or not (out and out[-1]["role"] == "assistant"):
                 content = item.get("content") if kind == "message" else ""
                 out.append({"role": item.get("role", "assistant"),
@@ -88,10 +93,10 @@ def _messages(items: list[dict[str, Any]], session: Session) -> list[dict[str, A
             if out[-1]["role"] == "assistant" and reasoning and session.renderer.reasoning:
                 out[-1]["reasoning_content"] = reasoning
             reasoning = "" if out[-1]["role"] == "assistant" else reasoning
-            if kind == "function_call":
-                out[-1].setdefault("tool_calls", []).append(tool_call(item.get("call_id", ""), item["name"],
-                                                                      item.get("arguments") or "{}"))
-        else:
+            if kind != "message":
+                args = (item.get("arguments") or "{}") if kind == "function_call" else {"input": item.get("input") or ""}
+                out[-1].setdefault("tool_calls", []).append(tool_call(item.get("call_id", ""), item["name"], args))
+        elif kind != "additional_tools":  # its tools join the request's (`request_tools`)
             raise WireError(400, f"input: items of type {kind!r} are not supported here", param="input")
     return out
 
@@ -101,15 +106,30 @@ HOSTED = {"web_search", "web_search_preview", "file_search", "code_interpreter",
           "image_generation", "mcp", "local_shell", "tool_search"}
 
 
+FREE_TEXT = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+
+
+def request_tools(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """`tools` and the tools of `additional_tools` input items (Codex sends its default model its tools there)."""
+    items = req.input if isinstance(req.input, list) else []
+    return (req.tools or []) + [t for i in items if i.get("type") == "additional_tools" for t in i.get("tools") or []]
+
+
 def _functions(tools: list[dict[str, Any]], space: str | None = None) -> list[tuple[dict[str, Any], str | None]]:
-    """The function tools with their namespace (None at top level); hosted tools left out, others refused. A
-    namespace's functions are offered by their own names; a call to one carries its `namespace` back."""
+    """The function and free-text custom tools with their namespace (None at top level); hosted tools left out,
+    others refused. A namespace's tools are offered by their own names; a call to one carries its `namespace`
+    back. A custom tool is offered as a function of one string, `input` (module docstring)."""
     found = []
     for t in tools:
+        fmt = t.get("format") or {"type": "text"}
         if t.get("type") == "namespace":
             found += _functions(t.get("tools") or [], t.get("name"))
-        elif t.get("type") == "function":
+        elif t.get("type") == "function" or (t.get("type") == "custom" and fmt.get("type") == "text"):
             found.append((t, space))
+        elif t.get("type") == "custom":
+            raise WireError(400, f"tools: the custom tool {t.get('name')!r} takes input in a {fmt.get('syntax')} "
+                            f"{fmt.get('type')}, which needs constrained decoding; only free-text custom tools are "
+                            "supported here", code="unsupported_parameter", param="tools")
         elif t.get("type") not in HOSTED:
             raise WireError(400, f"tools: only function tools are supported here, not {t.get('type')!r}",
                             code="unsupported_parameter", param="tools")
@@ -118,7 +138,8 @@ def _functions(tools: list[dict[str, Any]], space: str | None = None) -> list[tu
 
 def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
     return canonical_tools([{"type": "function", "function": {
-        k: t.get(k) for k in ("name", "description", "parameters")}} for t, _ in _functions(tools)])
+        "name": t.get("name"), "description": t.get("description"),
+        "parameters": FREE_TEXT if t.get("type") == "custom" else t.get("parameters")}} for t, _ in _functions(tools)])
 
 
 def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> ChatRequest:
@@ -136,8 +157,8 @@ def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> Ch
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else data["input"]
     messages = merge_leading_system(system + history + canonical_messages(_messages(items, session),
                                                                           session.renderer.image))
-    if req.tools is not None:
-        tools = _tools(req.tools)
+    if req.tools is not None or request_tools(req):
+        tools = _tools(request_tools(req))
     choice, name = tool_choice(req.tool_choice)
     params = session.sampling(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p)
     return ChatRequest(messages, tools, params, stop_list(req.stop), parse_tools=bool(tools) and choice != "none",
@@ -163,10 +184,15 @@ def _message(item_id: str, text: str, status: str = "completed") -> dict[str, An
 def response_body(gen: Generation, req: ResponsesRequest, session: Session | None = None) -> dict[str, Any]:
     ch = gen.choices[0]
     output = [_message(f"msg_{gen.id}", ch.content)] if ch.content or not ch.tool_calls else []
-    spaces = {t["name"]: space for t, space in _functions(req.tools or [])}
-    output += [{"type": "function_call", "id": f"fc_{c['id']}", "call_id": c["id"], "name": c["function"]["name"],
-                "arguments": arguments_json(c), "status": "completed"}
-               | ({"namespace": ns} if (ns := spaces.get(c["function"]["name"])) else {}) for c in ch.tool_calls]
+    known = {t["name"]: (t["type"], space) for t, space in _functions(request_tools(req))}
+    for c in ch.tool_calls:
+        kind, ns = known.get(c["function"]["name"], ("function", None))
+        args = c["function"]["arguments"]
+        item = ({"type": "function_call", "id": f"fc_{c['id']}", "arguments": arguments_json(c)} if kind == "function"
+                else {"type": "custom_tool_call", "id": f"ctc_{c['id']}", "input": args["input"]
+                      if isinstance(args, dict) and isinstance(args.get("input"), str) else arguments_json(c)})
+        output.append(item | {"call_id": c["id"], "name": c["function"]["name"], "status": "completed"}
+                      | ({"namespace": ns} if ns else {}))
     prompt, completion = len(gen.prompt_ids), len(ch.action_ids)
     usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
@@ -216,11 +242,11 @@ async def stream(live: LiveReply, req: ResponsesRequest, session: Session | None
             yield event("response.output_text.done", **text_at, text=part["text"], logprobs=[])
             yield event("response.content_part.done", **text_at, part=part)
         else:
-            yield event("response.output_item.added", output_index=i,
-                        item={**item, "arguments": "", "status": "in_progress"})
-            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
-                        delta=item["arguments"])
-            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                        name=item["name"], arguments=item["arguments"])
+            field, kind = ("arguments", "function_call_arguments") if "arguments" in item else (
+                "input", "custom_tool_call_input")
+            yield event("response.output_item.added", output_index=i, item={**item, field: "", "status": "in_progress"})
+            yield event(f"response.{kind}.delta", item_id=item["id"], output_index=i, delta=item[field])
+            yield event(f"response.{kind}.done", item_id=item["id"], output_index=i, name=item["name"],
+                        **{field: item[field]})
         yield event("response.output_item.done", output_index=i, item=item)
     yield event(f"response.{body['status']}", response=body)

@@ -119,3 +119,44 @@ async def test_refusals_are_400s_naming_the_field(tokenizer):
             await api.responses.create(model="m", input="Hi", previous_response_id="resp_unknown")
         await api.responses.create(model="m", input="Hi", text={"format": {"type": "text"}})
     assert len(engine.calls) == 1
+
+
+CODEX_TOOLS = {"type": "additional_tools", "role": "developer", "tools": [  # as Codex sends its default model tools
+    {"type": "namespace", "name": "functions", "description": "", "tools": [
+        {"type": "custom", "name": "exec", "description": "Run a script."},
+        {"type": "function", "name": "wait", "parameters": {"type": "object", "properties": {}}}]}]}
+EXEC_CALL = '<tool_call>\n{"name": "exec", "arguments": {"input": "print(6 * 7)"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_custom_tools_in_an_additional_tools_item(tokenizer, stream):
+    """A free-text custom tool, offered in an `additional_tools` input item (Codex's default model): the model sees
+    it as a function of one string; its call comes back as a `custom_tool_call` item and its output continues the
+    segment."""
+    engine = ScriptedEngine(tokenizer, [EXEC_CALL, "It is 42."])
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session()
+        api = client(session)
+        items = [CODEX_TOOLS, {"role": "user", "content": "What is 6 * 7?"}]
+        first = await respond(api, stream, model="m", input=items)
+        (call,) = first.output
+        assert (call.type, call.name, call.input, call.namespace) == ("custom_tool_call", "exec", "print(6 * 7)",
+                                                                      "functions")
+        result = {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "42"}
+        final = await respond(api, stream, model="m", input=items + [call.model_dump(exclude_none=True), result])
+        assert final.output_text == "It is 42."
+        (segment,) = await session.close()
+    prompt = tokenizer.decode(engine.calls[0]["prompt_ids"])
+    assert '"name": "exec"' in prompt and '"input"' in prompt and '"name": "wait"' in prompt
+    assert "<|im_start|>tool\n42<|im_end|>" in tokenizer.decode(segment.token_ids)
+
+
+async def test_grammar_custom_tools_are_refused_naming_the_tool(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["ok"])
+    grammar = {"type": "grammar", "syntax": "lark", "definition": "start: /[a-z]+/"}
+    async with live_capture_server(engine, tokenizer) as server:
+        api = client(await server.open_session())
+        with pytest.raises(openai.BadRequestError, match="'exec' takes input in a lark grammar") as e:
+            await api.responses.create(model="m", input="Hi", tools=[{"type": "custom", "name": "exec",
+                                                                      "format": grammar}])
+    assert e.value.body["param"] == "tools" and not engine.calls

@@ -24,7 +24,8 @@ from molt.capture.server import CaptureServer
 from molt.testing.scripted import RecordingEngine, ScriptedEngine
 
 ROOT = Path(__file__).resolve().parents[2]
-NPM_BIN = Path(os.environ.get("MOLT_HARNESS_DIR", ROOT / ".cache" / "harness")) / "npm" / "node_modules" / ".bin"
+HARNESS_DIR = Path(os.environ.get("MOLT_HARNESS_DIR", ROOT / ".cache" / "harness"))
+NPM_BIN = HARNESS_DIR / "npm" / "node_modules" / ".bin"
 FINAL = "Done."
 # CLI harnesses: no telemetry, updates or error reports (nothing but the capture server is reachable)
 QUIET = {"DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
@@ -44,7 +45,8 @@ def policy(tokenizer, calls):
 
 class Harness:
     def __init__(self, tokenizer, calls):
-        self.engine = RecordingEngine(ScriptedEngine(tokenizer, policy(tokenizer, calls), max_model_len=1 << 20))
+        reply = calls if callable(calls) else policy(tokenizer, calls)  # a harness without tools brings its own
+        self.engine = RecordingEngine(ScriptedEngine(tokenizer, reply, max_model_len=1 << 20))
         self.server = CaptureServer(self.engine, ChatRenderer(tokenizer))
         self.statuses: list[int] = []
 
@@ -83,12 +85,16 @@ async def serving(tokenizer, calls):
         await harness.server.stop()
 
 
-def npm_bin(name):
-    path = NPM_BIN / name
+def installed_bin(folder, name, how="npm"):
+    path = folder / name
     if not path.exists():
-        pytest.skip(f"{name} is not installed under {NPM_BIN} (`make harness` installs it; npm or the registry was "
+        pytest.skip(f"{name} is not installed under {folder} (`make harness` installs it; {how} or the registry was "
                     "not available)")
     return str(path)
+
+
+def npm_bin(name):
+    return installed_bin(NPM_BIN, name)
 
 
 def version_of(package, module=None):
@@ -96,12 +102,12 @@ def version_of(package, module=None):
     return f"{package} {importlib.metadata.version(package)}"
 
 
-async def run_cli(argv, env, cwd):
+async def run_cli(argv, env, cwd, ok=True):
     proc = await asyncio.create_subprocess_exec(*argv, env={**os.environ, **QUIET, **env}, cwd=cwd,
                                                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.STDOUT)
     out, _ = await asyncio.wait_for(proc.communicate(), 240)
-    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+    assert (proc.returncode == 0) == ok, out.decode(errors="replace")[-3000:]
     return out.decode(errors="replace")
 
 
@@ -123,20 +129,24 @@ async def test_claude_code_cli(tokenizer, tmp_path):
     h.check("Claude Code CLI", f"@anthropic-ai/claude-code {version}", segments, session, ["molt-ok"])
 
 
+def codex_env(session, tmp_path):
+    """Codex's home with a `[model_providers.x]` entry for the session: it ignores OPENAI_BASE_URL."""
+    home = tmp_path / "codex-home"
+    home.mkdir()
+    (home / "config.toml").write_text(f'model_provider = "molt"\n[model_providers.molt]\nname = "molt"\n'
+                                      f'base_url = "{session.base_url}"\nenv_key = "MOLT_API_KEY"\n'
+                                      'wire_api = "responses"\n')
+    return {"CODEX_HOME": str(home), "MOLT_API_KEY": session.api_key}
+
+
 async def test_codex_cli(tokenizer, tmp_path):
-    """`codex exec` on the Responses wire (a `[model_providers.x]` entry: it ignores OPENAI_BASE_URL). Its
-    default model is sent `additional_tools` input items and a free-form `custom` tool, which this wire refuses
-    (docs/harnesses.md), so the run names a model of its catalog that takes function tools."""
+    """`codex exec` on the Responses wire with a model of its catalog that takes function tools (its default model
+    is refused, see the next test)."""
     codex = npm_bin("codex")
     calls = [{"name": "exec_command", "arguments": {"cmd": "echo molt-ok > out.txt"}},
              {"name": "exec_command", "arguments": {"cmd": "cat out.txt"}}]
     async with serving(tokenizer, calls) as (h, session):
-        home = tmp_path / "codex-home"
-        home.mkdir()
-        (home / "config.toml").write_text(f'model_provider = "molt"\n[model_providers.molt]\nname = "molt"\n'
-                                          f'base_url = "{session.base_url}"\nenv_key = "MOLT_API_KEY"\n'
-                                          'wire_api = "responses"\n')
-        env = {"CODEX_HOME": str(home), "MOLT_API_KEY": session.api_key}
+        env = codex_env(session, tmp_path)
         version = (await run_cli([codex, "--version"], env, tmp_path)).split()[-1]
         work = tmp_path / "work"
         work.mkdir()
@@ -146,6 +156,19 @@ async def test_codex_cli(tokenizer, tmp_path):
         segments = await session.close()
     assert out.rstrip().endswith(FINAL) and (work / "out.txt").read_text() == "molt-ok\n"
     h.check("Codex CLI", f"@openai/codex {version}", segments, session, ["molt-ok"])
+
+
+async def test_codex_cli_default_model_is_refused_naming_its_grammar_tool(tokenizer, tmp_path):
+    """Codex's default model gets its tools in an `additional_tools` input item (accepted), among them `exec`, a
+    custom tool whose input is a Lark grammar: refused with a 400 naming it (a grammar needs constrained decoding),
+    which Codex shows and exits on; nothing reaches the engine."""
+    codex = npm_bin("codex")
+    async with serving(tokenizer, []) as (h, session):
+        out = await run_cli([codex, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+                             "Say done."], codex_env(session, tmp_path), tmp_path, ok=False)
+        await session.close()
+    assert "the custom tool 'exec' takes input in a lark grammar" in out, out[-2000:]
+    assert h.statuses == [400] and not h.engine.of_session(session.session_id)
 
 
 CALC = [{"name": "add", "arguments": {"a": 12, "b": 30}}, {"name": "add", "arguments": {"a": 42, "b": 8}}]
@@ -229,6 +252,68 @@ async def test_smolagents_tool_calling_agent(tokenizer):
         segments = await session.close()
     assert str(answer) == "50"
     h.check("smolagents ToolCallingAgent", version, segments, session, ["42", "50"])
+
+
+async def test_mini_swe_agent(tokenizer, tmp_path, monkeypatch):
+    """mini-swe-agent's `DefaultAgent` with the configuration its `mini` command uses (`mini.yaml`: the `bash` tool
+    through litellm's chat completions), on a local environment; it ends when a command prints the submit line."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm would fetch its price list at import
+    for key, value in {"MSWEA_SILENT_STARTUP": "1", "MSWEA_GLOBAL_CONFIG_DIR": str(tmp_path / "config"),
+                       "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1"}.items():  # a 4xx fails at once
+        monkeypatch.setenv(key, value)
+    version = version_of("mini-swe-agent", "minisweagent")
+    import yaml
+    from minisweagent import package_dir
+    from minisweagent.agents.default import DefaultAgent
+    from minisweagent.environments.local import LocalEnvironment
+    from minisweagent.models.litellm_model import LitellmModel
+
+    config = yaml.safe_load((Path(package_dir) / "config" / "mini.yaml").read_text())
+    calls = [{"name": "bash", "arguments": {"command": "echo molt-ok > out.txt"}},
+             {"name": "bash", "arguments": {"command": "cat out.txt"}},
+             {"name": "bash", "arguments": {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}}]
+    async with serving(tokenizer, calls) as (h, session):
+        model = LitellmModel(model_name="openai/gpt-4.1", cost_tracking="ignore_errors",
+                             model_kwargs={**config["model"]["model_kwargs"], "api_base": session.base_url,
+                                           "api_key": session.api_key, "num_retries": 0})
+        agent = DefaultAgent(model, LocalEnvironment(**config["environment"], cwd=str(tmp_path)), **config["agent"])
+        result = await asyncio.to_thread(agent.run, "Write molt-ok to out.txt, then read it.")
+        segments = await session.close()
+    assert result["exit_status"] == "Submitted", result
+    assert (tmp_path / "out.txt").read_text() == "molt-ok\n"
+    h.check("mini-swe-agent DefaultAgent + LitellmModel", version, segments, session, ["molt-ok"])
+
+
+def edit_block(search):
+    """An aider SEARCH/REPLACE block (its `diff` edit format) that turns `search` into molt-ok in hello.txt."""
+    return f"hello.txt\n```\n<<<<<<< SEARCH\n{search}\n=======\nmolt-ok\n>>>>>>> REPLACE\n```"
+
+
+async def test_aider(tokenizer, tmp_path):
+    """`aider --message` (its own virtual environment: it pins old versions of many packages) with the `diff` edit
+    format, streamed chat completions and no `max_tokens`. The first edit's SEARCH text is not in the file, so
+    aider sends the failure back and the second edit applies: two turns in one segment."""
+    aider = installed_bin(HARNESS_DIR / "aider" / "bin", "aider", how="pip")
+    (tmp_path / "hello.txt").write_text("hello\n")
+
+    def reply(prompt_ids, params):
+        failed = "failed to match" in tokenizer.decode(prompt_ids)
+        return edit_block("hello" if failed else "goodbye")
+
+    async with serving(tokenizer, reply) as (h, session):
+        version = (await run_cli([aider, "--version"], {}, tmp_path)).split()[-1]
+        out = await run_cli([aider, "--model", "openai/gpt-4.1", "--openai-api-base", session.base_url,
+                             "--openai-api-key", session.api_key, "--edit-format", "diff", "--no-git", "--yes-always",
+                             "--no-check-update", "--analytics-disable", "--no-show-release-notes", "--no-pretty",
+                             "--no-auto-lint", "--no-show-model-warnings", "--message",
+                             "Change hello to molt-ok in hello.txt.", "hello.txt"],
+                            {"HOME": str(tmp_path), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}, tmp_path)
+        segments = await session.close()
+    assert (tmp_path / "hello.txt").read_text() == "molt-ok\n", out[-2000:]
+    assert len(h.engine.of_session(session.session_id)) == 2, out[-2000:]
+    # aider sends no max_tokens: the reply may use the rest of the window (not a 256-token default)
+    assert [c["params"].max_tokens for c in h.engine.inner.calls] == [None, None]
+    h.check("aider --message, diff edit format", f"aider-chat {version}", segments, session, ["failed to match"])
 
 
 async def test_openai_sdk_helpers(tokenizer):
