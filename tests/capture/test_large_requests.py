@@ -39,7 +39,7 @@ async def test_oversized_requests_are_refused_before_tokenizing(hf_engine, token
 async def test_a_large_request_does_not_hold_up_another_session(hf_engine, tokenizer):
     """Session A sends a message that takes seconds to render and tokenize (the character check is off, so it
     is tokenized and then refused by the window); session B's small requests meanwhile are answered within
-    about twice their usual latency."""
+    about twice their usual latency on a quiet machine, and in a small fraction of A's time on a loaded one."""
     async with live_capture_server(hf_engine, tokenizer, max_chars_per_token=0) as server:
         a, b = [await server.open_session(r, SamplingParams(max_tokens=4)) for r in "ab"]
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
@@ -57,4 +57,7 @@ async def test_a_large_request_does_not_hold_up_another_session(hf_engine, token
             took = time.perf_counter() - start
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
     assert took > 1.0, f"the large request took only {took:.2f} s: too small to show anything"
-    assert max(during) <= 2 * usual + 0.05, f"small requests took {during} s during the large one, {usual:.3f} s alone"
+    # Blocked behind A's tokenizing, a small request would wait most of `took`; a tenth of it leaves a wide margin
+    # on a loaded machine, where a small request's latency swings well past twice its quiet value.
+    assert max(during) <= max(2 * usual + 0.05, took / 10), \
+        f"small requests took {during} s during the large one ({took:.2f} s), {usual:.3f} s alone"
