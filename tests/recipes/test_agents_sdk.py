@@ -1,8 +1,8 @@
 """The Agents SDK recipe (recipes/agents_sdk): its data, a scripted tool loop through the SDK's Responses model and
 the real capture server (one token-exact segment, reward 1), and one rollout through the tiny real model."""
+import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +18,10 @@ ROW = {"messages": [{"role": "user", "content": "What is 61 * 65?"}], "label": 3
 
 
 def test_the_data_needs_the_tool():
-    sys.path.insert(0, str(RECIPE))
-    import make_data
+    # by path, under a name of its own: each recipe has a make_data.py, and a plain import would reuse the first
+    spec = importlib.util.spec_from_file_location("agents_sdk_make_data", RECIPE / "make_data.py")
+    make_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_data)
 
     train, test = make_data.rows(n_train=50, n_test=10, seed=1)
     pairs = [tuple(map(int, re.findall(r"\d+", r["prompt"][0]["content"]))) for r in train + test]

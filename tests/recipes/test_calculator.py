@@ -2,6 +2,7 @@
 round trip through the real capture server on both wires, and a few training steps end to end on the tiny model
 for the OpenAI and the Anthropic agent."""
 import asyncio
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -70,8 +71,10 @@ def test_chain_questions_and_summaries():
 
 
 def test_the_data_needs_the_tool():
-    sys.path.insert(0, str(RECIPE))
-    import make_data
+    # by path, under a name of its own: each recipe has a make_data.py, and a plain import would reuse the first
+    spec = importlib.util.spec_from_file_location("calculator_make_data", RECIPE / "make_data.py")
+    make_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_data)
 
     train, test = make_data.rows(n_train=20, n_test=5, steps=3, seed=1)
     assert len({r["label"] for r in train + test}) == 25
