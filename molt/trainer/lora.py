@@ -25,8 +25,7 @@ def apply_lora(lm: nn.Module, o: OptimConfig) -> None:
     """Inject adapters into `lm`'s `o.lora_target_modules`; PEFT freezes every other parameter."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    inject_adapter_in_model(LoraConfig(r=o.lora_rank, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout,
-                                       target_modules=list(o.lora_target_modules)), lm)
+    inject_adapter_in_model(LoraConfig(**o.lora_options()), lm)
 
 
 def lora_layers(lm: nn.Module) -> dict[str, nn.Module]:
