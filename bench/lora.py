@@ -9,9 +9,11 @@ building the actor (the weights themselves do not count, the step's gradients, o
 do). Time: the median step over `--rounds` runs of each variant, interleaved (full, LoRA, full, ...), CPU seconds of
 the process on a CPU (this machine's cores are shared) and wall. Refit bytes: what `Actor.iter_weights` sends the
 embedded engine (with LoRA the adapters) and vLLM (with LoRA the merged targeted modules).
+`--engine`: what holding the adapters costs the embedded engine's decode instead (`engine_cost`).
 
     .venv/bin/python bench/lora.py [--model smollm2-135m-instruct] [--rank 16] [--batch 8] [--seq 256]
                                    [--device cpu] [--rounds 1] [--threads 0] [--json out.json]
+    .venv/bin/python bench/lora.py --engine [--rounds 4]
 """
 from __future__ import annotations
 
@@ -83,6 +85,42 @@ def run_variant(a) -> dict:
             "step_cpu_s": cpu, "step_wall_s": wall}
 
 
+def engine_cost(a) -> None:
+    """The embedded engine's decode with the adapters it holds under LoRA against the plain base model: 16
+    concurrent requests of 32 tokens, `--rounds` interleaved rounds, medians."""
+    import asyncio
+
+    import torch
+
+    from molt.config import OptimConfig
+    from molt.engine.hf import HFEngine
+    from molt.models import resolve_model
+    from molt.types import SamplingParams
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    path, lora = str(resolve_model(a.model)), OptimConfig(lora_rank=a.rank, lora_alpha=2 * a.rank).lora_options()
+
+    async def run(engine) -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
+        await asyncio.gather(*[engine.generate([1, 2, 3 + i, 4], SamplingParams(max_tokens=32, min_tokens=32, seed=i))
+                               for i in range(16)])
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    async def rounds() -> None:
+        engines = {"base": HFEngine(path, prefix_cache_mb=0), f"lora r={a.rank}": HFEngine(path, prefix_cache_mb=0,
+                                                                                             lora=lora)}
+        times: dict[str, list] = {k: [] for k in engines}
+        for i in range(a.rounds + 1):  # the first round warms up
+            for k, e in engines.items():
+                times[k] += [await run(e)] if i else []
+        print("| engine | decode tokens/s (wall) | CPU s per 512 tokens |\n| --- | --- | --- |")
+        for k, v in times.items():
+            print(f"| {k} | {512 / statistics.median(w for w, _ in v):.1f} | {statistics.median(c for _, c in v):.2f} |")
+        await asyncio.gather(*[e.close() for e in engines.values()])
+    asyncio.run(rounds())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -95,7 +133,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads of each variant (0: torch's default)")
     p.add_argument("--json", default="")
     p.add_argument("--variant", action="store_true", help=argparse.SUPPRESS)  # one variant, in this process
+    p.add_argument("--engine", action="store_true", help="the embedded engine's decode with and without adapters")
     a = p.parse_args()
+    if a.engine:
+        engine_cost(a)
+        return
     if a.variant:
         print(json.dumps(run_variant(a)))
         return
