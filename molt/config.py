@@ -67,6 +67,11 @@ class OptimConfig:
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     """Module names that get adapters (default: the attention and MLP projections)."""
 
+    def lora_options(self) -> dict[str, Any]:
+        """PEFT `LoraConfig` arguments: the trainer's adapters and the embedded engine's copy of them."""
+        return {"r": self.lora_rank, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
+                "target_modules": list(self.lora_target_modules)}
+
 
 @dataclass
 class ActorConfig(OptimConfig):

@@ -32,7 +32,7 @@ class HFEngine(InProcessWeightReceiver):
     def __init__(self, model_path: str, *, model_name: str | None = None, dtype: str = "float32",
                  device: str = "cpu", max_batch_size: int = 64, version: int = 0,
                  max_prefill_tokens: int = 8192, prefix_cache_mb: float = 1024, prefix_cache_stale: bool = False,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, lora: dict[str, Any] | None = None):
         import transformers as tf
 
         if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
@@ -41,6 +41,10 @@ class HFEngine(InProcessWeightReceiver):
         self.spec = spec = ModelSpec.from_pretrained(model_path)
         self.vision, self.banned = spec.vision, list(spec.banned)  # banned: never sampled (module docstring)
         self.model = spec.auto_class.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
+        if lora:  # the trainer's adapters (PEFT LoraConfig arguments), zero until a refit loads them by name
+            from peft import LoraConfig, inject_adapter_in_model
+
+            inject_adapter_in_model(LoraConfig(**lora), self.model)
         self.model.eval()
         adapt_model(self.model, text=not self.vision)  # its decode attention and output head
         self.tokenizer = tf.AutoTokenizer.from_pretrained(model_path)

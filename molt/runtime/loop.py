@@ -106,6 +106,8 @@ class Run:
         engine_options: dict[str, Any] = {"process": cfg.rollout.engine_process,
                                           "prefix_cache_mb": cfg.rollout.prefix_cache_mb,
                                           "cuda_graphs": cfg.rollout.cuda_graphs}
+        if cfg.actor.lora_rank:  # the engine holds the policy's adapters: a refit sends them alone (docs/lora.md)
+            engine_options["lora"] = cfg.actor.lora_options()
         n_workers, gpus = cfg.rollout.num_workers, 0
         if cfg.rollout.engine == "vllm":  # one worker per vLLM engine, holding its tensor-parallel GPUs
             v = cfg.vllm

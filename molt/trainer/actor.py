@@ -144,17 +144,22 @@ class Actor(ShardedModelTrainer):
     def iter_weights(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None,
                      device: str | torch.device = "cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full parameters in Hugging Face names, bucket by bucket (collective: all ranks iterate); with LoRA only
-        the targeted modules' merged weights, all that a refit changes. See `molt.trainer.weights.iter_weight_buckets`
-        (tied embeddings appear once, as the input embedding)."""
+        what a refit changes: the adapter factors for the embedded engine, which holds the same adapters, and the
+        targeted modules' merged weights for vLLM. See `molt.trainer.weights.iter_weight_buckets` (tied
+        embeddings appear once, as the input embedding)."""
         from molt.trainer.weights import iter_weight_buckets
 
-        return iter_weight_buckets(self.lm, bucket_bytes, dtype=dtype, device=device, changed_only=True)
+        return iter_weight_buckets(self.lm, bucket_bytes, dtype=dtype, device=device, refit=self._refit)
+
+    @property
+    def _refit(self) -> str:
+        return "adapters" if self.cfg.rollout.engine == "hf" else "merged"
 
     def weight_plan(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None) -> list[list[tuple]]:
         """The buckets of `iter_weights` as (HF name, shape, dtype name), for receivers of a collective refit."""
         from molt.trainer.weights import plan_weight_buckets
 
-        return plan_weight_buckets(self.lm, bucket_bytes, dtype=dtype, changed_only=True)
+        return plan_weight_buckets(self.lm, bucket_bytes, dtype=dtype, refit=self._refit)
 
     def export_hf(self, path: str, dtype: torch.dtype | None = None, bucket_bytes: int = 1 << 30) -> None:
         """Write a Hugging Face checkpoint (safetensors shards + config + tokenizer) that `from_pretrained` and

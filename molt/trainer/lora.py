@@ -1,9 +1,10 @@
 """LoRA adapters through PEFT: injected into the Hugging Face model in place (its class and module names stay, so
 FSDP2 shards frozen base weights and trainable adapters in the same blocks), switched off for the reference
-forward, merged into the base weights for refit and export, and saved in PEFT's own format.
+forward, sent alone to the embedded engine (which holds the same adapters), merged into the base weights for
+vLLM's refit and for export, and saved in PEFT's own format.
 
 Decisions (docs/lora.md): one adapter ("default") per model; the merged weight W + alpha / r * B @ A travels under
-the base layer's Hugging Face name, so engines load it by name like any refit; routed experts stored as fused
+the base layer's Hugging Face name, so vLLM loads it by name like any refit; routed experts stored as fused
 3-D parameters (Qwen2-MoE, Mixtral in transformers 5) are not nn.Linear and get no adapters.
 """
 from __future__ import annotations
@@ -25,8 +26,7 @@ def apply_lora(lm: nn.Module, o: OptimConfig) -> None:
     """Inject adapters into `lm`'s `o.lora_target_modules`; PEFT freezes every other parameter."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    inject_adapter_in_model(LoraConfig(r=o.lora_rank, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout,
-                                       target_modules=list(o.lora_target_modules)), lm)
+    inject_adapter_in_model(LoraConfig(**o.lora_options()), lm)
 
 
 def lora_layers(lm: nn.Module) -> dict[str, nn.Module]:

@@ -22,34 +22,35 @@ def gathered(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _unique_weights(lm: nn.Module, changed_only: bool = False
+def _unique_weights(lm: nn.Module, refit: str = ""
                     ) -> Iterator[tuple[str, torch.Tensor, Callable[[], torch.Tensor]]]:
     """(HF name, stored tensor, its full value) in state-dict order, a tied parameter once (under its first name).
     With LoRA adapters (`molt.trainer.lora`) a targeted layer appears as its merged weight under the base name and
-    the factors not at all; `changed_only`: then nothing else (the base weights never change)."""
+    the factors not at all; refit="merged": then nothing else (the base weights never change); refit="adapters":
+    the factors alone, under PEFT's names (for an engine that holds the same adapters: molt.engine.hf)."""
     from molt.trainer.lora import lora_layers, merged
 
     layers, seen = lora_layers(lm), set()
     for name, t in lm.state_dict(keep_vars=True).items():
-        if id(t) in seen or ".lora_" in name:
+        if id(t) in seen or (".lora_" in name) != (refit == "adapters" and bool(layers)):
             continue
         seen.add(id(t))
         hf = name.replace(".base_layer.", ".")
         if name in layers:
             yield hf, t, partial(merged, layers[name])
-        elif not (changed_only and layers):
+        elif not (refit == "merged" and layers):
             yield hf, t, partial(gathered, t)
 
 
 def plan_weight_buckets(lm: nn.Module, bucket_bytes: int = 256 << 20, *, dtype: torch.dtype | None = None,
-                        changed_only: bool = False) -> list[list[tuple[str, tuple[int, ...], str]]]:
+                        refit: str = "") -> list[list[tuple[str, tuple[int, ...], str]]]:
     """The buckets `iter_weight_buckets` yields, as (HF name, full shape, dtype name) without gathering anything:
     what a receiver needs to allocate before a collective refit. Local, not collective."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1 (got {bucket_bytes})")
     plan: list[list[tuple[str, tuple[int, ...], str]]] = []
     size = 0
-    for name, t, _ in _unique_weights(lm, changed_only):
+    for name, t, _ in _unique_weights(lm, refit):
         out = dtype if dtype is not None and t.is_floating_point() else t.dtype
         nbytes = t.numel() * out.itemsize  # a DTensor reports its global shape and numel
         if not plan or (plan[-1] and size + nbytes > bucket_bytes):
@@ -61,13 +62,13 @@ def plan_weight_buckets(lm: nn.Module, bucket_bytes: int = 256 << 20, *, dtype: 
 
 
 def iter_weight_buckets(lm: nn.Module, bucket_bytes: int = 256 << 20, *, dtype: torch.dtype | None = None,
-                        device: str | torch.device = "cpu", changed_only: bool = False
+                        device: str | torch.device = "cpu", refit: str = ""
                         ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of (HF name, full tensor) whose sizes sum to at most `bucket_bytes` (a larger tensor gets a
     bucket of its own), bucketed as `plan_weight_buckets` says. dtype: cast floating-point tensors (None keeps
     the stored dtype)."""
-    plan = plan_weight_buckets(lm, bucket_bytes, dtype=dtype, changed_only=changed_only)
-    gather = {name: value for name, _, value in _unique_weights(lm, changed_only)}
+    plan = plan_weight_buckets(lm, bucket_bytes, dtype=dtype, refit=refit)
+    gather = {name: value for name, _, value in _unique_weights(lm, refit)}
     with torch.no_grad():
         for entries in plan:
             bucket = []

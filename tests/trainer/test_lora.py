@@ -1,6 +1,6 @@
 """LoRA RL (molt.trainer.lora): PEFT adapters on a frozen base, the reference as the same module with the adapters
-off, refit of the targeted modules' merged weights only, DCP resume, PEFT and merged exports, two FSDP2 ranks,
-MoE, Muon, the critic and `molt sft`."""
+off, refit of the adapters alone (embedded engine) or of the targeted modules' merged weights (vLLM), DCP resume,
+PEFT and merged exports, two FSDP2 ranks, MoE, Muon, the critic and `molt sft`."""
 import socket
 
 import pytest
@@ -68,7 +68,7 @@ async def test_engine_and_trainer_logprobs_agree_before_and_after_refit(tiny_lla
     from molt.engine.hf import HFEngine
 
     actor = Actor.from_pretrained(tiny_llama_dir, **LORA)
-    engine = HFEngine(str(tiny_llama_dir))
+    engine = HFEngine(str(tiny_llama_dir), lora=actor.cfg.actor.lora_options())  # the base + zero adapters
     prompts = [[5, 17, 40, 99, 3], [60, 61, 62], [7, 8]]
     try:
         before = await sample(engine, prompts, temperature=0.7)
@@ -76,7 +76,8 @@ async def test_engine_and_trainer_logprobs_agree_before_and_after_refit(tiny_lla
         for seed in (1, 2):
             actor.train_step(make_window(tiny_llama_dir, seed=seed))
         await engine.pause()
-        for bucket in actor.iter_weights(bucket_bytes=16 << 10):
+        for bucket in actor.iter_weights(bucket_bytes=16 << 10):  # the adapters alone
+            assert all(".lora_A." in n or ".lora_B." in n for n, _ in bucket)
             await engine.update_weights(bucket, 1)
         await engine.resume()
         after = await sample(engine, prompts)
@@ -88,7 +89,19 @@ async def test_engine_and_trainer_logprobs_agree_before_and_after_refit(tiny_lla
     assert gap(lp, base, after) > 1e-3  # the engine serves the trained policy, not the base
 
 
-def test_refit_sends_only_the_merged_targeted_modules(trained):
+def test_refit_sends_only_the_adapters_to_the_embedded_engine(trained):
+    streamed = {n: t for b in trained.iter_weights(bucket_bytes=16 << 10) for n, t in b}
+    params = {n: p for n, p in trained.lm.named_parameters() if p.requires_grad}
+    assert streamed.keys() == params.keys() and all(torch.equal(streamed[n], params[n]) for n in params)
+    assert [n for b in trained.weight_plan(bucket_bytes=16 << 10) for n, _, _ in b] == list(streamed)
+    sent = sum(t.numel() * t.element_size() for t in streamed.values())
+    full = sum(t.numel() * t.element_size() for n, t in trained.lm.state_dict().items()
+               if "lora_" not in n and n != "lm_head.weight")  # tied to the embedding
+    assert sent < 0.1 * full
+
+
+def test_refit_sends_only_the_merged_targeted_modules_to_vllm(trained, monkeypatch):
+    monkeypatch.setattr(trained.cfg.rollout, "engine", "vllm")
     streamed = {n: t for b in trained.iter_weights(bucket_bytes=16 << 10) for n, t in b}
     assert {n.rsplit(".", 2)[-2] for n in streamed} == set(TARGETS) and all(n.endswith(".weight") for n in streamed)
     assert [n for b in trained.weight_plan(bucket_bytes=16 << 10) for n, _, _ in b] == list(streamed)
@@ -157,6 +170,8 @@ def lora_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> N
     for seed in (1, 2):
         actor.train_step(rank_share(make_window(model_dir, seed=seed), rank))
     result = {"lora": lora_params(actor), "streamed": {n: t for b in actor.iter_weights() for n, t in b}}  # collective
+    actor.cfg.rollout.engine = "vllm"  # the merged modules, gathered from the shards
+    result["merged"] = {n: t for b in actor.iter_weights() for n, t in b}
     if rank == 0:
         torch.save(result, out)
     torch.distributed.destroy_process_group()
@@ -173,7 +188,11 @@ def test_two_fsdp2_ranks_match_one_process(tiny_llama_dir, tmp_path):
     assert dist["lora"].keys() == one.keys()
     assert max(float((dist["lora"][k] - one[k]).abs().max()) for k in one) <= 1e-5
     streamed = {n: t for b in single.iter_weights() for n, t in b}
-    assert max(float((dist["streamed"][k] - streamed[k]).abs().max()) for k in streamed) <= 1e-5
+    assert dist["streamed"].keys() == streamed.keys() and all(".lora_" in k for k in streamed)  # the adapters
+    single.cfg.rollout.engine = "vllm"
+    merged = {n: t for b in single.iter_weights() for n, t in b}
+    for got, want in ((dist["streamed"], streamed), (dist["merged"], merged)):
+        assert max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-5
 
 
 def test_moe_targets_attention_and_shared_expert_and_muon_trains_the_adapters(tiny_moe_dir):
