@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from molt.types import Completion, FinishReason, SamplingParams, vision_token_id
 
 log = logging.getLogger(__name__)
 MIN_VLLM = (0, 10, 2)  # "processed_logprobs" means after top-k/top-p from here on (vllm-project/vllm#22387)
+CPU_KV_CACHE_GIB = 2  # vLLM's CPU build: KV cache size unless VLLM_CPU_KVCACHE_SPACE or kv_cache_memory_bytes say
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
@@ -138,6 +140,7 @@ def _import_vllm() -> tuple[Any, Any]:
     """(the vllm module, AsyncLLM), or a ValueError that says what is missing (the setup is the user's)."""
     try:
         import vllm
+        import vllm.platforms
         import vllm.sampling_params  # RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as e:
@@ -180,6 +183,10 @@ class VLLMEngine:
         self._vllm = vllm
         self.model_name = model_name or Path(model_path).name
         engine_args.setdefault("disable_log_stats", True)
+        if vllm.platforms.current_platform.is_cpu():  # vLLM's CPU build (docs/internals.md)
+            dtype = "float32" if dtype == "auto" else dtype
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # which vLLM lets override this
+                engine_args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_GIB << 30)
         args = vllm.AsyncEngineArgs(
             model=model_path, served_model_name=self.model_name, dtype=dtype,
             tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,

