@@ -166,6 +166,18 @@ def _eos_ids(model_path: str) -> list[int]:
     return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
 
+def _cpu_defaults(engine_args: dict[str, Any], dtype: str, max_len: int | None) -> str:
+    """vLLM's CPU build (docs/internals.md): dtype auto is float32, the KV cache CPU_KV_CACHE_GIB unless
+    VLLM_CPU_KVCACHE_SPACE says, and chunked prefill off unless asked for (vLLM 0.32's CPU build kills its engine
+    core on a seeded request whose prefill was split: `CPU Generator does not use offset`); returns the dtype."""
+    if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # which vLLM lets override kv_cache_memory_bytes
+        engine_args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_GIB << 30)
+    if "enable_chunked_prefill" not in engine_args:  # unchunked, a step takes whole prompts up to the budget
+        engine_args["enable_chunked_prefill"] = False
+        engine_args.setdefault("max_num_batched_tokens", max(max_len or 0, 4096))  # vLLM's CPU default: 4096
+    return "float32" if dtype == "auto" else dtype
+
+
 class VLLMEngine:
     """`Engine` on vLLM's AsyncLLM. Extra keyword arguments go to `vllm.AsyncEngineArgs` unchanged."""
 
@@ -183,10 +195,12 @@ class VLLMEngine:
         self._vllm = vllm
         self.model_name = model_name or Path(model_path).name
         engine_args.setdefault("disable_log_stats", True)
-        if vllm.platforms.current_platform.is_cpu():  # vLLM's CPU build (docs/internals.md)
-            dtype = "float32" if dtype == "auto" else dtype
-            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # which vLLM lets override this
-                engine_args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_GIB << 30)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path)
+        if vllm.platforms.current_platform.is_cpu():
+            dtype = _cpu_defaults(engine_args, dtype, max_model_len or getattr(
+                config.get_text_config(), "max_position_embeddings", None))
         args = vllm.AsyncEngineArgs(
             model=model_path, served_model_name=self.model_name, dtype=dtype,
             tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
@@ -198,10 +212,7 @@ class VLLMEngine:
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
         self.eos_token_ids = _eos_ids(model_path)
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(model_path)  # a VLM's vision tokens are never sampled (docs/vision.md)
-        self._banned = vision_token_ids(config)
+        self._banned = vision_token_ids(config)  # a VLM's vision tokens are never sampled (docs/vision.md)
         self._image = (getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None),
                        getattr(getattr(config, "vision_config", None), "spatial_merge_size", 1))
         self._version = self._serving = version  # of the loaded weights; given to the tokens arriving now

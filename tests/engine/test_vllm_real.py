@@ -172,6 +172,17 @@ async def test_refit_keeps_requests_and_changes_outputs(engine, models):
     assert after.token_ids != before.token_ids and after.token_ids == hf[0, len(PROMPTS[4]):].tolist()
 
 
+async def test_seeded_requests_over_the_batch_token_budget(engine):
+    """Seeded prompts that together exceed vLLM's per-step token budget (4096 on its CPU build): chunked, the last
+    prefill would be split and vLLM 0.32's CPU build kills its engine core (`CPU Generator does not use offset`;
+    the math demo's first evaluation did); unchunked, every request completes and a seed still reproduces."""
+    prompts = [[5 + i] + list(range(20, 419)) for i in range(12)]  # 12 x 400 tokens
+    params = [SamplingParams(max_tokens=4, min_tokens=4, seed=i) for i in range(12)]
+    outs = await asyncio.gather(*[engine.generate(p, q) for p, q in zip(prompts, params)])
+    again = await engine.generate(prompts[11], params[11])
+    assert all(len(o.token_ids) == 4 for o in outs) and again.token_ids == outs[11].token_ids
+
+
 async def test_collective_refit_over_gloo(engine, models):
     """The refit `molt train` takes with vLLM (train.weight_sync auto: collective): the engine's worker joins a
     refit group (gloo on vLLM's CPU build) and receives trainer rank 0's planned buckets; its greedy replies are
