@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.molt-installed
 
-.PHONY: demo demo-agent test test-slow test-chaos test-slurm test-vllm vllm gpu-check gpu-rehearse install harness clean
+.PHONY: demo demo-agent test test-slow test-chaos test-slurm test-vllm test-vllm-slow vllm gpu-check gpu-rehearse install harness clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -51,6 +51,10 @@ vllm: $(VLLM_VENV)/.molt-installed
 # The vLLM engine on real vLLM (one engine per module: start-up takes minutes on this CPU).
 test-vllm: $(VLLM_VENV)/.molt-installed
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/pytest -q -m 'vllm and not slow' -rs tests/engine
+
+# The slow vLLM tests: SmolLM2 log-prob agreement, and `molt train --rollout.engine vllm` end to end (tiny model).
+test-vllm-slow: $(VLLM_VENV)/.molt-installed
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/pytest -q -m 'vllm and slow' -rs tests/engine tests/runtime
 
 demo: $(STAMP)
 	$(BIN)/molt demo

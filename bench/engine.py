@@ -19,6 +19,7 @@ throughput at 64 and 256 concurrent requests, then multi-turn with 64 sessions.
     .venv/bin/python bench/engine.py --multi-turn [--history 1024] [--turns 6] [--user-tokens 256] [--write]
     .venv/bin/python bench/engine.py --device cuda [--write]
     .venv/bin/python bench/engine.py --tiny   # the --device cuda run's every step, on CPU, a tiny model
+    .venv-vllm/bin/python bench/engine.py --engine vllm [--eager]   # vLLM beside this engine (engine_vllm.py)
 """
 from __future__ import annotations
 
@@ -309,6 +310,9 @@ def main() -> None:
     ap.add_argument("--history", type=int, default=1024, help="multi-turn: tokens of the first prompt")
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--user-tokens", type=int, default=256, help="multi-turn: tokens of each new message")
+    ap.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                    help="vllm: vLLM's engine beside the embedded one, start-up included (bench/engine_vllm.py)")
+    ap.add_argument("--eager", action="store_true", help="--engine vllm: enforce_eager (no compilation)")
     ap.add_argument("--write", action="store_true", help="append the result table to docs/benchmarks.md")
     ap.add_argument("--tiny", action="store_true",
                     help="run --device cuda's steps on CPU with a tiny model, small counts (checks the bench itself "
@@ -327,14 +331,8 @@ def main() -> None:
                   else random_qwen_05b(Path(scratch.name), tiny=args.tiny))
     args.model_name = (Path(model_path).name if args.model or not cuda
                        else "random Qwen2.5 model, tiny (rehearsal)" if args.tiny else "random Qwen2.5-0.5B shape")
-    engine = HFEngine(model_path, max_batch_size=256 if cuda else 64, device=args.device,
-                      dtype="bfloat16" if cuda else "float32", prefix_cache_mb=8192 if cuda else 1024)
-    eager = HFEngine(model_path, max_batch_size=256, device=args.device, dtype="bfloat16",
-                     cuda_graphs=False) if cuda else None
-    from transformers import AutoModelForCausalLM
-
-    stock = AutoModelForCausalLM.from_pretrained(model_path, dtype=engine.model.dtype).to(args.device).eval()
-    cmd = ".venv/bin/python bench/engine.py " + " ".join(a for a in sys.argv[1:] if a != "--write")
+    venv = ".venv-vllm" if args.engine == "vllm" else ".venv"
+    cmd = f"{venv}/bin/python bench/engine.py " + " ".join(a for a in sys.argv[1:] if a != "--write")
 
     def report(title: str, context: str, table: str) -> None:
         """Print and append each table when it is done: a run cut short by a time limit keeps what it had."""
@@ -342,6 +340,18 @@ def main() -> None:
         if args.write:
             with open(Path(__file__).resolve().parents[1] / "docs/benchmarks.md", "a") as f:
                 f.write(f"\n## {title}\n\nCommand: `{cmd}`\n\n{context}\n\n{table}\n")
+
+    if args.engine == "vllm":  # its own process layout: both engines in one event loop (bench/engine_vllm.py)
+        import engine_vllm
+
+        return engine_vllm.main(args, model_path, prompts_for, QUESTIONS, report)
+    engine = HFEngine(model_path, max_batch_size=256 if cuda else 64, device=args.device,
+                      dtype="bfloat16" if cuda else "float32", prefix_cache_mb=8192 if cuda else 1024)
+    eager = HFEngine(model_path, max_batch_size=256, device=args.device, dtype="bfloat16",
+                     cuda_graphs=False) if cuda else None
+    from transformers import AutoModelForCausalLM
+
+    stock = AutoModelForCausalLM.from_pretrained(model_path, dtype=engine.model.dtype).to(args.device).eval()
 
     if cuda or not args.multi_turn:
         for n in map(int, (args.requests or ("64,256" if cuda else "16")).split(",")):

@@ -304,7 +304,9 @@ def _train_and_report(cfg) -> dict:
 
 
 @command("serve", "serve a model through the capture server (OpenAI and Anthropic wires, captured segments)",
-         _MODEL_ARG, arg("--host", default="127.0.0.1", help="address to bind (default: loopback only)"),
+         _MODEL_ARG, arg("--engine", choices=["hf", "vllm"], default="hf",
+                         help="embedded transformers engine, or vLLM where installed (default: hf)"),
+         arg("--host", default="127.0.0.1", help="address to bind (default: loopback only)"),
          arg("--port", type=int, default=8000, help="port to listen on (0: any free port)"),
          arg("--strict-model", action="store_true",
              help="answer a request naming another model than the served one with 400 (default: serve any name)"),

@@ -1,4 +1,4 @@
-"""`molt serve --model REF [--host 127.0.0.1] [--port N] [--strict-model] [--prefix-cache-mb MB]
+"""`molt serve --model REF [--engine hf|vllm] [--host 127.0.0.1] [--port N] [--strict-model] [--prefix-cache-mb MB]
 [--allow-remote-images] [--max-request-mb MB] [--max-chars-per-token N]`: the engine and capture server as a
 standalone service, for debugging agents and for external harnesses. The engine keeps each session's last turn in its prefix cache (`molt.engine.prefix_cache`),
 so an agent's next turn prefills only its new tokens. Remote image URLs are refused unless allowed.
@@ -14,7 +14,10 @@ Routes added to the capture server's:
 - POST /s/{session_id}/reward {"reward": float} (the session's key) sets the rollout's reward.
 Sessions live until the service stops. It prints its address when ready and stops cleanly on SIGINT/SIGTERM.
 
-This file and `doctor.py` are the CLI's wiring: they import `molt.models` and `molt.engine.hf` inside the
+`--engine vllm` serves with `molt.engine.vllm` (vLLM's own prefix cache: `--prefix-cache-mb 0` turns it off,
+another size is refused, as vLLM sizes it from its KV cache).
+
+This file and `doctor.py` are the CLI's wiring: they import `molt.models` and the engines inside the
 functions, which the capture library itself never does.
 """
 from __future__ import annotations
@@ -79,14 +82,22 @@ def add_service_routes(server: CaptureServer) -> None:
 
 
 async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: Any = None,
-                ready: Any = print, strict_model: bool = False, allow_remote_images: bool = False,
+                engine_kind: str = "hf", ready: Any = print, strict_model: bool = False, allow_remote_images: bool = False,
                 max_request_mb: float = 32, max_chars_per_token: float = 16, **engine_options: Any) -> None:
     """Run the service until SIGINT/SIGTERM. `engine` defaults to an HFEngine on `model` (a path) in a process
-    of its own (`molt.engine.process`), leaving one core to the server, built with `engine_options`."""
+    of its own (`molt.engine.process`), leaving one core to the server, or with `engine_kind="vllm"` a VLLMEngine,
+    built with `engine_options`."""
     from molt.capture.render import ChatRenderer
 
     owned = engine is None
-    if owned:
+    if owned and engine_kind == "vllm":  # vLLM runs its engine core in a process of its own
+        from molt.engine.vllm import VLLMEngine
+
+        cache_mb = engine_options.pop("prefix_cache_mb", None)
+        if cache_mb:  # vLLM's prefix cache lives in its KV cache, sized by VLLM_CPU_KVCACHE_SPACE or GPU memory
+            raise ValueError("--prefix-cache-mb: vLLM sizes its prefix cache itself; only 0 (off) applies to it")
+        engine = VLLMEngine(model, enable_prefix_caching=cache_mb != 0, **engine_options)
+    elif owned:
         import os
 
         from molt.engine.process import EngineProcess
@@ -119,7 +130,7 @@ def serve_main(args: Any) -> int:
 
     cache_mb = getattr(args, "prefix_cache_mb", None)
     options = {} if cache_mb is None else {"prefix_cache_mb": cache_mb}
-    asyncio.run(serve(str(resolve_model(args.model)), args.host, args.port,
+    asyncio.run(serve(str(resolve_model(args.model)), args.host, args.port, engine_kind=getattr(args, "engine", "hf"),
                       strict_model=getattr(args, "strict_model", False),
                       allow_remote_images=getattr(args, "allow_remote_images", False),
                       max_request_mb=getattr(args, "max_request_mb", 32),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from molt.types import Completion, FinishReason, ModelSpec, SamplingParams
 
 log = logging.getLogger(__name__)
 MIN_VLLM = (0, 10, 2)  # "processed_logprobs" means after top-k/top-p from here on (vllm-project/vllm#22387)
+CPU_KV_CACHE_GIB = 2  # vLLM's CPU build: KV cache size unless VLLM_CPU_KVCACHE_SPACE or kv_cache_memory_bytes say
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
@@ -138,6 +140,7 @@ def _import_vllm() -> tuple[Any, Any]:
     """(the vllm module, AsyncLLM), or a ValueError that says what is missing (the setup is the user's)."""
     try:
         import vllm
+        import vllm.platforms
         import vllm.sampling_params  # RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as e:
@@ -149,6 +152,18 @@ def _import_vllm() -> tuple[Any, Any]:
         raise ValueError(f"VLLMEngine needs vLLM >= {'.'.join(map(str, MIN_VLLM))}, found {vllm.__version__}: "
                           "`pip install -U molt[vllm]`")
     return vllm, AsyncLLM
+
+
+def _cpu_defaults(engine_args: dict[str, Any], dtype: str, max_len: int | None) -> str:
+    """vLLM's CPU build (docs/internals.md): dtype auto is float32, the KV cache CPU_KV_CACHE_GIB unless
+    VLLM_CPU_KVCACHE_SPACE says, and chunked prefill off unless asked for (vLLM 0.32's CPU build kills its engine
+    core on a seeded request whose prefill was split: `CPU Generator does not use offset`); returns the dtype."""
+    if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # which vLLM lets override kv_cache_memory_bytes
+        engine_args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_GIB << 30)
+    if "enable_chunked_prefill" not in engine_args:  # unchunked, a step takes whole prompts up to the budget
+        engine_args["enable_chunked_prefill"] = False
+        engine_args.setdefault("max_num_batched_tokens", max(max_len or 0, 4096))  # vLLM's CPU default: 4096
+    return "float32" if dtype == "auto" else dtype
 
 
 class VLLMEngine:
@@ -168,6 +183,9 @@ class VLLMEngine:
         self._vllm = vllm
         self.model_name = model_name or Path(model_path).name
         engine_args.setdefault("disable_log_stats", True)
+        self.spec = spec = ModelSpec.from_pretrained(model_path)  # EOS ids the way molt.engine.hf reads them
+        if vllm.platforms.current_platform.is_cpu():
+            dtype = _cpu_defaults(engine_args, dtype, max_model_len or spec.max_model_len)
         args = vllm.AsyncEngineArgs(
             model=model_path, served_model_name=self.model_name, dtype=dtype,
             tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
@@ -178,7 +196,6 @@ class VLLMEngine:
         self.weight_group_size = tensor_parallel_size  # one refit-group rank per worker process
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
-        self.spec = spec = ModelSpec.from_pretrained(model_path)  # EOS ids the way molt.engine.hf reads them
         self.eos_token_ids = list(spec.eos_token_ids)
         self._version = self._serving = version  # of the loaded weights; given to the tokens arriving now
         self._active: dict[str, _Request] = {}

