@@ -40,7 +40,7 @@ def time_updates(steps: int, latency: float) -> list[tuple[str, float, float, fl
     os.environ["MOLT_BENCH_TOOL_LATENCY"] = str(latency)
     tmp = Path(tempfile.mkdtemp())
     model = build_tiny_llama(tmp / "model", hidden_size=256, num_layers=4)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init("local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"MOLT_BENCH_TOOL_LATENCY": str(latency), "TOKENIZERS_PARALLELISM": "false"}})
     rows = []
     for staleness in (0, 1, 2):
@@ -153,7 +153,7 @@ def main() -> None:
                  "| mode | wall s | s/update | train step s (mean) | speed-up vs sync |", "|---|---|---|---|---|", ""]
         lines[-1:] = [f"| {name} | {wall:.1f} | {per:.2f} | {train:.2f} | {sync / wall:.2f}x |"
                       for name, wall, per, train in timing] + [""]
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init("local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     sizes = {1: 32, 10: 32, 0: args.image_rollouts}  # mb -> rollouts (0: the screenshots)
     mem = {(mb, off): controller_memory(mb, off, n) for mb, n in sizes.items() for off in (True, False)}
     ray.shutdown()

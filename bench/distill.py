@@ -85,7 +85,7 @@ def main() -> None:
     cfg.ckpt.output_dir, cfg.ckpt.save_steps, cfg.ckpt.save_hf, cfg.ckpt.max_num = str(out / "run"), a.eval_every, True, 0
     for attempt in range(5):  # Ray gives a new node 30 s to start, which a loaded 2-core machine can miss
         try:
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+            ray.init("local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
                      runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
             break
         except Exception:

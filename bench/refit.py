@@ -34,7 +34,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init("local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     path = str(resolve_model(args.model))
     lm = AutoModelForCausalLM.from_pretrained(path)
     target = AutoModelForCausalLM.from_pretrained(path).state_dict()

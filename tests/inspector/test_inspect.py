@@ -30,7 +30,7 @@ def run_dir(tiny_llama_dir, tmp_path_factory):
     from molt.runtime.loop import run_training
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+        ray.init("local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     out = tmp_path_factory.mktemp("inspect") / "run"
     cfg = _cfg(tiny_llama_dir, out, str(AGENT), train__max_staleness=1, train__partial_rollout_enable=True,
