@@ -1,4 +1,6 @@
-"""A request of the embedded engine (`molt.engine.hf`) as its worker thread holds it, and how it completes.
+"""A request as an engine holds it: the record both engines share (`RequestRecord`), the embedded engine's
+(`Request`, which its worker thread holds) and how it completes. No torch here: the scheduler
+(`molt.engine.scheduler`) handles these records with plain ints and lists.
 
 Design notes and decisions: docs/internals.md, section `molt/engine/hf.py`.
 """
@@ -9,47 +11,60 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from molt.engine.base import EngineError
 from molt.types import Completion, FinishReason, SamplingParams
 
 
-@dataclass(eq=False)
-class Request:
+@dataclass(eq=False, kw_only=True)
+class RequestRecord:
+    """What every engine records of a request (vLLM's `_Request` and `Request` below extend it)."""
     id: str
     prompt: list[int]
     params: SamplingParams
     max_new: int  # max_tokens capped by the context window
     stops: list[int]  # EOS ids + params.stop_token_ids
-    generator: random.Random
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-    on_tokens: Any = None  # called on `loop` with each new token id (streaming)
-    images: Any = None  # processor inputs of the prompt's images (vision-language models)
-    session_id: str | None = None  # key of the prefix cache
-    kv_version: int = 0  # policy version of the oldest keys/values in this request's cache (stale prefixes)
-    rope_offset: int = 0  # M-RoPE: next position = tokens so far + rope_offset (`rope_positions`)
+    on_tokens: Any = None  # called with each new token id (streaming)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     finish: FinishReason | None = None
     aborted: bool = False
-    routes: list[torch.Tensor] = field(default_factory=list)  # MoE: [n, layers, k] chunks of positions 0..routed
+
+    def routed_experts(self) -> Any:
+        """MoE: the experts of every position but the last, as a numpy array [positions, layers, k], or None."""
+        return None
+
+    def completion(self) -> Completion:
+        return Completion(list(self.tokens), list(self.logprobs), list(self.versions), self.finish,
+                          top_logprobs=self.top if self.params.top_logprobs else None,
+                          prompt_tokens=len(self.prompt), routed_experts=self.routed_experts())
+
+
+@dataclass(eq=False, kw_only=True)
+class Request(RequestRecord):
+    generator: random.Random
+    loop: asyncio.AbstractEventLoop  # on_tokens and the future are called on it
+    future: asyncio.Future
+    images: Any = None  # processor inputs of the prompt's images (vision-language models)
+    session_id: str | None = None  # key of the prefix cache
+    kv_version: int = 0  # policy version of the oldest keys/values in this request's cache (stale prefixes)
+    rope_offset: int = 0  # M-RoPE: next position = tokens so far + rope_offset (`rope_positions`)
+    routes: list[Any] = field(default_factory=list)  # MoE: [n, layers, k] tensors of positions 0..routed
     routed: int = 0
 
-    def route(self, start: int, rows: torch.Tensor | None) -> None:
+    def route(self, start: int, rows: Any) -> None:
         """Routes of context positions start...; a position keeps the first one it got (see module doc)."""
         if rows is not None and start + len(rows) > self.routed:
             self.routes.append(rows[self.routed - start:])
             self.routed = start + len(rows)
 
-    def completion(self) -> Completion:
-        return Completion(list(self.tokens), list(self.logprobs), list(self.versions), self.finish,
-                          top_logprobs=self.top if self.params.top_logprobs else None,
-                          prompt_tokens=len(self.prompt),
-                          routed_experts=torch.cat(self.routes).numpy() if self.routes else None)
+    def routed_experts(self) -> Any:
+        if not self.routes:
+            return None
+        import torch
+
+        return torch.cat(self.routes).numpy()
 
 
 def resolve(req: Request, result: Any = None, error: BaseException | None = None) -> None:

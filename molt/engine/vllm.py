@@ -16,6 +16,7 @@ from typing import Any
 
 from molt.engine import vllm_worker
 from molt.engine.base import EngineError, EngineGone, RequestError, check_request
+from molt.engine.request import RequestRecord
 from molt.types import Completion, FinishReason, ModelSpec, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -97,22 +98,10 @@ def _keeps_requests(llm: Any) -> bool:
 
 # ------------------------------------------------------------------------------ the engine
 
-@dataclass(eq=False)
-class _Request:
-    id: str
-    prompt: list[int]
-    params: SamplingParams
-    max_new: int  # max_tokens capped by the context window
-    stops: list[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    top: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish: FinishReason | None = None
-    aborted: bool = False
+@dataclass(eq=False, kw_only=True)
+class _Request(RequestRecord):
     segments: int = 0  # vLLM requests submitted so far (one per refit crossed, plus one)
     task: asyncio.Task | None = None  # streams the current vLLM request
-    on_tokens: Any = None  # streaming callback (new token ids)
     mm: dict = field(default_factory=dict)  # `mm_prompt` of the prompt
     routes: Any = None  # MoE, with enable_return_routed_experts: vLLM's latest [positions, layers, k] routes
 
@@ -129,11 +118,9 @@ class _Request:
             self.finish = finish_reason(out.finish_reason)
         return tokens
 
-    def completion(self) -> Completion:
+    def routed_experts(self) -> Any:
         whole = self.routes is not None and len(self.routes) == len(self.prompt) + len(self.tokens) - 1
-        return Completion(list(self.tokens), list(self.logprobs), list(self.versions), self.finish,
-                          top_logprobs=self.top if self.params.top_logprobs else None,
-                          prompt_tokens=len(self.prompt), routed_experts=self.routes if whole else None)
+        return self.routes if whole else None
 
 
 def _import_vllm() -> tuple[Any, Any]:

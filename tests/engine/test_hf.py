@@ -240,19 +240,19 @@ async def test_a_failing_step_ends_every_request_with_an_error(engine):
 
     def boom(*args, **kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
-    engine._forward = boom
+    engine.runner._forward = boom
     await engine.resume()
     for task in kept:
         with pytest.raises(EngineError, match="illegal memory access"):
             await asyncio.wait_for(task, 10)
-    del engine._forward  # the engine goes on serving
+    del engine.runner._forward  # the engine goes on serving
     assert len((await engine.generate(PROMPTS[3], SamplingParams(max_tokens=2, min_tokens=2))).token_ids) == 2
 
     await engine.pause()
     waiting = asyncio.create_task(engine.generate(PROMPTS[1], params, request_id="w"))
     while "w" not in engine._active:
         await asyncio.sleep(0.001)
-    engine._sweep = boom  # a failure outside a step (here: at the step boundary the abort wakes) ends the thread
+    engine.scheduler.schedule = boom  # a failure outside a step (at the boundary the abort wakes) ends the thread
     await engine.abort("w")
     with pytest.raises(EngineError, match="illegal memory access"):
         await asyncio.wait_for(waiting, 10)

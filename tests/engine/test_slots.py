@@ -85,15 +85,15 @@ async def run(engine: HFEngine, prompts: list[list[int]]) -> list:
 def test_padded_decode_equals_plain_decode(tiny_llama_dir):
     """Synchronous (asyncio.run): the GPU image runs these tests without pytest-asyncio."""
     plain, padded = HFEngine(str(tiny_llama_dir)), HFEngine(str(tiny_llama_dir))
-    padded._graphs, padded.hold_steps = True, 8  # the CUDA path without capture (molt.engine.slots)
+    padded.runner.graphs, padded.scheduler.hold_steps = True, 8  # the CUDA path without capture (molt.engine.slots)
     try:
         want, got = asyncio.run(run(plain, PROMPTS)), asyncio.run(run(padded, PROMPTS))
         stats = asyncio.run(padded.prefix_stats())
     finally:
         asyncio.run(plain.close())
         asyncio.run(padded.close())
-    assert isinstance(padded._graphs, GraphDecoder) and padded._graphs.captures == 0
-    assert not isinstance(plain._graphs, GraphDecoder)
+    assert isinstance(padded.runner.graphs, GraphDecoder) and padded.runner.graphs.captures == 0
+    assert not isinstance(plain.runner.graphs, GraphDecoder)
     assert stats["reused_tokens"] > 0
     same(want, got)
 
@@ -105,7 +105,7 @@ def test_a_failed_capture_falls_back_to_eager_decode(tiny_llama_dir, monkeypatch
 
     monkeypatch.setattr(GraphDecoder, "__call__", fail)
     plain, broken = HFEngine(str(tiny_llama_dir)), HFEngine(str(tiny_llama_dir))
-    broken._graphs = True
+    broken.runner.graphs = True
     try:
         want = asyncio.run(run(plain, PROMPTS))
         with pytest.warns(UserWarning, match="decoding eagerly: operation not permitted"):
@@ -114,7 +114,7 @@ def test_a_failed_capture_falls_back_to_eager_decode(tiny_llama_dir, monkeypatch
         asyncio.run(plain.close())
         asyncio.run(broken.close())
     same(want, got)
-    assert broken._graphs is False and "not permitted" in broken.graph_error
+    assert broken.runner.graphs is False and "not permitted" in broken.runner.graph_error
 
 
 def same(want: list, got: list, version: int = 0) -> None:
@@ -152,18 +152,18 @@ async def _graphs_equal_eager_decode_and_survive_a_refit(tiny_llama_dir):
         same(await run(eager, PROMPTS), await run(graphs, PROMPTS))
         # the most this workload can need (7 rows, under 128 columns): the storage cannot grow (and drop its
         # graphs) later, whichever requests happen to overlap on a fast GPU; then capture on that storage
-        graphs._slots.reserve(len(PROMPTS), 128)
+        graphs.runner.slots.reserve(len(PROMPTS), 128)
         same(await run(eager, PROMPTS), await run(graphs, PROMPTS))
-        decoder = graphs._graphs
-        assert isinstance(decoder, GraphDecoder) and decoder.graphs and graphs.graph_error is None
-        before, captures, moved = dict(decoder.graphs), decoder.captures, graphs._slots.moved
+        decoder = graphs.runner.graphs
+        assert isinstance(decoder, GraphDecoder) and decoder.graphs and graphs.runner.graph_error is None
+        before, captures, moved = dict(decoder.graphs), decoder.captures, graphs.runner.slots.moved
         new = {k: v + 0.02 * torch.randn_like(v) for k, v in graphs.model.state_dict().items()}
         for engine in (graphs, eager):
             await engine.pause()
             await engine.update_weights(new.items(), 1)
             await engine.resume()
         same(await run(eager, PROMPTS), await run(graphs, PROMPTS), version=1)
-        assert graphs._slots.moved == moved and all(decoder.graphs.get(key) is graph for key, graph in before.items())
+        assert graphs.runner.slots.moved == moved and all(decoder.graphs.get(key) is graph for key, graph in before.items())
         assert decoder.captures - captures == len(decoder.graphs) - len(before)  # only new shapes were captured
     finally:
         await graphs.close()
