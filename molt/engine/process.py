@@ -17,7 +17,8 @@ goes further: its child moves the model's tensors into shared memory at start-up
 (`shared_weights`), which copies a refit's tensors straight into them while the child is paused (one copy;
 through the pipe each bucket was copied into a new shared segment, then again into the model: 0.65 s of
 SmolLM2-135M's 1.2 s refit on the 2-core machine).
-The collective refit (`join_weight_group` / `receive_weights`) is forwarded: the child joins the group.
+The collective refit (`join_weight_group` / `receive_weights`) is forwarded: the child joins the group. Its
+methods are `HFEngine`'s, each named (no `__getattr__` forwarding): one client interface, in process or not.
 Streaming: a request with `on_tokens` gets ("tokens", id, ids) messages before its answer.
 
 Decisions: `torch_threads` sets the child's intra-op threads (a spawned process does not inherit the
@@ -41,9 +42,6 @@ from typing import Any
 
 from molt.engine.base import EngineError, EngineGone, copy_weights
 from molt.types import Completion, SamplingParams
-
-_FORWARDED = ("pause", "resume", "join_weight_group", "weight_sums", "prefix_stats")  # update/receive_weights: below
-
 
 class EngineProcess:
     def __init__(self, factory: str, *args: Any, torch_threads: int = 0, start_timeout: float = 600.0,
@@ -141,10 +139,20 @@ class EngineProcess:
         await self._call("receive_weights", plan, version)
         self._version = version
 
-    def __getattr__(self, name: str) -> Any:  # pause, resume, join_weight_group, weight_sums, prefix_stats
-        if name not in _FORWARDED:
-            raise AttributeError(name)
-        return lambda *args: self._call(name, *args)
+    async def pause(self) -> None:
+        await self._call("pause")
+
+    async def resume(self) -> None:
+        await self._call("resume")
+
+    async def join_weight_group(self, address: str, rank: int, world: int) -> None:
+        await self._call("join_weight_group", address, rank, world)
+
+    async def weight_sums(self) -> dict[str, float]:
+        return await self._call("weight_sums")
+
+    async def prefix_stats(self) -> dict[str, int]:
+        return await self._call("prefix_stats")
 
     async def close(self) -> None:
         if self._closed:

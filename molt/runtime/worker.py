@@ -20,7 +20,11 @@ RESTART_WINDOW_S = 600.0
 
 
 class RefitGate:
-    """An Engine wrapper that can hold new requests back and wait for the ones in flight (no partial rollout)."""
+    """What the capture server calls the engine: it holds new requests back and waits for the ones in flight (the
+    refit without partial rollout), and a revived engine takes the old one's place behind it (`engine`). It
+    stays here rather than in the engine core's pause modes: it serves every engine kind alike (vLLM's
+    wrapper pauses with its requests kept only), and it holds a request before the engine sees it. It names
+    what the capture server uses; the worker calls the engine itself for the rest."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -30,8 +34,20 @@ class RefitGate:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def __getattr__(self, name: str) -> Any:  # model_name, max_model_len, eos_token_ids, pause, ...
-        return getattr(self.engine, name)
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.engine.eos_token_ids
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
 
     @property
     def can_stream(self) -> bool:

@@ -96,3 +96,17 @@ def test_sessions_reach_the_prefix_cache_in_the_child(proc_engine):
     reused, expected, cached, cold = asyncio.run(main())
     assert reused == expected and cached.token_ids == cold.token_ids
     assert cached.logprobs == pytest.approx(cold.logprobs, abs=1e-5)
+
+
+def test_one_client_interface_in_process_or_not():
+    """An engine process names every coroutine of the in-process engine's interface, with its parameters (no
+    `__getattr__` forwarding)."""
+    import inspect
+
+    from molt.engine.hf import HFEngine
+
+    def interface(cls):
+        return {name: list(inspect.signature(f).parameters) for name, f in inspect.getmembers(cls)
+                if inspect.iscoroutinefunction(f) and not name.startswith("_")}
+    assert interface(EngineProcess) == interface(HFEngine)
+    assert {"pause", "resume", "prefix_stats", "weight_sums", "join_weight_group"} <= set(interface(EngineProcess))
