@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from molt.engine.base import EngineError, EngineGone, RequestError, check_request, copy_weights
+from molt.engine.base import EngineError, EngineGone, RequestError, copy_weights
 from molt.engine.request import Request, failed, resolve
 from molt.engine.runner import ModelRunner
 from molt.engine.sampling import sample
@@ -140,14 +139,11 @@ class HFEngine(InProcessWeightReceiver):
     # ---------------------------------------------------------------- helpers (caller side)
 
     def _make_request(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> Request:
-        max_new = check_request(prompt, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                                model_name=self.model_name)
         # draws on the host (a GPU step would launch a kernel per row); Random(s) seeds from abs(s): the modulus
         # keeps s and -s apart
         seed, loop = None if params.seed is None else params.seed % 2**64, asyncio.get_running_loop()
-        return Request(id=request_id or uuid.uuid4().hex, prompt=prompt, params=params, max_new=max_new,
-                       stops=sorted(set(self.eos_token_ids) | set(params.stop_token_ids)),
-                       generator=random.Random(seed), loop=loop, future=loop.create_future())
+        return Request.admit(self, prompt, params, request_id, generator=random.Random(seed), loop=loop,
+                             future=loop.create_future())
 
     def _abort(self, req: Request) -> None:
         with self._cv:
@@ -190,7 +186,7 @@ class HFEngine(InProcessWeightReceiver):
                     self._cv.wait_for(scheduler.has_work)
                     if scheduler.state is State.CLOSED:
                         return
-                    step = scheduler.schedule(self.runner.keep)
+                    step = scheduler.schedule(lambda rows: self.runner.slots.keep(rows))
                     self._cv.notify_all()  # a pause waits for the boundary
                 for req in step.finished:  # resolved once: they left the scheduler's lists
                     resolve(req, req.completion())

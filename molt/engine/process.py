@@ -43,6 +43,7 @@ from typing import Any
 from molt.engine.base import EngineError, EngineGone, copy_weights
 from molt.types import Completion, SamplingParams
 
+
 class EngineProcess:
     def __init__(self, factory: str, *args: Any, torch_threads: int = 0, start_timeout: float = 600.0,
                  wait: bool = True, **kwargs: Any):

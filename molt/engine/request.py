@@ -1,6 +1,6 @@
 """A request as an engine holds it: the record both engines share (`RequestRecord`), the embedded engine's
-(`Request`, which its worker thread holds) and how it completes. No torch here: the scheduler
-(`molt.engine.scheduler`) handles these records with plain ints and lists.
+(`Request`, which its worker thread holds) and how it completes. No torch at import: `molt.engine.vllm` stays
+light.
 
 Design notes and decisions: docs/internals.md, section `molt/engine/hf.py`.
 """
@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import random
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from molt.engine.base import EngineError
+from molt.engine.base import EngineError, check_request
 from molt.types import Completion, FinishReason, SamplingParams
 
 
@@ -30,6 +31,15 @@ class RequestRecord:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     finish: FinishReason | None = None
     aborted: bool = False
+
+    @classmethod
+    def admit(cls, engine: Any, prompt: list[int], params: SamplingParams, request_id: str | None,
+              **fields: Any) -> Any:
+        """A checked request (`check_request`: RequestError names what is wrong) of `engine`, with its stops."""
+        max_new = check_request(prompt, params, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
+                                model_name=engine.model_name)
+        return cls(id=request_id or uuid.uuid4().hex, prompt=prompt, params=params, max_new=max_new,
+                   stops=sorted(set(engine.eos_token_ids) | set(params.stop_token_ids)), **fields)
 
     def routed_experts(self) -> Any:
         """MoE: the experts of every position but the last, as a numpy array [positions, layers, k], or None."""
@@ -60,11 +70,9 @@ class Request(RequestRecord):
             self.routed = start + len(rows)
 
     def routed_experts(self) -> Any:
-        if not self.routes:
-            return None
         import torch
 
-        return torch.cat(self.routes).numpy()
+        return torch.cat(self.routes).numpy() if self.routes else None
 
 
 def resolve(req: Request, result: Any = None, error: BaseException | None = None) -> None:

@@ -132,10 +132,6 @@ class ModelRunner:
         self.slots.merge([(layer.keys, layer.values) for layer in cache.layers], mask)
         return logits
 
-    def keep(self, rows: list[int]) -> list[int]:
-        """Keep these rows of the batch; returns which old row each slot now holds (`Slots.keep`)."""
-        return self.slots.keep(rows)
-
     def reset(self, refit: bool = False) -> None:
         """Empty the running batch (storage kept); after new weights the prefix cache forgets its entries too."""
         if self.slots is not None:

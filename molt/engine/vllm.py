@@ -8,14 +8,13 @@ import asyncio
 import inspect
 import logging
 import os
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from molt.engine import vllm_worker
-from molt.engine.base import EngineError, EngineGone, RequestError, check_request
+from molt.engine.base import EngineError, EngineGone, RequestError
 from molt.engine.request import RequestRecord
 from molt.types import Completion, FinishReason, ModelSpec, SamplingParams
 
@@ -325,10 +324,7 @@ class VLLMEngine:
     def _admit(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> _Request:
         if self._closed:
             raise EngineGone("the engine is closed")
-        max_new = check_request(prompt, params, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                                model_name=self.model_name)
-        rid = request_id or uuid.uuid4().hex
-        if rid in self._active:
-            raise RequestError(f"request id {rid!r} is already in use")
-        return _Request(id=rid, prompt=prompt, params=params, max_new=max_new,
-                        stops=sorted(set(self.eos_token_ids) | set(params.stop_token_ids)))
+        req = _Request.admit(self, prompt, params, request_id)
+        if req.id in self._active:
+            raise RequestError(f"request id {req.id!r} is already in use")
+        return req

@@ -27,24 +27,14 @@ class RefitGate:
     what the capture server uses; the worker calls the engine itself for the rest."""
 
     def __init__(self, engine: Engine):
-        self.engine = engine
+        self.engine = engine  # a revived one has the same model: the names below stay true
+        self.model_name, self.max_model_len, self.eos_token_ids = engine.model_name, engine.max_model_len, \
+            engine.eos_token_ids
         self._open = asyncio.Event()
         self._open.set()
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-
-    @property
-    def model_name(self) -> str:
-        return self.engine.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        return self.engine.eos_token_ids
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
