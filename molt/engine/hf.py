@@ -42,8 +42,8 @@ class HFEngine(InProcessWeightReceiver):
             prefix_cache_stale=prefix_cache_stale, cuda_graphs=cuda_graphs, lora=lora)
         self.model, self.spec, self.device, self.prefixes = runner.model, runner.spec, runner.device, runner.prefixes
         self.tokenizer = tf.AutoTokenizer.from_pretrained(model_path)
-        self.max_model_len, self.vocab_size = self.spec.max_model_len, self.spec.vocab_size
-        self.eos_token_ids = list(self.spec.eos_token_ids)
+        self.max_model_len, self.vocab_size, self.eos_token_ids = \
+            self.spec.max_model_len, self.spec.vocab_size, list(self.spec.eos_token_ids)
         # with graphs a decode step is cheap and an eager prefill is not: arrivals wait up to this many steps for
         # company (or a full batch) before they prefill
         self.scheduler = Scheduler(max_batch_size, max_prefill_tokens, hold_steps=8 if runner.graphs else 0)
@@ -83,7 +83,7 @@ class HFEngine(InProcessWeightReceiver):
         try:
             return await req.future
         except asyncio.CancelledError:
-            self._abort(req)  # the worker drops it at the next step boundary
+            self._tell(lambda scheduler: scheduler.aborts.append(req))  # it leaves at the next boundary
             raise
         finally:
             with self._cv:
@@ -93,13 +93,11 @@ class HFEngine(InProcessWeightReceiver):
         with self._cv:
             req = self._active.get(request_id)
         if req is not None:
-            self._abort(req)
+            self._tell(lambda scheduler: scheduler.aborts.append(req))
 
     async def pause(self) -> None:
         """Stop scheduling new tokens, keeping every request; returns once the current step has finished."""
-        with self._cv:
-            self.scheduler.pause()
-            self._cv.notify_all()
+        self._tell(Scheduler.pause)
         await asyncio.to_thread(self._wait_for, lambda: self.scheduler.state in (State.PAUSED, State.CLOSED))
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
@@ -116,15 +114,11 @@ class HFEngine(InProcessWeightReceiver):
         return self.prefixes.stats()
 
     async def resume(self) -> None:
-        with self._cv:
-            self.scheduler.resume()
-            self._cv.notify_all()
+        self._tell(Scheduler.resume)
 
     async def close(self) -> None:
         """Abort every request and stop the worker thread."""
-        with self._cv:
-            self.scheduler.state = State.CLOSED
-            self._cv.notify_all()
+        self._tell(Scheduler.close)
         await asyncio.to_thread(self._thread.join)
 
     def shared_weights(self) -> dict[str, torch.Tensor] | None:
@@ -145,10 +139,10 @@ class HFEngine(InProcessWeightReceiver):
         return Request.admit(self, prompt, params, request_id, generator=random.Random(seed), loop=loop,
                              future=loop.create_future())
 
-    def _abort(self, req: Request) -> None:
+    def _tell(self, change: Any) -> None:
+        """Change the scheduler under the lock and wake the worker thread."""
         with self._cv:
-            req.aborted = True
-            self.scheduler.aborts.append(req)
+            change(self.scheduler)
             self._cv.notify_all()
 
     def _wait_for(self, predicate: Any) -> None:
@@ -165,9 +159,8 @@ class HFEngine(InProcessWeightReceiver):
             self._loop()
         except BaseException as error:  # noqa: BLE001 - ended below, with every request
             failure = error
+        self._tell(Scheduler.close)
         with self._cv:
-            self.scheduler.state = State.CLOSED
-            self._cv.notify_all()
             left = list(self._active.values())
         for req in left:
             if failure is None:  # closed

@@ -70,8 +70,11 @@ class Scheduler:
             self.state = State.PAUSING
 
     def resume(self) -> None:
-        if self.state in (State.PAUSING, State.PAUSED):
+        if self.state is not State.CLOSED:
             self.state = State.RUNNING
+
+    def close(self) -> None:
+        self.state = State.CLOSED
 
     def schedule(self, keep: Callable[[list[int]], list[int]]) -> Step:
         """One step boundary. `keep(rows)`: the runner keeps those rows of its batch and returns which old row
@@ -97,9 +100,8 @@ class Scheduler:
         self.waiting = self.waiting[len(new):]
         if not self.recompute:
             return Step(list(self.running), new, finished, run=bool(self.running or new or self.jobs))
-        kept = self.running + [r for job in self.jobs for r in job.requests]  # their keys/values are stale
+        kept, self.recompute = self.drop(), False  # their keys/values are of the old weights
         finished += [r for r in kept if r.finish is not None]
-        self.running, self.jobs, self.recompute = [], [], False
         return Step([], [r for r in kept if r.finish is None] + new, finished, recompute=True)
 
     def plan(self, jobs: list[Prefill]) -> list[tuple[Prefill, int, int]]:
@@ -123,7 +125,7 @@ class Scheduler:
         self.running += job.requests
 
     def drop(self) -> list[Any]:
-        """A step failed: the running batch and the prefills in progress end; returns their requests."""
+        """Empty the running batch and the prefills in progress (a refit, a failed step); their requests."""
         held = self.running + [r for job in self.jobs for r in job.requests]
         self.running, self.jobs = [], []
         return held

@@ -59,3 +59,26 @@ async def test_a_32k_prompt_completes_on_a_32k_model_and_matches_an_unchunked_fo
     await engine.close()
     _, expected = recompute(load(path), prompt, out, 1.0)
     assert torch.tensor(out.logprobs).sub(expected).abs().max() <= 1e-4
+
+
+async def test_a_running_request_keeps_decoding_while_a_long_prompt_prefills_in_chunks(tiny_llama_dir):
+    """Chunked prefill across steps: a 448-token prompt at a budget of 64 tokens per step takes 7 steps, and
+    every step decodes the running request too, so it gains a token per chunk before the long one's first
+    token (prefilled in one step, as before the split, it gained one or two). Ordered by the engine's own
+    token callbacks, which reach the event loop in the order they were sampled."""
+    engine = HFEngine(str(tiny_llama_dir), max_prefill_tokens=64)
+    seen: list[str] = []
+    try:
+        running = asyncio.create_task(engine.generate(long_prompt(20), SamplingParams(max_tokens=60, min_tokens=60),
+                                                      on_tokens=lambda ids: seen.append("a")))
+        while len(seen) < 3:
+            await asyncio.sleep(0.001)
+        before = len(seen)
+        out = await engine.generate(long_prompt(448, 5), SamplingParams(max_tokens=2, min_tokens=2, seed=1),
+                                    on_tokens=lambda ids: seen.append("b"))
+        assert seen.index("b") - before >= 6, seen
+        await running
+    finally:
+        await engine.close()
+    _, expected = recompute(load(tiny_llama_dir), long_prompt(448, 5), out, 1.0)
+    assert torch.tensor(out.logprobs).sub(expected).abs().max() <= 1e-4
