@@ -178,7 +178,7 @@ def kernel_profile(engine: HFEngine, prompts: list[list[int]], new: int) -> None
                  experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:  # the engine's thread
         run_engine(engine, prompts, new)
     key = "device_time_total" if cuda else "self_cpu_time_total"
-    graphs = "CUDA graphs" if engine._graphs else "eager decode"
+    graphs = "CUDA graphs" if engine.runner.graphs else "eager decode"
     print(f"Kernels of {len(prompts)} requests x {new} tokens, {graphs} (by {key}):\n"
           + prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=70), flush=True)
 
@@ -189,7 +189,7 @@ def throughput(engine: HFEngine, prompts: list[list[int]], args: argparse.Namesp
     `generate` and transformers' continuous batching."""
     n, new, repeats, model = len(prompts), args.new_tokens or 64, args.repeats or (2 if eager else 3), stock
     variants = {"embedded engine (molt.engine.hf)": lambda: run_engine(engine, prompts, new),
-                "padded model.generate": lambda: run_generate(model, prompts, new, engine.pad_token_id)}
+                "padded model.generate": lambda: run_generate(model, prompts, new, engine.spec.pad_token_id)}
     if eager is not None:  # on CUDA: the same engine without CUDA graphs, and clients arriving continuously
         variants["embedded engine, eager decode"] = lambda: run_engine(eager, prompts, new)
         prefills = [Prefills(engine), Prefills(eager)]
@@ -209,10 +209,10 @@ def throughput(engine: HFEngine, prompts: list[list[int]], args: argparse.Namesp
     context = (f"{n} requests x {new} new tokens{group}, prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}, "
                f"{str(engine.model.dtype).removeprefix('torch.')}, temperature 1, {_where(args)}")
     if eager is not None:
-        graphs = engine._graphs  # the decoder (molt.engine.slots), made at the first request
+        graphs, error = engine.runner.graphs, engine.runner.graph_error  # the decoder, made at the first request
         context += (f"; CUDA graphs so far: {getattr(graphs, 'captures', 0)} captured in "
                     f"{getattr(graphs, 'capture_s', 0.0):.1f} s (once per shape: batch and attended columns in "
-                    "powers of two)" + (f"; GRAPHS FAILED: {engine.graph_error}" if engine.graph_error else ""))
+                    "powers of two)" + (f"; GRAPHS FAILED: {error}" if error else ""))
         context += (f"; clients arriving continuously: {prefills[0].close()} (graphs), {prefills[1].close()} "
                     "(eager decode)")
         for e in (engine, eager):  # graph replays, then eager decode steps: which attention kernels they run
@@ -355,7 +355,7 @@ def main() -> None:
 
     if cuda or not args.multi_turn:
         for n in map(int, (args.requests or ("64,256" if cuda else "16")).split(",")):
-            engine.max_batch_size = max(engine.max_batch_size, n)
+            engine.scheduler.max_rows = engine.runner.max_batch_size = max(engine.scheduler.max_rows, n)
             prompts = prompts_for(engine.tokenizer, -(-n // args.group), args.device)
             prompts = [p for p in prompts for _ in range(args.group)][:n]  # a GRPO group's samples share a prompt
             report(*throughput(engine, prompts, args, stock, eager))

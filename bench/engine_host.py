@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.engine import random_qwen_05b
 from molt.engine.hf import HFEngine
+from molt.engine.runner import ModelRunner
 from molt.engine.slots import GraphDecoder
 from molt.types import SamplingParams
 
@@ -50,10 +51,10 @@ def main() -> None:
         return wrapper
 
     GraphDecoder._forward = timing(GraphDecoder._forward, "decode")
-    HFEngine._forward = timing(HFEngine._forward, "prefill")  # prefills (decode goes through the graph path)
+    ModelRunner._forward = timing(ModelRunner._forward, "prefill")  # prefills (decode goes through the graph path)
     scratch = tempfile.TemporaryDirectory()
     engine = HFEngine(random_qwen_05b(Path(scratch.name), tiny=True, vocab=args.vocab), max_batch_size=256)
-    engine._graphs, engine.hold_steps = True, 8  # the CUDA path's padded decode, without capture
+    engine.runner.graphs, engine.scheduler.hold_steps = True, 8  # the CUDA path's padded decode, without capture
     params = SamplingParams(max_tokens=args.new_tokens, min_tokens=args.new_tokens, temperature=1.0)
     lines = ["| rows | decode step ms | of which forward ms | host ms | rows / host (tokens/s ceiling) | prefill s |",
              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
