@@ -88,18 +88,16 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
                          f"{estimator} does not take: keep algo.kl.use_loss, or use a token estimator (reinforce, "
                          "reinforce_baseline, gae)")
     total = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
-    if cfg.train.num_ranks > total:
-        raise ValueError(f"train.num_ranks ({cfg.train.num_ranks}) exceeds the rollouts of a step "
-                         f"(rollout.batch_size x n_samples_per_prompt = {total}): every rank needs a rollout")
     if sft and cfg.train.batch_size < 1:
         raise ValueError("train.batch_size: chats per optimizer step, must be >= 1 for molt sft")
     size, group = cfg.train.batch_size, cfg.rollout.n_samples_per_prompt
     if not sft and size and (total % size or size % group):
         raise ValueError(f"train.batch_size ({size}) must divide rollout.batch_size * "
                          f"rollout.n_samples_per_prompt ({total}) in whole groups of {group}")
-    if not sft and cfg.train.num_ranks > (size or total):  # checked here, not at the first optimizer step
-        raise ValueError(f"train.num_ranks ({cfg.train.num_ranks}) exceeds train.batch_size ({size}), the rollouts "
-                         "of an optimizer step: every rank needs one of each")
+    if cfg.train.num_ranks > (size or total):  # checked here, not at the first optimizer step (molt sft: chats)
+        what = f"train.batch_size ({size})" if size else f"rollout.batch_size x n_samples_per_prompt ({total})"
+        raise ValueError(f"train.num_ranks ({cfg.train.num_ranks}) exceeds {what}, the "
+                         f"{'chats' if sft else 'rollouts'} of an optimizer step: every rank needs one of each")
     for o in ("actor", "critic"):
         _check_lora(cfg, o)
     if check_files:

@@ -72,6 +72,19 @@ def test_num_ranks_beyond_an_optimizer_steps_rollouts_is_refused_at_validation(t
                      "--train.num_ranks", "4", *_files(tmp_path)])
 
 
+def test_num_ranks_is_checked_against_what_an_optimizer_step_takes():
+    rl, sft = MoltConfig(), MoltConfig()
+    rl.rollout.batch_size, rl.rollout.n_samples_per_prompt, rl.train.batch_size, rl.train.num_ranks = 2, 2, 0, 8
+    with pytest.raises(ValueError, match=r"num_ranks \(8\) exceeds rollout.batch_size x n_samples_per_prompt \(4\)"):
+        validate(rl, check_files=False)
+    # molt sft: chats per step decide, the rollout sizes do not (they used to refuse 2 ranks here)
+    sft.rollout.batch_size, sft.rollout.n_samples_per_prompt, sft.train.batch_size, sft.train.num_ranks = 1, 1, 4, 2
+    validate(sft, check_files=False, sft=True)
+    sft.train.num_ranks = 8
+    with pytest.raises(ValueError, match=r"num_ranks \(8\) exceeds train.batch_size \(4\), the chats"):
+        validate(sft, check_files=False, sft=True)
+
+
 def test_validate_changes_nothing_and_resolve_derives_on_a_copy():
     for estimator in ("on_policy_distill", "gae"):
         cfg = MoltConfig()
