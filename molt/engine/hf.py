@@ -29,17 +29,14 @@ from molt.types import Completion, FinishReason, SamplingParams
 class HFEngine(InProcessWeightReceiver):
     """Embedded engine on a transformers causal LM. See the module docstring for the design."""
 
-    def __init__(self, model_path: str, *, model_name: str | None = None, dtype: str = "float32",
-                 device: str = "cpu", max_batch_size: int = 64, version: int = 0,
-                 max_prefill_tokens: int = 8192, prefix_cache_mb: float = 1024, prefix_cache_stale: bool = False,
-                 cuda_graphs: bool = True, lora: dict[str, Any] | None = None):
+    def __init__(self, model_path: str, *, model_name: str | None = None, version: int = 0,
+                 max_batch_size: int = 64, max_prefill_tokens: int = 8192, **options: Any):
+        """`options`: the model runner's (`ModelRunner`: dtype, device, prefix cache, CUDA graphs, LoRA)."""
         import transformers as tf
 
         self.model_name = model_name or Path(model_path).name
-        self.runner = runner = ModelRunner(
-            model_path, name=self.model_name, dtype=dtype, device=device, max_batch_size=max_batch_size,
-            max_prefill_tokens=max_prefill_tokens, prefix_cache_mb=prefix_cache_mb,
-            prefix_cache_stale=prefix_cache_stale, cuda_graphs=cuda_graphs, lora=lora)
+        self.runner = runner = ModelRunner(model_path, name=self.model_name, max_batch_size=max_batch_size,
+                                           max_prefill_tokens=max_prefill_tokens, **options)
         self.model, self.spec, self.device, self.prefixes = runner.model, runner.spec, runner.device, runner.prefixes
         self.tokenizer = tf.AutoTokenizer.from_pretrained(model_path)
         self.max_model_len, self.vocab_size, self.eos_token_ids = \
@@ -204,7 +201,6 @@ class HFEngine(InProcessWeightReceiver):
             runner.prefill(job, start, end)
             if end == job.columns:
                 self._emit(job.requests, runner.prefilled(job, version), version)
-                self.scheduler.prefilled(job)
         if runner.graph_error:  # decoding eagerly from now on: arrivals no longer wait for company
             self.scheduler.hold_steps = 0
         runner.store(self.scheduler.running)  # the finished rows' keys/values, before they leave

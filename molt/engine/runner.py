@@ -21,9 +21,9 @@ from molt.types import FinishReason, ModelSpec, join_inputs, rope_positions
 class ModelRunner:
     """Only the engine's worker thread calls it (the asyncio side reads `prefixes.stats()`)."""
 
-    def __init__(self, model_path: str, *, name: str, dtype: str, device: str, max_batch_size: int,
-                 max_prefill_tokens: int, prefix_cache_mb: float, prefix_cache_stale: bool, cuda_graphs: bool,
-                 lora: dict[str, Any] | None):
+    def __init__(self, model_path: str, *, name: str, max_batch_size: int, max_prefill_tokens: int,
+                 dtype: str = "float32", device: str = "cpu", prefix_cache_mb: float = 1024,
+                 prefix_cache_stale: bool = False, cuda_graphs: bool = True, lora: dict[str, Any] | None = None):
         import transformers as tf
 
         if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):

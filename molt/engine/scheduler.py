@@ -46,7 +46,7 @@ class Scheduler:
     """Decides, at each step boundary: departures, admissions (free rows; with `hold_steps`, arrivals wait a
     few steps for company), the decode batch, and how many columns of which prefill run in this step (at most
     `budget` tokens, rows x columns, across steps: chunked prefill). The engine holds its lock around
-    `schedule`; `plan` and `prefilled` run on the worker thread only."""
+    `schedule`; `plan` runs on the worker thread only."""
 
     def __init__(self, max_rows: int, budget: int, hold_steps: int = 0):
         if budget < 1:
@@ -106,10 +106,11 @@ class Scheduler:
 
     def plan(self, jobs: list[Prefill]) -> list[tuple[Prefill, int, int]]:
         """Queue new prefills; returns this step's chunks (job, first column, end column): oldest job first,
-        `budget` tokens in all (a job gets budget // rows columns, at least one), a whole job only alone."""
+        `budget` tokens in all (a job gets budget // rows columns, at least one), a whole job only alone. A job
+        whose last chunk this is joins the running batch now, in the order the runner merges its rows."""
         self.jobs += jobs
         chunks, used = [], 0
-        for job in self.jobs:
+        for job in list(self.jobs):
             left = self.budget - used
             if used and (job.whole or left < job.rows):
                 break
@@ -117,12 +118,10 @@ class Scheduler:
             chunks.append((job, job.done, end))
             used += job.rows * (end - job.done)
             job.done = end
+            if end == job.columns:
+                self.jobs.remove(job)
+                self.running += job.requests
         return chunks
-
-    def prefilled(self, job: Prefill) -> None:
-        """A job's last chunk ran: its requests join the running batch (the runner merged their rows)."""
-        self.jobs.remove(job)
-        self.running += job.requests
 
     def drop(self) -> list[Any]:
         """Empty the running batch and the prefills in progress (a refit, a failed step); their requests."""

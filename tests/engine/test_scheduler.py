@@ -40,7 +40,6 @@ def test_admissions_fill_the_free_rows_in_arrival_order():
     assert step.admitted == [a, b, c] and step.decode == [] and s.waiting == [d]
     chunks = s.plan([job(a, b, c, columns=10)])  # 30 tokens: within the budget, one chunk
     assert [(x.requests, start, end) for x, start, end in chunks] == [([a, b, c], 0, 10)]
-    s.prefilled(chunks[0][0])
     assert s.running == [a, b, c] and not s.jobs
     step = s.schedule(compact)  # no free row: d waits, the batch decodes
     assert step.decode == [a, b, c] and step.admitted == [] and s.waiting == [d]
@@ -82,9 +81,6 @@ def test_a_long_prefill_runs_in_chunks_across_steps_under_the_budget_while_the_b
         chunks = s.plan(jobs)
         seen.append([(x.requests[0].name, start, end) for x, start, end in chunks])
         assert sum(x.rows * (end - start) for x, start, end in chunks) <= s.budget
-        for x, _, end in chunks:
-            if end == x.columns:
-                s.prefilled(x)
         assert s.schedule(compact).decode[0] is runner  # the running row decodes at every step
     assert seen == [[("long", 0, 8)], [("long", 8, 16)], [("long", 16, 20), ("short", 0, 3)]]
     assert s.running == [runner, long, short] and not s.jobs
@@ -96,8 +92,7 @@ def test_a_prefill_gets_at_least_one_column_and_a_whole_one_runs_alone():
     assert [(start, end) for _, start, end in s.plan([wide])] == [(0, 1)]
     image = job(Req("img"), columns=9, whole=True)
     chunks = s.plan([image])  # the wide one goes on first; the image waits for a step of its own
-    assert [(x is wide, start, end) for x, start, end in chunks] == [(True, 1, 2)]
-    s.prefilled(wide)
+    assert [(x is wide, start, end) for x, start, end in chunks] == [(True, 1, 2)] and s.running == wide.requests
     assert [(x is image, start, end) for x, start, end in s.plan([])] == [(True, 0, 9)]
 
 
