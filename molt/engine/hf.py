@@ -95,7 +95,7 @@ class HFEngine(InProcessWeightReceiver):
     async def pause(self) -> None:
         """Stop scheduling new tokens, keeping every request; returns once the current step has finished."""
         self._tell(Scheduler.pause)
-        await asyncio.to_thread(self._wait_for, lambda: self.scheduler.state in (State.PAUSED, State.CLOSED))
+        await asyncio.to_thread(self._wait_for, lambda: self.scheduler.state is not State.PAUSING)  # or resumed
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         """Copy (HF parameter name, tensor) pairs into the model; may be called several times (buckets)."""
