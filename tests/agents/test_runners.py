@@ -45,7 +45,7 @@ async def test_reference_env_file_runs_unchanged(hf_engine, tokenizer):
     ((state),) = seen
     assert set(state) == {"observation_text", "action_text", "label", "sampling_params"}
     (segment,) = traj.segments
-    n = segment.action_mask.index(1)
+    n = int(segment.action_mask.argmax())  # the first action token
     assert state["observation_text"] == tokenizer.decode(segment.token_ids[:n])  # the chat-rendered context
     assert state["observation_text"].endswith("<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n")
     assert state["action_text"] == tokenizer.decode(segment.token_ids[n:])  # special tokens kept
@@ -129,7 +129,7 @@ async def test_multi_turn_env_with_chat_observations(tokenizer):
     assert [c["params"].temperature for c in engine.calls] == [1.0, 0.5, 0.5]
     # the temperature change seals the first segment; the later turns continue one segment exactly
     assert [s.break_reason for s in traj.segments] == ["start", "sampling_changed"]
-    assert engine.calls[2]["prompt_ids"] == traj.segments[1].token_ids[:len(engine.calls[2]["prompt_ids"])]
+    assert engine.calls[2]["prompt_ids"] == traj.segments[1].token_ids[:len(engine.calls[2]["prompt_ids"])].tolist()
 
 
 class Endless(Env):
