@@ -17,8 +17,6 @@ import zlib
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-import numpy as np
-
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # a stop token (EOS or `stop_token_ids`) was sampled; it is included in the output
@@ -105,10 +103,10 @@ class Segment:
     """One token-exact context of a rollout. Per-token data are numpy arrays (lists are converted on entry,
     `per_token`): `behavior_logprobs` and `versions` hold one entry per action token, in order."""
 
-    token_ids: np.ndarray  # [n] int32
-    action_mask: np.ndarray  # [n] bool, True on tokens the policy sampled
-    behavior_logprobs: np.ndarray  # [num_actions] float32 log-prob of each sampled token when it was sampled
-    versions: np.ndarray  # [num_actions] int32 policy version that sampled each action token
+    token_ids: Any  # numpy [n] int32
+    action_mask: Any  # numpy [n] bool, True on tokens the policy sampled
+    behavior_logprobs: Any  # numpy [num_actions] float32 log-prob of each sampled token when it was sampled
+    versions: Any  # numpy [num_actions] int32 policy version that sampled each action token
     break_reason: str = "start"  # why this segment began: start, compaction, template_rewrite, tools_changed, ...
     temperature: float = 1.0  # temperature of its action tokens; capture seals the segment when it changes
     routed_experts: Any = None  # MoE: numpy [len(token_ids), layers, k] expert ids (0 on the last token: never run)
@@ -132,6 +130,8 @@ def per_token(token_ids: Any, action_mask: Any, logprobs: Any, versions: Any) ->
     """The per-token fields of a segment or experience as arrays: int32 ids, a bool mask, float32 log-probs and
     int32 versions of the action tokens. Log-probs or versions given one per token (aligned with the ids) keep
     the action tokens' entries. None stays None (an offloaded experience)."""
+    import numpy as np  # not at the top: `molt --help` and `import molt.agents` stay light
+
     ids = None if token_ids is None else np.asarray(token_ids, np.int32)
     mask = None if action_mask is None else np.asarray(action_mask, bool)
     out = []
@@ -146,18 +146,20 @@ def per_token(token_ids: Any, action_mask: Any, logprobs: Any, versions: Any) ->
     return ids, mask, *out
 
 
-def expand_actions(values: Any, mask: np.ndarray, fill: float) -> np.ndarray:
+def expand_actions(values: Any, mask: Any, fill: float) -> Any:
     """Values of the action tokens laid out one per token, `fill` on context tokens: [num_actions] -> [n]."""
+    import numpy as np
+
     values, mask = np.asarray(values), np.asarray(mask, bool)
     out = np.full(len(mask), fill, values.dtype)
     out[mask] = values
     return out
 
 
-def token_lists(ids: np.ndarray, mask: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> dict[str, list]:
+def token_lists(ids: Any, mask: Any, logprobs: Any, versions: Any) -> dict[str, list]:
     """The per-token arrays as JSON lists, one entry per token (the layout of `molt serve`'s trajectory and of
     the dumps): a 0/1 mask, log-prob 0.0 and version -1 on context tokens."""
-    return {"token_ids": ids.tolist(), "action_mask": mask.astype(np.uint8).tolist(),
+    return {"token_ids": ids.tolist(), "action_mask": mask.astype("uint8").tolist(),
             "behavior_logprobs": expand_actions(logprobs, mask, 0.0).tolist(),
             "versions": expand_actions(versions, mask, -1).tolist()}
 
@@ -316,13 +318,13 @@ class Experience:
     num_actions: int
     min_version: int  # oldest policy version among its action tokens
     temperature: float = 1.0
-    token_ids: np.ndarray | None = None  # per-token data as in `Segment` (lists are converted on entry)
-    action_mask: np.ndarray | None = None
-    behavior_logprobs: np.ndarray | None = None
-    versions: np.ndarray | None = None
+    token_ids: Any = None  # per-token data as in `Segment` (lists are converted on entry); None when offloaded
+    action_mask: Any = None
+    behavior_logprobs: Any = None
+    versions: Any = None
     # the rollout's advantage on every action token (a group estimator), or one per token (0 on context; a
     # float32 array); filled on the trainer rank, laid out per token in collation
-    advantages: float | np.ndarray | None = None
+    advantages: Any = None
     routed_experts: Any = None
     images: Any = None
     payload_ref: Any = None  # ray.ObjectRef of the payload dict while offloaded
