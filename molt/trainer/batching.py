@@ -199,13 +199,13 @@ def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
         t = {k: pad_rows(rows, value, dtype, length) for k, (rows, value, dtype) in per_token.items()}
         t["attention_mask"] = pad_rows([np.ones(n, np.int64) for n in lens], 0, np.int64, length)
         spans = [(i, 0, n, 0) for i, n in enumerate(lens)]
-    ghost = not t["action_mask"].any()
+    ghost = not t["action_mask"].numpy().any()  # numpy: its any and flatnonzero are much cheaper on the host
     if ghost and t["action_mask"].shape[1] < 2:
         return ghost_batch(pad_id, device, extra or {}, pack)
     if ghost:  # mark one token as an action so that every parameter (the output head included) joins the
         # backward, as FSDP2 expects the same parameters to receive gradients on every rank; the loss is zeroed
         t["action_mask"][0, 1] = True
-    act_index = t["action_mask"].flatten().nonzero()[:, 0]  # host tensors: no device sync
+    act_index = torch.from_numpy(np.flatnonzero(t["action_mask"].numpy()))  # host arrays: no device sync
     mb = MicroBatch(t["input_ids"], t.get("attention_mask"), t["action_mask"], t["behavior_logprobs"],
                     t["advantages"], act_index, t["temperature"].flatten()[act_index],
                     0 if ghost else len(act_index), spans, extra={k: t[k] for k in extra or {}}, ghost=ghost,
@@ -243,13 +243,14 @@ def _pack(per_token: dict, exps: list[Experience], share_prefix: bool) -> tuple[
         if head is not None or prefix is None:  # not a prefix piece
             spans[i] = (0, bounds[k], lens[i], lo)
     heads = [None if h is None else (bounds[h], bounds[h + 1]) for *_, h in pieces]
-    kv = [[*(range(*h) if h else ()), *range(a, b)] for h, (a, b) in zip(heads, itertools.pairwise(bounds))]
+    # each piece attends to its prefix piece's keys (if any), then its own
+    kv = [np.r_[np.arange(*h or (0, 0)), a:b] for h, (a, b) in zip(heads, itertools.pairwise(bounds))]
     packing = {"position_ids": t["position_ids"], "molt_bounds": bounds, "molt_prefixes": heads,
                "cu_seq_lens_q": torch.tensor(bounds, dtype=torch.int32), "max_length_q": max(sizes),
                "cu_seq_lens_k": torch.tensor(list(itertools.accumulate(map(len, kv), initial=0)), dtype=torch.int32),
                "max_length_k": max(map(len, kv))}
     if prefix is not None:
-        packing["molt_kv_index"] = torch.tensor([j for idx in kv for j in idx], dtype=torch.long)
+        packing["molt_kv_index"] = torch.from_numpy(np.concatenate(kv))
     return t, spans, packing
 
 
