@@ -57,7 +57,7 @@ def main() -> None:
     cpu = torch.device("cpu")  # advantages left out (zeros): how a tree holds them differs (per token or one number)
     padded = best_ms(lambda: collate(exps, 0, cpu, need_advantages=False), args.repeat)
     packed = best_ms(lambda: collate(exps, 0, cpu, need_advantages=False, share_prefix=True, pack=True), args.repeat)
-    print(f"| tree | payload (bytes/token) | pickle round trip (ms) | collate padded (ms) | packed, shared prefix (ms) |\n"
+    print("| tree | payload (bytes/token) | pickle round trip (ms) | collate padded (ms) | packed, shared prefix (ms) |\n"
           f"|---|---:|---:|---:|---:|\n| {molt.__file__.rsplit('/molt/', 1)[0]} | {size / (n * args.samples):.1f} "
           f"| {round_trip:.1f} | {padded:.0f} | {packed:.0f} |")
 

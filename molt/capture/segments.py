@@ -76,8 +76,8 @@ class SegmentTracker:
             context = self._continuation(branch, text_c)
             if context is not None:
                 ids, images = self.renderer.encode_images(context, message_images(messages[len(known):]))
-                return Plan(branch.segment.token_ids.tolist() + ids, ids, branch, "", messages, tools, temperature, text_c,
-                            images=join_inputs(branch.segment.images, images))
+                return Plan(branch.segment.token_ids.tolist() + ids, ids, branch, "", messages, tools, temperature,
+                            text_c, images=join_inputs(branch.segment.images, images))
             rewrite = True
             break
         ids, images = self.renderer.encode_images(text_c, message_images(messages))

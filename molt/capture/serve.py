@@ -7,10 +7,11 @@ Routes added to the capture server's:
 - POST /sessions (body optional: {"rollout_id": str, "sampling_params": {...}}; max_tokens left out: the rest of
   the window) -> {"session_id", "base_url", "session_url", "api_key"}. Unauthenticated: the service binds to loopback by default.
 - GET /s/{session_id}/trajectory (the session's key) -> {"rollout_id", "reward", "segments": [{"token_ids",
-  "action_mask", "behavior_logprobs", "versions" (one entry per token: 0.0 and -1 on context tokens), "break_reason",
-  "temperature", "text", "images", "routed_experts"}]}: everything the segment records, `text` being the decoded segment with special tokens,
-  `images` the sha256 of each image's bytes in order (the processor's inputs are not sent back), and
-  `routed_experts` the MoE routes ([tokens][layers][k] expert ids) or null.
+  "action_mask", "behavior_logprobs", "versions" (one entry per token: 0.0 and -1 on context tokens),
+  "break_reason", "temperature", "text", "images", "routed_experts"}]}: everything the segment records, `text`
+  being the decoded segment with special tokens, `images` the sha256 of each image's bytes in order (the
+  processor's inputs are not sent back), and `routed_experts` the MoE routes ([tokens][layers][k] expert ids) or
+  null.
 - POST /s/{session_id}/reward {"reward": float} (the session's key) sets the rollout's reward.
 Sessions live until the service stops. It prints its address when ready and stops cleanly on SIGINT/SIGTERM.
 

@@ -125,8 +125,8 @@ class Actor(ShardedModelTrainer):
     # ---- log-prob passes ---------------------------------------------------------------------------------
     @torch.no_grad()
     def compute_logprobs(self, experiences: list[Experience], reference: bool = False) -> list:
-        """Per-token log-probs (float32 arrays) of each experience's action tokens (0.0 elsewhere) under the policy, or under the
-        reference model. Collective: every rank calls it with its own experiences."""
+        """Per-token log-probs of each experience's action tokens (a float32 array each, 0.0 elsewhere) under the
+        policy, or under the reference model. Collective: every rank calls it with its own experiences."""
         model = self.ref if reference else self.model
         if model is None:
             raise ValueError("reference: no reference model (algo.kl.init_coef is 0)")

@@ -141,7 +141,7 @@ class ShardedModelTrainer:
                       extra: dict[str, list | None] | None = None,
                       need_advantages: bool = True) -> Iterator[tuple[list[int], MicroBatch]]:
         """Collate the planned micro-batches one at a time, then ghosts until `n_passes`. `extra`: named
-        per-token lists aligned with `experiences` (None values are dropped)."""
+        per-token arrays (or lists) aligned with `experiences` (None values are dropped)."""
         extra = {k: v for k, v in (extra or {}).items() if v is not None}
         for k, v in extra.items():
             if len(v) != len(experiences):

@@ -30,7 +30,8 @@ async def test_reference_chat_agent_files_run_unchanged(hf_engine, tokenizer, fi
     assert traj.reward in (0.0, 1.0) and (traj.rollout_id, traj.group_id) == ("r", "g")
     ((_, prompt, completion),) = engine.records
     (segment,) = traj.segments
-    assert segment.token_ids.tolist() == prompt + completion.token_ids and segment.num_actions == len(completion.token_ids)
+    assert segment.token_ids.tolist() == prompt + completion.token_ids
+    assert segment.num_actions == len(completion.token_ids)
     assert traj.info["capture/requests"] == 1.0 and traj.info["capture/malformed_tool_calls"] == 0.0
     if file == "chat_agent.py":  # a 1-element tensor in info becomes a float
         assert traj.info["length"] == len(tokenizer.decode(completion.token_ids, skip_special_tokens=True))
