@@ -29,6 +29,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +81,7 @@ def molt_step(args, path, window, pack: bool, chunk: int, lora: int = 0):
         "actor.logprob_chunk_size": chunk, "train.share_prefix": False, "algo.advantage.is_correction_level": "token",
         "algo.advantage.is_correction_mode": "trunc", "algo.advantage.is_correction_threshold": (0.0, 2.0)})
     for e, lp in zip(window, actor.compute_logprobs(window)):  # behavior log-probs near the trainer's
-        e.behavior_logprobs = lp
+        e.behavior_logprobs = lp[e.action_mask]  # one per action token (molt.types)
     return lambda: actor.train_step(window), actor.device
 
 
@@ -91,9 +92,9 @@ def plain_step(args, path, window):
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).train()
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-6, fused=device.type == "cuda")
     rows = max(1, args.budget // args.seq_len)
-    ids = torch.tensor([e.token_ids for e in window], device=device)
-    mask = torch.tensor([e.action_mask for e in window], device=device, dtype=torch.float32)
-    adv = torch.tensor([e.advantages for e in window], device=device)
+    ids = torch.tensor(np.stack([e.token_ids for e in window]), device=device, dtype=torch.long)
+    mask = torch.tensor(np.stack([e.action_mask for e in window]), device=device, dtype=torch.float32)
+    adv = torch.tensor(np.stack([e.advantages for e in window]), device=device)
     count = mask.sum()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 

@@ -50,17 +50,6 @@ def _text(rng: random.Random, renderer: ChatRenderer, tokens: int) -> str:
     return renderer.decode(renderer.encode(" ".join(words))[:tokens])
 
 
-def _as_arrays(payload: dict) -> dict:
-    """The payload as issue 37 item 2 would ship it: int32 ids, a bool mask, and float32 log-probs and int32
-    versions of the action tokens only (context tokens carry none)."""
-    import numpy as np
-
-    mask = np.asarray(payload["action_mask"], bool)
-    return {"token_ids": np.asarray(payload["token_ids"], np.int32), "action_mask": mask,
-            "behavior_logprobs": np.asarray(payload["behavior_logprobs"], np.float32)[mask],
-            "versions": np.asarray(payload["versions"], np.int32)[mask]}
-
-
 def _rss_peak(pid: int) -> tuple[float, float]:
     """(resident, peak resident) MiB of a process, from /proc (Linux)."""
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
@@ -124,12 +113,11 @@ async def run(args: argparse.Namespace) -> dict:
     tokens = sum(e.num_tokens for e in experiences)
     payloads = [e.split() for e in experiences]
     payload = sum(len(pickle.dumps(p, protocol=5)) for p in payloads)
-    arrays = sum(len(pickle.dumps(_as_arrays(p), protocol=5)) for p in payloads)
     await client.aclose()
     await server.stop()
     await engine.close()
     return {"turns": turns, "side": side, "loaded": loaded, "peak": peak, "prefix": stats, "segments": len(segments),
-            "tokens": tokens, "payload_bytes": payload, "array_bytes": arrays, "kv_per_token": 2 * 2 * 2 * 16 * 4}  # layers x (k, v) x kv heads x head dim x fp32
+            "tokens": tokens, "payload_bytes": payload, "kv_per_token": 2 * 2 * 2 * 16 * 4}  # layers x (k, v) x kv heads x head dim x fp32
 
 
 def table(result: dict, near: int) -> str:
@@ -157,9 +145,8 @@ def table(result: dict, near: int) -> str:
         f"(+{peak[1] - loaded[1]:.0f} MiB; the KV cache of one {result['turns'][-1]['history']:,}-token prompt is "
         f"{result['kv_per_token'] * result['turns'][-1]['history'] / 2**20:.0f} MiB)."),
         (f"Payload: {result['segments']} segment(s), {result['tokens']:,} tokens, {result['payload_bytes']:,} bytes "
-        f"pickled = {result['payload_bytes'] / result['tokens']:.1f} bytes per token (Python lists); as arrays "
-         f"(int32 ids, bool mask, float32 log-probs and int32 versions on action tokens only) "
-         f"{result['array_bytes'] / result['tokens']:.1f} bytes per token."),
+        f"pickled = {result['payload_bytes'] / result['tokens']:.1f} bytes per token (int32 ids, a bool mask, "
+         "float32 log-probs and int32 versions of the action tokens)."),
     ]
     return "\n".join(rows + [line for line in lines if line])
 

@@ -100,26 +100,68 @@ class Completion:
 
 @dataclass(slots=True)
 class Segment:
-    """One token-exact context of a rollout. All per-token lists have len(token_ids)."""
+    """One token-exact context of a rollout. Per-token data are numpy arrays (lists are converted on entry,
+    `per_token`): `behavior_logprobs` and `versions` hold one entry per action token, in order."""
 
-    token_ids: list[int]
-    action_mask: list[int]  # 1 on tokens the policy sampled
-    behavior_logprobs: list[float]  # log-prob of each sampled token when sampled; 0.0 on context tokens
-    versions: list[int]  # policy version that sampled each token; -1 on context tokens
+    token_ids: Any  # numpy [n] int32
+    action_mask: Any  # numpy [n] bool, True on tokens the policy sampled
+    behavior_logprobs: Any  # numpy [num_actions] float32 log-prob of each sampled token when it was sampled
+    versions: Any  # numpy [num_actions] int32 policy version that sampled each action token
     break_reason: str = "start"  # why this segment began: start, compaction, template_rewrite, tools_changed, ...
     temperature: float = 1.0  # temperature of its action tokens; capture seals the segment when it changes
     routed_experts: Any = None  # MoE: numpy [len(token_ids), layers, k] expert ids (0 on the last token: never run)
     images: Any = None  # processor inputs of its images in order ({"pixel_values": [n_images, ...], ...}) or None
 
+    def __post_init__(self) -> None:
+        self.token_ids, self.action_mask, self.behavior_logprobs, self.versions = per_token(
+            self.token_ids, self.action_mask, self.behavior_logprobs, self.versions)
+
     @property
     def num_actions(self) -> int:
-        return sum(self.action_mask)
+        return int(self.action_mask.sum())
 
     def check(self) -> None:
-        n = len(self.token_ids)
-        assert len(self.action_mask) == n and len(self.behavior_logprobs) == n and len(self.versions) == n, (
-            "segment per-token fields must align with token_ids"
-        )
+        assert len(self.action_mask) == len(self.token_ids), "action_mask must align with token_ids"
+        assert len(self.behavior_logprobs) == len(self.versions) == self.action_mask.sum(), (
+            "behavior_logprobs and versions must hold one entry per action token")
+
+
+def per_token(token_ids: Any, action_mask: Any, logprobs: Any, versions: Any) -> tuple[Any, ...]:
+    """The per-token fields of a segment or experience as arrays: int32 ids, a bool mask, float32 log-probs and
+    int32 versions of the action tokens. Log-probs or versions given one per token (aligned with the ids) keep
+    the action tokens' entries. None stays None (an offloaded experience)."""
+    import numpy as np  # not at the top: `molt --help` and `import molt.agents` stay light
+
+    ids = None if token_ids is None else np.asarray(token_ids, np.int32)
+    mask = None if action_mask is None else np.asarray(action_mask, bool)
+    out = []
+    for name, values, dtype in (("behavior_logprobs", logprobs, np.float32), ("versions", versions, np.int32)):
+        values = None if values is None else np.asarray(values, dtype)
+        if values is not None and mask is not None and len(values) != (k := int(mask.sum())):
+            if len(values) != len(mask):
+                raise ValueError(f"{name} has {len(values)} entries for {len(mask)} tokens, {k} of them actions: "
+                                 "give one per action token (or one per token)")
+            values = values[mask]
+        out.append(values)
+    return ids, mask, *out
+
+
+def expand_actions(values: Any, mask: Any, fill: float) -> Any:
+    """Values of the action tokens laid out one per token, `fill` on context tokens: [num_actions] -> [n]."""
+    import numpy as np
+
+    values, mask = np.asarray(values), np.asarray(mask, bool)
+    out = np.full(len(mask), fill, values.dtype)
+    out[mask] = values
+    return out
+
+
+def token_lists(ids: Any, mask: Any, logprobs: Any, versions: Any) -> dict[str, list]:
+    """The per-token arrays as JSON lists, one entry per token (the layout of `molt serve`'s trajectory and of
+    the dumps): a 0/1 mask, log-prob 0.0 and version -1 on context tokens."""
+    return {"token_ids": ids.tolist(), "action_mask": mask.astype("uint8").tolist(),
+            "behavior_logprobs": expand_actions(logprobs, mask, 0.0).tolist(),
+            "versions": expand_actions(versions, mask, -1).tolist()}
 
 
 @dataclass(slots=True)
@@ -276,22 +318,28 @@ class Experience:
     num_actions: int
     min_version: int  # oldest policy version among its action tokens
     temperature: float = 1.0
-    token_ids: list[int] | None = None
-    action_mask: list[int] | None = None
-    behavior_logprobs: list[float] | None = None
-    versions: list[int] | None = None
-    advantages: list[float] | None = None  # per token (0 on context); filled by the advantage estimator
+    token_ids: Any = None  # per-token data as in `Segment` (lists are converted on entry); None when offloaded
+    action_mask: Any = None
+    behavior_logprobs: Any = None
+    versions: Any = None
+    # the rollout's advantage on every action token (a group estimator), or one per token (0 on context; a
+    # float32 array); filled on the trainer rank, laid out per token in collation
+    advantages: Any = None
     routed_experts: Any = None
     images: Any = None
     payload_ref: Any = None  # ray.ObjectRef of the payload dict while offloaded
 
+    def __post_init__(self) -> None:
+        self.token_ids, self.action_mask, self.behavior_logprobs, self.versions = per_token(
+            self.token_ids, self.action_mask, self.behavior_logprobs, self.versions)
+
     @classmethod
     def from_segment(cls, traj: Trajectory, index: int) -> Experience:
         seg = traj.segments[index]
-        acted = [v for v, m in zip(seg.versions, seg.action_mask) if m]
         return cls(
             rollout_id=traj.rollout_id, group_id=traj.group_id, segment_index=index, reward=traj.reward,
-            num_tokens=len(seg.token_ids), num_actions=len(acted), min_version=min(acted, default=-1),
+            num_tokens=len(seg.token_ids), num_actions=seg.num_actions,
+            min_version=int(seg.versions.min()) if seg.num_actions else -1,
             temperature=seg.temperature, token_ids=seg.token_ids, action_mask=seg.action_mask,
             behavior_logprobs=seg.behavior_logprobs, versions=seg.versions,
             routed_experts=seg.routed_experts, images=seg.images,

@@ -76,8 +76,8 @@ class SegmentTracker:
             context = self._continuation(branch, text_c)
             if context is not None:
                 ids, images = self.renderer.encode_images(context, message_images(messages[len(known):]))
-                return Plan(branch.segment.token_ids + ids, ids, branch, "", messages, tools, temperature, text_c,
-                            images=join_inputs(branch.segment.images, images))
+                return Plan(branch.segment.token_ids.tolist() + ids, ids, branch, "", messages, tools, temperature,
+                            text_c, images=join_inputs(branch.segment.images, images))
             rewrite = True
             break
         ids, images = self.renderer.encode_images(text_c, message_images(messages))
@@ -89,7 +89,7 @@ class SegmentTracker:
             raise ValueError("raw-text continuation needs an earlier turn in this session")
         seg = self._last.segment
         ids = self.renderer.encode(text)
-        return Plan(seg.token_ids + ids, ids, self._last, "", None, self._last.tools, seg.temperature,
+        return Plan(seg.token_ids.tolist() + ids, ids, self._last, "", None, self._last.tools, seg.temperature,
                     images=seg.images)
 
     def commit(self, plan: Plan, actions: list[Action], replies: list[dict[str, Any]] | None) -> None:
@@ -148,11 +148,11 @@ def _start(messages: list[dict[str, Any]]) -> tuple[str, str]:
 
 
 def _extend(segment: Segment, context: list[int], action: Action) -> None:
-    n = len(context)
-    segment.token_ids += context + action.token_ids
-    segment.action_mask += [0] * n + [1] * len(action.token_ids)
-    segment.behavior_logprobs += [0.0] * n + list(action.logprobs)
-    segment.versions += [-1] * n + list(action.versions)
+    n, k = len(context), len(action.token_ids)
+    segment.token_ids = np.concatenate([segment.token_ids, np.asarray(context + action.token_ids, np.int32)])
+    segment.action_mask = np.concatenate([segment.action_mask, np.arange(n + k) >= n])
+    segment.behavior_logprobs = np.concatenate([segment.behavior_logprobs, np.asarray(action.logprobs, np.float32)])
+    segment.versions = np.concatenate([segment.versions, np.asarray(action.versions, np.int32)])
     if action.routes is not None:  # aligned with token_ids (0 where never run); rows already there keep theirs
         routes = np.zeros((len(segment.token_ids), *action.routes.shape[1:]), action.routes.dtype)
         routes[:len(action.routes)] = action.routes[:len(routes)]

@@ -7,10 +7,11 @@ Routes added to the capture server's:
 - POST /sessions (body optional: {"rollout_id": str, "sampling_params": {...}}; max_tokens left out: the rest of
   the window) -> {"session_id", "base_url", "session_url", "api_key"}. Unauthenticated: the service binds to loopback by default.
 - GET /s/{session_id}/trajectory (the session's key) -> {"rollout_id", "reward", "segments": [{"token_ids",
-  "action_mask", "behavior_logprobs", "versions", "break_reason", "temperature", "text", "images",
-  "routed_experts"}]}: everything the segment records, `text` being the decoded segment with special tokens,
-  `images` the sha256 of each image's bytes in order (the processor's inputs are not sent back), and
-  `routed_experts` the MoE routes ([tokens][layers][k] expert ids) or null.
+  "action_mask", "behavior_logprobs", "versions" (one entry per token: 0.0 and -1 on context tokens),
+  "break_reason", "temperature", "text", "images", "routed_experts"}]}: everything the segment records, `text`
+  being the decoded segment with special tokens, `images` the sha256 of each image's bytes in order (the
+  processor's inputs are not sent back), and `routed_experts` the MoE routes ([tokens][layers][k] expert ids) or
+  null.
 - POST /s/{session_id}/reward {"reward": float} (the session's key) sets the rollout's reward.
 Sessions live until the service stops. It prints its address when ready and stops cleanly on SIGINT/SIGTERM.
 
@@ -33,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from molt.capture.errors import WireError, parse_body
 from molt.capture.render import message_images
 from molt.capture.server import CaptureServer
-from molt.types import SamplingParams
+from molt.types import SamplingParams, token_lists
 
 
 class NewSession(BaseModel):
@@ -65,10 +66,9 @@ def add_service_routes(server: CaptureServer) -> None:
     @app.get("/s/{session_id}/trajectory")
     async def trajectory(session_id: str, request: Request) -> JSONResponse:
         session = server.session_for(session_id, request)
-        segments = [{"token_ids": s.token_ids, "action_mask": s.action_mask,
-                     "behavior_logprobs": s.behavior_logprobs, "versions": s.versions,
+        segments = [{**token_lists(s.token_ids, s.action_mask, s.behavior_logprobs, s.versions),
                      "break_reason": s.break_reason, "temperature": s.temperature,
-                     "text": server.renderer.decode(s.token_ids),
+                     "text": server.renderer.decode(s.token_ids.tolist()),
                      "images": [str(ref) for ref in message_images(b.messages or [])],
                      "routed_experts": None if s.routed_experts is None else s.routed_experts.tolist()}
                     for b in session.tracker.branches for s in [b.segment]]

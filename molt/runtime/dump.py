@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from molt.runtime.pool import Group
+from molt.types import PAYLOAD_FIELDS, token_lists
 
 
 @lru_cache(maxsize=2)
@@ -38,7 +40,7 @@ def _pieces(tok, ids: list[int]) -> list[str]:
 
 
 def dump_groups(path: Path, groups: list[Group], model_path: str, advantages: dict[str, float] | None = None,
-                trainer_logprobs: dict[tuple[str, int], list[float]] | None = None, gate: tuple = ("off",)) -> None:
+                trainer_logprobs: dict[tuple[str, int], Any] | None = None, gate: tuple = ("off",)) -> None:
     """`advantages`: the per-rollout advantage of a group estimator (token-level estimators: omitted);
     `trainer_logprobs` by (rollout id, segment index); `gate`: (level, mode, low, high) of the importance gate."""
     import ray
@@ -52,21 +54,20 @@ def dump_groups(path: Path, groups: list[Group], model_path: str, advantages: di
         for g in groups:
             for o in g.outcomes:
                 for e in o.experiences:
-                    payload = ray.get(e.payload_ref) if e.offloaded else {"token_ids": e.token_ids,
-                        "action_mask": e.action_mask, "behavior_logprobs": e.behavior_logprobs, "versions": e.versions}
-                    ids, mask = payload["token_ids"], payload["action_mask"]
+                    p = ray.get(e.payload_ref) if e.offloaded else {k: getattr(e, k) for k in PAYLOAD_FIELDS}
+                    lists = token_lists(p["token_ids"], p["action_mask"], p["behavior_logprobs"], p["versions"])
+                    ids, mask = lists["token_ids"], lists["action_mask"]
                     line = {
                         "group_id": g.group_id, "rollout_id": o.rollout_id, "segment": e.segment_index,
                         "break_reason": o.break_reasons[e.segment_index] if o.break_reasons else "start",
                         "reward": o.reward, "advantage": (advantages or {}).get(o.rollout_id),
                         "text": tok.decode(ids), "pieces": _pieces(tok, ids),
-                        "action_text": tok.decode([t for t, m in zip(ids, mask) if m]),
-                        "token_ids": ids, "action_mask": mask, "behavior_logprobs": payload["behavior_logprobs"],
-                        "versions": payload["versions"],
+                        "action_text": tok.decode([t for t, m in zip(ids, mask) if m]), **lists,
                     }
                     lp = (trainer_logprobs or {}).get((o.rollout_id, e.segment_index))
                     if lp is not None:
+                        line["trainer_logprobs"] = lp = [float(x) for x in lp]
                         w, _ = importance_weights(*(torch.tensor([x], dtype=torch.float64) for x in
-                                                    (lp, payload["behavior_logprobs"], mask)), *gate)
-                        line.update(trainer_logprobs=lp, is_weights=w[0].tolist())
+                                                    (lp, lists["behavior_logprobs"], mask)), *gate)
+                        line["is_weights"] = w[0].tolist()
                     f.write(json.dumps(line) + "\n")

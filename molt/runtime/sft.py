@@ -55,7 +55,7 @@ def chat_experiences(rows: list[dict], tokenizer: Any, max_len: int | None, what
             raise ValueError(f"{what}: row {n}: {e}") from None
         ids, mask = ids[:max_len], mask[:max_len]
         out.append(Experience(f"{what}-{n}", "", 0, 0.0, len(ids), sum(mask), 0, token_ids=ids, action_mask=mask,
-                              behavior_logprobs=[0.0] * len(ids), advantages=[0.0] * len(ids)))
+                              behavior_logprobs=[0.0] * sum(mask), advantages=0.0))
     return out
 
 
@@ -98,7 +98,7 @@ def run_sft(cfg: Any) -> dict[str, Any]:
 
     def eval_loss() -> float:
         part = shard(held)
-        nll = sum(-x for e, row in zip(part, actor.compute_logprobs(part)) for x, m in zip(row, e.action_mask) if m)
+        nll = -sum(float(row[e.action_mask].sum(dtype=float)) for e, row in zip(part, actor.compute_logprobs(part)))
         t = actor.reduce_metrics({}, 0.0, {"nll": nll, "n": float(sum(e.num_actions for e in part))})
         return t["nll"] / t["n"]
 

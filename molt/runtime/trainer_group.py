@@ -10,7 +10,9 @@ import socket
 from collections import Counter, defaultdict
 from typing import Any
 
-from molt.types import Experience
+import numpy as np
+
+from molt.types import Experience, expand_actions
 
 
 def rollout_advantages(estimator: str, rollouts: list[tuple[str, str, float]], params: Any = None) -> dict[str, float]:
@@ -83,10 +85,9 @@ class TrainerRank:
         advantages: per rollout (group estimators); else rewards: terminal reward per rollout (rank-level)."""
         exps = _reload([e for w in windows for e in w])
         values = returns = []
-        if advantages is not None:
+        if advantages is not None:  # one number per rollout, laid out per token in collation
             for exp in exps:
-                a = advantages[exp.rollout_id]
-                exp.advantages = [a if m else 0.0 for m in exp.action_mask]
+                exp.advantages = advantages[exp.rollout_id]
         else:
             values, returns = self._rank_advantages(exps, rewards or {})  # collective: every rank calls
         steps = [(self.actor, w) for w in windows] * (epochs if train_actor else 0)
@@ -114,22 +115,23 @@ class TrainerRank:
         else:
             self.kl_reward_coef = coef
 
-    def advantages(self, experiences: list[Experience], rewards: dict[str, float]) -> list[list[float]]:
+    def advantages(self, experiences: list[Experience], rewards: dict[str, float]) -> list:
         """What `train_step` trains a rank-level estimator's experiences with (collective; for inspection)."""
         self._rank_advantages(_reload(experiences), rewards)
         return [exp.advantages for exp in experiences]
 
-    def logprobs(self, experiences: list[Experience]) -> list[list[float]]:
+    def logprobs(self, experiences: list[Experience]) -> list:
         """The policy's per-token log-probs (collective; the trainer column of trajectory dumps)."""
         return self.actor.compute_logprobs(_reload(experiences))
 
     def _rank_advantages(self, experiences: list[Experience], rewards: dict[str, float]
-                         ) -> tuple[list[list[float]], list[list[float]]]:
+                         ) -> tuple[list, list]:
         """Token-level estimator on this rank's rollouts, unwhitened, then whitened over the whole window.
         Returns the critic's (values, returns) for gae."""
         import torch
 
         from molt.algo import AdvantageBatch, AdvantageParams, compute_advantages
+        from molt.trainer.batching import pad_rows
 
         values = self.critic.compute_values(experiences) if self.critic is not None else []
         # KL reward: behavior (sampling-time) log-probs against the reference's, per action token (collective)
@@ -138,27 +140,27 @@ class TrainerRank:
         params = AdvantageParams(gamma=a.gamma, lam=a.lam, kl_coef=self.kl_reward_coef, whiten=False,
                                  reward_coef=a.reward_coef, centred=self.spec.centred)  # centred by the controller
         adv = mask = None
-        returns: list[list[float]] = []
+        returns: list = []
         if experiences:
             length = max(e.num_tokens for e in experiences)
-            extra = {"values": _pad(values, length)} if values else {}
+            extra = {"values": pad_rows(values, 0.0, np.float32, length)} if values else {}
             batch = AdvantageBatch.from_experiences(experiences, **extra)
             if ref:
                 from molt.algo import kl_divergence
 
-                batch.kl, kl_metrics = kl_divergence(_pad([e.behavior_logprobs for e in experiences], length),
-                                                     _pad(ref, length), batch.action_mask,
-                                                     self.cfg.algo.kl.estimator, placement="reward")
+                behavior = [expand_actions(e.behavior_logprobs, e.action_mask, 0.0) for e in experiences]
+                batch.kl, kl_metrics = kl_divergence(*(pad_rows(x, 0.0, np.float32, length) for x in (behavior, ref)),
+                                                     batch.action_mask, self.cfg.algo.kl.estimator, placement="reward")
                 self.kl_metrics = {k: float(v) for k, v in kl_metrics.items()} | {"kl_coef": self.kl_reward_coef}
             batch.rewards = torch.tensor([rewards.get(e.rollout_id, float(e.reward)) for e in experiences])
             result = compute_advantages(a.estimator, batch, params)
             adv, mask = result.advantages.double(), batch.action_mask
             if result.returns is not None:
-                returns = [result.returns[i, : e.num_tokens].tolist() for i, e in enumerate(experiences)]
+                returns = [result.returns[i, : e.num_tokens].float().numpy() for i, e in enumerate(experiences)]
         if not a.no_whiten:
             adv = self._whiten(adv, mask)
         for i, exp in enumerate(experiences):
-            exp.advantages = adv[i, : exp.num_tokens].tolist()
+            exp.advantages = adv[i, : exp.num_tokens].float().numpy()
         return values, returns
 
     def _whiten(self, adv: Any, mask: Any) -> Any:
@@ -232,15 +234,6 @@ def _reload(experiences: list[Experience]) -> list[Experience]:
         if exp.offloaded:
             exp.reload()
     return experiences
-
-
-def _pad(rows: list[list[float]], length: int) -> Any:
-    import torch
-
-    out = torch.zeros(len(rows), length)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row)
-    return out
 
 
 def _free_port() -> int:

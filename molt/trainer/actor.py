@@ -62,8 +62,7 @@ class Actor(ShardedModelTrainer):
             self.ref = self.wrap(CausalLMLogProbs(ref_lm, a.logprob_chunk_size), ref_lm, trainable=False)
 
     # ---- training ----------------------------------------------------------------------------------------
-    def train_step(self, experiences: list[Experience], old_logprobs: list[list[float]] | None = None
-                   ) -> dict[str, float]:
+    def train_step(self, experiences: list[Experience], old_logprobs: list | None = None) -> dict[str, float]:
         """One optimizer step on this rank's share of the window (every rank calls it, possibly with a different
         number of experiences, possibly none). Experiences need `advantages`. Returns window metrics."""
         t0 = time.perf_counter()
@@ -125,9 +124,9 @@ class Actor(ShardedModelTrainer):
 
     # ---- log-prob passes ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def compute_logprobs(self, experiences: list[Experience], reference: bool = False) -> list[list[float]]:
-        """Per-token log-probs of each experience's action tokens (0.0 elsewhere) under the policy, or under the
-        reference model. Collective: every rank calls it with its own experiences."""
+    def compute_logprobs(self, experiences: list[Experience], reference: bool = False) -> list:
+        """Per-token log-probs of each experience's action tokens (a float32 array each, 0.0 elsewhere) under the
+        policy, or under the reference model. Collective: every rank calls it with its own experiences."""
         model = self.ref if reference else self.model
         if model is None:
             raise ValueError("reference: no reference model (algo.kl.init_coef is 0)")

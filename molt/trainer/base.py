@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -119,7 +120,7 @@ class ShardedModelTrainer:
                 raise ValueError(f"experience {e.rollout_id}/{e.segment_index} is offloaded: reload() it first")
         plan = plan_micro_batches([len(e.token_ids) for e in experiences], self.cfg.train.micro_batch_size or None,
                                   self.cfg.train.max_tokens_per_gpu or None, packed=self.cfg.fsdp.packing_samples)
-        count = sum(sum(e.action_mask) for e in experiences)
+        count = sum(int(np.count_nonzero(e.action_mask)) for e in experiences)
         if self.world == 1:  # nothing to agree on: count on the host, one copy to the device
             if not plan:
                 raise ValueError("experiences: the window is empty on every rank")
@@ -137,10 +138,10 @@ class ShardedModelTrainer:
         return plan, n_passes, stats[0].to(torch.int64)
 
     def micro_batches(self, experiences: list[Experience], plan: list[list[int]], n_passes: int, *,
-                      extra: dict[str, list[list[float]] | None] | None = None,
+                      extra: dict[str, list | None] | None = None,
                       need_advantages: bool = True) -> Iterator[tuple[list[int], MicroBatch]]:
         """Collate the planned micro-batches one at a time, then ghosts until `n_passes`. `extra`: named
-        per-token lists aligned with `experiences` (None values are dropped)."""
+        per-token arrays (or lists) aligned with `experiences` (None values are dropped)."""
         extra = {k: v for k, v in (extra or {}).items() if v is not None}
         for k, v in extra.items():
             if len(v) != len(experiences):
@@ -156,8 +157,8 @@ class ShardedModelTrainer:
             yield idx, mb
 
     @torch.no_grad()
-    def per_token_pass(self, model: nn.Module, experiences: list[Experience], forward) -> list[list[float]]:
-        """`forward(mb) -> [R, L]` over every micro-batch of `experiences` in eval mode, as one list per
+    def per_token_pass(self, model: nn.Module, experiences: list[Experience], forward) -> list[np.ndarray]:
+        """`forward(mb) -> [R, L]` over every micro-batch of `experiences` in eval mode, as one float32 array per
         experience (0.0 over a shared prefix, which holds no actions). Collective; read back after the last
         pass was queued."""
         model.eval()
@@ -165,11 +166,11 @@ class ShardedModelTrainer:
         passes = [(idx, mb.spans, forward(mb)) for idx, mb in self.micro_batches(
             experiences, plan, n_passes, need_advantages=False)]
         self.end_pass(model)
-        out: list[list[float]] = [[] for _ in experiences]
+        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(experiences)
         for idx, spans, x in passes:
-            x = x.cpu()
+            x = x.float().cpu().numpy()
             for i, (row, start, n, skip) in zip(idx, spans):
-                out[i] = [0.0] * skip + x[row, start:start + n - skip].tolist()
+                out[i] = np.concatenate([np.zeros(skip, np.float32), x[row, start:start + n - skip]])
         return out
 
     def _comm_device(self) -> torch.device:

@@ -10,8 +10,10 @@ Decisions:
   mix of lengths at full width. With prefix sharing a packed row holds each shared prefix once, followed by the
   rest of every sequence that starts with it (`_pack`): one decoder call as always, so it works on any number
   of ranks and with gradient checkpointing, unlike the padded KV-cache path below.
-- Everything the step indexes with is built here, on the host, from the Python lists: the flat positions of the
-  action tokens (`act_index`), their temperatures, the action count. The step then gathers and scatters with
+- Everything the step indexes with is built here, on the host, from the experiences' numpy arrays (padded or
+  packed in numpy, then one `torch.from_numpy` per field): the flat positions of the action tokens
+  (`act_index`), their temperatures, the action count. Per-action values (behavior log-probs) and a rollout's
+  one advantage are laid out per token here. The step then gathers and scatters with
   index tensors and never asks the device for a value (no boolean-mask indexing, whose backward calls
   `nonzero` and synchronizes).
 - Experiences are sorted by length (longest first) before planning, so rows of similar length share a
@@ -41,11 +43,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from molt.types import Experience, ModelSpec, join_inputs
+from molt.types import Experience, ModelSpec, expand_actions, join_inputs
 
 
 def plan_micro_batches(lengths: list[int], micro_batch_size: int | None = None,
@@ -85,17 +87,18 @@ class SharedPrefix:
     index: Tensor
 
 
-def shared_prefix(token_ids: list[list[int]], action_masks: list[list[int]]) -> SharedPrefix | None:
+def shared_prefix(token_ids: list, action_masks: list) -> SharedPrefix | None:
     """The prefix to compute once per distinct value, or None when no two rows share one (or a row has fewer
-    than two tokens before its first action)."""
+    than two tokens before its first action). Rows: arrays (or lists) of ids and of 0/1."""
     if len(token_ids) < 2:
         return None
-    firsts = [next((t for t, a in enumerate(mask) if a), len(mask)) for mask in action_masks]
+    masks = [np.asarray(m, bool) for m in action_masks]
+    firsts = [int(m.argmax()) if m.any() else len(m) for m in masks]
     length = min(firsts) - 1  # the hidden state at first-action - 1 must come from the per-row pass
     if length < 1:
         return None
-    owner: dict[tuple[int, ...], int] = {}
-    index = [owner.setdefault(tuple(ids[:length]), len(owner)) for ids in token_ids]
+    owner: dict[bytes, int] = {}
+    index = [owner.setdefault(np.asarray(ids[:length], np.int64).tobytes(), len(owner)) for ids in token_ids]
     if len(owner) == len(token_ids):
         return None
     rows = [index.index(u) for u in range(len(owner))]  # the first row with each prefix
@@ -145,28 +148,31 @@ def prebuilt_mask(config) -> bool:
     return config._attn_implementation == "sdpa" and not ModelSpec.from_config(config).sliding
 
 
-def _pad(rows: list, value, dtype: torch.dtype, length: int) -> Tensor:
-    # rows: lists, or arrays of per-token vectors (routes); right-padded to [B, length, ...]
-    rows = [torch.as_tensor(r, dtype=dtype) for r in rows]
-    return torch.stack([F.pad(r, (0, 0) * (r.dim() - 1) + (0, length - len(r)), value=value) for r in rows])
+def pad_rows(rows: list, value, dtype: type, length: int) -> Tensor:
+    # rows: per-token arrays (routes: [n, layers, k]); right-padded to [B, length, ...] in one new array (the
+    # rows may be read-only views of the object store)
+    out = np.full((len(rows), length, *np.shape(rows[0])[1:]), value, dtype)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return torch.from_numpy(out)
 
 
-def _cat(rows: list, dtype: torch.dtype) -> Tensor:
-    return torch.cat([torch.as_tensor(r, dtype=dtype) for r in rows])[None]
+def _cat(rows: list, dtype: type) -> Tensor:
+    return torch.from_numpy(np.concatenate([np.asarray(r, dtype) for r in rows])[None])
 
 
 def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
-            extra: dict[str, list[list[float]]] | None = None, need_advantages: bool = True,
+            extra: dict[str, list] | None = None, need_advantages: bool = True,
             share_prefix: bool = False, pack: bool = False) -> MicroBatch:
     """Pad (or `pack`) a list of (reloaded) experiences into a MicroBatch on `device`; `extra` holds more
-    per-token lists aligned with `exps` (laid out the same way); `share_prefix` looks for rows with a common
+    per-token arrays (or lists) aligned with `exps` (laid out the same way); `share_prefix` looks for rows with a common
     prefix (padded: `mb.prefix` for the KV-cache path; packed: the prefix is laid out once, see `_pack`)."""
     for e in exps:
         if e.token_ids is None:
             raise ValueError(f"experience {e.rollout_id}/{e.segment_index} is offloaded: reload() it first")
         if need_advantages and e.advantages is None:
             raise ValueError(f"experience {e.rollout_id}/{e.segment_index} has no advantages")
-        if e.action_mask and e.action_mask[0]:
+        if len(e.action_mask) and e.action_mask[0]:
             raise ValueError("action_mask[0] must be 0: the first token of a sequence has no prediction")
     images = join_inputs(*(e.images for e in exps))
     if images and pack:
@@ -175,28 +181,31 @@ def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
     for k, v in (extra or {}).items():  # a short list would shift every later sequence of a packed row
         if [len(row) for row in v] != lens:
             raise ValueError(f"{k}: per-token lists must be as long as the experiences' token_ids")
-    per_token = {"input_ids": ([e.token_ids for e in exps], pad_id, torch.long),
-                 "action_mask": ([e.action_mask for e in exps], 0, torch.bool),
-                 "behavior_logprobs": ([e.behavior_logprobs for e in exps], 0.0, torch.float32),
-                 "advantages": ([e.advantages or [0.0] * n for e, n in zip(exps, lens)], 0.0, torch.float32),
-                 "temperature": ([[e.temperature] * n for e, n in zip(exps, lens)], 1.0, torch.float32),
-                 **{k: (v, 0.0, torch.float32) for k, v in (extra or {}).items()}}
+    behavior = [expand_actions(e.behavior_logprobs, e.action_mask, 0.0) for e in exps]
+    per_token = {"input_ids": ([e.token_ids for e in exps], pad_id, np.int64),
+                 "action_mask": ([e.action_mask for e in exps], False, bool),
+                 "behavior_logprobs": (behavior, 0.0, np.float32),
+                 # a rollout's advantage (a number) or one per token, 0 off action tokens either way
+                 "advantages": ([np.where(e.action_mask, 0.0 if e.advantages is None else e.advantages, 0.0)
+                                 for e in exps], 0.0, np.float32),
+                 "temperature": ([np.full(n, e.temperature) for e, n in zip(exps, lens)], 1.0, np.float32),
+                 **{k: (v, 0.0, np.float32) for k, v in (extra or {}).items()}}
     if exps and all(e.routed_experts is not None for e in exps):
-        per_token["routes"] = ([e.routed_experts for e in exps], 0, torch.long)
+        per_token["routes"] = ([e.routed_experts for e in exps], 0, np.int64)
     if pack:
         t, spans, packing = _pack(per_token, exps, share_prefix)
     else:
         length = max(lens)
-        t = {k: _pad(rows, value, dtype, length) for k, (rows, value, dtype) in per_token.items()}
-        t["attention_mask"] = _pad([[1] * n for n in lens], 0, torch.long, length)
+        t = {k: pad_rows(rows, value, dtype, length) for k, (rows, value, dtype) in per_token.items()}
+        t["attention_mask"] = pad_rows([np.ones(n, np.int64) for n in lens], 0, np.int64, length)
         spans = [(i, 0, n, 0) for i, n in enumerate(lens)]
-    ghost = not t["action_mask"].any()
+    ghost = not t["action_mask"].numpy().any()  # numpy: its any and flatnonzero are much cheaper on the host
     if ghost and t["action_mask"].shape[1] < 2:
         return ghost_batch(pad_id, device, extra or {}, pack)
     if ghost:  # mark one token as an action so that every parameter (the output head included) joins the
         # backward, as FSDP2 expects the same parameters to receive gradients on every rank; the loss is zeroed
         t["action_mask"][0, 1] = True
-    act_index = t["action_mask"].flatten().nonzero()[:, 0]  # host tensors: no device sync
+    act_index = torch.from_numpy(np.flatnonzero(t["action_mask"].numpy()))  # host arrays: no device sync
     mb = MicroBatch(t["input_ids"], t.get("attention_mask"), t["action_mask"], t["behavior_logprobs"],
                     t["advantages"], act_index, t["temperature"].flatten()[act_index],
                     0 if ghost else len(act_index), spans, extra={k: t[k] for k in extra or {}}, ghost=ghost,
@@ -227,20 +236,21 @@ def _pack(per_token: dict, exps: list[Experience], share_prefix: bool) -> tuple[
     sizes = [hi - lo for _, lo, hi, _ in pieces]
     bounds = list(itertools.accumulate(sizes, initial=0))
     t = {k: _cat([rows[i][lo:hi] for i, lo, hi, _ in pieces], dtype) for k, (rows, _, dtype) in per_token.items()}
-    t["seq_ids"] = _cat([[i] * (hi - lo) for i, lo, hi, _ in pieces], torch.long)
-    t["position_ids"] = _cat([range(lo, hi) for _, lo, hi, _ in pieces], torch.long)
+    t["seq_ids"] = _cat([np.full(hi - lo, i) for i, lo, hi, _ in pieces], np.int64)
+    t["position_ids"] = _cat([np.arange(lo, hi) for _, lo, hi, _ in pieces], np.int64)
     spans = [None] * len(exps)
     for k, (i, lo, _, head) in enumerate(pieces):
         if head is not None or prefix is None:  # not a prefix piece
             spans[i] = (0, bounds[k], lens[i], lo)
     heads = [None if h is None else (bounds[h], bounds[h + 1]) for *_, h in pieces]
-    kv = [[*(range(*h) if h else ()), *range(a, b)] for h, (a, b) in zip(heads, itertools.pairwise(bounds))]
+    # each piece attends to its prefix piece's keys (if any), then its own
+    kv = [np.r_[np.arange(*h or (0, 0)), a:b] for h, (a, b) in zip(heads, itertools.pairwise(bounds))]
     packing = {"position_ids": t["position_ids"], "molt_bounds": bounds, "molt_prefixes": heads,
                "cu_seq_lens_q": torch.tensor(bounds, dtype=torch.int32), "max_length_q": max(sizes),
                "cu_seq_lens_k": torch.tensor(list(itertools.accumulate(map(len, kv), initial=0)), dtype=torch.int32),
                "max_length_k": max(map(len, kv))}
     if prefix is not None:
-        packing["molt_kv_index"] = torch.tensor([j for idx in kv for j in idx], dtype=torch.long)
+        packing["molt_kv_index"] = torch.from_numpy(np.concatenate(kv))
     return t, spans, packing
 
 
@@ -248,7 +258,7 @@ def ghost_batch(pad_id: int, device: torch.device, extra_keys=(), pack: bool = F
     """A two-token micro-batch for a rank that has run out of work while others still have micro-batches."""
     e = Experience(rollout_id="ghost", group_id="ghost", segment_index=0, reward=0.0, num_tokens=2, num_actions=0,
                    min_version=0, temperature=1.0, token_ids=[pad_id, pad_id], action_mask=[0, 0],
-                   behavior_logprobs=[0.0, 0.0], versions=[-1, -1], advantages=[0.0, 0.0])
+                   behavior_logprobs=[], versions=[], advantages=0.0)
     return collate([e], pad_id, device, extra={k: [[0.0, 0.0]] for k in extra_keys}, pack=pack)
 
 

@@ -59,12 +59,11 @@ class Critic(ShardedModelTrainer):
                                                            blocks=blocks)
 
     @torch.no_grad()
-    def compute_values(self, experiences: list[Experience]) -> list[list[float]]:
-        """Per-token values of each experience (0.0 off action tokens). Collective."""
+    def compute_values(self, experiences: list[Experience]) -> list:
+        """Per-token values of each experience (float32 arrays, 0.0 off action tokens). Collective."""
         return self.per_token_pass(self.model, experiences, self.model)
 
-    def train_step(self, experiences: list[Experience], returns: list[list[float]],
-                   old_values: list[list[float]]) -> dict[str, float]:
+    def train_step(self, experiences: list[Experience], returns: list, old_values: list) -> dict[str, float]:
         """One optimizer step of the clipped value loss, window-normalized like the policy loss. Collective."""
         t0 = time.perf_counter()
         self.model.train()

@@ -30,7 +30,8 @@ async def test_reference_chat_agent_files_run_unchanged(hf_engine, tokenizer, fi
     assert traj.reward in (0.0, 1.0) and (traj.rollout_id, traj.group_id) == ("r", "g")
     ((_, prompt, completion),) = engine.records
     (segment,) = traj.segments
-    assert segment.token_ids == prompt + completion.token_ids and segment.num_actions == len(completion.token_ids)
+    assert segment.token_ids.tolist() == prompt + completion.token_ids
+    assert segment.num_actions == len(completion.token_ids)
     assert traj.info["capture/requests"] == 1.0 and traj.info["capture/malformed_tool_calls"] == 0.0
     if file == "chat_agent.py":  # a 1-element tensor in info becomes a float
         assert traj.info["length"] == len(tokenizer.decode(completion.token_ids, skip_special_tokens=True))
@@ -45,7 +46,7 @@ async def test_reference_env_file_runs_unchanged(hf_engine, tokenizer):
     ((state),) = seen
     assert set(state) == {"observation_text", "action_text", "label", "sampling_params"}
     (segment,) = traj.segments
-    n = segment.action_mask.index(1)
+    n = int(segment.action_mask.argmax())  # the first action token
     assert state["observation_text"] == tokenizer.decode(segment.token_ids[:n])  # the chat-rendered context
     assert state["observation_text"].endswith("<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n")
     assert state["action_text"] == tokenizer.decode(segment.token_ids[n:])  # special tokens kept
@@ -129,7 +130,7 @@ async def test_multi_turn_env_with_chat_observations(tokenizer):
     assert [c["params"].temperature for c in engine.calls] == [1.0, 0.5, 0.5]
     # the temperature change seals the first segment; the later turns continue one segment exactly
     assert [s.break_reason for s in traj.segments] == ["start", "sampling_changed"]
-    assert engine.calls[2]["prompt_ids"] == traj.segments[1].token_ids[:len(engine.calls[2]["prompt_ids"])]
+    assert engine.calls[2]["prompt_ids"] == traj.segments[1].token_ids[:len(engine.calls[2]["prompt_ids"])].tolist()
 
 
 class Endless(Env):

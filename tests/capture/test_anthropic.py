@@ -30,7 +30,7 @@ async def test_multi_turn_real_engine(hf_engine, tokenizer):
     assert first.content[0].text == tokenizer.decode(c1.token_ids, skip_special_tokens=True)
     assert first.stop_reason == ("end_turn" if c1.finish_reason.value == "stop" else "max_tokens")
     assert (second.usage.input_tokens, second.usage.output_tokens) == (len(p2), len(c2.token_ids))
-    assert segment.token_ids == p2 + c2.token_ids and p2[:len(p1) + len(c1.token_ids)] == p1 + c1.token_ids
+    assert segment.token_ids.tolist() == p2 + c2.token_ids and p2[:len(p1) + len(c1.token_ids)] == p1 + c1.token_ids
     assert segment.num_actions == len(c1.token_ids) + len(c2.token_ids)
 
 
@@ -47,7 +47,7 @@ async def test_streaming_real_engine(hf_engine, tokenizer):
     assert "".join(deltas) == message.content[0].text == tokenizer.decode(completion.token_ids,
                                                                           skip_special_tokens=True)
     assert message.usage.output_tokens == len(completion.token_ids) and message.stop_reason in ("end_turn", "max_tokens")
-    assert segment.token_ids == prompt + completion.token_ids
+    assert segment.token_ids.tolist() == prompt + completion.token_ids
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -72,7 +72,7 @@ async def test_tool_use_round_trip(tokenizer, stream):
         (segment,) = await session.close()
     call_ids = tokenizer.encode(CALL_TEXT, add_special_tokens=False) + [tokenizer.eos_token_id]
     start = len(engine.calls[0]["prompt_ids"])
-    assert segment.token_ids[start:start + len(call_ids)] == call_ids
+    assert segment.token_ids[start:start + len(call_ids)].tolist() == call_ids
     assert "<|im_start|>tool\n84<|im_end|>" in tokenizer.decode(segment.token_ids)
 
 

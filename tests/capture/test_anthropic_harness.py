@@ -118,7 +118,7 @@ async def test_tool_runner_threads_continue_in_one_segment(tokenizer):
     assert final.content[0].text == "It is 84." and statuses == [200, 200]
     second = tokenizer.decode(engine.calls[1]["prompt_ids"])
     assert "Use the tool." in second and "What is 12 * 7?" in second and '"calculator"' in second
-    assert segment.token_ids[:len(engine.calls[1]["prompt_ids"])] == engine.calls[1]["prompt_ids"]
+    assert segment.token_ids[:len(engine.calls[1]["prompt_ids"])].tolist() == engine.calls[1]["prompt_ids"]
 
 
 async def test_unknown_thread_is_replayed_in_full(tokenizer):

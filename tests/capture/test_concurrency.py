@@ -2,6 +2,7 @@
 import asyncio
 import itertools
 
+import numpy as np
 import pytest
 from openai import AsyncOpenAI
 
@@ -37,6 +38,6 @@ async def test_sessions_no_cross_talk(hf_engine, tokenizer, sessions, turns):
         for (p1, c1), (p2, _) in itertools.pairwise(calls):  # each turn continues the one before exactly
             assert p2[:len(p1) + len(c1.token_ids)] == p1 + c1.token_ids
         prompt, last = calls[-1]
-        assert segment.token_ids == prompt + last.token_ids
+        assert segment.token_ids.tolist() == prompt + last.token_ids
         assert segment.num_actions == sum(len(c.token_ids) for _, c in calls)
-        assert segment.behavior_logprobs[len(prompt):] == last.logprobs
+        assert segment.behavior_logprobs[-len(last.logprobs):].tolist() == np.float32(last.logprobs).tolist()

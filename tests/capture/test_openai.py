@@ -1,4 +1,5 @@
 """The OpenAI wire, end to end: the real AsyncOpenAI client against a live server on 127.0.0.1."""
+import numpy as np
 import pytest
 from openai import AsyncOpenAI
 
@@ -19,16 +20,18 @@ def assert_exact(segment, records):
     """Each engine call of the session is in the segment verbatim: its prompt as a prefix, its completion as
     action tokens with the engine's log-probabilities and versions; nothing else is an action."""
     segment.check()
+    ids, mask = segment.token_ids.tolist(), segment.action_mask.tolist()
     for prompt, completion in records:
         n, k = len(prompt), len(completion.token_ids)
-        assert segment.token_ids[:n] == prompt
-        assert segment.token_ids[n:n + k] == completion.token_ids
-        assert segment.action_mask[n:n + k] == [1] * k
-        assert segment.behavior_logprobs[n:n + k] == completion.logprobs
-        assert segment.versions[n:n + k] == completion.versions
+        assert ids[:n] == prompt
+        assert ids[n:n + k] == completion.token_ids
+        assert mask[n:n + k] == [1] * k
     prompt, last = records[-1]
-    assert segment.token_ids == prompt + last.token_ids
+    assert ids == prompt + last.token_ids
     assert segment.num_actions == sum(len(c.token_ids) for _, c in records)
+    # log-probs and versions: one per action token, so the completions' own, one after the other
+    np.testing.assert_array_equal(segment.behavior_logprobs, np.float32([x for _, c in records for x in c.logprobs]))
+    np.testing.assert_array_equal(segment.versions, [v for _, c in records for v in c.versions])
 
 
 async def test_single_turn_real_engine(hf_engine, tokenizer):
@@ -88,7 +91,7 @@ async def test_unfinished_turn_is_closed_by_the_template(tokenizer):
     start, end = len(engine.calls[0]["prompt_ids"]) + 3, len(engine.calls[1]["prompt_ids"])
     assert tokenizer.decode(segment.token_ids[start:end]) == (
         "<|im_end|>\n<|im_start|>user\ngo<|im_end|>\n<|im_start|>assistant\n")
-    assert segment.action_mask[start - 3:end] == [1, 1, 1] + [0] * (end - start)
+    assert segment.action_mask[start - 3:end].tolist() == [1, 1, 1] + [0] * (end - start)
 
 
 async def test_streaming_with_usage(hf_engine, tokenizer):
@@ -130,9 +133,9 @@ async def test_tool_call_round_trip(tokenizer, stream):
         (segment,) = await session.close()
     call_ids = tokenizer.encode(CALL_TEXT, add_special_tokens=False) + [tokenizer.eos_token_id]
     start = len(engine.calls[0]["prompt_ids"])
-    assert segment.token_ids[start:start + len(call_ids)] == call_ids  # sampled tokens kept, not re-rendered
+    assert segment.token_ids[start:start + len(call_ids)].tolist() == call_ids  # sampled tokens kept, not re-rendered
     assert "<|im_start|>tool\n84<|im_end|>" in tokenizer.decode(segment.token_ids)
-    assert engine.calls[1]["prompt_ids"] == segment.token_ids[:len(engine.calls[1]["prompt_ids"])]
+    assert engine.calls[1]["prompt_ids"] == segment.token_ids[:len(engine.calls[1]["prompt_ids"])].tolist()
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "calculator"}}])
@@ -158,9 +161,10 @@ async def test_tool_choice_forces_a_call_through_the_opening(tokenizer, choice):
     prompt = engine.calls[0]["prompt_ids"]
     assert prompt[-len(forced):] == forced  # the model continued from the opening
     n, k = len(prompt), len(tokenizer.encode(rest, add_special_tokens=False)) + 1
-    assert segment.token_ids[:n] == prompt and segment.action_mask[n - len(forced):n] == [0] * len(forced)
-    assert segment.action_mask[n:n + k] == [1] * k  # only the continuation is an action
-    assert engine.calls[1]["prompt_ids"] == segment.token_ids[:len(engine.calls[1]["prompt_ids"])]
+    ids, mask = segment.token_ids.tolist(), segment.action_mask.tolist()
+    assert ids[:n] == prompt and mask[n - len(forced):n] == [0] * len(forced)
+    assert mask[n:n + k] == [1] * k  # only the continuation is an action
+    assert engine.calls[1]["prompt_ids"] == ids[:len(engine.calls[1]["prompt_ids"])]
 
 
 @pytest.mark.parametrize("choice, match", [
@@ -214,7 +218,7 @@ async def test_stop_strings_n_and_seed(tokenizer):
     assert (main.break_reason, branch.break_reason) == ("start", "branch")
     n_tokens = [len(tokenizer.encode(t, add_special_tokens=False)) + 1 for t in ("second sample", engine.replies[0])]
     assert branch.num_actions == sum(n_tokens)  # its own choice and the continuation; the shared prompt is context
-    assert branch.token_ids[:len(engine.calls[2]["prompt_ids"])] == engine.calls[2]["prompt_ids"]
+    assert branch.token_ids[:len(engine.calls[2]["prompt_ids"])].tolist() == engine.calls[2]["prompt_ids"]
 
 
 async def test_models_endpoint(tokenizer):

@@ -51,7 +51,7 @@ async def test_compaction_two_segments_one_reward(tokenizer):
     actions = [len(tokenizer.encode(t, add_special_tokens=False)) + 1 for t in engine.replies]  # reply + EOS
     assert first.num_actions == sum(actions[:2]) and second.num_actions == sum(actions[2:])
     assert "Summary of the conversation" in tokenizer.decode(second.token_ids)
-    assert engine.calls[3]["prompt_ids"] == second.token_ids[:len(engine.calls[3]["prompt_ids"])]
+    assert engine.calls[3]["prompt_ids"] == second.token_ids[:len(engine.calls[3]["prompt_ids"])].tolist()
 
 
 async def test_think_stripping_is_a_template_rewrite(think_tokenizer):

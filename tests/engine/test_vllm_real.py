@@ -6,13 +6,14 @@ import asyncio
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 import pytest_asyncio
 import torch
 
 from molt.engine.base import EngineError, RequestError
 from molt.testing.scripted import RecordingEngine, live_capture_server
-from molt.types import FinishReason, SamplingParams
+from molt.types import FinishReason, SamplingParams, token_lists
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -115,13 +116,14 @@ async def test_capture_server_streams_exact_segments_on_both_wires(engine, model
     assert len(records) == 2 and text == tokenizer.decode(records[0][1].token_ids, skip_special_tokens=True)
     for segment in segments:
         segment.check()
-    joined = {tuple(s.token_ids): s for s in segments}
+    joined = {tuple(s.token_ids.tolist()): token_lists(s.token_ids, s.action_mask, s.behavior_logprobs, s.versions)
+              for s in segments}
     for prompt, completion in records:  # each call sits verbatim in a segment, as action tokens
         n, k = len(prompt), len(completion.token_ids)
-        (segment,) = [s for s in joined.values() if s.token_ids[:n + k] == prompt + completion.token_ids]
-        assert segment.action_mask[n:n + k] == [1] * k
-        assert segment.behavior_logprobs[n:n + k] == completion.logprobs
-        assert segment.versions[n:n + k] == completion.versions
+        (segment,) = [s for s in joined.values() if s["token_ids"][:n + k] == prompt + completion.token_ids]
+        assert segment["action_mask"][n:n + k] == [1] * k
+        assert segment["behavior_logprobs"][n:n + k] == np.float32(completion.logprobs).tolist()
+        assert segment["versions"][n:n + k] == completion.versions
 
 
 async def test_abort_and_a_client_that_leaves(engine):

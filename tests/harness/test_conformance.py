@@ -16,12 +16,14 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from matrix import ROWS
 
 from molt.capture.render import ChatRenderer
 from molt.capture.server import CaptureServer
 from molt.testing.scripted import RecordingEngine, ScriptedEngine
+from molt.types import token_lists
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS_DIR = Path(os.environ.get("MOLT_HARNESS_DIR", ROOT / ".cache" / "harness"))
@@ -60,11 +62,13 @@ class Harness:
         """The assertions every harness shares; adds its row to the matrix."""
         records = self.engine.of_session(session.session_id)
         assert records and all(200 <= s < 300 for s in self.statuses), self.statuses
+        lists = [token_lists(s.token_ids, s.action_mask, s.behavior_logprobs, s.versions) for s in segments]
         for prompt, completion in records:  # every engine call verbatim in a segment
             n, k = len(prompt), len(completion.token_ids)
-            assert any(s.token_ids[:n] == prompt and s.token_ids[n:n + k] == completion.token_ids
-                       and s.action_mask[n:n + k] == [1] * k and s.behavior_logprobs[n:n + k] == completion.logprobs
-                       for s in segments), "an engine call is missing from the segments"
+            assert any(t["token_ids"][:n] == prompt and t["token_ids"][n:n + k] == completion.token_ids
+                       and t["action_mask"][n:n + k] == [1] * k
+                       and t["behavior_logprobs"][n:n + k] == np.float32(completion.logprobs).tolist()
+                       for t in lists), "an engine call is missing from the segments"
         for s in segments:
             s.check()
         assert sum(s.num_actions for s in segments) == sum(len(c.token_ids) for _, c in records)

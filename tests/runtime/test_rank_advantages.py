@@ -10,7 +10,7 @@ from molt.algo import AdvantageBatch, AdvantageParams, compute_advantages, estim
 from molt.config import MoltConfig, override, resolve
 from molt.runtime.experience import assign_to_ranks
 from molt.runtime.trainer_group import TrainerGroup, terminal_rewards
-from molt.types import Experience
+from molt.types import Experience, expand_actions
 
 
 def _window(seed: int = 0) -> list[Experience]:
@@ -130,7 +130,8 @@ def test_kl_as_a_token_reward_by_hand(tiny_llama_dir, ray_local):
     expected = []
     for e in exps:
         ref = reference_logprobs(tiny_llama_dir, e.token_ids, 1.0)
-        r = [-coef * (b - q) if m else 0.0 for b, q, m in zip(e.behavior_logprobs, ref, e.action_mask)]
+        blp = expand_actions(e.behavior_logprobs, e.action_mask, 0.0)  # stored for action tokens only
+        r = [-coef * (b - q) if m else 0.0 for b, q, m in zip(blp, ref, e.action_mask)]
         r[-1] += e.reward
         expected.append([sum(r[t:]) if m else 0.0 for t, m in enumerate(e.action_mask)])
 

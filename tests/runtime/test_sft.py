@@ -72,7 +72,7 @@ def test_loss_is_the_cross_entropy_of_the_assistant_tokens(tiny_llama_dir, token
     from molt.trainer import Actor
 
     exps = chat_experiences([{"messages": CHAT, "tools": [ADD]}] * 2, tokenizer, None, "x")
-    ids = torch.tensor([exps[0].token_ids])
+    ids = torch.tensor([exps[0].token_ids], dtype=torch.long)
     labels = torch.where(torch.tensor([exps[0].action_mask]).bool(), ids, -100)
     expected = float(AutoModelForCausalLM.from_pretrained(tiny_llama_dir)(ids, labels=labels).loss)
     actor = Actor.from_pretrained(tiny_llama_dir, **{"fsdp.device": "cpu", "actor.policy_loss": "sft",

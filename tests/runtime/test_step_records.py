@@ -66,7 +66,7 @@ def test_dump_groups_writes_one_line_per_segment(tiny_llama_dir, tokenizer, tmp_
     assert first == {"group_id": "e0-p4", "rollout_id": "r1", "segment": 0, "break_reason": "start",
                      "reward": 0.75, "advantage": -0.5, "text": "Hi there", "action_text": " there",
                      "token_ids": ids, "action_mask": mask, "behavior_logprobs": [0.0] * len(ids),
-                     "versions": [2] * len(ids), "pieces": [tokenizer.decode([t]) for t in ids]}
+                     "versions": [-1] * len(hello) + [2] * len(world), "pieces": [tokenizer.decode([t]) for t in ids]}
     assert last["segment"] == 1 and last["break_reason"] == "template_rewrite" and last["action_text"] == "ok"
     dump_groups(path, [group], str(tiny_llama_dir))  # token-level estimators: no per-rollout advantage
     assert json.loads(path.read_text().splitlines()[0])["advantage"] is None

@@ -106,14 +106,15 @@ def fsdp_run(model_dir, rank: int | None = None) -> dict:
     # Adam's first update is lr * g / (|g| + eps): with lr = eps = 1 the parameters move by g / (|g| + 1), so
     # comparing them compares the gradients (with a small eps, rounding noise in a near-zero g would be scaled up)
     actor = Actor.from_pretrained(str(model_dir), **{**FSDP_CFG, "actor.adam.lr": 1.0, "actor.adam.eps": 1.0})
-    out = {"logprobs": actor.compute_logprobs(exps), "metrics": actor.train_step(exps)}
+    # lists: torch.load (weights only) refuses numpy arrays
+    out = {"logprobs": [x.tolist() for x in actor.compute_logprobs(exps)], "metrics": actor.train_step(exps)}
     out["params"] = {n: t.clone() for b in actor.iter_weights(bucket_bytes=64 << 10) for n, t in b}
     critic = Critic.from_pretrained(str(model_dir), **FSDP_CFG)
     returns = [[float(m) for m in e.action_mask] for e in exps]
     for _ in range(2):
         old = critic.compute_values(exps)
         out["critic"] = critic.train_step(exps, returns, old)
-    out["values"] = critic.compute_values(exps)
+    out["values"] = [x.tolist() for x in critic.compute_values(exps)]
     out["value_head"] = sum(float((p.full_tensor() if hasattr(p, "full_tensor") else p).detach().abs().sum())
                             for p in critic.model.value_head.parameters())
     return out
