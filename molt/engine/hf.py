@@ -21,7 +21,7 @@ from molt.engine.request import Request as _Request  # hf.py's old names
 from molt.engine.request import failed as _failed
 from molt.engine.request import resolve as _resolve
 from molt.engine.sampling import sample
-from molt.engine.slots import GraphDecoder, Slots, adapt_model, engine_device
+from molt.engine.slots import GraphDecoder, Slots, adapt_model, engine_device, prefill_bias
 from molt.engine.weight_group import InProcessWeightReceiver
 from molt.types import Completion, FinishReason, ModelSpec, SamplingParams, join_inputs, rope_positions
 
@@ -340,8 +340,9 @@ class HFEngine(InProcessWeightReceiver):
         routes = []
         for start in range(0, total, size):
             end = min(start + size, total)
-            logits, r = self._forward(ids[:, start:end], mask[:, :past + end], positions[..., start:end], cache,
-                                      **images)
+            attend = mask[:, :past + end] if self.vision else prefill_bias(mask[:, :past + end], end - start,
+                                                                                self.model.dtype)
+            logits, r = self._forward(ids[:, start:end], attend, positions[..., start:end], cache, **images)
             routes.append(r)
         return logits, None if routes[0] is None else torch.cat(routes, 1)
 

@@ -74,8 +74,12 @@ class Slots:
         between prefix and suffix, so that every row is contiguous and the width stays within the context."""
         g = mask.shape[0]
         m = int(mask.sum(1).max())
-        order = mask.argsort(dim=1, stable=True)[:, -m:]  # padding first, then the tokens in their order
-        mask = mask.gather(1, order)
+        if bool((mask[:, 1:] >= mask[:, :-1]).all()):  # contiguous already (a turn over its cached prefix): a view
+            mask, layers = mask[:, -m:], [(k[:, :, -m:], v[:, :, -m:]) for k, v in layers]
+        else:
+            order = mask.argsort(dim=1, stable=True)[:, -m:]  # padding first, then the tokens in their order
+            at = order[:, None, :, None].expand(g, layers[0][0].shape[1], m, layers[0][0].shape[3])
+            mask, layers = mask.gather(1, order), [(k.gather(2, at), v.gather(2, at)) for k, v in layers]
         if m > self.width:
             self.reserve(self.rows, m)
             if self.rows:
@@ -83,10 +87,8 @@ class Slots:
             self.width = m
         self.reserve(self.rows + g, self.width)
         rows, cols = slice(self.rows, self.rows + g), slice(self.width - m, self.width)
-        _, heads, _, dim = layers[0][0].shape
-        at = order[:, None, :, None].expand(g, heads, m, dim)
         for (keys, values), (k, v) in zip(self.kv, layers):
-            keys[rows, :, cols], values[rows, :, cols] = k.gather(2, at), v.gather(2, at)
+            keys[rows, :, cols], values[rows, :, cols] = k, v
             keys[rows, :, : self.width - m] = 0  # masked, but a previous occupant's inf/nan would still leak
             values[rows, :, : self.width - m] = 0
         self.mask[rows] = 0
@@ -142,9 +144,29 @@ class Slots:
         return torch.zeros(keep.shape, dtype=dtype, device=self.device).masked_fill_(~keep, torch.finfo(dtype).min)
 
     def row(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A copy of row i's keys/values without its padding columns (for the prefix cache)."""
-        columns = self.mask[i, : self.width].nonzero()[:, 0]
-        return [(k[i: i + 1, :, columns], v[i: i + 1, :, columns]) for k, v in self.kv]
+        """A copy of row i's keys/values without its padding columns (for the prefix cache): a row's tokens are
+        its last columns (`merge` makes them contiguous), so a sliced copy, where an index over the columns would
+        gather them one by one (4x slower)."""
+        cols = slice(self.width - int(self.mask[i, : self.width].sum()), self.width)
+        return [(k[i: i + 1, :, cols].clone(), v[i: i + 1, :, cols].clone()) for k, v in self.kv]
+
+
+def prefill_bias(mask: torch.Tensor, queries: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask [rows, 1, queries, columns] of a prefill chunk over a cached context, its
+    queries the last of `mask`'s columns [rows, columns] (1 a token, 0 padding): zeros with the causal triangle
+    of the chunk's own columns, written once per forward. transformers would build a boolean mask over the
+    whole context in four passes and each layer's SDPA turn it into this one again: at 30K tokens of context
+    that cost more than the attention itself (docs/internals.md). A chunk without a context keeps its 2D mask,
+    so that transformers can still skip the mask and use the causal kernel."""
+    rows, width = mask.shape
+    if width == queries:
+        return mask
+    low = torch.finfo(dtype).min
+    bias = torch.zeros(rows, 1, queries, width, dtype=dtype, device=mask.device)
+    bias[..., width - queries:] = torch.full((queries, queries), low, dtype=dtype, device=mask.device).triu_(1)
+    if not bool(mask.all()):
+        bias.masked_fill_(mask[:, None, None, :] == 0, low)
+    return bias
 
 
 class _View:
