@@ -125,12 +125,9 @@ def prefill_groups(new: list[Any], work: dict[Any, int], budget: int) -> Iterabl
         yield group
 
 
-def left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - t.shape[dim]
-    if missing == 0:
-        return t
-    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [missing, 0]
-    return F.pad(t, pad)
+def left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
+    """`t` [..., n, head_dim] with `length - n` zero columns in front; itself (no copy) when none are missing."""
+    return t if t.shape[-2] == length else F.pad(t, (0, 0, length - t.shape[-2], 0))
 
 
 def prefill_inputs(contexts: list[list[int]], reused: list[tuple[Prefix | None, int]], pad_id: int,
@@ -150,7 +147,7 @@ def prefill_inputs(contexts: list[list[int]], reused: list[tuple[Prefix | None, 
     if width:
         template = next(entry for entry, n in reused if n)  # rows without reuse: its tensors cut to 0 columns
         for layer in range(len(template.layers)):
-            keys, values = ([left_pad((entry if n else template).layers[layer][kv][..., :n, :], width, -2)
+            keys, values = ([left_pad((entry if n else template).layers[layer][kv][..., :n, :], width)
                              for entry, n in reused] for kv in (0, 1))
             cache.update(*(x[0] if len(x) == 1 else torch.cat(x) for x in (keys, values)), layer)  # (update copies)
     positions = (mask.cumsum(1) - 1).clamp(min=0)[:, width:]
