@@ -146,8 +146,6 @@ class ChatRenderer:
         checked once, on probe conversations (system prompt or not, tools or not, replies with reasoning and
         tool calls, one and several tool results) at every reply, with one, two and all the later messages."""
         for messages in (_PROBE, [{"role": "system", "content": "s"}, *_PROBE]):
-            messages = [m | {"reasoning_content": "r"} if m["role"] == "assistant" and self.reasoning else m
-                        for m in messages]
             for tools, known in ((t, k) for t in (None, _PROBE_TOOLS) for k in range(5, len(messages))):
                 for end in {known + 1, known + 2, len(messages)} if messages[known - 1]["role"] == "assistant" else ():
                     try:
@@ -190,12 +188,13 @@ class ChatRenderer:
         return text
 
 
-_PROBE_TOOLS = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {
-    "type": "object", "properties": {"x": {"type": "integer"}}}}}]
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
 
 
-# the conversation `ChatRenderer.prefix_stable` renders both ways (also after a system prompt)
-_PROBE = [{"role": role, "content": text, **({"tool_call_id": "c1"} if role == "tool" else {})} for role, text in (
+# the conversation `ChatRenderer.prefix_stable` renders both ways (also after a system prompt); its replies carry
+# reasoning_content, which templates without a channel for it ignore
+_PROBE = [{"role": role, "content": text, **({"tool_call_id": "c1"} if role == "tool" else {"reasoning_content": "r"}
+                                            if role == "assistant" else {})} for role, text in (
     ("user", "u1"), ("assistant", "<think>t</think>a1"), ("user", "u2"), ("assistant", ""), ("tool", "r1"),
     ("assistant", "<think>t</think>"), ("tool", "r2"), ("tool", "r3"), ("assistant", "a3"), ("user", "u4"),
     ("assistant", "a4"), ("user", "u5"), ("assistant", "a5"))]

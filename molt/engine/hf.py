@@ -340,8 +340,7 @@ class HFEngine(InProcessWeightReceiver):
         routes = []
         for start in range(0, total, size):
             end = min(start + size, total)
-            attend = mask[:, :past + end] if self.vision else prefill_bias(mask[:, :past + end], end - start,
-                                                                                self.model.dtype)
+            attend = prefill_bias(mask[:, :past + end], end - start, None if self.vision else self.model.dtype)
             logits, r = self._forward(ids[:, start:end], attend, positions[..., start:end], cache, **images)
             routes.append(r)
         return logits, None if routes[0] is None else torch.cat(routes, 1)

@@ -151,15 +151,16 @@ class Slots:
         return [(k[i: i + 1, :, cols].clone(), v[i: i + 1, :, cols].clone()) for k, v in self.kv]
 
 
-def prefill_bias(mask: torch.Tensor, queries: int, dtype: torch.dtype) -> torch.Tensor:
+def prefill_bias(mask: torch.Tensor, queries: int, dtype: torch.dtype | None) -> torch.Tensor:
     """The additive attention mask [rows, 1, queries, columns] of a prefill chunk over a cached context, its
     queries the last of `mask`'s columns [rows, columns] (1 a token, 0 padding): zeros with the causal triangle
     of the chunk's own columns, written once per forward. transformers would build a boolean mask over the
     whole context in four passes and each layer's SDPA turn it into this one again: at 30K tokens of context
     that cost more than the attention itself (docs/internals.md). A chunk without a context keeps its 2D mask,
-    so that transformers can still skip the mask and use the causal kernel."""
+    so that transformers can still skip the mask and use the causal kernel; so does a model whose mask
+    transformers builds its own way (dtype None: vision models, around their images)."""
     rows, width = mask.shape
-    if width == queries:
+    if width == queries or dtype is None:
         return mask
     low = torch.finfo(dtype).min
     bias = torch.zeros(rows, 1, queries, width, dtype=dtype, device=mask.device)
@@ -188,14 +189,19 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     """transformers' `sdpa` attention, except for a decode step (one query per row, a mask shared by the heads):
     with a mask, transformers copies every key/value head once per query head it serves (SDPA's own GQA would
     fall back to its math kernel), a copy of the whole cache per layer and step. Viewing each key/value head's
-    query heads as its queries computes the same attention without the copy (docs/internals.md)."""
+    query heads as its queries computes the same attention without the copy (docs/internals.md). On a CPU a
+    masked prefill skips the copy too: its flash kernel takes SDPA's GQA flag with a mask (about a tenth of a
+    300-token turn over 30K cached tokens)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     rows, heads, n, dim = query.shape
     groups = heads // key.shape[1]
-    if n != 1 or groups == 1 or attention_mask is None or attention_mask.shape[1] != 1 \
-            or kwargs.get("position_bias") is not None:
+    if groups == 1 or attention_mask is None or attention_mask.shape[1] != 1 or kwargs.get("position_bias") is not None \
+            or n != 1 and query.device.type != "cpu":
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if n != 1:  # a prefill on a CPU, whose flash kernel takes grouped heads with a mask (CUDA's falls back to math)
+        out = F.scaled_dot_product_attention(query, key, value, attention_mask, scale=kwargs.get("scaling"), enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
     out = F.scaled_dot_product_attention(query.reshape(rows, key.shape[1], groups, dim), key, value,
                                          attn_mask=attention_mask, scale=kwargs.get("scaling"))
     return out.reshape(rows, 1, heads, -1), None  # head h reads key/value head h // groups, as repeat_kv has it
