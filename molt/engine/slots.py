@@ -196,8 +196,8 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
 
     rows, heads, n, dim = query.shape
     groups = heads // key.shape[1]
-    if groups == 1 or attention_mask is None or attention_mask.shape[1] != 1 or kwargs.get("position_bias") is not None \
-            or n != 1 and query.device.type != "cpu":
+    if n != 1 and query.device.type != "cpu" or groups == 1 or attention_mask is None \
+            or attention_mask.shape[1] != 1 or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if n != 1:  # a prefill on a CPU, whose flash kernel takes grouped heads with a mask (CUDA's falls back to math)
         out = F.scaled_dot_product_attention(query, key, value, attention_mask, scale=kwargs.get("scaling"), enable_gqa=True)
