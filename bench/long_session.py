@@ -16,9 +16,10 @@ can reuse the previous title's keys/values up to where the conversation went on)
 
 Reported per history length (median of the `--near` main turns closest to 1K, 8K, 16K and 32K tokens): the
 request latency seen by the client, the engine's part (time inside `engine.generate`) and capture's part (the
-rest: SDK, HTTP, parsing, rendering, the continuation check, segment bookkeeping). Then the engine process's peak
-resident memory (which includes the cold prefill of the last side request over the whole ~32K history) against
-the KV cache such a prompt needs, the prefix cache's reuse, and the payload of the session's experience as the
+rest: SDK, HTTP, parsing, rendering, the continuation check, segment bookkeeping), and the CPU time this process
+(client and capture server; the engine has its own) spent on the request: capture's own work, which a loaded
+machine's waits do not inflate. Then the engine process's peak resident memory (which includes the cold prefill
+of the last side request over the whole ~32K history) against the KV cache such a prompt needs, the prefix cache's reuse, and the payload of the session's experience as the
 rollout worker offloads it: pickled bytes per token (`pickle` protocol 5, as Ray serializes it).
 """
 from __future__ import annotations
@@ -81,25 +82,26 @@ async def run(args: argparse.Namespace) -> dict:
     messages = [{"role": "system", "content": "You are a coding agent. " + _text(rng, renderer, 800)}]
     turns, side = [], []
 
-    async def ask(msgs: list[dict], max_tokens: int) -> tuple[float, float, int, str]:
+    async def ask(msgs: list[dict], max_tokens: int) -> tuple[float, float, float, int, str]:
         engine.seconds = 0.0
-        t0 = time.perf_counter()
+        t0, cpu = time.perf_counter(), time.process_time()
         reply = await client.post(f"{session.base_url}/chat/completions", json={
             "model": session.model_name, "messages": msgs, "max_tokens": max_tokens, "min_tokens": max_tokens})
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu
         assert reply.status_code == 200, reply.text
         body = reply.json()
-        return wall, engine.seconds, body["usage"]["prompt_tokens"], body["choices"][0]["message"]["content"]
+        return wall, engine.seconds, cpu, body["usage"]["prompt_tokens"], body["choices"][0]["message"]["content"]
 
     for t in range(args.turns):
         messages.append({"role": "user", "content": _text(rng, renderer, per_turn)})
-        wall, in_engine, history, content = await ask(messages, args.max_tokens)
-        turns.append({"turn": t, "history": history, "wall": wall, "engine": in_engine, "after_side": bool(side)
+        wall, in_engine, cpu, history, content = await ask(messages, args.max_tokens)
+        turns.append({"turn": t, "history": history, "wall": wall, "engine": in_engine, "cpu": cpu,
+                      "after_side": bool(side)
                       and side[-1]["turn"] == t - 1})
         messages.append({"role": "assistant", "content": content})
         if args.side_every and t % args.side_every == args.side_every - 1:
             title = [{"role": "system", "content": "Write a five-word title for this conversation."}, *messages[1:]]
-            wall, in_engine, history, _ = await ask(title, 8)
+            wall, in_engine, _, history, _ = await ask(title, 8)
             side.append({"turn": t, "history": history, "wall": wall, "engine": in_engine})
         if t % 10 == 9:
             last = turns[-1]
@@ -122,13 +124,14 @@ async def run(args: argparse.Namespace) -> dict:
 
 def table(result: dict, near: int) -> str:
     main = result["turns"]
-    rows = ["| history (tokens) | turns | request (ms) | engine (ms) | capture (ms) |", "|---:|---:|---:|---:|---:|"]
+    rows = ["| history (tokens) | turns | request (ms) | engine (ms) | capture (ms) | capture CPU (ms) |",
+            "|---:|---:|---:|---:|---:|---:|"]
     for target in (1024, 8192, 16384, 32768):
         picked = sorted(main, key=lambda t: abs(t["history"] - target))[:near]
-        wall, eng, cap = (statistics.median(f(t) * 1e3 for t in picked) for f in (
-            lambda t: t["wall"], lambda t: t["engine"], lambda t: t["wall"] - t["engine"]))
+        wall, eng, cap, cpu = (statistics.median(f(t) * 1e3 for t in picked) for f in (
+            lambda t: t["wall"], lambda t: t["engine"], lambda t: t["wall"] - t["engine"], lambda t: t["cpu"]))
         rows.append(f"| {statistics.median(t['history'] for t in picked):,.0f} | {min(t['turn'] for t in picked) + 1}"
-                    f"-{max(t['turn'] for t in picked) + 1} | {wall:.0f} | {eng:.0f} | {cap:.1f} |")
+                    f"-{max(t['turn'] for t in picked) + 1} | {wall:.0f} | {eng:.0f} | {cap:.1f} | {cpu:.1f} |")
     after = [t["engine"] * 1e3 for t in main if t["after_side"]]
     others = [t["engine"] * 1e3 for t in main[1:] if not t["after_side"]]
     side = [s["engine"] * 1e3 for s in result["side"]]

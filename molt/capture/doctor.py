@@ -53,7 +53,8 @@ def play(renderer: ChatRenderer, eos_ids: list[int], tools: list | None, turns: 
         if i:
             reasons.append("" if plan.branch is not None else plan.break_reason)
         text = renderer.render(messages + canonical_messages([reply]), canonical_tools(tools), False)
-        sampled = renderer.encode(text[len(plan.prompt_text):].split(renderer.decode([eos_ids[0]]))[0]) + eos_ids[:1]
+        prompt = renderer.render(messages, canonical_tools(tools), True)  # (a continued plan may not hold it)
+        sampled = renderer.encode(text[len(prompt):].split(renderer.decode([eos_ids[0]]))[0]) + eos_ids[:1]
         tracker.commit(plan, [Action(sampled, [0.0] * len(sampled), [0] * len(sampled))], canonical_messages([reply]))
         messages = messages + canonical_messages([reply])
     return reasons

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import functools
 import hashlib
 import io
@@ -14,6 +15,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from molt.capture.tools import tool_call
 from molt.types import ModelSpec
 
 
@@ -117,6 +119,43 @@ class ChatRenderer:
         except (TemplateError, TypeError, ValueError, KeyError) as e:  # incl. a template's raise_exception(...)
             raise RenderError(f"the model's chat template rejected the conversation: {e}") from None
 
+    def extension(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, known: int,
+                  prompt: str = "", window: bool | None = None) -> tuple[str, str, str] | None:
+        """How the template goes on from `messages[:known]` (ending with a reply) to `messages`: (the reply's text
+        after the generation prompt before it, the text that follows it up to the new generation prompt included,
+        the whole conversation's text or "" where only a window of it was rendered); None where the later
+        messages change how the earlier ones render (a rewrite). `prompt`: the text of `messages[:known - 1]`
+        with its generation prompt, where the caller kept it. `window`: render a window of the conversation
+        (True), all of it (False), or a window where the template is prefix-stable (None): then a turn's
+        rendering does not grow with the history (docs/internals.md)."""
+        if window is None and self.prefix_stable and known > 4:
+            with contextlib.suppress(RenderError):  # refused for the window (roles a template checks), not for
+                return self.extension(messages, tools, known, "", True)  # the conversation: render all of it
+        if window:  # the first message, the reply, the one or two before it (an even number left out between,
+            cut = known - 2 - (known - 3) % 2  # so that roles keep their index parity) and all after it
+            messages, known = messages[:1] + messages[cut:], known - cut + 1
+        prompt = prompt or self.render(messages[: known - 1], tools, True)
+        before = self.render(messages[:known], tools, False)
+        after = self.render(messages, tools, True)
+        same = after.startswith(before) and before.startswith(prompt)
+        return (before[len(prompt):], after[len(before):], "" if window else after) if same else None
+
+    @functools.cached_property
+    def prefix_stable(self) -> bool:
+        """Whether the template renders the end of a conversation the same from a window of it (`extension`):
+        checked once, on probe conversations (system prompt or not, tools or not, replies with reasoning and
+        tool calls, one and several tool results) at every reply, with one, two and all the later messages."""
+        for messages in (_PROBE, [{"role": "system", "content": "s"}, *_PROBE]):
+            for tools, known in ((t, k) for t in (None, _PROBE_TOOLS) for k in range(5, len(messages))):
+                for end in {known + 1, known + 2, len(messages)} if messages[known - 1]["role"] == "assistant" else ():
+                    try:
+                        both = [self.extension(messages[:end], tools, known, "", w) or () for w in (False, True)]
+                    except RenderError:
+                        continue  # a conversation this template refuses
+                    if both[0][:2] != both[1][:2]:
+                        return False
+        return True
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token markup in it becomes the special tokens (as templates intend)."""
         if self._backend is not None:  # encode_batch lets other threads run meanwhile (`encode` holds the GIL)
@@ -149,6 +188,20 @@ class ChatRenderer:
         return text
 
 
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
+
+
+# the conversation `ChatRenderer.prefix_stable` renders both ways (also after a system prompt); its replies carry
+# reasoning_content, which templates without a channel for it ignore
+_PROBE = [{"role": role, "content": text, **({"tool_call_id": "c1"} if role == "tool" else {"reasoning_content": "r"}
+                                            if role == "assistant" else {})} for role, text in (
+    ("user", "u1"), ("assistant", "<think>t</think>a1"), ("user", "u2"), ("assistant", ""), ("tool", "r1"),
+    ("assistant", "<think>t</think>"), ("tool", "r2"), ("tool", "r3"), ("assistant", "a3"), ("user", "u4"),
+    ("assistant", "a4"), ("user", "u5"), ("assistant", "a5"))]
+_PROBE[3]["tool_calls"], _PROBE[5]["tool_calls"] = ([tool_call(c, "f", {"x": 1}) for c in ids] for ids in (
+    ["c1"], ["c2", "c3"]))
+
+
 def content_parts(parts: list[dict[str, Any]], image: Any) -> str | list[dict[str, Any]]:
     """OpenAI content parts -> canonical content: their text, or with images the list of the module docstring."""
     if all(p.get("type") not in ("image_url", "image") for p in parts):
@@ -172,8 +225,6 @@ def canonical_messages(messages: list[dict[str, Any]], image: Callable[[str], Im
                        ) -> list[dict[str, Any]]:
     """OpenAI-format chat messages (plain dicts) -> canonical messages; `image` loads an image_url (a
     `ChatRenderer.image`). Idempotent."""
-    from molt.capture.tools import tool_call
-
     out = []
     for m in messages:
         role = "system" if m["role"] == "developer" else m["role"]

@@ -18,7 +18,7 @@ class _Branch:
     segment: Segment
     messages: list[dict[str, Any]] | None  # canonical, ending with the recorded reply; None after raw text
     tools: list[dict[str, Any]] | None
-    prompt_text: str  # rendering (generation prompt included) of messages[:-1]: text_A
+    prompt_text: str  # rendering (generation prompt included) of messages[:-1] ("" where only a window was)
     ended_turn: bool  # the reply's sampled tokens end with an end-of-turn (EOS) token
 
 
@@ -66,20 +66,21 @@ class SegmentTracker:
 
     def plan(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
              temperature: float) -> Plan:
-        text_c = self.renderer.render(messages, tools, add_generation_prompt=True)
         rewrite = False
         for branch in reversed(self._by_start.get(_start(messages), ())):
             known = branch.messages
             if (known is None or branch.tools != tools or branch.segment.temperature != temperature
                     or len(messages) <= len(known) or messages[: len(known)] != known):
                 continue
-            context = self._continuation(branch, text_c)
+            pieces = self.renderer.extension(messages, tools, len(known), branch.prompt_text)
+            context = pieces and self._continuation(branch, *pieces[:2])
             if context is not None:
                 ids, images = self.renderer.encode_images(context, message_images(messages[len(known):]))
                 return Plan(branch.segment.token_ids.tolist() + ids, ids, branch, "", messages, tools, temperature,
-                            text_c, images=join_inputs(branch.segment.images, images))
+                            pieces[2], images=join_inputs(branch.segment.images, images))
             rewrite = True
             break
+        text_c = self.renderer.render(messages, tools, add_generation_prompt=True)
         ids, images = self.renderer.encode_images(text_c, message_images(messages))
         reason = self._break_reason(messages, tools, temperature, rewrite)
         return Plan(ids, ids, None, reason, messages, tools, temperature, text_c, rewrite, images)
@@ -114,18 +115,14 @@ class SegmentTracker:
                 self._last = branch
 
     # ------------------------------------------------------------------------------------------ internals
-    def _continuation(self, branch: _Branch, text_c: str) -> str | None:
-        """Text of the context tokens that continue `branch` towards text_c, or None if the template rewrote
-        the earlier conversation."""
-        text_b = self.renderer.render(branch.messages, branch.tools, add_generation_prompt=False)
-        if not (text_c.startswith(text_b) and text_b.startswith(branch.prompt_text)):
-            return None
-        reply = text_b[len(branch.prompt_text):]
+    def _continuation(self, branch: _Branch, reply: str, added: str) -> str | None:
+        """Text of the context tokens that continue `branch`, from the template's text of its reply and of what
+        follows (`ChatRenderer.extension`); None where no splice point is safe."""
         end, eos = max((reply.rfind(e), e) for e in self.eos_texts) if self.eos_texts else (-1, "")
         if end < 0:
             return None  # the template does not close turns with an EOS token: no safe splice point
         closer = reply[end + len(eos):] if branch.ended_turn else reply[end:]
-        return closer + text_c[len(text_b):]
+        return closer + added
 
     def _break_reason(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                       temperature: float, rewrite: bool) -> str:

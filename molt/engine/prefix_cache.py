@@ -62,18 +62,15 @@ class PrefixCache:
         nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
         if nbytes > self.budget:
             return
-        entries = self.entries.setdefault(session_id, [])
-        self.entries.move_to_end(session_id)
-        for old in [e for e in entries if common_prefix(e.tokens, tokens) == len(e.tokens)]:
-            self._remove(session_id, old)
-        if len(entries) >= MAX_ENTRIES_PER_SESSION:
-            self._remove(session_id, entries[0])
-        while self.nbytes + nbytes > self.budget:
+        entries = self.entries.pop(session_id, [])
+        kept = [e for e in entries if common_prefix(e.tokens, tokens) < len(e.tokens)]
+        kept = kept[max(0, len(kept) + 1 - MAX_ENTRIES_PER_SESSION):]  # the most recent ones, with room for this
+        self.nbytes += nbytes - sum(e.nbytes for e in entries if e not in kept)
+        entry = Prefix(tokens, layers, version, nbytes, torch.cat(routes) if routes else None)
+        self.entries[session_id] = kept + [entry]
+        while self.nbytes > self.budget:  # least recently used sessions first; never the new entry (it fits alone)
             oldest = next(iter(self.entries))
             self._remove(oldest, self.entries[oldest][0])
-        self.entries.setdefault(session_id, []).append(
-            Prefix(tokens, layers, version, nbytes, torch.cat(routes) if routes else None))
-        self.nbytes += nbytes
 
     def _remove(self, session_id: str, entry: Prefix) -> None:
         entries = self.entries[session_id]
@@ -128,12 +125,9 @@ def prefill_groups(new: list[Any], work: dict[Any, int], budget: int) -> Iterabl
         yield group
 
 
-def left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - t.shape[dim]
-    if missing == 0:
-        return t
-    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [missing, 0]
-    return F.pad(t, pad)
+def left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
+    """`t` [..., n, head_dim] with `length - n` zero columns in front; itself (no copy) when none are missing."""
+    return t if t.shape[-2] == length else F.pad(t, (0, 0, length - t.shape[-2], 0))
 
 
 def prefill_inputs(contexts: list[list[int]], reused: list[tuple[Prefix | None, int]], pad_id: int,
@@ -153,9 +147,9 @@ def prefill_inputs(contexts: list[list[int]], reused: list[tuple[Prefix | None, 
     if width:
         template = next(entry for entry, n in reused if n)  # rows without reuse: its tensors cut to 0 columns
         for layer in range(len(template.layers)):
-            keys, values = ([left_pad((entry if n else template).layers[layer][kv][..., :n, :], width, -2)
+            keys, values = ([left_pad((entry if n else template).layers[layer][kv][..., :n, :], width)
                              for entry, n in reused] for kv in (0, 1))
-            cache.update(torch.cat(keys), torch.cat(values), layer)
+            cache.update(*(x[0] if len(x) == 1 else torch.cat(x) for x in (keys, values)), layer)  # (update copies)
     positions = (mask.cumsum(1) - 1).clamp(min=0)[:, width:]
     return ids, mask, positions
 

@@ -14,7 +14,7 @@ import torch
 from molt.engine.prefix_cache import PrefixCache, copies_of, prefill_groups, prefill_inputs
 from molt.engine.request import Request
 from molt.engine.scheduler import Prefill
-from molt.engine.slots import GraphDecoder, Slots, adapt_model, engine_device
+from molt.engine.slots import GraphDecoder, Slots, adapt_model, engine_device, prefill_bias
 from molt.types import FinishReason, ModelSpec, join_inputs, rope_positions
 
 
@@ -102,8 +102,9 @@ class ModelRunner:
         chunk x context at most, never one over the whole prompt (docs/internals.md)."""
         s = job.state
         past = s.mask.shape[1] - s.ids.shape[1]
-        s.logits, routes = self._forward(s.ids[:, start:end], s.mask[:, :past + end], s.positions[..., start:end],
-                                         s.cache, **s.images)
+        attend = prefill_bias(s.mask[:, :past + end], end - start, None if self.spec.vision else self.model.dtype)
+        s.logits, routes = self._forward(s.ids[:, start:end], attend, s.positions[..., start:end], s.cache,
+                                         **s.images)
         s.routes.append(routes)
 
     def prefilled(self, job: Prefill, version: int) -> torch.Tensor:

@@ -74,8 +74,12 @@ class Slots:
         between prefix and suffix, so that every row is contiguous and the width stays within the context."""
         g = mask.shape[0]
         m = int(mask.sum(1).max())
-        order = mask.argsort(dim=1, stable=True)[:, -m:]  # padding first, then the tokens in their order
-        mask = mask.gather(1, order)
+        if bool((mask[:, 1:] >= mask[:, :-1]).all()):  # contiguous already (a turn over its cached prefix): a view
+            mask, layers = mask[:, -m:], [(k[:, :, -m:], v[:, :, -m:]) for k, v in layers]
+        else:
+            order = mask.argsort(dim=1, stable=True)[:, -m:]  # padding first, then the tokens in their order
+            at = order[:, None, :, None].expand(g, layers[0][0].shape[1], m, layers[0][0].shape[3])
+            mask, layers = mask.gather(1, order), [(k.gather(2, at), v.gather(2, at)) for k, v in layers]
         if m > self.width:
             self.reserve(self.rows, m)
             if self.rows:
@@ -83,10 +87,8 @@ class Slots:
             self.width = m
         self.reserve(self.rows + g, self.width)
         rows, cols = slice(self.rows, self.rows + g), slice(self.width - m, self.width)
-        _, heads, _, dim = layers[0][0].shape
-        at = order[:, None, :, None].expand(g, heads, m, dim)
         for (keys, values), (k, v) in zip(self.kv, layers):
-            keys[rows, :, cols], values[rows, :, cols] = k.gather(2, at), v.gather(2, at)
+            keys[rows, :, cols], values[rows, :, cols] = k, v
             keys[rows, :, : self.width - m] = 0  # masked, but a previous occupant's inf/nan would still leak
             values[rows, :, : self.width - m] = 0
         self.mask[rows] = 0
@@ -142,9 +144,30 @@ class Slots:
         return torch.zeros(keep.shape, dtype=dtype, device=self.device).masked_fill_(~keep, torch.finfo(dtype).min)
 
     def row(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A copy of row i's keys/values without its padding columns (for the prefix cache)."""
-        columns = self.mask[i, : self.width].nonzero()[:, 0]
-        return [(k[i: i + 1, :, columns], v[i: i + 1, :, columns]) for k, v in self.kv]
+        """A copy of row i's keys/values without its padding columns (for the prefix cache): a row's tokens are
+        its last columns (`merge` makes them contiguous), so a sliced copy, where an index over the columns would
+        gather them one by one (4x slower)."""
+        cols = slice(self.width - int(self.mask[i, : self.width].sum()), self.width)
+        return [(k[i: i + 1, :, cols].clone(), v[i: i + 1, :, cols].clone()) for k, v in self.kv]
+
+
+def prefill_bias(mask: torch.Tensor, queries: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """The additive attention mask [rows, 1, queries, columns] of a prefill chunk over a cached context, its
+    queries the last of `mask`'s columns [rows, columns] (1 a token, 0 padding): zeros with the causal triangle
+    of the chunk's own columns, written once per forward. transformers would build a boolean mask over the
+    whole context in four passes and each layer's SDPA turn it into this one again: at 30K tokens of context
+    that cost more than the attention itself (docs/internals.md). A chunk without a context keeps its 2D mask,
+    so that transformers can still skip the mask and use the causal kernel; so does a model whose mask
+    transformers builds its own way (dtype None: vision models, around their images)."""
+    rows, width = mask.shape
+    if width == queries or dtype is None:
+        return mask
+    low = torch.finfo(dtype).min
+    bias = torch.zeros(rows, 1, queries, width, dtype=dtype, device=mask.device)
+    bias[..., width - queries:] = torch.full((queries, queries), low, dtype=dtype, device=mask.device).triu_(1)
+    if not bool(mask.all()):
+        bias.masked_fill_(mask[:, None, None, :] == 0, low)
+    return bias
 
 
 class _View:
@@ -166,14 +189,19 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     """transformers' `sdpa` attention, except for a decode step (one query per row, a mask shared by the heads):
     with a mask, transformers copies every key/value head once per query head it serves (SDPA's own GQA would
     fall back to its math kernel), a copy of the whole cache per layer and step. Viewing each key/value head's
-    query heads as its queries computes the same attention without the copy (docs/internals.md)."""
+    query heads as its queries computes the same attention without the copy (docs/internals.md). On a CPU a
+    masked prefill skips the copy too: its flash kernel takes SDPA's GQA flag with a mask (about a tenth of a
+    300-token turn over 30K cached tokens)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     rows, heads, n, dim = query.shape
     groups = heads // key.shape[1]
-    if n != 1 or groups == 1 or attention_mask is None or attention_mask.shape[1] != 1 \
-            or kwargs.get("position_bias") is not None:
+    if n != 1 and query.device.type != "cpu" or groups == 1 or attention_mask is None \
+            or attention_mask.shape[1] != 1 or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if n != 1:  # a prefill on a CPU, whose flash kernel takes grouped heads with a mask (CUDA's falls back to math)
+        out = F.scaled_dot_product_attention(query, key, value, attention_mask, scale=kwargs.get("scaling"), enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
     out = F.scaled_dot_product_attention(query.reshape(rows, key.shape[1], groups, dim), key, value,
                                          attn_mask=attention_mask, scale=kwargs.get("scaling"))
     return out.reshape(rows, 1, heads, -1), None  # head h reads key/value head h // groups, as repeat_kv has it

@@ -52,13 +52,21 @@ async def test_long_prompts_prefill_in_chunks_and_match_an_unchunked_forward(tmp
 
 @pytest.mark.slow
 async def test_a_32k_prompt_completes_on_a_32k_model_and_matches_an_unchunked_forward(tmp_path):
+    """And the session's next turn, 300 new tokens over the cached 32K (the prefix cache's entry, the prefill's
+    additive mask over the whole context, a contiguous row merged and stored without a gather), too."""
     path = build_tiny_llama(tmp_path / "m", max_positions=32768)
     engine = HFEngine(str(path))
     prompt = long_prompt(32000)
-    out = await engine.generate(prompt, SamplingParams(max_tokens=4, min_tokens=4, temperature=1.0, seed=1))
+    params = SamplingParams(max_tokens=4, min_tokens=4, temperature=1.0, seed=1)
+    out = await engine.generate(prompt, params, "s")
+    turn = prompt + out.token_ids + long_prompt(300, 5)
+    again = await engine.generate(turn, params, "s")
     await engine.close()
-    _, expected = recompute(load(path), prompt, out, 1.0)
-    assert torch.tensor(out.logprobs).sub(expected).abs().max() <= 1e-4
+    assert (await engine.prefix_stats())["reused_tokens"] == 32003  # all but the last sampled token's
+    model = load(path)
+    for p, o in ((prompt, out), (turn, again)):
+        _, expected = recompute(model, p, o, 1.0)
+        assert torch.tensor(o.logprobs).sub(expected).abs().max() <= 1e-4
 
 
 async def test_a_running_request_keeps_decoding_while_a_long_prompt_prefills_in_chunks(tiny_llama_dir):
