@@ -121,14 +121,11 @@ class AdvantageBatch:
         mask = torch.zeros(len(exps), max((len(e.action_mask) for e in exps), default=0), dtype=torch.bool)
         for i, e in enumerate(exps):
             mask[i, : len(e.action_mask)] = torch.tensor(e.action_mask, dtype=torch.bool)
-        return cls(
-            rewards=torch.tensor([float(e.reward) for e in exps]),
-            group_ids=_dense_ids([e.group_id for e in exps]),
-            rollout_ids=_dense_ids([e.rollout_id for e in exps]),
-            segment_index=torch.tensor([e.segment_index for e in exps], dtype=torch.long),
-            action_mask=mask,
-            **tensors,
-        )
+        return cls(rewards=torch.tensor([float(e.reward) for e in exps]),
+                   group_ids=_dense_ids([e.group_id for e in exps]),
+                   rollout_ids=_dense_ids([e.rollout_id for e in exps]),
+                   segment_index=torch.tensor([e.segment_index for e in exps], dtype=torch.long),
+                   action_mask=mask, **tensors)
 
 
 @dataclass(slots=True)
@@ -248,10 +245,8 @@ def _reinforce(batch: AdvantageBatch, params: AdvantageParams, baseline: bool) -
     stats = rollout_stats(batch)
     seqs = ActionSequences.build(batch, stats)
     terminal = stats.reward - stats.group_mean if baseline and not params.centred else stats.reward
-    returns = seqs.scatter(
-        discounted_reverse_cumsum(seqs.token_rewards(terminal, batch, params), params.gamma),
-        _float_like(batch),
-    )
+    returns = seqs.scatter(discounted_reverse_cumsum(seqs.token_rewards(terminal, batch, params), params.gamma),
+                           _float_like(batch))
     adv = masked_whiten(returns, batch.action_mask) if params.whiten else returns
     return AdvantageResult(adv, returns)
 
@@ -332,10 +327,8 @@ def compute_advantages(name: str, batch: AdvantageBatch, params: AdvantageParams
         raise ValueError(f"kl_coef: {name} takes no KL token reward; put KL in the loss (kl placement 'loss')")
     result = fn(batch, params)
     if result.advantages.shape != batch.action_mask.shape:
-        raise ValueError(
-            f"estimator {name!r} returned advantages of shape {tuple(result.advantages.shape)}, "
-            f"expected {tuple(batch.action_mask.shape)}"
-        )
+        raise ValueError(f"estimator {name!r} returned advantages of shape {tuple(result.advantages.shape)}, "
+                         f"expected {tuple(batch.action_mask.shape)}")
     stats = rollout_stats(batch)
     degenerate = ((stats.group_size < 2) | (stats.group_std == 0)).double()
     num_groups = int(stats.group.max()) + 1 if len(stats.group) else 0

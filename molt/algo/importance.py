@@ -13,11 +13,7 @@ from torch import Tensor
 from molt.algo.ops import as_mask, check_shape, detach_all, masked_mean, seq_mean, seq_sum
 
 # level -> log of the ratio the rule looks at, per token: (log_r [N, T], mask, seq_ids) -> [N, T]
-LEVELS = {
-    "token": lambda log_r, mask, seq_ids: log_r,
-    "seq": seq_sum,
-    "geo": seq_mean,
-}
+LEVELS = {"token": lambda log_r, mask, seq_ids: log_r, "seq": seq_sum, "geo": seq_mean}
 
 
 def _mask(lr: Tensor, tok: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
@@ -43,16 +39,9 @@ MODES = {"mask": _mask, "mis": _mis, "clip": _clip, "trunc": _trunc}
 GATES = ("mask", "mis")  # the modes that reject (weight 0) what falls outside the band
 
 
-def importance_weights(
-    trainer_logprobs: Tensor,
-    behavior_logprobs: Tensor,
-    action_mask: Tensor,
-    level: str = "token",
-    mode: str = "mask",
-    low: float = 0.5,
-    high: float = 2.0,
-    seq_ids: Tensor | None = None,
-) -> tuple[Tensor, dict]:
+def importance_weights(trainer_logprobs: Tensor, behavior_logprobs: Tensor, action_mask: Tensor, level: str = "token",
+                       mode: str = "mask", low: float = 0.5, high: float = 2.0,
+                       seq_ids: Tensor | None = None) -> tuple[Tensor, dict]:
     """Per-token importance weights for the policy-gradient term.
 
     trainer_logprobs: [N, T] the trainer's log-probabilities of the sampled tokens (any grad is dropped);
@@ -78,11 +67,8 @@ def importance_weights(
     weights = torch.where(mask, weights, 1.0)
     # an empty mask retains everything; torch.where rather than `if mask.any()` avoids a device sync
     retained_frac = torch.where(mask.sum() > 0, masked_mean(retained.double(), mask), 1.0)
-    metrics = {
-        "is/retained_frac": retained_frac,
-        "is/logprob_gap": masked_mean(log_r.abs(), mask),
-        "is/weight_mean": masked_mean(weights, mask),
-    }
+    metrics = {"is/retained_frac": retained_frac, "is/logprob_gap": masked_mean(log_r.abs(), mask),
+               "is/weight_mean": masked_mean(weights, mask)}
     if level != "off" and mode in GATES:
         metrics["is/rejected_frac"] = 1.0 - retained_frac
     return weights.to(trainer_logprobs.dtype), detach_all(metrics)
