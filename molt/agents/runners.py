@@ -188,11 +188,8 @@ class StepEnvRunner(_RunnerBase):
                  timeout: float | None = None, observation_role: str = "user"):
         if observation_role not in ("user", "tool", "raw"):
             raise ValueError(f"observation_role must be 'user', 'tool' or 'raw', got {observation_role!r}")
-        self.env_cls = env_cls
-        self.max_turns = max_turns
-        self.max_episode_tokens = max_episode_tokens
-        self.timeout = timeout
-        self.observation_role = observation_role
+        self.env_cls, self.max_turns, self.max_episode_tokens = env_cls, max_turns, max_episode_tokens
+        self.timeout, self.observation_role = timeout, observation_role
 
     async def _episode(self, row, session, params, episode):
         env = self.env_cls()

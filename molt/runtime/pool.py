@@ -136,21 +136,10 @@ GroupFilter = Callable[[list[Group]], tuple[list[Group], dict[str, int]]]
 
 
 class RolloutPool:
-    def __init__(
-        self,
-        prompts: PromptStream,
-        run: Callable[[RolloutTask], Awaitable[RolloutOutcome]],
-        *,
-        n_samples: int,
-        groups_per_step: int,
-        max_staleness: int,
-        max_retries: int = 2,
-        group_filter: GroupFilter | None = None,
-        seed: int = 0,
-        stall_timeout_s: float = 0.0,
-        failure_window: int = 0,
-        max_failed_share: float = 1.0,
-    ):
+    def __init__(self, prompts: PromptStream, run: Callable[[RolloutTask], Awaitable[RolloutOutcome]], *,
+                 n_samples: int, groups_per_step: int, max_staleness: int, max_retries: int = 2,
+                 group_filter: GroupFilter | None = None, seed: int = 0, stall_timeout_s: float = 0.0,
+                 failure_window: int = 0, max_failed_share: float = 1.0):
         self.prompts, self._prompts = prompts, iter(prompts)
         self._run, self._filter = run, group_filter
         self.n_samples, self.groups_per_step = n_samples, groups_per_step

@@ -24,13 +24,9 @@ class ScriptedEngine:
     def __init__(self, tokenizer: Any, replies: Sequence[str] | Callable[[list[int], SamplingParams], str] = ("ok",),
                  *, model_name: str = "scripted", max_model_len: int = 512, delay: float = 0.0,
                  no_eos: bool = False, version: int = 0, token_delay: float = 0.0, hold: Any = None):
-        self.tokenizer = tokenizer
-        self.replies = replies
-        self.model_name = model_name
-        self.max_model_len = max_model_len
-        self.eos_token_ids = [tokenizer.eos_token_id]
+        self.tokenizer, self.replies, self.model_name, self.no_eos = tokenizer, replies, model_name, no_eos
+        self.max_model_len, self.eos_token_ids = max_model_len, [tokenizer.eos_token_id]
         self.delay = delay  # seconds each generate takes (to test timeouts and retries)
-        self.no_eos = no_eos
         self.token_delay = token_delay  # seconds between streamed tokens (with on_tokens)
         self.hold = hold  # an asyncio.Event the second half of a streamed reply waits for (tests set it)
         self.calls: list[dict[str, Any]] = []
