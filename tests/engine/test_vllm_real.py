@@ -33,12 +33,20 @@ def models(tmp_path_factory):
     return paths, [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in paths]
 
 
+# the reference's --vllm.* knobs that run on a CPU, as `molt train` takes them (molt.flags -> config -> VLLMEngine)
+KNOBS = ["--vllm.enforce_eager", "--vllm.dtype", "float32", "--vllm.block_size", "32", "--vllm.enable_prefix_caching",
+         "--vllm.max_num_batched_tokens", "2048", "--vllm.attention_backend", "CPU_ATTN",
+         "--vllm.distributed_executor_backend", "mp"]
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(models):
+    from molt.cli import load_config
     from molt.engine.vllm import VLLMEngine
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for these requests
-    eng = VLLMEngine(str(models[0][0]), dtype="float32", max_model_len=512, enforce_eager=True)
+    cfg = load_config(["--rollout.engine", "vllm", "--data.max_len", "512", *KNOBS], check_files=False)
+    eng = VLLMEngine(str(models[0][0]), **cfg.vllm_options())
     yield eng
     await eng.close()
 
@@ -77,6 +85,26 @@ async def test_logprobs_versions_and_agreement_with_transformers(engine, models)
     gaps = torch.stack(gaps)
     print(f"vLLM fp32 vs transformers fp32: mean {gaps.mean():.2e}, max {gaps.max():.2e} over {len(gaps)} tokens")
     assert gaps.mean() <= 1e-5 and gaps.max() <= 1e-3
+
+
+async def test_the_reference_knobs_reach_vllm(engine):
+    """Each of KNOBS read back from the running engine's own config (vLLM's, after its CPU platform's
+    adjustments), and two seen at work: prefix caching on, with 32-token blocks (a repeated 200-token prompt finds
+    192 tokens cached, whole blocks only; the CPU build's default block of 128 would give 128)."""
+    import vllm
+
+    c = engine._llm.vllm_config
+    assert c.model_config.enforce_eager and c.model_config.dtype == torch.float32
+    assert c.cache_config.block_size == 32 and c.cache_config.enable_prefix_caching
+    assert c.scheduler_config.max_num_batched_tokens == 2048 and not c.scheduler_config.enable_chunked_prefill
+    assert c.attention_config.backend.name == "CPU_ATTN" and c.parallel_config.distributed_executor_backend == "mp"
+    cached = []
+    for i in range(2):
+        async for out in engine._llm.generate({"prompt_token_ids": list(range(20, 220))},
+                                              vllm.SamplingParams(max_tokens=1), request_id=f"knobs-{i}"):
+            pass
+        cached.append(out.num_cached_tokens)
+    assert cached == [0, 192]
 
 
 async def test_seeds_reproduce_and_greedy_is_transformers_greedy(engine, models):
@@ -173,7 +201,7 @@ async def test_refit_keeps_requests_and_changes_outputs(engine, models):
 
 
 async def test_seeded_requests_over_the_batch_token_budget(engine):
-    """Seeded prompts that together exceed vLLM's per-step token budget (4096 on its CPU build): chunked, the last
+    """Seeded prompts that together exceed vLLM's per-step token budget (2048 here; 4096 by default): chunked, the last
     prefill would be split and vLLM 0.32's CPU build kills its engine core (`CPU Generator does not use offset`;
     the math demo's first evaluation did); unchunked, every request completes and a seed still reproduces."""
     prompts = [[5 + i] + [20 + k % 300 for k in range(399)] for i in range(12)]  # 12 x 400 tokens
