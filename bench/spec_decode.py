@@ -42,8 +42,9 @@ def copy_prompts(tokenizer, n: int) -> list[list[int]]:
 
 def counters(llm) -> tuple[float, float]:
     """(drafted, accepted) tokens so far, vLLM's own counters (needs log stats on)."""
-    got = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")}
-    return got.get("vllm:spec_decode_num_draft_tokens", 0), got.get("vllm:spec_decode_num_accepted_tokens", 0)
+    names = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+    got = {m.name: m.value for m in llm.get_metrics() if m.name in names}
+    return got.get(names[0], 0), got.get(names[1], 0)
 
 
 @torch.no_grad()
