@@ -300,8 +300,8 @@ async def test_smollm2_agreement(dtype):
                       for p, o in zip(prompts, outs)])
     print(f"SmolLM2 vLLM {dtype} vs transformers fp32: mean {gaps.mean():.2e}, max {gaps.max():.2e} "
           f"over {len(gaps)} tokens")
-    # measured mean 1.58e-05, max 4.70e-05 (226 tokens, enforce_eager): above the 1e-5 target, which the
-    # tiny model meets; see docs/benchmarks.md
+    # measured mean 1.58e-05, max 4.70e-05 (226 tokens, enforce_eager) on one host, 9.27e-06 / 3.82e-05 on the same
+    # 226 tokens on another (AVX-512 FP16 + AMX): host-dependent, hence the margin; see docs/benchmarks.md
     assert dtype != "float32" or gaps.mean() <= 5e-5
 
 
