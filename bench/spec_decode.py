@@ -87,15 +87,14 @@ def main(args) -> list[str]:
         print(f"  T={temperature}: {sum(len(o[0]) for o in outs) / seconds:.1f} tokens/s", flush=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     name = f"ngram, {args.ngram} tokens" if args.ngram else "no speculation"
-    lines = []
+    lines = [("| engine | start-up, s | T | tokens | tokens/s | drafted / accepted | non-finite log-probs "
+              "| gap of the finite ones, mean / max |"), "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for temperature, seconds, outs, drafted, took in rows:
         g = gaps(model, prompts, outs, temperature)
         finite = g[torch.isfinite(g)].abs()
         n = sum(len(o[0]) for o in outs)
         lines.append(f"| {name} | {startup:.0f} | {temperature:g} | {n} | {n / seconds:.1f} | {drafted:.0f} / "
                      f"{took:.0f} | {len(g) - len(finite)} | {finite.mean():.2e} / {finite.max():.2e} |")
-    print("| engine | start-up, s | T | tokens | tokens/s | drafted / accepted | non-finite log-probs "
-          "| gap of the finite ones, mean / max |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     print("\n".join(lines))
     return lines
 
@@ -107,9 +106,9 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", default="1,0")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no compilation: a faster start-up)")
-    ap.add_argument("--write", action="store_true", help="append the rows to docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true", help="append the table to docs/benchmarks.md")
     args = ap.parse_args()
     table = main(args)
     if args.write:
         with open(ROOT / "docs/benchmarks.md", "a") as f:
-            f.write("\n".join(table) + "\n")
+            f.write("\n" + "\n".join(table) + "\n")
