@@ -169,7 +169,7 @@ def _cpu_defaults(engine_args: dict[str, Any], dtype: str, max_len: int | None) 
     Warns of each CPU_OVERRIDES knob given another value; refuses speculative decoding (docs/internals.md)."""
     if engine_args.get("speculative_config"):  # measured: bench/spec_decode.py, docs/benchmarks.md
         raise ValueError("speculative_config: vLLM 0.32's CPU build returns wrong log-probs with speculative decoding "
-                         "at temperature > 0 (ngram on SmolLM2: some NaN, the rest off by 0.3-0.5 on average), and the "
+                         "at temperature > 0 (ngram on SmolLM2: some NaN, the rest off by 0.2-0.5 on average), and the "
                          "importance ratio needs them")
     for key, (used, replaced, why) in CPU_OVERRIDES.items():
         if engine_args.get(key) not in (used, None) and (replaced is None or engine_args[key] in replaced):
