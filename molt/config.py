@@ -399,6 +399,18 @@ class MoltConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
+    def vllm_options(self) -> dict[str, Any]:
+        """`VLLMEngine` keyword arguments of this run: vllm.*, data.max_len as max_model_len, the engine_args (the
+        reference's --vllm.* knobs among them, molt.flags) read as YAML, and route capture for routing replay
+        (vLLM >= 0.21: CompletionOutput.routed_experts, docs/moe.md)."""
+        import yaml
+
+        v = self.vllm
+        return {"tensor_parallel_size": v.tensor_parallel_size, "max_model_len": self.data.max_len,
+                "gpu_memory_utilization": v.gpu_memory_utilization,
+                **{k: yaml.safe_load(x) for k, x in v.engine_args.items()},
+                **({"enable_return_routed_experts": True} if self.train.routing_replay else {})}
+
 
 def __getattr__(name: str) -> Any:
     """`load_config` lives with the command line (molt.cli); importable from here, lazily, as before."""

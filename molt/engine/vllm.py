@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,6 +23,11 @@ log = logging.getLogger(__name__)
 MIN_VLLM = (0, 10, 2)  # "processed_logprobs" means after top-k/top-p from here on (vllm-project/vllm#22387)
 CPU_KV_CACHE_GIB = 2  # vLLM's CPU build: KV cache size unless VLLM_CPU_KVCACHE_SPACE or kv_cache_memory_bytes say
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+# engine args vLLM's CPU build (0.32, vllm/platforms/cpu.py) overrides without an error: (what it uses, the values
+# it replaces, None: all others, why). None changes what is sampled: a start-up warning says so (docs/internals.md)
+CPU_OVERRIDES = {"attention_backend": ("CPU_ATTN", None, "its only attention kernel for these models"),
+                 "async_scheduling": (False, None, "it always schedules synchronously"),
+                 "distributed_executor_backend": ("mp", ("uni",), "its workers need processes of their own")}
 
 
 # ------------------------------------------------------------------------------ pure helpers (tested on CPU)
@@ -80,6 +86,8 @@ def read_output(out: Any, n_top: int) -> tuple[list[int], list[float], list[list
         return [], [], []
     assert out.logprobs is not None and len(out.logprobs) == len(tokens), "vLLM returned no per-token logprobs"
     logprobs = [float(d[t].logprob) for d, t in zip(out.logprobs, tokens)]
+    if any(math.isnan(lp) for lp in logprobs):  # never into training (vLLM 0.32's CPU build with speculation did)
+        raise EngineError("vLLM returned a NaN log-prob for a sampled token")
     tops: list[list[tuple[int, float]]] = []
     if n_top:
         for d, t in zip(out.logprobs, tokens):  # the sampled token is always in d, with its true rank
@@ -143,7 +151,15 @@ def _import_vllm() -> tuple[Any, Any]:
 def _cpu_defaults(engine_args: dict[str, Any], dtype: str, max_len: int | None) -> str:
     """vLLM's CPU build (docs/internals.md): dtype auto is float32, the KV cache CPU_KV_CACHE_GIB unless
     VLLM_CPU_KVCACHE_SPACE says, and chunked prefill off unless asked for (vLLM 0.32's CPU build kills its engine
-    core on a seeded request whose prefill was split: `CPU Generator does not use offset`); returns the dtype."""
+    core on a seeded request whose prefill was split: `CPU Generator does not use offset`); returns the dtype.
+    Warns of each CPU_OVERRIDES knob given another value; refuses speculative decoding (docs/internals.md)."""
+    if engine_args.get("speculative_config"):  # measured: bench/spec_decode.py, docs/benchmarks.md
+        raise ValueError("speculative_config: vLLM 0.32's CPU build returns wrong log-probs with speculative decoding "
+                         "at temperature > 0 (ngram on SmolLM2: some NaN, the rest off by 0.2-0.5 on average), and the "
+                         "importance ratio needs them")
+    for key, (used, replaced, why) in CPU_OVERRIDES.items():
+        if engine_args.get(key) not in (used, None) and (replaced is None or engine_args[key] in replaced):
+            log.warning("vLLM's CPU build ignores %s=%r and uses %r: %s", key, engine_args[key], used, why)
     if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # which vLLM lets override kv_cache_memory_bytes
         engine_args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_GIB << 30)
     if "enable_chunked_prefill" not in engine_args:  # unchunked, a step takes whole prompts up to the budget
@@ -170,6 +186,9 @@ class VLLMEngine:
         self.model_name = model_name or Path(model_path).name
         engine_args.setdefault("disable_log_stats", True)
         self.spec = spec = ModelSpec.from_pretrained(model_path)  # EOS ids the way molt.engine.hf reads them
+        if engine_args.get("speculative_config") and spec.banned:  # vLLM rejects every such request otherwise
+            raise ValueError("speculative_config: vLLM refuses logit_bias with speculative decoding, and it is how "
+                             "Molt keeps a vision-language model from sampling image tokens (docs/vision.md)")
         if vllm.platforms.current_platform.is_cpu():
             dtype = _cpu_defaults(engine_args, dtype, max_model_len or spec.max_model_len)
         args = vllm.AsyncEngineArgs(
@@ -178,7 +197,10 @@ class VLLMEngine:
             max_model_len=max_model_len, seed=seed, enable_prefix_caching=enable_prefix_caching,
             logprobs_mode="processed_logprobs", worker_extension_cls=f"{vllm_worker.__name__}.WorkerExtension",
             **engine_args)
-        self._llm = AsyncLLM.from_engine_args(args)
+        try:
+            self._llm = AsyncLLM.from_engine_args(args)
+        except NotImplementedError as e:  # e.g. an MTP speculative_config for a model without MTP layers
+            raise ValueError(f"vLLM refused the engine arguments: {e}") from e
         self.weight_group_size = tensor_parallel_size  # one refit-group rank per worker process
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())

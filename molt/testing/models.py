@@ -100,16 +100,18 @@ def build_tiny_llama(path: str | Path, *, seed: int = 0, template: str = CHATML_
     return _save(model, tokenizer, Path(path))
 
 
-def build_tiny_moe(path: str | Path, *, seed: int = 0, template: str = CHATML_TOOLS_TEMPLATE) -> Path:
-    """Save a tiny Qwen2-MoE causal LM (4 experts, top-2 routing) with its tokenizer to `path`."""
+def build_tiny_moe(path: str | Path, *, seed: int = 0, template: str = CHATML_TOOLS_TEMPLATE,
+                   hidden_size: int = 64) -> Path:
+    """Save a tiny Qwen2-MoE causal LM (4 experts, top-2 routing) with its tokenizer to `path`; 4 heads of
+    hidden_size / 4 (vLLM's CPU attention needs 64: hidden_size=256)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
     tokenizer = build_tokenizer(template=template)
     config = Qwen2MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, decoder_sparse_step=1,
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        moe_intermediate_size=hidden_size // 2, shared_expert_intermediate_size=hidden_size, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, decoder_sparse_step=1,
         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )

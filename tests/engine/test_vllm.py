@@ -69,6 +69,8 @@ def test_read_output_sampled_logprobs_and_top_alternatives():
     assert tops == [[(9, -0.2), (4, -0.9)], [(9, -0.1), (4, -2.5)]]
     assert mv.read_output(out, 0)[2] == []
     assert mv.read_output(SimpleNamespace(token_ids=[], logprobs=None), 2) == ([], [], [])
+    with pytest.raises(EngineError, match="NaN log-prob"):  # never into training
+        mv.read_output(SimpleNamespace(token_ids=[5], logprobs=[{5: lp(float("nan"), 1)}]), 0)
 
 
 def test_receive_versions_across_a_refit():
@@ -139,6 +141,39 @@ def test_cpu_build_defaults(cpu, monkeypatch, tmp_path):
     assert mv.VLLMEngine(str(tmp_path), dtype="bfloat16")._llm.args["dtype"] == "bfloat16"
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     assert "kv_cache_memory_bytes" not in mv.VLLMEngine(str(tmp_path))._llm.args
+
+
+def test_cpu_overrides_are_said_and_speculation_refused_where_it_breaks_logprobs(monkeypatch, tmp_path, caplog):
+    """Engine args vLLM's CPU build replaces without an error (the reference's --vllm.attention_backend,
+    --vllm.async_scheduling, --vllm.distributed_executor_backend uni) are one start-up warning each, values it
+    keeps none. Speculative decoding is a ValueError naming the field: on the CPU build (wrong log-probs at
+    temperature > 0, bench/spec_decode.py), on a VLM (vLLM refuses logit_bias with it, which bans image tokens),
+    and where vLLM does not implement it for the model."""
+    from molt.testing.models import build_tiny_vlm
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 2}))
+    monkeypatch.setattr(mv, "_import_vllm", lambda: (_fake_vllm(True), FakeAsyncLLM))
+    with caplog.at_level("WARNING", logger=mv.__name__):
+        mv.VLLMEngine(str(tmp_path), attention_backend="FLASH_ATTN", async_scheduling=True,
+                      distributed_executor_backend="uni")
+        mv.VLLMEngine(str(tmp_path), attention_backend="CPU_ATTN", async_scheduling=False,
+                      distributed_executor_backend="ray")
+    said = [r.getMessage().split(" and uses ")[0].removeprefix("vLLM's CPU build ignores ") for r in caplog.records]
+    assert said == ["attention_backend='FLASH_ATTN'", "async_scheduling=True", "distributed_executor_backend='uni'"]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="speculative_config: vLLM 0.32's CPU build returns wrong log-probs"):
+        mv.VLLMEngine(str(tmp_path), speculative_config=ngram)
+
+    class NoMTP(FakeAsyncLLM):
+        @classmethod
+        def from_engine_args(cls, args):  # vLLM 0.32 on a model without MTP layers
+            raise NotImplementedError("Unsupported speculative method: 'mtp'")
+
+    monkeypatch.setattr(mv, "_import_vllm", lambda: (_fake_vllm(False), NoMTP))  # a GPU build
+    with pytest.raises(ValueError, match="speculative_config: vLLM refuses logit_bias"):
+        mv.VLLMEngine(str(build_tiny_vlm(tmp_path / "vlm")), speculative_config=ngram)
+    with pytest.raises(ValueError, match="refused the engine arguments: Unsupported speculative method: 'mtp'"):
+        mv.VLLMEngine(str(tmp_path), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
 
 
 def keeps(engine) -> bool:

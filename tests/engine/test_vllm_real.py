@@ -34,12 +34,20 @@ def models(tmp_path_factory):
     return paths, [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in paths]
 
 
+# the reference's --vllm.* knobs that run on a CPU, as `molt train` takes them (molt.flags -> config -> VLLMEngine)
+KNOBS = ["--vllm.enforce_eager", "--vllm.dtype", "float32", "--vllm.block_size", "32", "--vllm.enable_prefix_caching",
+         "--vllm.max_num_batched_tokens", "2048", "--vllm.attention_backend", "CPU_ATTN",
+         "--vllm.distributed_executor_backend", "mp"]
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(models):
+    from molt.cli import load_config
     from molt.engine.vllm import VLLMEngine
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for these requests
-    eng = VLLMEngine(str(models[0][0]), dtype="float32", max_model_len=512, enforce_eager=True)
+    cfg = load_config(["--rollout.engine", "vllm", "--data.max_len", "512", *KNOBS], check_files=False)
+    eng = VLLMEngine(str(models[0][0]), **cfg.vllm_options())
     yield eng
     await eng.close()
 
@@ -78,6 +86,26 @@ async def test_logprobs_versions_and_agreement_with_transformers(engine, models)
     gaps = torch.stack(gaps)
     print(f"vLLM fp32 vs transformers fp32: mean {gaps.mean():.2e}, max {gaps.max():.2e} over {len(gaps)} tokens")
     assert gaps.mean() <= 1e-5 and gaps.max() <= 1e-3
+
+
+async def test_the_reference_knobs_reach_vllm(engine):
+    """Each of KNOBS read back from the running engine's own config (vLLM's, after its CPU platform's
+    adjustments), and two seen at work: prefix caching on, with 32-token blocks (a repeated 200-token prompt finds
+    192 tokens cached, whole blocks only; the CPU build's default block of 128 would give 128)."""
+    import vllm
+
+    c = engine._llm.vllm_config
+    assert c.model_config.enforce_eager and c.model_config.dtype == torch.float32
+    assert c.cache_config.block_size == 32 and c.cache_config.enable_prefix_caching
+    assert c.scheduler_config.max_num_batched_tokens == 2048 and not c.scheduler_config.enable_chunked_prefill
+    assert c.attention_config.backend.name == "CPU_ATTN" and c.parallel_config.distributed_executor_backend == "mp"
+    cached = []
+    for i in range(2):
+        async for out in engine._llm.generate({"prompt_token_ids": list(range(20, 220))},
+                                              vllm.SamplingParams(max_tokens=1), request_id=f"knobs-{i}"):
+            pass
+        cached.append(out.num_cached_tokens)
+    assert cached == [0, 192]
 
 
 async def test_seeds_reproduce_and_greedy_is_transformers_greedy(engine, models):
@@ -175,7 +203,7 @@ async def test_refit_keeps_requests_and_changes_outputs(engine, models):
 
 
 async def test_seeded_requests_over_the_batch_token_budget(engine):
-    """Seeded prompts that together exceed vLLM's per-step token budget (4096 on its CPU build): chunked, the last
+    """Seeded prompts that together exceed vLLM's per-step token budget (2048 here; 4096 by default): chunked, the last
     prefill would be split and vLLM 0.32's CPU build kills its engine core (`CPU Generator does not use offset`;
     the math demo's first evaluation did); unchunked, every request completes and a seed still reproduces."""
     prompts = [[5 + i] + [20 + k % 300 for k in range(399)] for i in range(12)]  # 12 x 400 tokens
@@ -274,9 +302,39 @@ async def test_smollm2_agreement(dtype):
                       for p, o in zip(prompts, outs)])
     print(f"SmolLM2 vLLM {dtype} vs transformers fp32: mean {gaps.mean():.2e}, max {gaps.max():.2e} "
           f"over {len(gaps)} tokens")
-    # measured mean 1.58e-05, max 4.70e-05 (226 tokens, enforce_eager): above the issue's 1e-5 target, which the
-    # tiny model meets; see docs/benchmarks.md
+    # measured mean 1.58e-05, max 4.70e-05 (226 tokens, enforce_eager) on one host, 9.27e-06 / 3.82e-05 on the same
+    # 226 tokens on another (AVX-512 FP16 + AMX): host-dependent, hence the margin; see docs/benchmarks.md
     assert dtype != "float32" or gaps.mean() <= 5e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+async def test_moe_runs_on_vllm_cpu_without_route_capture(tmp_path):
+    """The tiny Qwen2-MoE with head size 64 (molt.testing's default, 16, is below what vLLM's CPU attention takes)
+    runs on vLLM's CPU build: its sampled tokens' log-probs are a transformers fp32 forward's. Route capture (for
+    routing replay) does not: vLLM 0.32 refuses enable_return_routed_experts without its Model Runner V2, which
+    needs Triton, absent from the CPU build; the ValueError comes at construction (docs/moe.md)."""
+    from transformers import AutoModelForCausalLM
+
+    from molt.engine.vllm import VLLMEngine
+    from molt.testing.models import build_tiny_moe
+
+    path, options = build_tiny_moe(tmp_path / "moe", hidden_size=256), {"dtype": "float32", "max_model_len": 512,
+                                                                         "enforce_eager": True}
+    with pytest.raises(ValueError, match="requires Model Runner V2"):
+        VLLMEngine(str(path), enable_return_routed_experts=True, **options)
+    eng = VLLMEngine(str(path), **options)
+    try:
+        outs = await asyncio.gather(*[eng.generate(p, SamplingParams(max_tokens=16, seed=i))
+                                      for i, p in enumerate(PROMPTS)])
+    finally:
+        await eng.close()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    gaps = torch.cat([(torch.tensor(o.logprobs).double() - reference(model, p, o.token_ids)).abs()
+                      for p, o in zip(PROMPTS, outs)])
+    print(f"tiny MoE vLLM fp32 vs transformers fp32: mean {gaps.mean():.2e}, max {gaps.max():.2e}")
+    assert all(o.routed_experts is None for o in outs) and len(gaps) >= 6
+    assert gaps.mean() <= 1e-5 and gaps.max() <= 1e-3
 
 
 async def test_a_dead_engine_is_an_engine_error(engine):
