@@ -47,6 +47,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens besides the model's EOS
     seed: int | None = None  # per-request seed for reproducible sampling (a rollout's calls: module docstring)
     top_logprobs: int = 0  # also return this many most likely alternatives per position
+    json_schema: dict[str, Any] | None = None  # the reply is JSON valid against it (constrained decoding)
 
     def validate(self) -> SamplingParams:
         """Raise ValueError naming the field on a bad value; return self."""
@@ -60,6 +61,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0 (got {self.min_tokens})")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20] (got {self.top_logprobs})")
+        if self.json_schema is not None:
+            json_grammar(self.json_schema)
+            if self.min_tokens:  # the schema decides where the reply ends: the two could leave no token to sample
+                raise ValueError("min_tokens cannot be combined with json_schema")
         return self
 
     def copy(self, **changes: Any) -> SamplingParams:
@@ -74,6 +79,21 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {sorted(unknown)}; known: {sorted(known)}")
         return cls(**d)
+
+
+def json_grammar(schema: Any) -> str:
+    """llguidance's grammar of JSON text valid against `schema`, compact (no free whitespace, as vLLM's
+    `disable_any_whitespace`: a sampled model could otherwise spend its tokens on spaces); ValueError naming
+    json_schema where llguidance cannot compile it."""
+    from llguidance import LLMatcher
+
+    if not isinstance(schema, dict):
+        raise ValueError(f"json_schema must be a JSON schema object, not {type(schema).__name__}")  # noqa: TRY004
+    grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"json_schema: {error}")
+    return grammar
 
 
 def sub_seed(seed: int, key: Any) -> int:

@@ -15,8 +15,8 @@ otherwise; redacted thinking is opaque and always dropped); `thread` (message th
 `previous_message_id` from the session's latest replies, `Session.recall`, taking the thread's system prompt and
 tools; an unknown id is a 400 with `error_code: thread_not_found`, on which the SDK replays the whole history);
 `POST /v1/messages/count_tokens` (the prompt tokens the request would send the engine now, with the real
-template and the segment it would continue). Refused (400): `output_config.format` / `output_format` (structured
-outputs, `errors.refuse_structured_output`). Accepted and ignored: `thinking` (the model thinks as its template
+template and the segment it would continue); `output_config.format` / `output_format` (structured outputs: the
+reply is held to the JSON schema by constrained decoding, `errors.output_schema`). Accepted and ignored: `thinking` (the model thinks as its template
 lets it; replies come back as text), `context_management`, `output_config.effort`, `metadata`, `container`,
 `mcp_servers`, `service_tier`, `anthropic-beta` headers, and any other field a model server may ignore.
 
@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from molt.capture.errors import ANSWERED, WireError, error_reply, refuse_structured_output
+from molt.capture.errors import ANSWERED, WireError, error_reply, output_schema
 from molt.capture.render import canonical_tools, content_parts, merge_leading_system
 from molt.capture.session import ChatRequest, Choice, Generation, Session, text_pieces
 from molt.capture.streaming import LiveReply
@@ -105,7 +105,7 @@ class MessagesRequest(_Model):
     tools: list[Tool] | None = None
     tool_choice: dict[str, Any] | None = None
     thread: dict[str, Any] | None = None  # {"type": "create"} | {"type": "continue", "previous_message_id"}
-    output_config: dict[str, Any] | None = None  # `format` is refused, `effort` ignored
+    output_config: dict[str, Any] | None = None  # `format` honoured, `effort` ignored
     output_format: dict[str, Any] | None = None  # the beta's name for output_config.format
 
 
@@ -166,9 +166,9 @@ def _thread(req: MessagesRequest, session: Session) -> tuple[list[dict[str, Any]
 
 
 def to_chat(req: MessagesRequest, data: dict[str, Any], session: Session) -> ChatRequest:
-    refuse_structured_output((req.output_config or {}).get("format", req.output_format), "output_config.format")
+    fmt = (req.output_config or {}).get("format", req.output_format)
     params = session.sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                              top_k=req.top_k)
+                              top_k=req.top_k, json_schema=output_schema(fmt, "output_config.format"))
     history, thread_tools = _thread(req, session)
     tools = thread_tools if req.tools is None else canonical_tools([{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
                                                                **({"description": t.description} if t.description else {})}}

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from molt.capture.session import ContextTooLong, SessionClosed
 from molt.engine.base import EngineError, EngineGone
+from molt.types import json_grammar
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                     405: "invalid_request_error", 413: "request_too_large"}
@@ -39,14 +40,23 @@ class WireError(Exception):
                                            "message": self.message, **({"details": self.details} if self.details else {})}}
 
 
-def refuse_structured_output(fmt: Any, param: str) -> None:
-    """A 400 for a structured-output request (a JSON schema or JSON mode): it needs constrained decoding, which
-    this server does not do, and ignoring it would return text the client then fails to parse."""
+def output_schema(fmt: Any, param: str) -> dict[str, Any] | None:
+    """The JSON schema a structured-output request's reply is held to (`SamplingParams.json_schema`, constrained
+    decoding): a json_schema format's `schema` (Chat Completions nests it in `json_schema`), any object for
+    json_object, None for text. `strict` needs nothing: the constraint is always strict. A 400 naming `param` for
+    another type or a schema llguidance cannot compile."""
     kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if fmt is not None and kind != "text":
-        raise WireError(400, f"{param}: structured output ({kind}) is not supported by this server (it has no "
-                        "constrained decoding); ask for JSON in the prompt and parse the text instead",
-                        code="unsupported_parameter", param=param)
+    if fmt is None or kind == "text":
+        return None
+    schema = {"type": "object"} if kind == "json_object" else \
+        fmt.get("schema", (fmt.get("json_schema") or {}).get("schema")) if kind == "json_schema" else None
+    try:
+        if schema is None:
+            raise ValueError(f"type {kind!r} is not one of text, json_object, json_schema (with a schema)")
+        json_grammar(schema)
+    except ValueError as e:
+        raise WireError(400, f"{param}: {e}", code="invalid_request", param=param) from None
+    return schema
 
 
 ANSWERED = (SessionClosed, ValueError, EngineError)  # how a request may fail with a reply in the wire's shape

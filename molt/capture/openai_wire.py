@@ -6,8 +6,8 @@ and `tool_choice`, `max_tokens` / `max_completion_tokens`, `temperature`, `top_p
 `logprobs` / `top_logprobs`, `stream` with `stream_options.include_usage`, and the vLLM-style extensions
 `top_k`, `min_tokens`. Unknown fields (penalties, `user`, ...) are ignored; fields left out take the session's
 sampling defaults (the rollout's; a left-out `max_tokens` where none is set: the rest of the context window; a
-left-out `seed`: the call's own, `molt.types`). `response_format` json_schema / json_object is refused with a 400
-(`errors.refuse_structured_output`), `{"type": "text"}` accepted. `tool_choice="none"`
+left-out `seed`: the call's own, `molt.types`). `response_format` json_schema / json_object is honoured by constrained
+decoding (`errors.output_schema`). `tool_choice="none"`
 returns tool-call text as plain content; "required" or a named function (`{"type": "function", "function":
 {"name": ...}}`) prefill the reply with the call opening (see `molt.capture.session`), so the reply is a call
 unless the model breaks the format.
@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from molt.capture.errors import ANSWERED, WireError, error_reply, refuse_structured_output
+from molt.capture.errors import ANSWERED, WireError, error_reply, output_schema
 from molt.capture.render import canonical_messages, canonical_tools
 from molt.capture.session import ChatRequest, Choice, Generation, Session, text_pieces
 from molt.capture.streaming import LiveReply
@@ -101,7 +101,7 @@ class ChatCompletionRequest(_Model):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    response_format: dict[str, Any] | None = None  # refused unless {"type": "text"}
+    response_format: dict[str, Any] | None = None  # `errors.output_schema`
 
 
 SCHEMA = ChatCompletionRequest
@@ -109,10 +109,10 @@ SCHEMA = ChatCompletionRequest
 
 def to_chat(req: ChatCompletionRequest, data: dict[str, Any], session: Session) -> ChatRequest:
     """The request in wire-independent form; messages and tools are read from the validated JSON `data`."""
-    refuse_structured_output(req.response_format, "response_format")
     params = session.sampling(max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
                               top_p=req.top_p, top_k=req.top_k, min_tokens=req.min_tokens, seed=req.seed,
-                              top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0)
+                              top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+                              json_schema=output_schema(req.response_format, "response_format"))
     tools = canonical_tools(data.get("tools"))
     choice, name = tool_choice(req.tool_choice)
     return ChatRequest(canonical_messages(data["messages"], session.renderer.image), tools, params,

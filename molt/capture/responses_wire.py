@@ -7,9 +7,9 @@ items (their text goes to the next assistant turn's `reasoning_content` where th
 dropped, as on the Anthropic wire), `additional_tools` items (their tools join `tools`: Codex sends its default
 model its tools there) - `instructions` (a system message first), function `tools`, `tool_choice`,
 `max_output_tokens` (left out: the session's default, see `server.py`), `temperature`, `top_p`, `stop`, `stream`,
-`previous_response_id`. Refused (400): `text.format` json_schema/json_object (no constrained decoding, see
-`errors.refuse_structured_output`) and, for the same reason, `custom` tools whose input is a grammar (Codex's
-default model's `exec` tool, a Lark grammar). A free-text `custom` tool is offered to the model as a function of
+`previous_response_id`, `text.format` json_schema/json_object (constrained decoding, `errors.output_schema`).
+Refused (400): `custom` tools whose input is a grammar (Codex's default model's `exec` tool, a Lark grammar:
+constrained decoding of a tool call's input inside free text is not built). A free-text `custom` tool is offered to the model as a function of
 one string, `input`; a call to it comes back as a `custom_tool_call` item with that string (arguments without a
 string `input` come back as their JSON text, and then, sent back, do not extend the segment; the recorded tools of
 `previous_response_id` are functions, so a request that relies on them gets `function_call` items). `namespace`
@@ -39,7 +39,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from molt.capture.errors import ANSWERED, WireError, error_reply, refuse_structured_output
+from molt.capture.errors import ANSWERED, WireError, error_reply, output_schema
 from molt.capture.openai_wire import stop_list, tool_choice
 from molt.capture.render import canonical_messages, canonical_tools, merge_leading_system
 from molt.capture.session import ChatRequest, Generation, Session, text_pieces
@@ -143,7 +143,6 @@ def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
 
 
 def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> ChatRequest:
-    refuse_structured_output((req.text or {}).get("format"), "text.format")
     history, tools = [], None
     if req.previous_response_id:
         found = session.recall(req.previous_response_id)
@@ -160,7 +159,8 @@ def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> Ch
     if req.tools is not None or request_tools(req):
         tools = _tools(request_tools(req))
     choice, name = tool_choice(req.tool_choice)
-    params = session.sampling(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p)
+    params = session.sampling(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
+                              json_schema=output_schema((req.text or {}).get("format"), "text.format"))
     return ChatRequest(messages, tools, params, stop_list(req.stop), parse_tools=bool(tools) and choice != "none",
                        tool_choice=choice, tool_name=name)
 

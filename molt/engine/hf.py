@@ -9,6 +9,7 @@ Design notes and decisions: docs/internals.md, section `molt/engine/hf.py`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import threading
 from collections.abc import Iterable
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from llguidance import LLMatcher
+from llguidance.hf import from_tokenizer
 
 from molt.engine.base import EngineError, EngineGone, RequestError, copy_weights
 from molt.engine.request import Request, failed, resolve
@@ -23,7 +26,7 @@ from molt.engine.runner import ModelRunner
 from molt.engine.sampling import sample
 from molt.engine.scheduler import Scheduler, State, Step
 from molt.engine.weight_group import InProcessWeightReceiver
-from molt.types import Completion, FinishReason, SamplingParams
+from molt.types import Completion, FinishReason, SamplingParams, json_grammar
 
 
 class HFEngine(InProcessWeightReceiver):
@@ -136,6 +139,12 @@ class HFEngine(InProcessWeightReceiver):
         return Request.admit(self, prompt, params, request_id, generator=random.Random(seed), loop=loop,
                              future=loop.create_future())
 
+    @functools.cached_property
+    def _grammar_tokenizer(self) -> Any:
+        """llguidance's view of the vocabulary, as wide as the logits (built once, ~1 s, at the first constrained
+        request); a grammar that is complete allows the model's EOS tokens."""
+        return from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+
     def _tell(self, change: Any) -> None:
         """Change the scheduler under the lock and wake the worker thread."""
         with self._cv:
@@ -208,11 +217,17 @@ class HFEngine(InProcessWeightReceiver):
     def _emit(self, reqs: list[Request], logits: torch.Tensor, version: int) -> None:
         """Sample one token per row (logits [rows, vocab]) and record it; a request aborted during its prefill
         (already finished) takes none."""
+        for req in reqs:  # a json_schema request's matcher, consistent with the tokens it holds already
+            if req.params.json_schema is not None and req.matcher is None:
+                req.matcher = LLMatcher(self._grammar_tokenizer, json_grammar(req.params.json_schema))
+                req.matcher.consume_tokens(req.tokens)
         tokens, logprobs, tops = sample(logits, reqs)
         for req, token, logprob, top in zip(reqs, tokens, logprobs, tops):
             if req.finish is not None:
                 continue
             req.tokens.append(token)
+            if req.matcher is not None:  # a finished grammar allows only EOS: the request then stops below
+                req.matcher.consume_token(token)
             req.logprobs.append(logprob)
             req.versions.append(min(version, req.kv_version))  # older only over a stale prefix
             if req.on_tokens is not None:

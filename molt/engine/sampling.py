@@ -4,9 +4,15 @@ top-k, top-p, min_tokens and random generator.
 Behavior log-probability: exactly `molt.engine.base`'s definition, log_softmax(logits / T) over the full
 vocabulary (T = 0 -> 1), before top-k/top-p and before the min_tokens suppression of stop tokens (that
 suppression is a truncation like top-k: the token is sampled from the masked distribution, the record is the
-unmasked one). `top_logprobs` come from the same distribution. Sampling draws from a
-per-request `random.Random` (seeded by `SamplingParams.seed`): one uniform number per token, mapped through
-the float64 CDF of the (truncated) distribution. A seeded request therefore reproduces no matter which other
+unmasked one). A constrained request's grammar (`SamplingParams.json_schema`, an llguidance matcher) is different:
+the tokens it disallows are removed from the logits first, so its record (and `top_logprobs`) is of the masked
+distribution. vLLM does the same and can do nothing else: it applies the grammar's bitmask to the logits before
+its sampler, so every `logprobs_mode` it has is masked (vLLM 0.32 `gpu_model_runner.py`, `apply_grammar_bitmask`).
+It is also how the token was really sampled; the trainer, which knows no grammar, recomputes the full
+distribution, so rho of a constrained token is below 1 by the mass the grammar removed (docs/algo.md).
+
+Sampling draws from a per-request `random.Random` (seeded by `SamplingParams.seed`): one uniform number per token,
+mapped through the float64 CDF of the (truncated) distribution. A seeded request therefore reproduces no matter which other
 requests share its batch (up to float differences of the batched matmuls).
 """
 from __future__ import annotations
@@ -14,12 +20,21 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
 
 def sample(logits: torch.Tensor, reqs: list[Any]) -> tuple[list[int], list[float], list[list]]:
     """Per-row sampling of logits [rows, vocab]; a row (the engine's request) has `params`, `tokens` (sampled so
     far), `stops` and `generator`. Returns token ids, their behavior log-probs (module docstring), top alternatives."""
     vocab = logits.shape[1]
+    constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
+    if constrained:  # only the rows with a grammar pay: llguidance's bitmask (a bit per token) of each, unpacked
+        bits = allocate_token_bitmask(len(constrained), vocab)
+        for row, i in enumerate(constrained):
+            fill_next_token_bitmask(reqs[i].matcher, bits, row)
+        allowed = (bits[:, :, None] >> torch.arange(32, dtype=torch.int32) & 1).view(len(bits), -1)[:, :vocab]
+        rows = torch.tensor(constrained, device=logits.device)
+        logits = logits.index_put((rows,), logits[rows].masked_fill(allowed.to(logits.device) == 0, -float("inf")))
     temps = torch.tensor([r.params.temperature or 1.0 for r in reqs], device=logits.device)
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)
     scores = logp
@@ -45,7 +60,8 @@ def sample(logits: torch.Tensor, reqs: list[Any]) -> tuple[list[int], list[float
     tops: list[list] = [[] for _ in reqs]
     if n_top:
         values, indices = logp.topk(n_top, dim=-1)
-        tops = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+        tops = [[(t, lp) for t, lp in zip(i, v) if lp > -float("inf")]  # a grammar may allow fewer than asked
+                for i, v in zip(indices.tolist(), values.tolist())]
     return picked.tolist(), chosen.tolist(), tops
 
 

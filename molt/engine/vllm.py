@@ -36,15 +36,19 @@ def sampling_kwargs(params: SamplingParams, max_new: int, stops: list[int], gene
                     banned: list[int] = ()) -> dict[str, Any]:
     """Keyword arguments of `vllm.SamplingParams` for a request (or its continuation after `generated` tokens);
     `banned`: token ids never sampled (a VLM's vision tokens), a -inf logit bias, which vLLM applies before
-    temperature, top-k/top-p and the processed log-probs (docs/vision.md)."""
+    temperature, top-k/top-p and the processed log-probs (docs/vision.md); `structured_outputs`: the arguments of
+    vLLM's `StructuredOutputsParams` (the engine's backend: guidance, compact JSON, as `molt.types.json_grammar`)."""
     assert 0 <= generated < max_new, "a finished request is never continued"
+    if generated and params.json_schema is not None:  # vLLM's grammar would restart after the tokens so far
+        raise EngineError("a json_schema request cannot be continued after a refit without vLLM's keep mode")
     seed = params.seed if params.seed is None or not generated else (params.seed + generated) % (1 << 63)
     return {"temperature": params.temperature, "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else -1,  # -1 disables in every vLLM version
             "max_tokens": max_new - generated,  # vLLM rejects min_tokens > max_tokens; ours caps silently
             "min_tokens": min(max(params.min_tokens - generated, 0), max_new - generated),
             "stop_token_ids": list(stops), "seed": seed, "logprobs": params.top_logprobs, "detokenize": False,
-            **({"logit_bias": dict.fromkeys(banned, float("-inf"))} if banned else {})}
+            **({"logit_bias": dict.fromkeys(banned, float("-inf"))} if banned else {}),
+            **({"structured_outputs": {"json": params.json_schema}} if params.json_schema is not None else {})}
 
 
 def mm_prompt(prompt: list[int], images: dict | None, sources: list | None, placeholder: int | None,
@@ -134,6 +138,7 @@ def _import_vllm() -> tuple[Any, Any]:
     """(the vllm module, AsyncLLM), or a ValueError that says what is missing (the setup is the user's)."""
     try:
         import vllm
+        import vllm.config
         import vllm.platforms
         import vllm.sampling_params  # RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -185,6 +190,8 @@ class VLLMEngine:
         self._vllm = vllm
         self.model_name = model_name or Path(model_path).name
         engine_args.setdefault("disable_log_stats", True)
+        engine_args.setdefault("structured_outputs_config", vllm.config.StructuredOutputsConfig(
+            backend="guidance", disable_any_whitespace=True))  # json_schema as the embedded engine constrains it
         self.spec = spec = ModelSpec.from_pretrained(model_path)  # EOS ids the way molt.engine.hf reads them
         if engine_args.get("speculative_config") and spec.banned:  # vLLM rejects every such request otherwise
             raise ValueError("speculative_config: vLLM refuses logit_bias with speculative decoding, and it is how "
@@ -256,6 +263,9 @@ class VLLMEngine:
         req.segments += 1
         try:
             kw = sampling_kwargs(req.params, req.max_new, req.stops, len(req.tokens), self.spec.banned)
+            if "structured_outputs" in kw:
+                kw["structured_outputs"] = self._vllm.sampling_params.StructuredOutputsParams(
+                    **kw["structured_outputs"])
             params = self._vllm.SamplingParams(**kw, output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA)
             prompt = {**req.mm, "prompt_token_ids": req.mm["prompt_token_ids"] + req.tokens}  # a TokensPrompt
             async for output in self._llm.generate(prompt, params, request_id=f"{req.id}-{req.segments}"):
