@@ -46,6 +46,10 @@ def test_sampling_kwargs_first_request_and_continuation():
     assert mv.sampling_kwargs(p.copy(top_logprobs=0), 10, [2])["logprobs"] == 0  # 0: the sampled token only
     with pytest.raises(AssertionError):
         mv.sampling_kwargs(p, 10, [2], generated=10)
+    schema = {"type": "object"}
+    assert mv.sampling_kwargs(p.copy(json_schema=schema), 10, [2])["structured_outputs"] == {"json": schema}
+    with pytest.raises(EngineError, match="json_schema request cannot be continued"):  # vLLM's grammar restarts
+        mv.sampling_kwargs(p.copy(json_schema=schema), 10, [2], generated=4)
 
 
 def test_finish_reason_mapping():
@@ -118,7 +122,9 @@ def fake(request, monkeypatch, tmp_path):
 
 def _fake_vllm(cpu: bool = False) -> SimpleNamespace:
     return SimpleNamespace(AsyncEngineArgs=lambda **kw: kw, SamplingParams=lambda **kw: kw,
-                           sampling_params=SimpleNamespace(RequestOutputKind=SimpleNamespace(DELTA="delta")),
+                           config=SimpleNamespace(StructuredOutputsConfig=lambda **kw: ("config", kw)),
+                           sampling_params=SimpleNamespace(RequestOutputKind=SimpleNamespace(DELTA="delta"),
+                                                           StructuredOutputsParams=lambda **kw: ("params", kw)),
                            platforms=SimpleNamespace(current_platform=SimpleNamespace(is_cpu=lambda: cpu)))
 
 
@@ -249,6 +255,26 @@ async def test_refit_keeps_request_and_marks_versions(fake):
         assert rid == "r-2" and prompt == [10, 11, 12, 13, 14]
         assert params["max_tokens"] == 26 and params["seed"] == 9
     assert fake.num_requests == 0
+
+
+async def test_json_schema_goes_to_vllms_structured_outputs(fake):
+    """vLLM's guidance backend, compact JSON (as the embedded engine); a refit in the middle continues the grammar
+    in keep mode and, without it, fails the request rather than restart the grammar after its tokens."""
+    assert fake._llm.args["structured_outputs_config"] == ("config", {"backend": "guidance",
+                                                                      "disable_any_whitespace": True})
+    llm, schema = fake._llm, {"type": "object"}
+    llm.hold["j-1"] = 4
+    task = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=30, json_schema=schema),
+                                             request_id="j"))
+    await until(lambda: llm.produced.get("j-1") == 4)
+    assert llm.requests[0][2]["structured_outputs"] == ("params", {"json": schema})
+    await refit(fake, 1.0)
+    llm.hold.clear()
+    if keeps(fake):
+        assert len((await task).token_ids) == 30
+    else:
+        with pytest.raises(EngineError, match="keep mode"):
+            await task
 
 
 @pytest.mark.parametrize("max_tokens, stop, finish", [(30, [15], FinishReason.STOP), (5, [], FinishReason.LENGTH)])
