@@ -4,7 +4,6 @@ import anthropic
 import httpx
 import pytest
 from anthropic import AsyncAnthropic
-from pydantic import BaseModel
 from transformers import AutoTokenizer
 
 from molt.capture.render import ChatRenderer
@@ -130,19 +129,6 @@ async def test_unknown_thread_is_replayed_in_full(tokenizer):
                                                   extra_body={"thread": {"type": "continue",
                                                                          "previous_message_id": "msg_gone"}})
     assert e.value.body["error"]["details"]["error_code"] == "thread_not_found"
-
-
-async def test_structured_outputs_are_refused(tokenizer):
-    class Answer(BaseModel):
-        value: int
-
-    engine = ScriptedEngine(tokenizer, ['{"value": 7}'])
-    async with live_capture_server(engine, tokenizer) as server:
-        session = await server.open_session()
-        with pytest.raises(anthropic.BadRequestError, match="structured output"):
-            await client(session).messages.parse(model="m", max_tokens=8, output_format=Answer,
-                                                 messages=[{"role": "user", "content": "3 + 4?"}])
-    assert engine.calls == []
 
 
 async def test_special_tool_call_markers_still_parse(tiny_llama_dir):

@@ -111,9 +111,9 @@ async def test_refusals_are_400s_naming_the_field(tokenizer):
     async with live_capture_server(engine, tokenizer) as server:
         session = await server.open_session()
         api = client(session)
-        schema = {"type": "json_schema", "name": "x", "schema": {"type": "object"}}
-        with pytest.raises(openai.BadRequestError, match="structured output") as e:
-            await api.responses.create(model="m", input="Hi", text={"format": schema})
+        bad = {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}
+        with pytest.raises(openai.BadRequestError, match="text.format: json_schema: Invalid type") as e:
+            await api.responses.create(model="m", input="Hi", text={"format": bad})
         assert e.value.body["param"] == "text.format"
         with pytest.raises(openai.BadRequestError, match="previous_response_id"):
             await api.responses.create(model="m", input="Hi", previous_response_id="resp_unknown")

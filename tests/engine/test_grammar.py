@@ -9,9 +9,10 @@ import pytest
 import torch
 from llguidance import LLMatcher
 from llguidance.hf import from_tokenizer
-from test_hf import PROMPTS, engine, load, progress  # noqa: F401 - the engine fixture
+from test_hf import PROMPTS, load, progress
 
 from molt.engine.base import RequestError
+from molt.engine.hf import HFEngine
 from molt.types import FinishReason, SamplingParams, json_grammar
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "pick", "n", "note"],
@@ -19,6 +20,13 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "p
                          "n": {"type": "integer", "minimum": 0, "maximum": 99},
                          "note": {"type": "string", "maxLength": 6}}}
 LONG = {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 24, "maxItems": 24}  # no early end
+
+
+@pytest.fixture
+async def engine(tiny_llama_dir):  # its own: a test refits it
+    eng = HFEngine(str(tiny_llama_dir))
+    yield eng
+    await eng.close()
 
 
 @torch.no_grad()
