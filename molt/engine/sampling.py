@@ -25,7 +25,7 @@ from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
 def sample(logits: torch.Tensor, reqs: list[Any]) -> tuple[list[int], list[float], list[list]]:
     """Per-row sampling of logits [rows, vocab]; a row (the engine's request) has `params`, `tokens` (sampled so
-    far), `stops` and `generator`. Returns token ids, their behavior log-probs (module docstring), top alternatives."""
+    far), `stops`, `generator` and `matcher` (its grammar's, or None). Returns token ids, their behavior log-probs (module docstring), top alternatives."""
     vocab = logits.shape[1]
     constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
     if constrained:  # only the rows with a grammar pay: llguidance's bitmask (a bit per token) of each, unpacked

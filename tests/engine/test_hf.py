@@ -272,7 +272,7 @@ def test_min_tokens_masks_each_row_its_own_stops_in_one_batch():
 
     def row(stops, sampled, min_tokens):
         return SimpleNamespace(params=SamplingParams(max_tokens=9, temperature=0, min_tokens=min_tokens),
-                               tokens=[7] * sampled, stops=stops, generator=random.Random(0))
+                               tokens=[7] * sampled, stops=stops, generator=random.Random(0), matcher=None)
 
     reqs = [row([1, 2], 0, 2), row([1], 2, 2), row([2, 4], 1, 3)]
     tokens, logprobs, _ = sample(logits, reqs)
