@@ -88,6 +88,26 @@ async def test_logprobs_versions_and_agreement_with_transformers(engine, models)
     assert gaps.mean() <= 1e-5 and gaps.max() <= 1e-3
 
 
+async def test_json_schema_replies_validate_and_record_the_masked_distribution(engine, models):
+    """Structured outputs through vLLM's guidance backend: each reply is compact JSON valid against the schema,
+    and its log-probs are those of the grammar-masked distribution, as the embedded engine records them
+    (tests/engine/test_grammar.py; vLLM masks the logits before its sampler)."""
+    import json
+
+    import jsonschema
+    from test_grammar import SCHEMA, replay
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models[0][0])
+    outs = await asyncio.gather(*[engine.generate(p, SamplingParams(max_tokens=120, seed=i, json_schema=SCHEMA))
+                                  for i, p in enumerate(PROMPTS[:3])])
+    for p, out in zip(PROMPTS, outs):
+        assert out.finish_reason is FinishReason.STOP, tokenizer.decode(out.token_ids)
+        jsonschema.validate(json.loads(tokenizer.decode(out.token_ids[:-1])), SCHEMA)
+        masked, full = replay(models[1][0], tokenizer, engine.eos_token_ids, SCHEMA, p, out, 1.0)
+        assert torch.tensor(out.logprobs).sub(masked).abs().max() <= 1e-3 and (full < masked - 1e-3).any()
+
+
 async def test_the_reference_knobs_reach_vllm(engine):
     """Each of KNOBS read back from the running engine's own config (vLLM's, after its CPU platform's
     adjustments), and two seen at work: prefix caching on, with 32-token blocks (a repeated 200-token prompt finds
