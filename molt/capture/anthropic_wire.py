@@ -15,9 +15,9 @@ otherwise; redacted thinking is opaque and always dropped); `thread` (message th
 `previous_message_id` from the session's latest replies, `Session.recall`, taking the thread's system prompt and
 tools; an unknown id is a 400 with `error_code: thread_not_found`, on which the SDK replays the whole history);
 `POST /v1/messages/count_tokens` (the prompt tokens the request would send the engine now, with the real
-template and the segment it would continue); `output_config.format` / `output_format` (structured outputs: the
-reply is held to the JSON schema by constrained decoding, `errors.output_schema`). Accepted and ignored: `thinking` (the model thinks as its template
-lets it; replies come back as text), `context_management`, `output_config.effort`, `metadata`, `container`,
+template and the segment it would continue); `output_config.format` / `output_format` (structured outputs:
+the reply is held to the JSON schema by constrained decoding, `errors.output_schema`). Accepted and ignored:
+`thinking` (the model thinks as its template lets it; replies come back as text), `context_management`, `output_config.effort`, `metadata`, `container`,
 `mcp_servers`, `service_tier`, `anthropic-beta` headers, and any other field a model server may ignore.
 
 Decisions: `max_tokens` may be left out or null (the session default applies), since agents pass

@@ -6,9 +6,8 @@ and `tool_choice`, `max_tokens` / `max_completion_tokens`, `temperature`, `top_p
 `logprobs` / `top_logprobs`, `stream` with `stream_options.include_usage`, and the vLLM-style extensions
 `top_k`, `min_tokens`. Unknown fields (penalties, `user`, ...) are ignored; fields left out take the session's
 sampling defaults (the rollout's; a left-out `max_tokens` where none is set: the rest of the context window; a
-left-out `seed`: the call's own, `molt.types`). `response_format` json_schema / json_object is honoured by constrained
-decoding (`errors.output_schema`). `tool_choice="none"`
-returns tool-call text as plain content; "required" or a named function (`{"type": "function", "function":
+left-out `seed`: the call's own, `molt.types`). `response_format` json_schema / json_object is honoured by
+constrained decoding (`errors.output_schema`). `tool_choice="none"` returns tool-call text as plain content; "required" or a named function (`{"type": "function", "function":
 {"name": ...}}`) prefill the reply with the call opening (see `molt.capture.session`), so the reply is a call
 unless the model breaks the format.
 

@@ -9,8 +9,8 @@ model its tools there) - `instructions` (a system message first), function `tool
 `max_output_tokens` (left out: the session's default, see `server.py`), `temperature`, `top_p`, `stop`, `stream`,
 `previous_response_id`, `text.format` json_schema/json_object (constrained decoding, `errors.output_schema`).
 Refused (400): `custom` tools whose input is a grammar (Codex's default model's `exec` tool, a Lark grammar:
-constrained decoding of a tool call's input inside free text is not built). A free-text `custom` tool is offered to the model as a function of
-one string, `input`; a call to it comes back as a `custom_tool_call` item with that string (arguments without a
+constrained decoding of a tool call's input inside free text is not built). A free-text `custom` tool is offered
+to the model as a function of one string, `input`; a call to it comes back as a `custom_tool_call` item with that string (arguments without a
 string `input` come back as their JSON text, and then, sent back, do not extend the segment; the recorded tools of
 `previous_response_id` are functions, so a request that relies on them gets `function_call` items). `namespace`
 tools offer their tools by their own names (a call carries its `namespace` back); hosted tools (`HOSTED`: web

@@ -12,8 +12,8 @@ It is also how the token was really sampled; the trainer, which knows no grammar
 distribution, so rho of a constrained token is below 1 by the mass the grammar removed (docs/algo.md).
 
 Sampling draws from a per-request `random.Random` (seeded by `SamplingParams.seed`): one uniform number per token,
-mapped through the float64 CDF of the (truncated) distribution. A seeded request therefore reproduces no matter which other
-requests share its batch (up to float differences of the batched matmuls).
+mapped through the float64 CDF of the (truncated) distribution. A seeded request therefore reproduces no matter
+which other requests share its batch (up to float differences of the batched matmuls).
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
 def sample(logits: torch.Tensor, reqs: list[Any]) -> tuple[list[int], list[float], list[list]]:
     """Per-row sampling of logits [rows, vocab]; a row (the engine's request) has `params`, `tokens` (sampled so
-    far), `stops`, `generator` and `matcher` (its grammar's, or None). Returns token ids, their behavior log-probs (module docstring), top alternatives."""
+    far), `stops`, `generator` and `matcher` (its grammar's, or None). Returns token ids, their behavior log-probs
+    (module docstring), top alternatives."""
     vocab = logits.shape[1]
     constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
     if constrained:  # only the rows with a grammar pay: llguidance's bitmask (a bit per token) of each, unpacked
@@ -34,7 +35,8 @@ def sample(logits: torch.Tensor, reqs: list[Any]) -> tuple[list[int], list[float
             fill_next_token_bitmask(reqs[i].matcher, bits, row)
         allowed = (bits[:, :, None] >> torch.arange(32, dtype=torch.int32) & 1).view(len(bits), -1)[:, :vocab]
         rows = torch.tensor(constrained, device=logits.device)
-        logits = logits.index_put((rows,), logits[rows].masked_fill(allowed.to(logits.device) == 0, -float("inf")))
+        masked = logits[rows].masked_fill(allowed.to(logits.device) == 0, -float("inf"))
+        logits = logits.index_put((rows,), masked)
     temps = torch.tensor([r.params.temperature or 1.0 for r in reqs], device=logits.device)
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)
     scores = logp
