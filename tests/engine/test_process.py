@@ -1,5 +1,6 @@
 """`EngineProcess`: the HF engine in a child process behaves like the in-process one."""
 import asyncio
+import json
 
 import pytest
 import torch
@@ -20,13 +21,18 @@ def test_same_tokens_and_logprobs_as_in_process(proc_engine, hf_engine):
     prompt = [5, 17, 42, 9]
     params = SamplingParams(max_tokens=10, temperature=1.0, seed=11, top_logprobs=2)
 
-    async def both():
+    async def both(params):
         return await proc_engine.generate(prompt, params), await hf_engine.generate(prompt, params)
-    remote, local = asyncio.run(both())
+    remote, local = asyncio.run(both(params))
     assert remote.token_ids == local.token_ids and remote.versions == local.versions
     assert remote.logprobs == pytest.approx(local.logprobs, abs=1e-5)
     assert remote.top_logprobs is not None and len(remote.top_logprobs) == len(remote.token_ids)
     assert proc_engine.model_name == hf_engine.model_name and proc_engine.eos_token_ids == hf_engine.eos_token_ids
+    schema = {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}  # crosses the pipe, constrains there
+    remote, local = asyncio.run(both(params.copy(max_tokens=60, json_schema=schema)))
+    assert remote.token_ids == local.token_ids and remote.logprobs == pytest.approx(local.logprobs, abs=1e-5)
+    assert remote.finish_reason is FinishReason.STOP
+    assert isinstance(json.loads(hf_engine.tokenizer.decode(remote.token_ids[:-1])), list)
 
 
 def test_errors_cancel_and_refit_cross_the_process(proc_engine, tiny_llama_dir):
