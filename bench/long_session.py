@@ -2,6 +2,7 @@
 memory, and the bytes a token costs in the payloads that travel through Ray.
 
     .venv/bin/python bench/long_session.py [--turns 100] [--window 32768] [--side-every 10] [--write docs/benchmarks.md]
+        [--save DIR] [--train [CONFIG ...]]
 
 A tiny Llama (`molt.testing.build_tiny_llama`, 2 layers, 64 hidden) with a `--window`-token context runs in its
 own engine process (`molt.engine.process`, one torch thread, as rollout workers run it) behind a capture server in
@@ -20,12 +21,19 @@ rest: SDK, HTTP, parsing, rendering, the continuation check, segment bookkeeping
 (client and capture server; the engine has its own) spent on the request: capture's own work, which a loaded
 machine's waits do not inflate. Then the engine process's peak resident memory (which includes the cold prefill
 of the last side request over the whole ~32K history) against the KV cache such a prompt needs, the prefix cache's reuse, and the payload of the session's experience as the
-rollout worker offloads it: pickled bytes per token (`pickle` protocol 5, as Ray serializes it).
+rollout worker offloads it: pickled bytes per token (`pickle` protocol 5, as Ray serializes it). Memory per
+rollout: this process's resident memory (after `gc.collect()`) before the session, at its end with the session
+still open (what the capture server holds for one live session, against the payload it becomes), and after the
+session closed and its experiences were dropped; and the records the controller keeps once the payloads are
+offloaded (pickled). `--train`: then the session's experiences through one training step per configuration
+(`bench/long_session_train.py`: trainer peak RSS and step time).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import os
 import pickle
 import random
 import statistics
@@ -74,6 +82,8 @@ async def run(args: argparse.Namespace) -> dict:
                      json={"model": warm.model_name, "messages": [{"role": "user", "content": "hi"}]})
     await warm.close()
     loaded = _rss_peak(engine.engine._proc.pid)
+    gc.collect()
+    own_before = _rss_peak(os.getpid())[0]
     session = await server.open_session("long", SamplingParams(max_tokens=args.max_tokens,
                                                                 min_tokens=args.max_tokens, seed=0))
     client = httpx.AsyncClient(timeout=600, headers={"Authorization": f"Bearer {session.api_key}"})
@@ -109,17 +119,33 @@ async def run(args: argparse.Namespace) -> dict:
                   f"({last['engine'] * 1e3:.0f} in the engine)", flush=True)
     stats = await engine.prefix_stats()
     peak = _rss_peak(engine.engine._proc.pid)
+    gc.collect()
+    own_live = _rss_peak(os.getpid())[0]  # the session still open: what capture holds for it
     segments = await session.close()
     trajectory = Trajectory("long", "long", segments, reward=1.0)
     experiences = [Experience.from_segment(trajectory, i) for i in range(len(segments))]
     tokens = sum(e.num_tokens for e in experiences)
     payloads = [e.split() for e in experiences]
     payload = sum(len(pickle.dumps(p, protocol=5)) for p in payloads)
+    records = len(pickle.dumps(experiences, protocol=5))  # what the controller keeps once payloads are offloaded
+    for e, p in zip(experiences, payloads):  # back in place, for the training step
+        for k, v in p.items():
+            setattr(e, k, v)
+    if args.save or args.train:
+        from bench.long_session_train import save
+
+        saved = save(Path(args.save or tempfile.mkdtemp()), model, experiences)
+    n_segments = len(segments)
+    del segments, trajectory, experiences, payloads
+    gc.collect()
+    own_after = _rss_peak(os.getpid())[0]
     await client.aclose()
     await server.stop()
     await engine.close()
-    return {"turns": turns, "side": side, "loaded": loaded, "peak": peak, "prefix": stats, "segments": len(segments),
-            "tokens": tokens, "payload_bytes": payload, "kv_per_token": 2 * 2 * 2 * 16 * 4}  # layers x (k, v) x kv heads x head dim x fp32
+    return {"turns": turns, "side": side, "loaded": loaded, "peak": peak, "prefix": stats, "segments": n_segments,
+            "tokens": tokens, "payload_bytes": payload, "records": records,
+            "own": (own_before, own_live, own_after), "saved": saved if args.save or args.train else None,
+            "kv_per_token": 2 * 2 * 2 * 16 * 4}  # layers x (k, v) x kv heads x head dim x fp32
 
 
 def table(result: dict, near: int) -> str:
@@ -135,7 +161,7 @@ def table(result: dict, near: int) -> str:
     after = [t["engine"] * 1e3 for t in main if t["after_side"]]
     others = [t["engine"] * 1e3 for t in main[1:] if not t["after_side"]]
     side = [s["engine"] * 1e3 for s in result["side"]]
-    loaded, peak = result["loaded"], result["peak"]
+    loaded, peak, own = result["loaded"], result["peak"], result["own"]
     lines = [
         "", (f"Side requests (a title under another system prompt): {len(side)}, engine median "
              f"{statistics.median(side):.0f} ms (each prefills the history since the previous title); the main turn "
@@ -150,6 +176,12 @@ def table(result: dict, near: int) -> str:
         (f"Payload: {result['segments']} segment(s), {result['tokens']:,} tokens, {result['payload_bytes']:,} bytes "
         f"pickled = {result['payload_bytes'] / result['tokens']:.1f} bytes per token (int32 ids, a bool mask, "
          "float32 log-probs and int32 versions of the action tokens)."),
+        (f"Memory per rollout: the capture server's process (this one: server and client) grew by "
+         f"{own[1] - own[0]:.0f} MiB from before the session to its end with the session still open "
+         f"({own[0]:.0f} -> {own[1]:.0f} MiB resident; the payload pickles to {result['payload_bytes'] / 2**20:.2f} "
+         f"MiB) and is {own[2]:.0f} MiB once the session is closed and its experiences dropped; the controller "
+         f"keeps {result['records'] / result['segments']:.0f} bytes a segment once payloads are offloaded "
+         f"(the records pickled, {result['records']:,} bytes for the {result['segments']} segments)."),
     ]
     return "\n".join(rows + [line for line in lines if line])
 
@@ -162,10 +194,20 @@ def main() -> None:
     parser.add_argument("--side-every", type=int, default=10)
     parser.add_argument("--near", type=int, default=5)
     parser.add_argument("--write", help="append the table to this markdown file")
+    parser.add_argument("--train", nargs="*", metavar="CONFIG", help="then one training step on the session's "
+                        "experiences per configuration (bench/long_session_train.py; none named: all)")
+    parser.add_argument("--save", help="keep the model and the experiences in this directory (for "
+                        "bench/long_session_train.py --saved)")
     args = parser.parse_args()
     t0 = time.perf_counter()
     result = asyncio.run(run(args))
     out = table(result, args.near)
+    if args.train is not None:
+        from bench.long_session_train import CONFIGS, measure
+        from bench.long_session_train import table as train_table
+
+        print(out, flush=True)
+        out += "\n\n" + train_table(result["saved"], measure(result["saved"], args.train or list(CONFIGS), 8.0))
     print(out, f"\n({time.perf_counter() - t0:.0f} s)")
     if args.write:
         command = "`.venv/bin/python bench/long_session.py " + " ".join(sys.argv[1:]) + "`"
