@@ -11,6 +11,7 @@ both engines live in one process and one event loop, and every measurement alter
   engine keys its prefix cache by session; vLLM's automatic prefix caching finds the shared blocks itself.
 
     .venv-vllm/bin/python bench/engine.py --engine vllm [--requests 64,256] [--sessions 1] [--eager] [--write]
+    .venv-vllm/bin/python bench/engine.py --engine vllm --multi-turn [--turns 6] [--write]   # start-up, multi-turn
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ async def side_by_side(args: argparse.Namespace, model_path: str, prompts_for, q
     try:
         tokenizer = engines[next(iter(engines))].tokenizer
         new = args.new_tokens or 64
-        for n in map(int, (args.requests or "64,256").split(",")):
+        for n in [] if args.multi_turn else map(int, (args.requests or "64,256").split(",")):
             prompts = prompts_for(tokenizer, n)
             rates = {name: [] for name in engines}
             for name, engine in engines.items():

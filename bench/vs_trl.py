@@ -23,7 +23,9 @@ Systems (run one after the other, in this order, in one process):
 - `molt-async`: `--train.max_staleness 1` (generation of the next step overlaps training); `molt-async2`: staleness 2;
   `molt-async-packed`: staleness 1 with `--fsdp.packing_samples` (packed micro-batches, so no shared prefixes);
   `molt-async-partial`: the same with `--train.partial_rollout_enable` (a refit pauses the engine for the new
-  weights instead of waiting for the completions in flight);
+  weights instead of waiting for the completions in flight); `molt-vllm`: molt-async-packed with
+  `--rollout.engine vllm` (vLLM's CPU build; run it from `.venv-vllm`, `make vllm`, where TRL need not be
+  installed: its TRL row then comes from a separate `.venv` invocation);
 - `trl`: `trl.GRPOTrainer` with `GRPOConfig(per_device_train_batch_size=16, num_generations=8,
   gradient_accumulation_steps=1, ...)`, `use_cpu=True`, no vLLM, `num_iterations=1`, `beta=0`.
 
@@ -75,9 +77,10 @@ TEMPERATURE = 1.0
 LR = 5e-6
 EVAL_SAMPLES = 4
 
-# name -> (train.max_staleness, fsdp.packing_samples, train.partial_rollout_enable); None is TRL
-SYSTEMS = {"molt-sync": (0, False, False), "molt-async": (1, False, False), "molt-async2": (2, False, False),
-           "molt-async-packed": (1, True, False), "molt-async-partial": (1, True, True), "trl": None}
+# name -> (train.max_staleness, fsdp.packing_samples, train.partial_rollout_enable, rollout.engine); None is TRL
+SYSTEMS = {"molt-sync": (0, False, False, "hf"), "molt-async": (1, False, False, "hf"),
+           "molt-async2": (2, False, False, "hf"), "molt-async-packed": (1, True, False, "hf"),
+           "molt-async-partial": (1, True, True, "hf"), "molt-vllm": (1, True, False, "vllm"), "trl": None}
 
 
 def load_grade():
@@ -130,7 +133,7 @@ def eval_checkpoint(path: str, rows: list[dict], grade, seed: int) -> float:
 
 # ------------------------------------------------------------------------------------------------ Molt
 def molt_config(staleness: int, steps: int, seed: int, out_dir: Path, packed: bool = False, eval_every: int = 0,
-                partial: bool = False):
+                partial: bool = False, engine: str = "hf"):
     """The math recipe with the shared workload pinned explicitly (so a recipe edit cannot drift the bench)."""
     from molt.config import load_config, validate
 
@@ -157,7 +160,7 @@ def molt_config(staleness: int, steps: int, seed: int, out_dir: Path, packed: bo
     cfg.rollout.n_samples_per_prompt = GROUP
     cfg.rollout.max_new_tokens = MAX_NEW_TOKENS
     cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k = TEMPERATURE, 1.0, -1
-    cfg.rollout.engine = "hf"
+    cfg.rollout.engine = engine
     cfg.data.prompt_dataset = str(TRAIN)
     cfg.data.input_key, cfg.data.label_key = "prompt", "label"
     cfg.eval.dataset = str(TEST)
@@ -173,17 +176,17 @@ def molt_config(staleness: int, steps: int, seed: int, out_dir: Path, packed: bo
     return validate(cfg)
 
 
-def run_molt(name: str, staleness: int, packed: bool, partial: bool, steps: int, seed: int, work: Path, test_rows,
-             grade, eval_every: int) -> dict:
+def run_molt(name: str, staleness: int, packed: bool, partial: bool, engine: str, steps: int, seed: int, work: Path,
+             test_rows, grade, eval_every: int) -> dict:
     from molt.runtime.metrics import read_metrics
 
     out_dir = work / name
     export_dir = out_dir / "policy"  # the run exports its final policy there (ckpt.export_hf)
     for d in (out_dir, export_dir):
         shutil.rmtree(d, ignore_errors=True)
-    cfg = molt_config(staleness, steps, seed, out_dir, packed, eval_every, partial)
+    cfg = molt_config(staleness, steps, seed, out_dir, packed, eval_every, partial, engine)
     print(f"\n=== {name}: Molt, train.max_staleness {staleness}, packing {packed}, partial rollout {partial}, "
-          f"run dir {out_dir}", flush=True)
+          f"engine {engine}, run dir {out_dir}", flush=True)
     t0 = time.perf_counter()
     from molt.runtime.loop import run_training
 
@@ -336,9 +339,15 @@ def environment() -> str:
         trl_version = trl.__version__
     except ImportError:
         trl_version = "not installed"
+    try:
+        import vllm
+
+        vllm_version = f", vllm {vllm.__version__}"
+    except ImportError:  # the molt-vllm system only
+        vllm_version = ""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl_version}, "
-            f"{os.cpu_count()} cores, torch threads {torch.get_num_threads()}, {platform.machine()}, "
+    return (f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl_version}{vllm_version}"
+            f", {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, {platform.machine()}, "
             f"1-min load average at the end {load:.1f}")
 
 
@@ -414,7 +423,7 @@ def main() -> None:
     if args.write:
         section = (
             f"\n## Molt against TRL GRPOTrainer (`bench/vs_trl.py`)\n\n"
-            f"Command: `.venv/bin/{command}` on {started:%Y-%m-%d %H:%M} UTC\n\n"
+            f"Command: `{'.venv-vllm' if 'molt-vllm' in systems else '.venv'}/bin/{command}` on {started:%Y-%m-%d %H:%M} UTC\n\n"
             f"smollm2-135m-instruct fp32 on CPU, recipes/math single-digit sums (80 train, 20 held out), "
             f"{PROMPTS_PER_STEP} prompts x {GROUP} samples per step, {MAX_NEW_TOKENS} new tokens, temperature 1, "
             f"lr {LR:g} constant, no KL, seed {args.seed}. Held-out accuracy: one shared evaluation for every "
