@@ -72,12 +72,11 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
             outs.append(F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
                                                        is_causal=True, scale=scaling, enable_gqa=gqa))
             continue
-        n, (ha, hb) = b - a, head
-        see = torch.ones(n, hb - ha + n, dtype=torch.bool, device=query.device)
-        see[:, hb - ha:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
-        k, v = (torch.cat([x[:, :, ha:hb], x[:, :, a:b]], dim=2) for x in (key, value))
-        outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, attn_mask=see, scale=scaling,
-                                                   enable_gqa=gqa))
+        # the piece after its prefix as one causal sequence, the prefix's own queries run again and dropped: no
+        # [n, p + n] mask, which would make SDPA on the CPU keep [H, n, p + n] scores (gigabytes at 30K tokens)
+        q, k, v = (torch.cat([x[:, :, head[0]:head[1]], x[:, :, a:b]], dim=2) for x in (query, key, value))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        outs.append(out[:, :, head[1] - head[0]:])
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
