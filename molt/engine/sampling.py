@@ -33,6 +33,8 @@ def sample(logits: torch.Tensor, reqs: list[Any]) -> tuple[list[int], list[float
         bits = allocate_token_bitmask(len(constrained), vocab)
         for row, i in enumerate(constrained):
             fill_next_token_bitmask(reqs[i].matcher, bits, row)
+        # unpacked here rather than by llguidance.torch.apply_token_bitmask_inplace, which is torch.compile'd
+        # (a compile, and a C++ toolchain on a CPU, at the first constrained request)
         allowed = (bits[:, :, None] >> torch.arange(32, dtype=torch.int32) & 1).view(len(bits), -1)[:, :vocab]
         rows = torch.tensor(constrained, device=logits.device)
         masked = logits[rows].masked_fill(allowed.to(logits.device) == 0, -float("inf"))
