@@ -54,7 +54,6 @@ class Actor(ShardedModelTrainer):
         # test-only fault injection (tests/*/test_nonfinite.py): these optimizer windows of this process, counted
         # from 1 with skipped ones, get a NaN added to their loss on this rank (the gradients stay finite)
         self.nan_windows = {int(w) for w in os.environ.get("MOLT_FAULT_NAN_LOSS", "").split(",") if w}
-        self.ref = None
         if kl.init_coef > 0 and a.lora_rank and cfg.ref.model_name_or_path in (None, a.model_name_or_path):
             self.ref = self.model  # the base model is this one with the adapters off (`_reference`): no copy
         elif kl.init_coef > 0:  # a reference model: the KL's, in the loss or (the runtime's) in the token rewards
@@ -66,51 +65,12 @@ class Actor(ShardedModelTrainer):
         """One optimizer step on this rank's share of the window (every rank calls it, possibly with a different
         number of experiences, possibly none). Experiences need `advantages`. Returns window metrics."""
         t0 = time.perf_counter()
-        self.model.train()
-        plan, n_passes, global_count = self.schedule(experiences)
-        sums: dict[str, torch.Tensor] = {}
-        tokens, window_loss = 0, torch.zeros((), device=self.device)
-        dp, adv, coef = parallel.dp_size(self.mesh), self.cfg.algo.advantage, self.cfg.actor.aux_loss_coef
-        fault = self.step + self.skipped + 1 in self.nan_windows
-        for _, mb in self.micro_batches(experiences, plan, n_passes, extra={"old_logprobs": old_logprobs}):
-            lp, ent = self.model(mb, True)
-            if self.routing is not None:
-                aux = self.routing.aux_loss()  # before `observe`'s own forward
-                self.routing.observe(self.model, mb, lp)
-            old = mb.extra.get("old_logprobs", lp.detach())
-            mask = mb.action_mask
-            weights, metrics = importance_weights(
-                old, mb.behavior_logprobs, mask, adv.is_correction_level, adv.is_correction_mode,
-                *adv.is_correction_threshold, seq_ids=mb.seq_ids)
-            kl = None
-            if self.ref is not None and self.cfg.algo.kl.use_loss:
-                with torch.no_grad(), self._reference():
-                    ref_lp, _ = self.ref(mb)
-                kl, kl_metrics = kl_divergence(lp, ref_lp, mask, self.cfg.algo.kl.estimator, placement="loss")
-                metrics.update(kl_metrics)
-            tok_loss, pl_metrics = policy_loss(self.cfg.actor.policy_loss, lp, old, mb.advantages, mask,
-                                               params=self.loss_params, is_weights=weights, entropy=ent, kl=kl,
-                                               seq_ids=mb.seq_ids)
-            loss, _ = window_normalize(tok_loss, mask, global_count, dp_size=dp)
-            if coef > 0:  # token-weighted over the window's micro-batches, as the policy loss
-                loss = loss + coef * aux * mb.num_actions * dp / global_count.clamp(min=1)
-                metrics["moe/aux_loss"] = aux
-            if mb.ghost:
-                loss = loss * 0.0
-            if fault:
-                loss = loss + math.nan
-            loss.backward()
-            window_loss += loss.detach() / dp  # this rank's share of the window loss
-            tokens += mb.num_actions
-            self.accumulate(sums, {**metrics, **pl_metrics}, mb.num_actions)
-        self.end_pass(self.model)
-        if self.ref not in (None, self.model):
-            self.end_pass(self.ref)
-        totals = self.routing.totals() if self.routing is not None else {}
-        out = self.reduce_metrics(sums, tokens, {"policy_loss": window_loss, **totals})
-        step_metrics = self.optimizer_step(out["policy_loss"])
-        if totals:
-            self.routing.finish(out)
+        routing = self.routing
+        out, step_metrics = self.train_window(experiences, self._loss, "policy_loss",
+                                              extra={"old_logprobs": old_logprobs},
+                                              totals=routing.totals if routing is not None else dict)
+        if routing is not None:
+            routing.finish(out)
         out.update({dst: out[src] for src, dst in ALIASES.items() if src in out})
         if "is/retained_frac" in out:
             out["is_filter_ratio"] = 1.0 - out["is/retained_frac"]
@@ -121,6 +81,35 @@ class Actor(ShardedModelTrainer):
                     "actor_window_tokens": self.window_tokens, "timing/policy_train": elapsed,
                     "train/skipped_steps": step_metrics["train/skipped_steps"]})
         return out
+
+    def _loss(self, mb, global_count: torch.Tensor, dp: int) -> tuple[torch.Tensor, dict]:
+        """A micro-batch's share of the window's policy loss (`train_window`)."""
+        adv, coef = self.cfg.algo.advantage, self.cfg.actor.aux_loss_coef
+        lp, ent = self.model(mb, True)
+        if self.routing is not None:
+            aux = self.routing.aux_loss()  # before `observe`'s own forward
+            self.routing.observe(self.model, mb, lp)
+        old = mb.extra.get("old_logprobs", lp.detach())
+        mask = mb.action_mask
+        weights, metrics = importance_weights(
+            old, mb.behavior_logprobs, mask, adv.is_correction_level, adv.is_correction_mode,
+            *adv.is_correction_threshold, seq_ids=mb.seq_ids)
+        kl = None
+        if self.ref is not None and self.cfg.algo.kl.use_loss:
+            with torch.no_grad(), self._reference():
+                ref_lp, _ = self.ref(mb)
+            kl, kl_metrics = kl_divergence(lp, ref_lp, mask, self.cfg.algo.kl.estimator, placement="loss")
+            metrics.update(kl_metrics)
+        tok_loss, pl_metrics = policy_loss(self.cfg.actor.policy_loss, lp, old, mb.advantages, mask,
+                                           params=self.loss_params, is_weights=weights, entropy=ent, kl=kl,
+                                           seq_ids=mb.seq_ids)
+        loss, _ = window_normalize(tok_loss, mask, global_count, dp_size=dp)
+        if coef > 0:  # token-weighted over the window's micro-batches, as the policy loss
+            loss = loss + coef * aux * mb.num_actions * dp / global_count.clamp(min=1)
+            metrics["moe/aux_loss"] = aux
+        if self.step + self.skipped + 1 in self.nan_windows:
+            loss = loss + math.nan
+        return loss, {**metrics, **pl_metrics}
 
     # ---- log-prob passes ---------------------------------------------------------------------------------
     @torch.no_grad()

@@ -54,6 +54,7 @@ class ShardedModelTrainer:
         self.window_tokens = 0.0  # action tokens of the last scheduled window (all ranks), on the host
         self.pad_id = 0
         self.blank = None  # see `molt.trainer.batching.blank_image`
+        self.ref: nn.Module | None = None  # a frozen model the window runs besides `model` (the actor's reference)
 
     @classmethod
     def from_pretrained(cls, model_name_or_path: str, **overrides: Any):
@@ -130,7 +131,8 @@ class ShardedModelTrainer:
         stats = torch.zeros(1 + dp, dtype=torch.float64)
         stats[0] = float(count)
         stats[1 + (self.mesh["dp"].get_local_rank() if self.mesh is not None else 0)] = len(plan)
-        stats = parallel.all_reduce_sum(stats.to(self._comm_device()), self.mesh)
+        # gloo reduces CPU tensors, NCCL device tensors: the compute device fits both
+        stats = parallel.all_reduce_sum(stats.to(self.device), self.mesh)
         host = stats.tolist()  # the one read-back of the step's start: the window's count, every schedule's length
         n_passes, self.window_tokens = int(max(host[1:])), host[0]
         if n_passes == 0:
@@ -173,9 +175,6 @@ class ShardedModelTrainer:
                 out[i] = np.concatenate([np.zeros(skip, np.float32), x[row, start:start + n - skip]])
         return out
 
-    def _comm_device(self) -> torch.device:
-        return self.device  # gloo reduces CPU tensors, NCCL device tensors: the compute device fits both
-
     def accumulate(self, sums: dict[str, torch.Tensor], metrics: dict, weight: float) -> None:
         """sums[k] += metrics[k] * weight, on the device (no read-back per micro-batch)."""
         for k, v in metrics.items():
@@ -190,9 +189,33 @@ class ShardedModelTrainer:
         vals = [sums[k] for k in sorted(sums)] + [totals[k] for k in sorted(totals)]
         vec = torch.stack([torch.as_tensor(v, device=self.device).to(torch.float64).reshape(()) for v in vals]
                           + [torch.tensor(float(weight), dtype=torch.float64, device=self.device)])
-        vec = parallel.all_reduce_sum(vec.to(self._comm_device()), self.mesh).tolist()
+        vec = parallel.all_reduce_sum(vec.to(self.device), self.mesh).tolist()
         denom = max(vec[-1], 1.0)
         return {k: v / denom if k in sums else v for k, v in zip(keys, vec[:-1])}
+
+    def train_window(self, experiences: list[Experience], loss_of, loss_key: str, *, extra: dict | None = None,
+                     need_advantages: bool = True, totals=dict) -> tuple[dict[str, float], dict[str, float]]:
+        """One optimizer step on this rank's share of a window (collective). `loss_of(mb, global_count, dp)`: a
+        micro-batch's window-normalized loss and metrics (a ghost's loss is zeroed here); `totals()`: more sums to
+        reduce after the last micro-batch. Returns (the window's metrics, `loss_key` its loss; `optimizer_step`'s)."""
+        self.model.train()
+        plan, n_passes, global_count = self.schedule(experiences)
+        dp = parallel.dp_size(self.mesh)
+        sums: dict[str, torch.Tensor] = {}
+        tokens, window_loss = 0, torch.zeros((), device=self.device)
+        for _, mb in self.micro_batches(experiences, plan, n_passes, extra=extra, need_advantages=need_advantages):
+            loss, metrics = loss_of(mb, global_count, dp)
+            if mb.ghost:
+                loss = loss * 0.0
+            loss.backward()
+            window_loss += loss.detach() / dp  # this rank's share of the window loss
+            tokens += mb.num_actions
+            self.accumulate(sums, metrics, mb.num_actions)
+        self.end_pass(self.model)
+        if self.ref not in (None, self.model):
+            self.end_pass(self.ref)
+        out = self.reduce_metrics(sums, tokens, {loss_key: window_loss, **totals()})
+        return out, self.optimizer_step(out[loss_key])
 
     # ---- optimizer step ----------------------------------------------------------------------------------
     def optimizer_step(self, loss: float) -> dict[str, float]:

@@ -19,7 +19,7 @@ from molt.config import MoltConfig
 from molt.trainer import parallel
 from molt.trainer.base import ShardedModelTrainer
 from molt.trainer.batching import prebuilt_mask
-from molt.trainer.logprobs import hidden_states
+from molt.trainer.logprobs import hidden_states, scatter_actions
 from molt.trainer.optim import build_optimizer
 from molt.types import Experience
 
@@ -37,9 +37,7 @@ class ValueModel(nn.Module):
         hidden = hidden_states(self.backbone, self.backbone, mb, prebuilt_mask(self.backbone.config))
         # the state before token t is summarized at position t - 1 (of the same sequence, packed or not)
         v = self.value_head(hidden.flatten(0, 1).index_select(0, mb.act_index - 1)).squeeze(-1).float()
-        out = torch.zeros(mb.input_ids.shape, dtype=torch.float32, device=v.device)
-        out.view(-1).index_copy_(0, mb.act_index, v)  # not a view: FSDP2 hooks a module's outputs
-        return out
+        return scatter_actions(v, mb.act_index, mb.input_ids.shape)
 
 
 class Critic(ShardedModelTrainer):
@@ -66,24 +64,14 @@ class Critic(ShardedModelTrainer):
     def train_step(self, experiences: list[Experience], returns: list, old_values: list) -> dict[str, float]:
         """One optimizer step of the clipped value loss, window-normalized like the policy loss. Collective."""
         t0 = time.perf_counter()
-        self.model.train()
-        plan, n_passes, global_count = self.schedule(experiences)
-        dp = parallel.dp_size(self.mesh)
-        sums: dict[str, torch.Tensor] = {}
-        tokens, window_loss = 0, torch.zeros((), device=self.device)
-        extra = {"returns": returns, "old_values": old_values}
-        for _, mb in self.micro_batches(experiences, plan, n_passes, extra=extra, need_advantages=False):
-            values = self.model(mb)
-            tok, metrics = value_loss(values, mb.extra["old_values"], mb.extra["returns"], mb.action_mask,
+
+        def loss_of(mb, global_count: torch.Tensor, dp: int) -> tuple[torch.Tensor, dict]:
+            tok, metrics = value_loss(self.model(mb), mb.extra["old_values"], mb.extra["returns"], mb.action_mask,
                                       self.value_clip)
-            loss, _ = window_normalize(tok, mb.action_mask, global_count, dp_size=dp)
-            (loss * 0.0 if mb.ghost else loss).backward()
-            window_loss += loss.detach() / dp
-            tokens += mb.num_actions
-            self.accumulate(sums, metrics, mb.num_actions)
-        self.end_pass(self.model)
-        out = self.reduce_metrics(sums, tokens, {"critic_loss": window_loss})
-        step = self.optimizer_step(out["critic_loss"])
+            return window_normalize(tok, mb.action_mask, global_count, dp_size=dp)[0], metrics
+
+        out, step = self.train_window(experiences, loss_of, "critic_loss", need_advantages=False,
+                                      extra={"returns": returns, "old_values": old_values})
         out.update({"critic_grad_norm": step["grad_norm"], "critic_lr": step["lr"],
                     "train/skipped_steps": step["train/skipped_steps"], "timing/critic_train": time.perf_counter() - t0})
         return out

@@ -148,13 +148,16 @@ def action_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, input_i
     lp, ent = gathered_logprobs(flat_h.index_select(0, act_index - 1), weight, bias,
                                 input_ids.flatten().index_select(0, act_index), act_temperature,
                                 chunk_size=chunk_size, with_entropy=with_entropy)
+    return scatter_actions(lp, act_index, input_ids.shape), (
+        scatter_actions(ent, act_index, input_ids.shape) if ent is not None else None)
 
-    def scatter(v: Tensor) -> Tensor:  # not a view: FSDP2 hooks a module's outputs for its backward
-        out = torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device)
-        out.view(-1).index_copy_(0, act_index, v)
-        return out
 
-    return scatter(lp), (scatter(ent) if ent is not None else None)
+def scatter_actions(values: Tensor, act_index: Tensor, shape: torch.Size) -> Tensor:
+    """[A] values of the action tokens -> [R, L] fp32, zero elsewhere: a new tensor, not a view (FSDP2 hooks a
+    module's outputs for its backward)."""
+    out = torch.zeros(shape, dtype=torch.float32, device=values.device)
+    out.view(-1).index_copy_(0, act_index, values)
+    return out
 
 
 def hidden_states(base: nn.Module, decoder: nn.Module, mb, mask_4d: bool) -> Tensor:
