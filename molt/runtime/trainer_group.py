@@ -243,19 +243,11 @@ def _free_port() -> int:
 
 
 def _interface_of(ip: str) -> str | None:
-    """The network interface that holds IPv4 address `ip` (Linux), for gloo: a rank on another node must reach it
-    there, not at the address this host's name resolves to (none, in a network namespace; 127.0.1.1 on Debian)."""
-    import fcntl
-    import struct
+    """The network interface that holds address `ip`, for gloo: a rank on another node must reach it there, not at
+    the address this host's name resolves to (none, in a network namespace; 127.0.1.1 on Debian)."""
+    import psutil
 
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:  # SIOCGIFADDR
-                if socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))[20:24]) == ip:
-                    return name
-            except OSError:
-                continue  # no IPv4 address
-    return None
+    return next((name for name, addrs in psutil.net_if_addrs().items() if any(a.address == ip for a in addrs)), None)
 
 
 def thread_options(threads: int) -> dict[str, Any]:
