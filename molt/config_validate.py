@@ -19,6 +19,21 @@ def _get(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
+# (fields, test, what the test asks) of the plain ranges; a NaN fails every test
+_RANGES = (
+    (("rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens", "train.num_episodes",
+      "train.max_epochs", "train.num_ranks", "rollout.num_workers", "rollout.max_turns", "actor.logprob_chunk_size",
+      "fsdp.tp_size", "train.max_skipped_steps"), lambda v: v >= 1, ">= 1"),
+    (("train.max_staleness", "train.max_steps", "rollout.temperature", "train.micro_batch_size",
+      "train.max_tokens_per_gpu", "actor.lr_warmup_steps", "critic.lr_warmup_steps", "algo.kl.init_coef",
+      "rollout.failure_window", "actor.lora_rank", "critic.lora_rank"), lambda v: v >= 0, ">= 0"),
+    (("actor.lora_dropout", "critic.lora_dropout"), lambda v: 0 <= v < 1, "in [0, 1)"),
+    (("rollout.top_p", "rollout.max_failed_share"), lambda v: 0 < v <= 1, "in (0, 1]"),
+    (("actor.min_lr_ratio", "critic.min_lr_ratio"), lambda v: 0 <= v <= 1, "in [0, 1]"),
+    (("actor.adam.lr",), lambda v: v > 0, "> 0"),
+)
+
+
 def _choices(cfg: Any, prefix: str = "") -> None:
     """Every Literal field holds one of its values (the Python API bypasses tyro's check)."""
     hints = typing.get_type_hints(type(cfg))
@@ -36,38 +51,23 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
     from molt.algo import POLICY_LOSSES, estimator_spec
 
     _choices(cfg)
-    for name in ("rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens", "train.num_episodes",
-                 "train.max_epochs", "train.num_ranks", "rollout.num_workers", "rollout.max_turns",
-                 "actor.logprob_chunk_size", "fsdp.tp_size", "train.max_skipped_steps"):
-        if _get(cfg, name) < 1:
-            raise ValueError(f"{name} must be >= 1 (got {_get(cfg, name)})")
-    for name in ("train.max_staleness", "train.max_steps", "rollout.temperature", "train.micro_batch_size",
-                 "train.max_tokens_per_gpu", "actor.lr_warmup_steps", "critic.lr_warmup_steps", "algo.kl.init_coef"):
-        if _get(cfg, name) < 0:
-            raise ValueError(f"{name} must be >= 0 (got {_get(cfg, name)})")
+    for names, ok, what in _RANGES:
+        for name in names:
+            if not ok(_get(cfg, name)):
+                raise ValueError(f"{name} must be {what} (got {_get(cfg, name)})")
     for name, lookup in (("algo.advantage.estimator", estimator_spec), ("actor.policy_loss", POLICY_LOSSES.get_fn)):
         try:
             lookup(_get(cfg, name))
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
-    if not 0 < cfg.rollout.top_p <= 1:
-        raise ValueError(f"rollout.top_p must be in (0, 1] (got {cfg.rollout.top_p})")
     truncated = cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0  # vLLM's log-probs are then not the trainer's
     if truncated and cfg.rollout.engine == "vllm" and cfg.algo.advantage.is_correction_level != "off":
         raise ValueError("rollout.top_p < 1 or rollout.top_k > 0 with rollout.engine vllm needs "
                          "algo.advantage.is_correction_level off: vLLM records log-probs after the truncation, "
                          "the trainer recomputes them over the full vocabulary (docs/algo.md)")
-    if not 0 < cfg.rollout.max_failed_share <= 1 or cfg.rollout.failure_window < 0:
-        raise ValueError(f"rollout.max_failed_share must be in (0, 1] and rollout.failure_window >= 0 (got "
-                         f"{cfg.rollout.max_failed_share}, {cfg.rollout.failure_window})")
     if 0 < cfg.train.stall_timeout_s <= cfg.rollout.timeout_s:  # a step waits for whole rollouts
         raise ValueError(f"train.stall_timeout_s ({cfg.train.stall_timeout_s}) must be 0 (never) or more than "
                          f"rollout.timeout_s ({cfg.rollout.timeout_s}), the time one rollout may take")
-    if cfg.actor.adam.lr <= 0:
-        raise ValueError(f"actor.adam.lr must be > 0 (got {cfg.actor.adam.lr})")
-    for name in ("actor.min_lr_ratio", "critic.min_lr_ratio"):
-        if not 0 <= _get(cfg, name) <= 1:
-            raise ValueError(f"{name} must be in [0, 1] (got {_get(cfg, name)})")
     if min(cfg.actor.eps_clip_low_high) < 0:
         raise ValueError(f"actor.eps_clip_low_high must be two numbers >= 0 (got {cfg.actor.eps_clip_low_high})")
     low, high = cfg.algo.advantage.is_correction_threshold
@@ -119,9 +119,6 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
 
 def _check_lora(cfg: MoltConfig, name: str) -> None:
     o = _get(cfg, name)
-    if o.lora_rank < 0 or not 0 <= o.lora_dropout < 1:
-        raise ValueError(f"{name}.lora_rank must be >= 0 and {name}.lora_dropout in [0, 1) (got {o.lora_rank}, "
-                         f"{o.lora_dropout})")
     if o.lora_rank and not o.lora_target_modules:
         raise ValueError(f"{name}.lora_target_modules: name at least one module")
     if o.lora_rank and cfg.fsdp.tp_size > 1:  # the tensor-parallel plan splits nn.Linear, not PEFT's wrappers
