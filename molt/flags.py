@@ -7,9 +7,13 @@ from __future__ import annotations
 import importlib.util
 import sys
 from collections.abc import Callable
+from pathlib import Path
+
+import yaml
 
 Rule = Callable[[list[str], dict[str, list[str]]], list[str]]
 OFF = ("none", "false", "off", "0", "no")
+_REASONS = yaml.safe_load((Path(__file__).parent / "flags.yaml").read_text())
 
 
 def _to(flag: str, *fixed: str) -> Rule:
@@ -69,35 +73,8 @@ TABLE: dict[str, str | Rule] = {
     "train.force_on_policy": _to("train.max_staleness", "0"),
     "train.force_sync_mode": _to("train.max_staleness", "0"),
     "train.rollout_dump_dir": _dumps,
-    # no effect in this run, and why
-    "ckpt.warm_resume_rollouts": "a resume re-runs the rollouts that were in flight (the ledger keeps every "
-                                 "prompt trained once); there is no rollout state to warm",
-    "ckpt.max_mem": "checkpoints are rotated by count (ckpt.max_num)",
-    "critic.freeze_moe_router": "the critic's routers train (router freezing is an actor option)",
-    "data.apply_chat_template": "Molt always renders prompts with the model's chat template (Env and ChatAgent)",
-    "data.disable_fast_tokenizer": "capture needs the fast (Rust) tokenizer it is tested token-exact with",
-    "data.dataloader_num_workers": "prompts are read once into memory; there is no data loader",
-    "vllm.sync_backend": "the refit transport is train.weight_sync (auto: an NCCL group with vLLM engines, the "
-                         "object store with the embedded engine)",
-    "vllm.router_policy": "the router is session-sticky: the calls of a rollout stay on one engine",
-    "rollout.num_runners": "agents run as coroutines inside each rollout worker (rollout.num_workers)",
-    "rollout.vllm_generate_batch_size": "rollouts are dispatched one at a time and the engines batch what is in "
-                                        "flight; train.max_staleness bounds how far generation runs ahead",
-    "rollout.micro_batch_size": "trainer log-probs are computed inside the optimizer step (train.*)",
-    "rollout.max_tokens_per_gpu": "trainer log-probs are computed inside the optimizer step (train.*)",
-    "train.full_determinism_enable": "no deterministic-kernel mode; train.seed seeds data order, sampling, init",
-    "train.dynamic_batch_enable": "micro-batches are always cut by train.max_tokens_per_gpu (the loss does not "
-                                  "depend on the split)",
-    "train.colocate_fsdp_models": "actor, reference and critic always share the trainer ranks",
-    "train.rollout_replay_dir": "replaying dumped rollouts is not built",
-    "train.check_weight_update_equal": "no per-run refit check (the tests compare engine and trainer weights)",
-    "ref.num_nodes": "the reference model is sharded with the actor on its ranks (train.num_ranks)",
-    "ref.num_gpus_per_node": "the reference model is sharded with the actor on its ranks (train.num_ranks)",
-    "eval.batch_size": "all eval rollouts are sent at once and the engines batch them",
-    "eval.eval_at_start": "Molt always evaluates before the first step when eval.dataset is set",
-    "fsdp.pp_size": "the FSDP2 trainer has no pipeline parallelism",
-    "fsdp.sequence_parallel": "tensor parallelism is plain DTensor TP, without sequence parallelism",
-    "logger.logging_steps": "every step's metrics are written (metrics.jsonl, TensorBoard, W&B)",
+    # no effect in this run, and why (data: flags.yaml)
+    **_REASONS["no_effect"],
 }
 # reference flag -> vllm.AsyncEngineArgs keyword ("key=template" formats the value into it)
 VLLM_ARGS = {f"vllm.{k}": k for k in (
@@ -107,14 +84,7 @@ VLLM_ARGS = {f"vllm.{k}": k for k in (
     "enable_chunked_prefill", "max_num_batched_tokens", "async_scheduling", "decode_context_parallel_size")}
 VLLM_ARGS["vllm.mtp_num_speculative_tokens"] = 'speculative_config={{"method": "mtp", "num_speculative_tokens": {}}}'
 HF_ENGINE = "no effect with the embedded engine (rollout.engine=hf); passed to vLLM with --rollout.engine vllm"
-# Molt fields that parse but do nothing in this version, and why
-INERT = {
-    "train.async_queue_size": "asynchrony is bounded by train.max_staleness (policy versions), not by a queue",
-    "train.micro_batch_size": "micro-batches are cut by train.max_tokens_per_gpu, which wins unless it is 0 (the "
-                              "loss does not depend on the split)",
-    "fsdp.ep_size": "expert parallelism is a later GPU-path option (molt/trainer/parallel.py); 1 is what runs",
-    "fsdp.cp_size": "context parallelism is a later GPU-path option (molt/trainer/parallel.py); 1 is what runs",
-}
+INERT = _REASONS["inert"]  # Molt fields that parse but do nothing in this version, and why
 
 
 def note(line: str) -> None:
