@@ -80,12 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         return args.handler(args) or 0
-    except ValueError as e:  # user mistakes: one clear line, no traceback
+    except (ValueError, ModelFetchError) as e:  # user mistakes (2), failed fetches (1): one clear line, no traceback
         print(f"molt: error: {e}", file=sys.stderr)
-        return 2
-    except ModelFetchError as e:
-        print(f"molt: error: {e}", file=sys.stderr)
-        return 1
+        return 1 if isinstance(e, ModelFetchError) else 2
     except RunStopped as e:  # a signal or a fatal condition of `train`/`sft`, after a checkpoint: its exit code
         print(f"molt: {getattr(e, 'cause', e)}", file=sys.stderr)
         return e.exit_code
@@ -190,9 +187,6 @@ def load_config(argv: list[str] | None = None, *, check_files: bool = True, prog
     after_parse(cfg.rollout.engine, given)
     import_files(cfg.algo.plugins, "algo.plugins")
     return validate(cfg, check_files=check_files, sft=sft)
-
-
-
 
 
 @command("model fetch", "resolve a model reference (an alias is fetched and converted once), print its path",

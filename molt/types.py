@@ -184,8 +184,23 @@ def token_lists(ids: Any, mask: Any, logprobs: Any, versions: Any) -> dict[str, 
             "versions": expand_actions(versions, mask, -1).tolist()}
 
 
+class RolloutRecord:
+    """What a record of one rollout (`Trajectory`, `molt.runtime.pool.RolloutOutcome`) tells from its `status`,
+    `reward` and `score`."""
+
+    __slots__ = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.status is RolloutStatus.OK
+
+    @property
+    def effective_score(self) -> float:
+        return self.reward if self.score is None else self.score
+
+
 @dataclass(slots=True)
-class Trajectory:
+class Trajectory(RolloutRecord):
     """One rollout: one or more segments sharing `rollout_id` and the terminal reward."""
 
     rollout_id: str
@@ -198,14 +213,6 @@ class Trajectory:
     error: str = ""  # human-readable reason when status is not OK
     traceback: str = ""  # the agent's exception as Python prints it, when it raised
     truncated: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.status is RolloutStatus.OK
-
-    @property
-    def effective_score(self) -> float:
-        return self.reward if self.score is None else self.score
 
 
 def join_inputs(*parts: dict[str, Any] | None) -> dict[str, Any] | None:

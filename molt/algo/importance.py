@@ -16,14 +16,10 @@ from molt.algo.ops import as_mask, check_shape, detach_all, masked_mean, seq_mea
 LEVELS = {"token": lambda log_r, mask, seq_ids: log_r, "seq": seq_sum, "geo": seq_mean}
 
 
-def _mask(lr: Tensor, tok: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
+def _gate(lr: Tensor, kept: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
+    """Weight exp(kept) inside the band, exp(-inf) = 0 outside."""
     inside = (lr >= lo) & (lr <= hi)
-    return torch.where(inside, tok, -math.inf).exp(), inside  # the token's own ratio; exp(-inf) = 0 outside
-
-
-def _mis(lr: Tensor, tok: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
-    inside = (lr >= lo) & (lr <= hi)
-    return torch.where(inside, lr, -math.inf).exp(), inside  # the level's ratio
+    return torch.where(inside, kept, -math.inf).exp(), inside
 
 
 def _clip(lr: Tensor, tok: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
@@ -35,7 +31,9 @@ def _trunc(lr: Tensor, tok: Tensor, lo: float, hi: float) -> tuple[Tensor, Tenso
 
 
 # mode -> (weight, retained) from the level's log-ratio `lr`, the token log-ratio `tok` and the log band [lo, hi]
-MODES = {"mask": _mask, "mis": _mis, "clip": _clip, "trunc": _trunc}
+MODES = {"mask": lambda lr, tok, lo, hi: _gate(lr, tok, lo, hi),  # the token's own ratio
+         "mis": lambda lr, tok, lo, hi: _gate(lr, lr, lo, hi),  # the level's ratio
+         "clip": _clip, "trunc": _trunc}
 GATES = ("mask", "mis")  # the modes that reject (weight 0) what falls outside the band
 
 

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from molt.types import Experience, RolloutStatus, sub_seed
+from molt.types import Experience, RolloutRecord, RolloutStatus, sub_seed
 
 
 class RunStopped(RuntimeError):
@@ -39,7 +39,7 @@ class RolloutTask:
 
 
 @dataclass(slots=True)
-class RolloutOutcome:
+class RolloutOutcome(RolloutRecord):
     """What a worker returns for one rollout: light fields plus offloaded experiences (one per segment)."""
 
     rollout_id: str
@@ -55,14 +55,6 @@ class RolloutOutcome:
     break_reasons: list[str] = field(default_factory=list)
     response_tokens: int = 0  # action tokens over all segments
     sample_index: int = 0
-
-    @property
-    def effective_score(self) -> float:
-        return self.reward if self.score is None else self.score
-
-    @property
-    def ok(self) -> bool:
-        return self.status is RolloutStatus.OK
 
     @property
     def min_version(self) -> int:

@@ -82,6 +82,14 @@ def _save(model, tokenizer, path: Path) -> Path:
     return path
 
 
+def _decoder(tokenizer, hidden_size: int = 64, **more) -> dict:
+    """Keyword arguments of a tiny decoder's config over `tokenizer` (2 layers, 4 heads, 2 of them key/value)."""
+    return {"vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+            "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id, **more}
+
+
 def build_tiny_llama(path: str | Path, *, seed: int = 0, template: str = CHATML_TOOLS_TEMPLATE,
                      hidden_size: int = 64, num_layers: int = 2, max_positions: int = 512) -> Path:
     """Save a tiny dense Llama-style causal LM (tied embeddings, GQA) with its tokenizer to `path`."""
@@ -89,12 +97,8 @@ def build_tiny_llama(path: str | Path, *, seed: int = 0, template: str = CHATML_
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     tokenizer = build_tokenizer(template=template)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=max_positions, tie_word_embeddings=True, rms_norm_eps=1e-5,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-    )
+    config = LlamaConfig(**_decoder(tokenizer, hidden_size, num_hidden_layers=num_layers,
+                                    max_position_embeddings=max_positions, rms_norm_eps=1e-5))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return _save(model, tokenizer, Path(path))
@@ -108,13 +112,9 @@ def build_tiny_moe(path: str | Path, *, seed: int = 0, template: str = CHATML_TO
     from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
     tokenizer = build_tokenizer(template=template)
-    config = Qwen2MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        moe_intermediate_size=hidden_size // 2, shared_expert_intermediate_size=hidden_size, num_experts=4,
-        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, decoder_sparse_step=1,
-        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
+    config = Qwen2MoeConfig(**_decoder(tokenizer, hidden_size, moe_intermediate_size=hidden_size // 2,
+                                       shared_expert_intermediate_size=hidden_size, num_experts=4,
+                                       num_experts_per_tok=2, decoder_sparse_step=1, tie_word_embeddings=False))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return _save(model, tokenizer, Path(path))
@@ -127,10 +127,7 @@ def _vlm_tokenizer(placeholder: str, *specials: str):
 
     tokenizer = build_tokenizer(template=VLM_TEMPLATE.replace("<image>", placeholder))
     tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True)
-    return tokenizer, {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
-                       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                       "max_position_embeddings": 512, "tie_word_embeddings": True, "bos_token_id": None,
-                       "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    return tokenizer, _decoder(tokenizer)
 
 
 def build_tiny_vlm(path: str | Path, *, seed: int = 0) -> Path:

@@ -61,9 +61,8 @@ class ScriptedEngine:
         if self.delay:
             aborted = self._waiting.setdefault(request_id or "", asyncio.Event())
             try:
-                await asyncio.wait_for(aborted.wait(), self.delay)
-            except asyncio.TimeoutError:
-                pass
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(aborted.wait(), self.delay)
             finally:
                 self._waiting.pop(request_id or "", None)
         for i, token in enumerate(ids if on_tokens is not None else ()):
