@@ -115,10 +115,9 @@ def _render_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat:
         if not tokenizer.chat_template:
             raise ValueError("the model has no chat template; pass --no-chat to send the prompt as raw text")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-        # the template wrote any BOS itself, so the tokenizer must not add another
-        return tokenizer.encode(text, add_special_tokens=False)
+        # the template writes any BOS itself: the tokenizer adds no special tokens here
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             return_dict=False)
     return tokenizer.encode(prompt)
 
 

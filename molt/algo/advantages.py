@@ -291,31 +291,29 @@ def on_policy_distill(batch: AdvantageBatch, params: AdvantageParams) -> Advanta
     return AdvantageResult(torch.where(batch.action_mask, adv, 0.0))
 
 
-def _group_result(per_rollout: Tensor, stats: RolloutStats, batch: AdvantageBatch) -> AdvantageResult:
-    single = stats.group_size < 2
-    adv = torch.where(single, 0.0, per_rollout)  # a group of one has no baseline: advantage 0
-    return AdvantageResult(to_tokens(adv, stats, batch))
+def _group_result(batch: AdvantageBatch, per_rollout: Callable[[RolloutStats], Tensor]) -> AdvantageResult:
+    """The advantage `per_rollout(stats)` [R] of each rollout on its action tokens; 0 in a group of one (no
+    baseline)."""
+    s = rollout_stats(batch)
+    return AdvantageResult(to_tokens(torch.where(s.group_size < 2, 0.0, per_rollout(s)), s, batch))
 
 
 @register_estimator("grpo", "group")
 def grpo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     """(r - group mean) / (group std + std_eps), one value per rollout."""
-    s = rollout_stats(batch)
-    return _group_result((s.reward - s.group_mean) / (s.group_std + params.std_eps), s, batch)
+    return _group_result(batch, lambda s: (s.reward - s.group_mean) / (s.group_std + params.std_eps))
 
 
 @register_estimator("dr_grpo", "group")
 def dr_grpo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     """Dr. GRPO: r - group mean, no std normalization."""
-    s = rollout_stats(batch)
-    return _group_result(s.reward - s.group_mean, s, batch)
+    return _group_result(batch, lambda s: s.reward - s.group_mean)
 
 
 @register_estimator("rloo", "group")
 def rloo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     """RLOO: r - mean of the other rollouts of the group = n / (n - 1) * (r - group mean)."""
-    s = rollout_stats(batch)
-    return _group_result((s.reward - s.group_mean) * s.group_size / (s.group_size - 1).clamp(min=1), s, batch)
+    return _group_result(batch, lambda s: (s.reward - s.group_mean) * s.group_size / (s.group_size - 1).clamp(min=1))
 
 
 def compute_advantages(name: str, batch: AdvantageBatch, params: AdvantageParams | None = None) -> AdvantageResult:

@@ -22,18 +22,11 @@ def _gate(lr: Tensor, kept: Tensor, lo: float, hi: float) -> tuple[Tensor, Tenso
     return torch.where(inside, kept, -math.inf).exp(), inside
 
 
-def _clip(lr: Tensor, tok: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
-    return lr.clamp(lo, hi).exp(), (lr >= lo) & (lr <= hi)
-
-
-def _trunc(lr: Tensor, tok: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor]:
-    return lr.clamp(max=hi).exp(), lr <= hi
-
-
 # mode -> (weight, retained) from the level's log-ratio `lr`, the token log-ratio `tok` and the log band [lo, hi]
 MODES = {"mask": lambda lr, tok, lo, hi: _gate(lr, tok, lo, hi),  # the token's own ratio
          "mis": lambda lr, tok, lo, hi: _gate(lr, lr, lo, hi),  # the level's ratio
-         "clip": _clip, "trunc": _trunc}
+         "clip": lambda lr, tok, lo, hi: (lr.clamp(lo, hi).exp(), (lr >= lo) & (lr <= hi)),
+         "trunc": lambda lr, tok, lo, hi: (lr.clamp(max=hi).exp(), lr <= hi)}
 GATES = ("mask", "mis")  # the modes that reject (weight 0) what falls outside the band
 
 

@@ -64,10 +64,6 @@ class Run:
         self._stop = asyncio.Event()
         self.control = RunControl(cfg.ckpt, on_stop=self._stop.set)
 
-    def stop(self, reason: RunStopped) -> None:
-        """Stop after the step in progress with a checkpoint, then raise `reason` (molt.runtime.checkpoints)."""
-        self.control.stop(reason)
-
     # ------------------------------------------------------------------------------------------ set-up
     async def setup(self) -> None:
         import ray
@@ -181,7 +177,7 @@ class Run:
         try:
             return await self.workers.run(task, self._params(eval=not train), train)
         except RunStopped as e:  # its engine keeps crashing, or workers keep dying
-            self.stop(e)
+            self.control.stop(e)
             raise
 
     async def evaluate(self) -> dict[str, float]:
@@ -298,7 +294,7 @@ class Run:
                 try:
                     groups = await pool.next_step_groups(self._stop)
                 except RunStopped as e:  # no step can form: failures or a stall
-                    self.stop(e)
+                    self.control.stop(e)
                     groups = None
                 if groups is None:  # stopped: the rollouts in flight are dropped
                     break
@@ -313,7 +309,7 @@ class Run:
                 try:
                     t_refit = await self._refit()
                 except RunStopped as e:
-                    self.stop(e)
+                    self.control.stop(e)
                     t_refit = 0.0
                 pool.set_version(self.version)
                 metrics.update(rollout_metrics(groups, trained_version))

@@ -106,20 +106,17 @@ class MetricsLogger:
         self._tb = SummaryWriter(tensorboard_dir or str(self.run_dir / "tb"))
         self._wandb = None
         w = wandb or {}
-        if w.get("project"):  # W&B is optional: without the package the run goes on with one line saying so
+        if w.get("project"):  # W&B is optional: without the package, an API key or a network the run goes on
             try:
                 import wandb as wb
-            except ImportError:
-                print("molt: note: logger.wandb.project is set but wandb is not installed (pip install "
-                      "'molt[wandb]'): W&B logging is off", file=sys.stderr)
-            else:
-                try:  # no API key, no network: the run goes on, logged everywhere else
-                    if w.get("key"):
-                        wb.login(key=w["key"])
-                    self._wandb = wb.init(project=w["project"], entity=w.get("org") or None, name=w.get("run_name")
-                                          or None, group=w.get("group") or None, config=config, dir=str(self.run_dir))
-                except Exception as e:  # noqa: BLE001 (wandb raises its own error types, and more)
-                    print(f"molt: note: W&B logging is off: {e}", file=sys.stderr)
+
+                if w.get("key"):
+                    wb.login(key=w["key"])
+                self._wandb = wb.init(project=w["project"], entity=w.get("org") or None, name=w.get("run_name")
+                                      or None, group=w.get("group") or None, config=config, dir=str(self.run_dir))
+            except Exception as e:  # noqa: BLE001 (wandb raises its own error types, and more)
+                why = "wandb is not installed (pip install 'molt[wandb]')" if isinstance(e, ImportError) else e
+                print(f"molt: note: W&B logging is off: {why}", file=sys.stderr)
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:

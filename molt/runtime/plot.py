@@ -19,10 +19,6 @@ def plot_run(run_dir: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
-
-    def series(key: str) -> list[tuple[float, float]]:
-        return [(r["step"], r[key]) for r in rows if key in r]
-
     agent = any("agent/tool_calls" in r for r in rows)
     fig, axes = plt.subplots(1, 1 + agent, figsize=(7 + 6 * agent, 4), dpi=110, squeeze=False)
     first = "reward / accuracy" if any("rollout/reward_mean" in r for r in rows) else "loss (nats/token)"
@@ -34,7 +30,7 @@ def plot_run(run_dir: str | Path) -> Path:
                                        ("rollout/segments_per_rollout", "segments", "-")]))
     for ax, (ylabel, lines) in zip(axes[0], panels):
         for key, label, style in lines:
-            if points := series(key):
+            if points := [(r["step"], r[key]) for r in rows if key in r]:
                 ax.plot(*zip(*points), style, label=label, alpha=0.85)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)

@@ -19,8 +19,6 @@ from molt.trainer import parallel
 from molt.trainer.batching import MicroBatch, blank_image, collate, ghost_batch, plan_micro_batches
 from molt.types import Experience, ModelSpec
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 class ShardedModelTrainer:
     """Holds the device, process group, mesh and configuration (the run's tree: `optim` is the actor's or the
@@ -33,10 +31,8 @@ class ShardedModelTrainer:
         if fsdp.offload and self.device.type != "cuda":
             raise ValueError("fsdp.offload: optimizer-state CPU offload is a CUDA option (the CPU path has nothing "
                              "to offload)")
-        if cfg.actor.dtype == "auto":
-            self.param_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        else:
-            self.param_dtype = DTYPES[cfg.actor.dtype]
+        auto = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.param_dtype = getattr(torch, auto if cfg.actor.dtype == "auto" else cfg.actor.dtype)
         one_rank_mesh = self.device.type == "cuda" or self.param_dtype != torch.float32 or fsdp.offload
         self.rank, self.world = parallel.init_distributed(self.device, one_rank=one_rank_mesh)
         self.mesh = parallel.build_mesh(self.device, self.world, fsdp.tp_size, one_rank=one_rank_mesh)

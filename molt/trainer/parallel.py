@@ -115,10 +115,6 @@ def reshard(model: nn.Module) -> None:
             m.reshard()
 
 
-def dp_group(mesh):
-    return None if mesh is None else mesh["dp"].get_group()
-
-
 def dp_size(mesh) -> int:
     return 1 if mesh is None else mesh["dp"].size()
 
@@ -126,7 +122,7 @@ def dp_size(mesh) -> int:
 def all_reduce_sum(t: torch.Tensor, mesh) -> torch.Tensor:
     """In-place sum over the data-parallel group (a no-op for a single process)."""
     if mesh is not None:
-        dist.all_reduce(t, group=dp_group(mesh))
+        dist.all_reduce(t, group=mesh["dp"].get_group())
     return t
 
 
