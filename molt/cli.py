@@ -27,8 +27,8 @@ from molt.models import DEFAULT_MODEL, ModelFetchError, resolve_model
 from molt.runtime.pool import RunStopped  # standard library and molt.types only
 
 Handler = Callable[[argparse.Namespace], "int | None"]
-_COMMANDS: dict[str, tuple[str, tuple, Handler]] = {}
-_RAW: set[str] = set()  # commands that parse their own arguments (tyro): argparse hands them the rest
+# name -> (help, arguments, handler, raw: the command parses its own arguments (tyro), argparse hands it the rest)
+_COMMANDS: dict[str, tuple[str, tuple, Handler, bool]] = {}
 
 
 def arg(*flags: str, **kwargs) -> tuple:
@@ -38,9 +38,7 @@ def arg(*flags: str, **kwargs) -> tuple:
 
 def command(name: str, help: str, *arguments: tuple, raw: bool = False) -> Callable[[Handler], Handler]:
     def register(fn: Handler) -> Handler:
-        _COMMANDS[name] = (help, arguments, fn)
-        if raw:
-            _RAW.add(name)
+        _COMMANDS[name] = (help, arguments, fn, raw)
         return fn
 
     return register
@@ -52,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
-    for name, (help_text, arguments, fn) in _COMMANDS.items():
+    for name, (help_text, arguments, fn, raw) in _COMMANDS.items():
         *group, leaf = name.split()
         subs = top
         if group:  # e.g. "model fetch": one `molt model` parser holding the leaf commands
@@ -60,10 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                 g = top.add_parser(group[0], help=f"{group[0]} commands")
                 groups[group[0]] = g.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
             subs = groups[group[0]]
-        p = subs.add_parser(leaf, help=help_text, description=help_text, add_help=name not in _RAW)
+        p = subs.add_parser(leaf, help=help_text, description=help_text, add_help=not raw)
         for flags, kwargs in arguments:
             p.add_argument(*flags, **kwargs)
-        p.set_defaults(handler=fn, raw=name in _RAW)
+        p.set_defaults(handler=fn, raw=raw)
     return parser
 
 

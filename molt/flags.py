@@ -13,7 +13,7 @@ import yaml
 
 Rule = Callable[[list[str], dict[str, list[str]]], list[str]]
 OFF = ("none", "false", "off", "0", "no")
-_REASONS = yaml.safe_load((Path(__file__).parent / "flags.yaml").read_text())
+_DATA = yaml.safe_load((Path(__file__).parent / "flags.yaml").read_text())
 
 
 def _to(flag: str, *fixed: str) -> Rule:
@@ -74,17 +74,11 @@ TABLE: dict[str, str | Rule] = {
     "train.force_sync_mode": _to("train.max_staleness", "0"),
     "train.rollout_dump_dir": _dumps,
     # no effect in this run, and why (data: flags.yaml)
-    **_REASONS["no_effect"],
+    **_DATA["no_effect"],
 }
-# reference flag -> vllm.AsyncEngineArgs keyword ("key=template" formats the value into it)
-VLLM_ARGS = {f"vllm.{k}": k for k in (
-    "pipeline_parallel_size", "data_parallel_size", "enforce_eager", "dtype", "mm_encoder_attn_backend",
-    "gdn_prefill_backend", "attention_backend", "block_size", "mamba_ssm_cache_dtype",
-    "distributed_executor_backend", "enable_expert_parallel", "disable_custom_all_reduce", "enable_prefix_caching",
-    "enable_chunked_prefill", "max_num_batched_tokens", "async_scheduling", "decode_context_parallel_size")}
-VLLM_ARGS["vllm.mtp_num_speculative_tokens"] = 'speculative_config={{"method": "mtp", "num_speculative_tokens": {}}}'
+VLLM_ARGS = _DATA["vllm_args"]  # reference flag -> vllm.AsyncEngineArgs keyword (flags.yaml)
 HF_ENGINE = "no effect with the embedded engine (rollout.engine=hf); passed to vLLM with --rollout.engine vllm"
-INERT = _REASONS["inert"]  # Molt fields that parse but do nothing in this version, and why
+INERT = _DATA["inert"]  # Molt fields that parse but do nothing in this version, and why
 
 
 def note(line: str) -> None:

@@ -102,14 +102,12 @@ class _Episode:
     """Accumulates what an episode returns into the trajectory."""
 
     def __init__(self, traj: Trajectory):
-        self.traj = traj
-        self.reward = 0.0
+        self.traj = traj  # its reward: the sum of the episode's rewards
 
     def add(self, result: Any, what: str) -> Result:
         if not isinstance(result, Result):
             raise InvalidReward(f"{what} must return molt.agents.Result, got {type(result).__name__}")
-        self.reward += to_float(result.reward, f"{what}: Result.reward")
-        self.traj.reward = self.reward
+        self.traj.reward += to_float(result.reward, f"{what}: Result.reward")
         for key, value in (result.info or {}).items():
             try:
                 self.traj.info[key] = to_float(value, f"info[{key!r}]")

@@ -21,12 +21,12 @@ class FilterResult:
 
 
 def _drop_reason(group: Sequence[Trajectory], group_size: int, drop_all_equal: bool,
-                 score_range: tuple[float, float] | None, tol: float) -> str | None:
+                 score_range: tuple[float, float] | None) -> str | None:
     ok = [t for t in group if t.ok]
     if len({t.rollout_id for t in ok}) < group_size:
         return "incomplete"
     scores = [float(t.effective_score) for t in ok]
-    if drop_all_equal and max(scores) - min(scores) <= tol:
+    if drop_all_equal and max(scores) - min(scores) <= 1e-9:  # equal but for float rounding
         return "all_equal"
     if score_range is not None and not score_range[0] <= sum(scores) / len(scores) <= score_range[1]:
         return "out_of_range"
@@ -34,7 +34,7 @@ def _drop_reason(group: Sequence[Trajectory], group_size: int, drop_all_equal: b
 
 
 def filter_groups(groups: Mapping[str, Sequence[Trajectory]], group_size: int, *, drop_all_equal: bool = True,
-                  score_range: tuple[float, float] | None = None, tol: float = 1e-9) -> FilterResult:
+                  score_range: tuple[float, float] | None = None) -> FilterResult:
     """Keep complete, informative groups.
 
     groups: group_id -> the trajectories gathered for it; group_size: rollouts per prompt
@@ -48,7 +48,7 @@ def filter_groups(groups: Mapping[str, Sequence[Trajectory]], group_size: int, *
         raise ValueError(f"score_range must be (low, high) with low <= high (got {score_range})")
     result = FilterResult(kept={})
     for gid, group in groups.items():
-        reason = _drop_reason(group, group_size, drop_all_equal, score_range, tol)
+        reason = _drop_reason(group, group_size, drop_all_equal, score_range)
         if reason is None:
             result.kept[gid] = [t for t in group if t.ok]
         else:

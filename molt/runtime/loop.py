@@ -224,11 +224,9 @@ class Run:
         cfg, (low, high) = self.cfg, self.cfg.reward.clip_range
         estimator = cfg.algo.advantage.estimator
         rows = [(o.rollout_id, g.group_id, min(max(o.reward, low), high)) for g in groups for o in g.outcomes]
-        advantages = rewards = None
-        if self.spec.kind == "group":
-            advantages = rollout_advantages(estimator, rows)
-        else:
-            rewards = terminal_rewards(self.spec.centred, rows)
+        group = self.spec.kind == "group"  # one advantage per rollout here, else the ranks' from terminal rewards
+        advantages = rollout_advantages(estimator, rows) if group else None
+        rewards = None if group else terminal_rewards(self.spec.centred, rows)
         # optimizer windows of whole groups; each rank gets its balanced share of every window
         size = len(groups) // optimizer_windows(cfg)
         windows = [assign_to_ranks([e for g in groups[i:i + size] for o in g.outcomes for e in o.experiences],

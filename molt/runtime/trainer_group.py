@@ -184,16 +184,13 @@ class TrainerRank:
         return torch.where(mask, (adv - mean) / (var + 1e-8) ** 0.5, 0.0)  # as molt.algo's masked_whiten
 
     def weight_refs(self, bucket_bytes: int) -> list[Any]:
-        """Stream full weights bucket by bucket into the object store (collective; rank 0 puts)."""
+        """Stream full weights bucket by bucket into the object store (collective: every rank gathers each
+        bucket, rank 0 puts it)."""
         import ray
 
         from molt.engine.base import pack_weights
 
-        refs = []
-        for bucket in self.actor.iter_weights(bucket_bytes):
-            if self.rank == 0:
-                refs.append(ray.put(pack_weights(bucket)))
-        return refs
+        return [ray.put(pack_weights(bucket)) for bucket in self.actor.iter_weights(bucket_bytes) if self.rank == 0]
 
     def weight_plan(self, bucket_bytes: int) -> list[list[tuple]]:
         return self.actor.weight_plan(bucket_bytes)

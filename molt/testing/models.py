@@ -38,15 +38,7 @@ VLM_TEMPLATE = ("{%- macro show(c) -%}{%- if c is string -%}{{ c }}{%- else -%}{
                 + CHATML_TOOLS_TEMPLATE.replace("{{ m.content }}", "{{ show(m.content) }}"))
 QWEN3_THINK_TEMPLATE = _TEMPLATE.replace("DROP_THINK", "true")
 
-_CORPUS = [
-    "The quick brown fox jumps over the lazy dog. What is 3 + 4? The answer is 7.",
-    "You are a helpful assistant. Use the calculator tool when arithmetic is needed.",
-    '{"name": "calculator", "arguments": {"expression": "12 * 7"}} {"result": 84}',
-    "system user assistant tool function arguments name type object properties required string",
-    "def add(a, b):\n    return a + b\nprint(add(2, 3))\n",
-    "Summary of the conversation so far: the user asked several sums and got answers.",
-    "0123456789 + - * / = ( ) [ ] { } < > , . : ; ! ? ' \" \n\t",
-]
+_CORPUS = json.loads((Path(__file__).parent / "tokenizer_corpus.json").read_text())  # what the BPE learns from
 
 
 def build_tokenizer(vocab_size: int = 384, template: str = CHATML_TOOLS_TEMPLATE):
