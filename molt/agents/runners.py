@@ -10,6 +10,7 @@ import io
 import math
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -109,10 +110,8 @@ class _Episode:
             raise InvalidReward(f"{what} must return molt.agents.Result, got {type(result).__name__}")
         self.traj.reward += to_float(result.reward, f"{what}: Result.reward")
         for key, value in (result.info or {}).items():
-            try:
+            with suppress(InvalidReward):  # info is for dashboards only: a non-numeric entry is dropped
                 self.traj.info[key] = to_float(value, f"info[{key!r}]")
-            except InvalidReward:
-                pass  # info is for dashboards only: a non-numeric entry is dropped, never fails a rollout
         if result.score is not None:
             self.traj.score = to_float(result.score, f"{what}: Result.score")
         self.traj.truncated = bool(result.truncated)

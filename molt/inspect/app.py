@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import suppress
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,10 +32,8 @@ from fastapi.staticfiles import StaticFiles
 def _parse(path: str, mtime_ns: int, size: int) -> list[dict]:
     rows = []
     for line in Path(path).read_text(errors="replace").splitlines():
-        try:
+        with suppress(ValueError):  # the line the run is writing now
             rows.append(json.loads(line))
-        except ValueError:  # the line the run is writing now
-            pass
     return rows
 
 

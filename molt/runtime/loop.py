@@ -22,7 +22,7 @@ from molt.runtime.metrics import MetricsLogger, rollout_metrics
 from molt.runtime.pool import Group, PromptStream, RolloutPool, RolloutTask, RunStopped
 from molt.runtime.trainer_group import TrainerGroup, rollout_advantages, spread, terminal_rewards
 from molt.runtime.worker import RolloutWorker, Workers
-from molt.types import RolloutStatus, SamplingParams
+from molt.types import SamplingParams
 
 BUCKET_BYTES = 64 << 20
 
@@ -193,9 +193,8 @@ class Run:
         correct: list[list[bool]] = [[] for _ in self.eval_rows]
         failed = 0
         for task, o in zip(tasks, outcomes):
-            ok = o.status is RolloutStatus.OK
-            correct[task.key[1]].append(ok and o.effective_score > 0)
-            failed += not ok
+            correct[task.key[1]].append(o.ok and o.effective_score > 0)
+            failed += not o.ok
         pass_n, avg_n = pass_at_n(correct)
         name = Path(self.cfg.eval.dataset).stem
         out = {f"eval_{name}_pass{n}": pass_n, f"eval_{name}_avg{n}": avg_n, "eval/accuracy": avg_n,

@@ -70,8 +70,7 @@ class Group:
 
     @property
     def min_version(self) -> int:
-        versions = [o.min_version for o in self.outcomes if o.min_version >= 0]
-        return min(versions, default=-1)
+        return min((o.min_version for o in self.outcomes if o.min_version >= 0), default=-1)
 
 
 class PromptStream:

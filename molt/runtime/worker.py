@@ -188,9 +188,8 @@ class RolloutWorker:
     async def begin_refit(self, partial: bool) -> None:
         """The refit boundary of the module docstring: with partial rollout pause at once (requests are kept);
         otherwise stop admitting, let the requests in flight finish, then pause."""
-        gate: RefitGate = self.engine
         if not partial:
-            await gate.drain()
+            await self.engine.drain()
         self._refitting = True
         await self._engine("pause")
 
