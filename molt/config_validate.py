@@ -34,6 +34,7 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
     """Raise ValueError naming the field for anything that cannot run (`molt sft`'s run with `sft`); return cfg,
     unchanged. Registered names are looked up in molt.algo's registries (load_config imports algo.plugins first)."""
     from molt.algo import POLICY_LOSSES, estimator_spec
+    from molt.capture.tools import get_tool_parser
 
     _choices(cfg)
     for name in ("rollout.batch_size", "rollout.n_samples_per_prompt", "rollout.max_new_tokens", "train.num_episodes",
@@ -45,7 +46,8 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
                  "train.max_tokens_per_gpu", "actor.lr_warmup_steps", "critic.lr_warmup_steps", "algo.kl.init_coef"):
         if _get(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0 (got {_get(cfg, name)})")
-    for name, lookup in (("algo.advantage.estimator", estimator_spec), ("actor.policy_loss", POLICY_LOSSES.get_fn)):
+    for name, lookup in (("algo.advantage.estimator", estimator_spec), ("actor.policy_loss", POLICY_LOSSES.get_fn),
+                         ("rollout.tool_parser", lambda n: n == "auto" or get_tool_parser(n))):
         try:
             lookup(_get(cfg, name))
         except ValueError as e:

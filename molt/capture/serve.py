@@ -83,7 +83,8 @@ def add_service_routes(server: CaptureServer) -> None:
 
 async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: Any = None,
                 engine_kind: str = "hf", ready: Any = print, strict_model: bool = False, allow_remote_images: bool = False,
-                max_request_mb: float = 32, max_chars_per_token: float = 16, **engine_options: Any) -> None:
+                max_request_mb: float = 32, max_chars_per_token: float = 16, tool_parser: str = "auto",
+                **engine_options: Any) -> None:
     """Run the service until SIGINT/SIGTERM. `engine` defaults to an HFEngine on `model` (a path) in a process
     of its own (`molt.engine.process`), leaving one core to the server, or with `engine_kind="vllm"` a VLLMEngine,
     built with `engine_options`."""
@@ -106,7 +107,7 @@ async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: A
                                **engine_options)
     renderer = ChatRenderer.from_pretrained(model, allow_remote_images=allow_remote_images)
     server = CaptureServer(engine, renderer, host=host, port=port, strict_model=strict_model,
-                           max_request_mb=max_request_mb, max_chars_per_token=max_chars_per_token)
+                           max_request_mb=max_request_mb, max_chars_per_token=max_chars_per_token, tool_parser=tool_parser)
     add_service_routes(server)
     await server.start()
     loop = asyncio.get_running_loop()
@@ -134,5 +135,6 @@ def serve_main(args: Any) -> int:
                       strict_model=getattr(args, "strict_model", False),
                       allow_remote_images=getattr(args, "allow_remote_images", False),
                       max_request_mb=getattr(args, "max_request_mb", 32),
-                      max_chars_per_token=getattr(args, "max_chars_per_token", 16), **options))
+                      max_chars_per_token=getattr(args, "max_chars_per_token", 16),
+                      tool_parser=getattr(args, "tool_parser", "auto"), **options))
     return 0

@@ -71,6 +71,39 @@ def _no_parsing(text: str) -> Parsed:
     return Parsed(text)
 
 
+_BAD = (ValueError, KeyError, TypeError, AttributeError)  # what reading a malformed call raises
+
+
+def _json_call(obj: Any, call_id: str | None = None) -> dict[str, Any]:
+    """A call written as a JSON object {"name": ..., "arguments" (or Llama's "parameters"): {...}}."""
+    name, args = obj["name"], obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        args = json.loads(args)
+    if not isinstance(name, str) or not isinstance(args, dict):
+        raise TypeError
+    return tool_call(call_id or new_call_id(), name, args)
+
+
+def _split(text: str, pattern: re.Pattern, read: Callable[[re.Match], list[dict[str, Any]]], opened: int,
+           strip: bool = True) -> Parsed:
+    """The calls in the matches of `pattern` as `read` reads them (raising on a malformed block, which then stays
+    in the content); `opened`: the blocks the text starts, so the ones not read count as malformed. The text
+    around the calls is the content, rstripped where the template writes a newline before a call (a streamed
+    reply has sent its leading text already, see streaming.py)."""
+    calls, kept, pos, read_blocks = [], [], 0, 0
+    for match in pattern.finditer(text):
+        try:
+            calls += read(match)
+        except _BAD:
+            continue
+        kept.append(text[pos:match.start()])
+        pos, read_blocks = match.end(), read_blocks + 1
+    if not calls:
+        return Parsed(text, [], opened - read_blocks)
+    content = "".join(kept) + text[pos:]
+    return Parsed(content.rstrip() if strip else content, calls, opened - read_blocks)
+
+
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
@@ -81,23 +114,99 @@ def _hermes_opening(name: str | None) -> str:
 
 @register_tool_parser("hermes", opening=_hermes_opening, markers=("<tool_call>", "</tool_call>"))
 def _hermes(text: str) -> Parsed:
-    calls, kept, pos = [], [], 0
-    for match in _HERMES.finditer(text):
+    return _split(text, _HERMES, lambda m: [_json_call(json.loads(m.group(1)))], text.count("<tool_call>"))
+
+
+_XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
+_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def _xml_value(raw: str) -> Any:
+    """A parameter's value, typed where the type renders back to the same text (the template writes objects and
+    lists as JSON, other values with `string`): "42" -> 42, but "true" stays "true" (it would come back "True")."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw
+    return value if (json.dumps(value, ensure_ascii=False) if isinstance(value, dict | list) else str(value)) == raw else raw
+
+
+@register_tool_parser("qwen3_coder", opening=lambda name: "<tool_call>\n" + (f"<function={name}>\n" if name else ""),
+                      markers=("<tool_call>", "</tool_call>"))
+def _qwen3_coder(text: str) -> Parsed:
+    return _split(text, _XML_CALL, lambda m: [tool_call(new_call_id(), m.group(1).strip(), {
+        k: _xml_value(v) for k, v in _XML_PARAM.findall(m.group(2))})], text.count("<tool_call>"))
+
+
+_SEPARATOR = re.compile(r"\s*;?\s*")  # between several Llama calls
+
+
+@register_tool_parser("llama3_json", markers=("<|python_tag|>",), opening=lambda name: '{"name": "' + (
+    f'{name}", "parameters": ' if name else ""))
+def _llama3_json(text: str) -> Parsed:
+    body = text.strip().removeprefix("<|python_tag|>").lstrip()
+    if not body.startswith("{"):  # a call is the whole reply; anything else is an answer
+        return Parsed(text)
+    calls, pos = [], 0
+    try:
+        while pos < len(body):
+            obj, pos = json.JSONDecoder().raw_decode(body, pos)
+            calls.append(_json_call(obj))
+            pos = _SEPARATOR.match(body, pos).end()  # type: ignore[union-attr]
+    except _BAD:
+        return Parsed(text, [], 1)
+    return Parsed("", calls)
+
+
+# `[TOOL_CALLS]` then a JSON list of calls (v3, Nemo), or name[ARGS]{...} per call, [CALL_ID]id between (v11+)
+_MISTRAL = re.compile(r"\[TOOL_CALLS\]\s*(?:(\[.*?\])|([^\[\]{}\s]+)(?:\[CALL_ID\](\w+))?\[ARGS\](\{.*?\}))"
+                      r"(?=\s*(?:\[TOOL_CALLS\]|$))", re.DOTALL)
+
+
+def _mistral_id() -> str:
+    return uuid.uuid4().hex[:9]  # Mistral's templates render call ids, and refuse any but 9 alphanumerics
+
+
+def _mistral_read(m: re.Match) -> list[dict[str, Any]]:
+    if m.group(1):  # the model's own ids are kept: the template writes them back
+        return [_json_call(obj, str(obj.get("id") or _mistral_id())) for obj in json.loads(m.group(1))]
+    return [tool_call(m.group(3) or _mistral_id(), m.group(2), json.loads(m.group(4)))]
+
+
+@register_tool_parser("mistral", opening=lambda name: "[TOOL_CALLS]" + (
+    f'[{{"name": "{name}", "arguments": ' if name else ""), markers=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"))
+def _mistral(text: str) -> Parsed:
+    return _split(text, _MISTRAL, _mistral_read, text.count("[TOOL_CALLS]"), strip=False)
+
+
+register_tool_parser("mistral_v11", opening=lambda name: "[TOOL_CALLS]" + (name or ""),
+                     markers=_mistral.markers)(lambda text: _mistral(text))  # type: ignore[attr-defined]
+
+# auto: (what a chat template's text holds, the parser of its call format), the first match; none -> hermes
+_FORMATS = ((("<tool_call>", "<function="), "qwen3_coder"), (("<tool_call>",), "hermes"), (("[ARGS]",), "mistral_v11"),
+            (("[TOOL_CALLS]",), "mistral"), (("<|python_tag|>",), "llama3_json"),
+            (('"parameters"', "ipython"), "llama3_json"))
+
+
+def choose_tool_parser(name: str, template: str, tokenizer: Any = None) -> ToolParser:
+    """The parser `name`; for "auto" the model's own (a tokenizer with a `response_template` for tool calls),
+    else the one whose format the chat template writes (docs/internals.md)."""
+    if name != "auto":
+        return get_tool_parser(name)
+    family = get_tool_parser(next((p for marks, p in _FORMATS if all(m in template for m in marks)), "hermes"))
+    spec = (getattr(tokenizer, "response_template", None) or {}).get("fields", {}).get("tool_calls")
+    if spec is None:
+        return family
+    opens = spec.get("open_pattern") or "|".join(map(re.escape, [spec["open"]] if isinstance(spec["open"], str)
+                                                     else spec["open"]))
+
+    def own(text: str) -> Parsed:
         try:
-            obj = json.loads(match.group(1))
-            name, args = obj["name"], obj.get("arguments", obj.get("parameters", {}))
-            if isinstance(args, str):
-                args = json.loads(args)
-            if not isinstance(name, str) or not isinstance(args, dict):
-                raise TypeError
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue  # malformed: the block stays in the content
-        kept.append(text[pos:match.start()])
-        pos = match.end()
-        calls.append(tool_call(new_call_id(), name, args))
-    malformed = text.count("<tool_call>") - len(calls)
-    if not calls:
-        return Parsed(text, [], malformed)
-    # rstrip only: the newline before a call goes, leading text stays as generated (a streamed reply has
-    # sent it already, see streaming.py)
-    return Parsed(("".join(kept) + text[pos:]).rstrip(), calls, malformed)
+            calls = [tool_call(new_call_id(), c["function"]["name"], c["function"].get("arguments", {}))
+                     for c in tokenizer.parse_response(text, prefix="").get("tool_calls") or []]
+        except _BAD:  # a call it cannot read: the template format's parser keeps it as text and counts it
+            return family(text)
+        first = re.search(opens, text, re.DOTALL)  # the content: the reply before its first call, as generated
+        return Parsed(text[:first.start()].rstrip() if first else text, calls) if calls else Parsed(text)
+    own.opening, own.markers = family.opening, family.markers  # type: ignore[attr-defined]
+    return own
