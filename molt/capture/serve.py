@@ -1,5 +1,5 @@
 """`molt serve --model REF [--engine hf|vllm] [--host 127.0.0.1] [--port N] [--strict-model] [--prefix-cache-mb MB]
-[--allow-remote-images] [--max-request-mb MB] [--max-chars-per-token N]`: the engine and capture server as a
+[--allow-remote-images] [--max-request-mb MB] [--max-chars-per-token N] [--tool-parser NAME]`: the engine and capture server as a
 standalone service, for debugging agents and for external harnesses. The engine keeps each session's last turn in its prefix cache (`molt.engine.prefix_cache`),
 so an agent's next turn prefills only its new tokens. Remote image URLs are refused unless allowed.
 

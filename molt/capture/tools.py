@@ -76,12 +76,10 @@ _BAD = (ValueError, KeyError, TypeError, AttributeError)  # what reading a malfo
 
 def _json_call(obj: Any, call_id: str | None = None) -> dict[str, Any]:
     """A call written as a JSON object {"name": ..., "arguments" (or Llama's "parameters"): {...}}."""
-    name, args = obj["name"], obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        args = json.loads(args)
-    if not isinstance(name, str) or not isinstance(args, dict):
+    call = tool_call(call_id or new_call_id(), obj["name"], obj.get("arguments", obj.get("parameters", {})))
+    if not isinstance(call["function"]["name"], str) or not isinstance(call["function"]["arguments"], dict):
         raise TypeError
-    return tool_call(call_id or new_call_id(), name, args)
+    return call
 
 
 def _split(text: str, pattern: re.Pattern, read: Callable[[re.Match], list[dict[str, Any]]], opened: int,
@@ -90,29 +88,26 @@ def _split(text: str, pattern: re.Pattern, read: Callable[[re.Match], list[dict[
     in the content); `opened`: the blocks the text starts, so the ones not read count as malformed. The text
     around the calls is the content, rstripped where the template writes a newline before a call (a streamed
     reply has sent its leading text already, see streaming.py)."""
-    calls, kept, pos, read_blocks = [], [], 0, 0
+    calls, kept, pos = [], [], 0  # kept: the text before each block read
     for match in pattern.finditer(text):
         try:
             calls += read(match)
         except _BAD:
             continue
         kept.append(text[pos:match.start()])
-        pos, read_blocks = match.end(), read_blocks + 1
+        pos = match.end()
     if not calls:
-        return Parsed(text, [], opened - read_blocks)
+        return Parsed(text, [], opened - len(kept))
     content = "".join(kept) + text[pos:]
-    return Parsed(content.rstrip() if strip else content, calls, opened - read_blocks)
+    return Parsed(content.rstrip() if strip else content, calls, opened - len(kept))
 
 
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
-def _hermes_opening(name: str | None) -> str:
-    # the exact prefix Qwen/Hermes templates render before a call (`{"name": ..., "arguments": ...}`)
-    return "<tool_call>\n" if name is None else f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": '
-
-
-@register_tool_parser("hermes", opening=_hermes_opening, markers=("<tool_call>", "</tool_call>"))
+# the opening: the exact prefix Qwen/Hermes templates render before a call (`{"name": ..., "arguments": ...}`)
+@register_tool_parser("hermes", markers=("<tool_call>", "</tool_call>"), opening=lambda name: "<tool_call>\n" + (
+    f'{{"name": {json.dumps(name)}, "arguments": ' if name else ""))
 def _hermes(text: str) -> Parsed:
     return _split(text, _HERMES, lambda m: [_json_call(json.loads(m.group(1)))], text.count("<tool_call>"))
 
@@ -138,24 +133,15 @@ def _qwen3_coder(text: str) -> Parsed:
         k: _xml_value(v) for k, v in _XML_PARAM.findall(m.group(2))})], text.count("<tool_call>"))
 
 
-_SEPARATOR = re.compile(r"\s*;?\s*")  # between several Llama calls
+# a call is the whole reply, one JSON object (the template renders one call a turn), after an optional python tag
+_LLAMA = re.compile(r"\A\s*(?:<\|python_tag\|>)?\s*(\{.*\})\s*\Z", re.DOTALL)
 
 
 @register_tool_parser("llama3_json", markers=("<|python_tag|>",), opening=lambda name: '{"name": "' + (
     f'{name}", "parameters": ' if name else ""))
 def _llama3_json(text: str) -> Parsed:
-    body = text.strip().removeprefix("<|python_tag|>").lstrip()
-    if not body.startswith("{"):  # a call is the whole reply; anything else is an answer
-        return Parsed(text)
-    calls, pos = [], 0
-    try:
-        while pos < len(body):
-            obj, pos = json.JSONDecoder().raw_decode(body, pos)
-            calls.append(_json_call(obj))
-            pos = _SEPARATOR.match(body, pos).end()  # type: ignore[union-attr]
-    except _BAD:
-        return Parsed(text, [], 1)
-    return Parsed("", calls)
+    opened = text.strip().removeprefix("<|python_tag|>").lstrip().startswith("{")
+    return _split(text, _LLAMA, lambda m: [_json_call(json.loads(m.group(1)))], int(opened))
 
 
 # `[TOOL_CALLS]` then a JSON list of calls (v3, Nemo), or name[ARGS]{...} per call, [CALL_ID]id between (v11+)
@@ -197,8 +183,7 @@ def choose_tool_parser(name: str, template: str, tokenizer: Any = None) -> ToolP
     spec = (getattr(tokenizer, "response_template", None) or {}).get("fields", {}).get("tool_calls")
     if spec is None:
         return family
-    opens = spec.get("open_pattern") or "|".join(map(re.escape, [spec["open"]] if isinstance(spec["open"], str)
-                                                     else spec["open"]))
+    opens = spec.get("open_pattern") or re.escape(spec["open"])  # (a list of literal openings is not read)
 
     def own(text: str) -> Parsed:
         try:

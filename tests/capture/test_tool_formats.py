@@ -27,18 +27,18 @@ MISTRAL = ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS
 # template file: (parser chosen, (eos, bos, special tokens), scripted reply, content and calls expected, by hand)
 FAMILIES = {
     "qwen3.jinja": ("hermes", ("<|im_end|>", None, []),
-                    '<think>\nI need the calculator.\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": '
-                    '{"expression": "12 * 7"}}\n</tool_call>',
+                    ('<think>\nI need the calculator.\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": '
+                    '{"expression": "12 * 7"}}\n</tool_call>'),
                     "<think>\nI need the calculator.\n</think>", [("calculator", CALC)]),
     "qwen3_coder.jinja": ("qwen3_coder", ("<|im_end|>", None, []),
-                          "I will compute it.\n\n<tool_call>\n<function=calculator>\n<parameter=expression>\n12 * 7\n"
-                          "</parameter>\n<parameter=precision>\n2\n</parameter>\n</function>\n</tool_call>",
+                          ("I will compute it.\n\n<tool_call>\n<function=calculator>\n<parameter=expression>\n12 * 7\n"
+                          "</parameter>\n<parameter=precision>\n2\n</parameter>\n</function>\n</tool_call>"),
                           "I will compute it.", [("calculator", {**CALC, "precision": 2})]),
     "llama3.2.jinja": ("llama3_json", ("<|eot_id|>", "<|begin_of_text|>", LLAMA),
                        '{"name": "calculator", "parameters": {"expression": "12 * 7"}}', "", [("calculator", CALC)]),
     "mistral_nemo.jinja": ("mistral", ("</s>", "<s>", MISTRAL),
-                           '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "12 * 7"}, "id": '
-                           '"a1b2c3d4e"}, {"name": "calculator", "arguments": {"expression": "2 + 2"}, "id": "f5g6h7i8j"}]',
+                           ('[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "12 * 7"}, "id": '
+                           '"a1b2c3d4e"}, {"name": "calculator", "arguments": {"expression": "2 + 2"}, "id": "f5g6h7i8j"}]'),
                            "", [("calculator", CALC), ("calculator", {"expression": "2 + 2"})]),
     "ministral3.jinja": ("mistral_v11", ("</s>", "<s>", [*MISTRAL, "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[ARGS]"]),
                          'Let me compute.[TOOL_CALLS]calculator[ARGS]{"expression": "12 * 7"}',
@@ -92,18 +92,21 @@ async def test_reply_parses_and_renders_back_token_exact(name, stream):
 
 
 @pytest.mark.parametrize("parser, text, content, calls, malformed", [
-    ("hermes", 'Sure.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n{"name": "b", '
-     '"arguments": {}}\n</tool_call>', "Sure.", [("a", {"x": 1}), ("b", {})], 0),
-    ("hermes", '<tool_call>{"name": "a", "arguments": {oops</tool_call><tool_call>{"name": "b", "arguments": {}}'
-     "</tool_call><tool_call>", '<tool_call>{"name": "a", "arguments": {oops</tool_call><tool_call>', [("b", {})], 2),
-    ("qwen3_coder", "<tool_call>\n<function=write>\n<parameter=path>\na.py\n</parameter>\n<parameter=body>\ndef f():\n"
+    ("hermes", ('Sure.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n{"name": "b", '
+     '"arguments": {}}\n</tool_call>'), "Sure.", [("a", {"x": 1}), ("b", {})], 0),
+    ("hermes", ('<tool_call>{"name": "a", "arguments": {oops</tool_call><tool_call>{"name": "b", "arguments": {}}'
+     "</tool_call><tool_call>"), '<tool_call>{"name": "a", "arguments": {oops</tool_call><tool_call>', [("b", {})], 2),
+    ("qwen3_coder", ("<tool_call>\n<function=write>\n<parameter=path>\na.py\n</parameter>\n<parameter=body>\ndef f():\n"
      "    return 1 < 2\n\n</parameter>\n<parameter=n>\n3\n</parameter>\n<parameter=flag>\ntrue\n</parameter>\n"
-     '<parameter=opts>\n{"k": [1, 2]}\n</parameter>\n</function>\n</tool_call>', "",
+     '<parameter=opts>\n{"k": [1, 2]}\n</parameter>\n</function>\n</tool_call>'), "",
      [("write", {"path": "a.py", "body": "def f():\n    return 1 < 2\n", "n": 3, "flag": "true", "opts": {"k": [1, 2]}})], 0),
     ("qwen3_coder", "<tool_call>\n<function=w>\n<parameter=p>\na.py\n</parameter>\n",
      "<tool_call>\n<function=w>\n<parameter=p>\na.py\n</parameter>\n", [], 1),
-    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}', "",
-     [("a", {"x": 1}), ("b", {})], 0),
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"x": 1}}', "", [("a", {"x": 1})], 0),
+    # two calls: the template renders one a turn (and refuses more), so they are not read as calls
+    ("llama3_json", '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}',
+     '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}', [], 1),
+    ("llama3_json", '{"answer": 4}', '{"answer": 4}', [], 1),
     ("llama3_json", '{"name": "a", "parameters": {"x": ', '{"name": "a", "parameters": {"x": ', [], 1),
     ("llama3_json", "It is {probably} 7.", "It is {probably} 7.", [], 0),
     ("mistral", '[TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}, "id": "abcdefghi"}]', "", [("a", {"x": 1})], 0),
