@@ -66,9 +66,7 @@ def arguments_json(call: dict[str, Any]) -> str:
     return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
-@register_tool_parser("none")
-def _no_parsing(text: str) -> Parsed:
-    return Parsed(text)
+register_tool_parser("none")(lambda text: Parsed(text))
 
 
 _BAD = (ValueError, KeyError, TypeError, AttributeError)  # what reading a malformed call raises
@@ -102,15 +100,17 @@ def _split(text: str, pattern: re.Pattern, read: Callable[[re.Match], list[dict[
     return Parsed(content.rstrip() if strip else content, calls, opened - len(kept))
 
 
-_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+def _format(name: str, pattern: re.Pattern, read: Callable[[re.Match], list[dict[str, Any]]], opener: str,
+            opening: Callable[[str | None], str], markers: tuple[str, ...], strip: bool = True) -> ToolParser:
+    """Register a format whose calls are blocks that start with `opener` (`_split`)."""
+    return register_tool_parser(name, opening, markers)(
+        lambda text: _split(text, pattern, read, len(re.findall(opener, text)), strip))
 
 
-# the opening: the exact prefix Qwen/Hermes templates render before a call (`{"name": ..., "arguments": ...}`)
-@register_tool_parser("hermes", markers=("<tool_call>", "</tool_call>"), opening=lambda name: "<tool_call>\n" + (
-    f'{{"name": {json.dumps(name)}, "arguments": ' if name else ""))
-def _hermes(text: str) -> Parsed:
-    return _split(text, _HERMES, lambda m: [_json_call(json.loads(m.group(1)))], text.count("<tool_call>"))
-
+# hermes' opening: the exact prefix Qwen/Hermes templates render before a call (`{"name": ..., "arguments": ...}`)
+_format("hermes", re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL), lambda m: [_json_call(json.loads(m.group(1)))],
+        "<tool_call>", lambda name: "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else ""),
+        ("<tool_call>", "</tool_call>"))
 
 _XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
 _XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
@@ -126,22 +126,14 @@ def _xml_value(raw: str) -> Any:
     return value if (json.dumps(value, ensure_ascii=False) if isinstance(value, dict | list) else str(value)) == raw else raw
 
 
-@register_tool_parser("qwen3_coder", opening=lambda name: "<tool_call>\n" + (f"<function={name}>\n" if name else ""),
-                      markers=("<tool_call>", "</tool_call>"))
-def _qwen3_coder(text: str) -> Parsed:
-    return _split(text, _XML_CALL, lambda m: [tool_call(new_call_id(), m.group(1).strip(), {
-        k: _xml_value(v) for k, v in _XML_PARAM.findall(m.group(2))})], text.count("<tool_call>"))
-
+_format("qwen3_coder", _XML_CALL, lambda m: [tool_call(new_call_id(), m.group(1).strip(), {
+    k: _xml_value(v) for k, v in _XML_PARAM.findall(m.group(2))})], "<tool_call>",
+    lambda name: "<tool_call>\n" + (f"<function={name}>\n" if name else ""), ("<tool_call>", "</tool_call>"))
 
 # a call is the whole reply, one JSON object (the template renders one call a turn), after an optional python tag
-_LLAMA = re.compile(r"\A\s*(?:<\|python_tag\|>)?\s*(\{.*\})\s*\Z", re.DOTALL)
-
-
-@register_tool_parser("llama3_json", markers=("<|python_tag|>",), opening=lambda name: '{"name": "' + (
-    f'{name}", "parameters": ' if name else ""))
-def _llama3_json(text: str) -> Parsed:
-    opened = text.strip().removeprefix("<|python_tag|>").lstrip().startswith("{")
-    return _split(text, _LLAMA, lambda m: [_json_call(json.loads(m.group(1)))], int(opened))
+_format("llama3_json", re.compile(r"\A\s*(?:<\|python_tag\|>)?\s*(\{.*\})\s*\Z", re.DOTALL),
+        lambda m: [_json_call(json.loads(m.group(1)))], r"\A\s*(?:<\|python_tag\|>)?\s*\{",
+        lambda name: '{"name": "' + (f'{name}", "parameters": ' if name else ""), ("<|python_tag|>",))
 
 
 # `[TOOL_CALLS]` then a JSON list of calls (v3, Nemo), or name[ARGS]{...} per call, [CALL_ID]id between (v11+)
@@ -159,14 +151,11 @@ def _mistral_read(m: re.Match) -> list[dict[str, Any]]:
     return [tool_call(m.group(3) or _mistral_id(), m.group(2), json.loads(m.group(4)))]
 
 
-@register_tool_parser("mistral", opening=lambda name: "[TOOL_CALLS]" + (
-    f'[{{"name": "{name}", "arguments": ' if name else ""), markers=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"))
-def _mistral(text: str) -> Parsed:
-    return _split(text, _MISTRAL, _mistral_read, text.count("[TOOL_CALLS]"), strip=False)
-
-
-register_tool_parser("mistral_v11", opening=lambda name: "[TOOL_CALLS]" + (name or ""),
-                     markers=_mistral.markers)(lambda text: _mistral(text))  # type: ignore[attr-defined]
+_MISTRAL_MARKERS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+_format("mistral", _MISTRAL, _mistral_read, r"\[TOOL_CALLS\]", lambda name: "[TOOL_CALLS]" + (
+    f'[{{"name": "{name}", "arguments": ' if name else ""), _MISTRAL_MARKERS, strip=False)
+_format("mistral_v11", _MISTRAL, _mistral_read, r"\[TOOL_CALLS\]", lambda name: "[TOOL_CALLS]" + (name or ""),
+        _MISTRAL_MARKERS, strip=False)
 
 # auto: (what a chat template's text holds, the parser of its call format), the first match; none -> hermes
 _FORMATS = ((("<tool_call>", "<function="), "qwen3_coder"), (("<tool_call>",), "hermes"), (("[ARGS]",), "mistral_v11"),
@@ -183,7 +172,6 @@ def choose_tool_parser(name: str, template: str, tokenizer: Any = None) -> ToolP
     spec = (getattr(tokenizer, "response_template", None) or {}).get("fields", {}).get("tool_calls")
     if spec is None:
         return family
-    opens = spec.get("open_pattern") or re.escape(spec["open"])  # (a list of literal openings is not read)
 
     def own(text: str) -> Parsed:
         try:
@@ -191,7 +179,8 @@ def choose_tool_parser(name: str, template: str, tokenizer: Any = None) -> ToolP
                      for c in tokenizer.parse_response(text, prefix="").get("tool_calls") or []]
         except _BAD:  # a call it cannot read: the template format's parser keeps it as text and counts it
             return family(text)
-        first = re.search(opens, text, re.DOTALL)  # the content: the reply before its first call, as generated
+        # the content: the reply before its first call, as generated (an `open` list of literals is not read)
+        first = re.search(spec.get("open_pattern") or re.escape(spec["open"]), text, re.DOTALL)
         return Parsed(text[:first.start()].rstrip() if first else text, calls) if calls else Parsed(text)
     own.opening, own.markers = family.opening, family.markers  # type: ignore[attr-defined]
     return own

@@ -68,8 +68,7 @@ class RolloutWorker:
                  runner_options: dict[str, Any] | None = None, engine_options: dict[str, Any] | None = None,
                  max_restarts: int = 3, tool_parser: str = "auto"):
         self.model_path, self.agent_path, self.engine_kind = model_path, agent_path, engine_kind
-        self.tool_parser = tool_parser
-        self.torch_threads, self.max_restarts = torch_threads, max_restarts
+        self.torch_threads, self.max_restarts, self.tool_parser = torch_threads, max_restarts, tool_parser
         self.runner_options = runner_options or {}
         self.engine_options = engine_options or {}
         self.engine: Any = None
