@@ -47,8 +47,8 @@ def get_tool_parser(name: str) -> ToolParser:
     return _PARSERS[name]
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def new_call_id(prefix: str = "call_", size: int = 24) -> str:
+    return prefix + uuid.uuid4().hex[:size]
 
 
 def tool_call(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
@@ -92,12 +92,9 @@ def _split(text: str, pattern: re.Pattern, read: Callable[[re.Match], list[dict[
             calls += read(match)
         except _BAD:
             continue
-        kept.append(text[pos:match.start()])
-        pos = match.end()
-    if not calls:
-        return Parsed(text, [], opened - len(kept))
-    content = "".join(kept) + text[pos:]
-    return Parsed(content.rstrip() if strip else content, calls, opened - len(kept))
+        kept, pos = [*kept, text[pos:match.start()]], match.end()
+    content = "".join(kept) + text[pos:] if calls else text
+    return Parsed(content.rstrip() if strip and calls else content, calls, opened - len(kept))
 
 
 def _format(name: str, pattern: re.Pattern, read: Callable[[re.Match], list[dict[str, Any]]], opener: str,
@@ -141,14 +138,11 @@ _MISTRAL = re.compile(r"\[TOOL_CALLS\]\s*(?:(\[.*?\])|([^\[\]{}\s]+)(?:\[CALL_ID
                       r"(?=\s*(?:\[TOOL_CALLS\]|$))", re.DOTALL)
 
 
-def _mistral_id() -> str:
-    return uuid.uuid4().hex[:9]  # Mistral's templates render call ids, and refuse any but 9 alphanumerics
-
-
 def _mistral_read(m: re.Match) -> list[dict[str, Any]]:
-    if m.group(1):  # the model's own ids are kept: the template writes them back
-        return [_json_call(obj, str(obj.get("id") or _mistral_id())) for obj in json.loads(m.group(1))]
-    return [tool_call(m.group(3) or _mistral_id(), m.group(2), json.loads(m.group(4)))]
+    """Mistral's templates write call ids back (and refuse any but 9 alphanumerics): the model's own are kept."""
+    if m.group(1):
+        return [_json_call(obj, str(obj.get("id") or new_call_id("", 9))) for obj in json.loads(m.group(1))]
+    return [tool_call(m.group(3) or new_call_id("", 9), m.group(2), json.loads(m.group(4)))]
 
 
 _MISTRAL_MARKERS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
