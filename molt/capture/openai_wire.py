@@ -110,13 +110,14 @@ def to_chat(req: ChatCompletionRequest, data: dict[str, Any], session: Session) 
     """The request in wire-independent form; messages and tools are read from the validated JSON `data`."""
     params = session.sampling(max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
                               top_p=req.top_p, top_k=req.top_k, min_tokens=req.min_tokens, seed=req.seed,
-                              top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
-                              json_schema=output_schema(req.response_format, "response_format"))
+                              top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0)
     tools = canonical_tools(data.get("tools"))
     choice, name = tool_choice(req.tool_choice)
+    strict = {f["name"]: {"schema": f.get("parameters") or {"type": "object"}}
+              for f in (t["function"] for t in tools or []) if f.get("strict")}  # constrained (session._constrain)
     return ChatRequest(canonical_messages(data["messages"], session.renderer.image), tools, params,
                        stop_list(req.stop), req.n, parse_tools=bool(tools) and choice != "none", tool_choice=choice,
-                       tool_name=name)
+                       tool_name=name, formats=strict, output=output_schema(req.response_format, "response_format"))
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
