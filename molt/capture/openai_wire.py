@@ -130,7 +130,7 @@ def tool_choice(choice: str | dict[str, Any] | None) -> tuple[str, str | None]:
     if not isinstance(choice, dict):
         return choice or "auto", None
     name = (choice.get("function") or choice).get("name")
-    if choice.get("type") != "function" or not isinstance(name, str):
+    if choice.get("type") not in ("function", "custom") or not isinstance(name, str):  # custom: Responses' own
         raise WireError(400, 'tool_choice must be "none", "auto", "required" or a function {"type": "function", '
                         '"name": ...}', code="invalid_request", param="tool_choice")
     return "function", name

@@ -96,11 +96,12 @@ def hermes_grammar(tools: dict[str, dict[str, Any]], name: str | None, text: str
     for i, (tool, spec) in enumerate(tools.items()):
         if "schema" in spec:
             rules.append(f'args{i}: {json_lark(spec["schema"], JSON_STYLE)} "}}\\n"')
-        else:  # its rules and terminals become terminals T{i}_NAME: a recursive grammar fails to compile (400)
+        else:  # its terminals and rules become terminals T{i}_NAME, T{i}R_NAME: a recursive grammar fails to compile (400)
             lark = spec.get("definition", "")
             lark = "start: /" + lark.replace("/", "\\/") + "/" if spec.get("syntax") == "regex" else lark
-            rules += [_LARK.sub(lambda m, i=i: m[0] if m[0][0] in '"/' else f"T{i}_{m[0].upper()}",
-                                re.sub(r"^[?!]", "", lark, flags=re.MULTILINE)), f'T{i}: T{i}_START "}}\\n"', f"args{i}: T{i}"]
+            rules += [_LARK.sub(lambda m, i=i: m[0] if m[0][0] in '"/' else f"T{i}{'_' if m[0].isupper() else 'R_'}"
+                                f"{m[0].upper()}", re.sub(r"^[?!]", "", lark, flags=re.MULTILINE)),
+                      f'T{i}: T{i}R_START "}}\\n"', f"args{i}: T{i}"]
         rules.append(f"body{i}: {json.dumps(_hermes_opening(tool).split(chr(10), 1)[1])} args{i}")
     call = f"({' | '.join(f'body{i}' for i in range(len(tools)))}) {c}"
     prose = f"{text} |" if text else "TEXT | BODY?"  # a text reply (no text before calls with `text`), or a call
