@@ -8,8 +8,9 @@ and `tool_choice`, `max_tokens` / `max_completion_tokens`, `temperature`, `top_p
 sampling defaults (the rollout's; a left-out `max_tokens` where none is set: the rest of the context window; a
 left-out `seed`: the call's own, `molt.types`). `response_format` json_schema / json_object is honoured by
 constrained decoding (`errors.output_schema`). `tool_choice="none"` returns tool-call text as plain content; "required" or a named function (`{"type": "function", "function":
-{"name": ...}}`) prefill the reply with the call opening (see `molt.capture.session`), so the reply is a call
-unless the model breaks the format.
+{"name": ...}}`) prefill the reply with the call opening and constrain the rest to a call (`Session._constrain`);
+`strict: true` tools' arguments follow their schema; `response_format` beside tools constrains a text reply, and a
+reply is that JSON or calls (a forced call: the call).
 
 Streaming: content deltas go out as the engine samples (`molt.capture.streaming`), then tool-call deltas (id
 and name first, then the arguments), a finish chunk, the usage chunk when asked, and `[DONE]` - the sequence

@@ -8,8 +8,13 @@ dropped, as on the Anthropic wire), `additional_tools` items (their tools join `
 model its tools there) - `instructions` (a system message first), function `tools`, `tool_choice`,
 `max_output_tokens` (left out: the session's default, see `server.py`), `temperature`, `top_p`, `stop`, `stream`,
 `previous_response_id`, `text.format` json_schema/json_object (constrained decoding, `errors.output_schema`).
-Refused (400): `custom` tools whose input is a grammar (Codex's default model's `exec` tool, a Lark grammar:
-constrained decoding of a tool call's input inside free text is not built). A free-text `custom` tool is offered
+`custom` tools whose input is a grammar (Lark or regex; Codex's default model's `exec`) and `strict` function
+tools (the Responses default) constrain the reply (`Session._constrain`, `tools.hermes_grammar`): a grammar tool is
+offered as a function of one string whose description holds the grammar, and its raw input is the call's
+`arguments` as written (`<tool_call>\n{"name": "exec", "arguments": RAW}\n</tool_call>`), which a template that
+prints a string verbatim renders back token-exact when the client resends the `custom_tool_call` (docs/harnesses.md).
+A custom tool of another format type is refused (400), as is a grammar llguidance cannot compile once inlined
+(a recursive one: its rules become terminals). A free-text `custom` tool is offered
 to the model as a function of one string, `input`; a call to it comes back as a `custom_tool_call` item with that string (arguments without a
 string `input` come back as their JSON text, and then, sent back, do not extend the segment; the recorded tools of
 `previous_response_id` are functions, so a request that relies on them gets `function_call` items). `namespace`

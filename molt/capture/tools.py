@@ -116,18 +116,15 @@ def _hermes(text: str, raw: Collection[str] = ()) -> Parsed:
     calls, kept, pos = [], [], 0
     for match in _HERMES.finditer(text):
         found = _RAW.fullmatch(match.group(1)) if raw else None
-        if found and found[1] in raw:  # kept as the string it is (a template prints a string verbatim)
-            kept.append(text[pos:match.start()])
-            pos = match.end()
-            calls.append({"id": new_call_id(), "type": "function", "function": {"name": found[1], "arguments": found[2]}})
-            continue
         try:
-            obj = json.loads(match.group(1))
-            name, args = obj["name"], obj.get("arguments", obj.get("parameters", {}))
-            if isinstance(args, str):
-                args = json.loads(args)
-            if not isinstance(name, str) or not isinstance(args, dict):
-                raise TypeError
+            if found and found[1] in raw:  # kept as the string it is (a template prints a string verbatim)
+                name, args = found[1], found[2]
+            else:
+                obj = json.loads(match.group(1))
+                name, args = obj["name"], obj.get("arguments", obj.get("parameters", {}))
+                args = json.loads(args) if isinstance(args, str) else args
+                if not isinstance(name, str) or not isinstance(args, dict):
+                    raise TypeError
         except (ValueError, KeyError, TypeError, AttributeError):
             continue  # malformed: the block stays in the content
         kept.append(text[pos:match.start()])

@@ -5,7 +5,6 @@ import json
 import re
 
 import jsonschema
-import pytest
 from openai import AsyncOpenAI
 
 from molt.testing.scripted import RecordingEngine, live_capture_server
