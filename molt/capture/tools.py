@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
+
+from molt.types import JSON_STYLE, json_lark
 
 
 @dataclass
@@ -23,13 +25,15 @@ ToolParser = Callable[[str], Parsed]
 _PARSERS: dict[str, ToolParser] = {}
 
 
-def register_tool_parser(name: str, opening: Callable[[str | None], str] | None = None, markers: tuple[str, ...] = ()
-                         ) -> Callable[[ToolParser], ToolParser]:
+def register_tool_parser(name: str, opening: Callable[[str | None], str] | None = None, markers: tuple[str, ...] = (),
+                         grammar: Callable[..., str] | None = None) -> Callable[[ToolParser], ToolParser]:
     """opening(tool name or None) -> the text that starts a call (to any tool when None), used to force calls;
     a parser registered without one cannot force them. `markers`: the tokens its format is written with, kept
-    in the text it parses even where a tokenizer marks them special."""
+    in the text it parses even where a tokenizer marks them special. `grammar(tools, name, text, token)`: the
+    Lark grammar of a reply in this format (`hermes_grammar`); a parser without one takes no grammar or strict
+    tools. A parser with one also takes `raw`: the names of tools whose input is raw text, not JSON."""
     def add(parser: ToolParser) -> ToolParser:
-        parser.opening, parser.markers = opening, markers  # type: ignore[attr-defined]
+        parser.opening, parser.markers, parser.grammar = opening, markers, grammar  # type: ignore[attr-defined]
         _PARSERS[name] = parser
         return parser
     return add
@@ -70,6 +74,9 @@ register_tool_parser("none")(lambda text: Parsed(text))
 
 
 _BAD = (ValueError, KeyError, TypeError, AttributeError)  # what reading a malformed call raises
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_LARK = re.compile(r'//[^\n]*|"(?:\\.|[^"\\])*"|/(?:\\.|[^/\\\n])+/[imsux]*|[A-Za-z_]\w*')  # comment|string|regex|name
+_RAW = re.compile(r'\s*\{"name": "([^"]+)", "arguments": (.*)\}\s*', re.DOTALL)  # a raw-input call (module docstring)
 
 
 def _json_call(obj: Any, call_id: str | None = None) -> dict[str, Any]:
@@ -104,10 +111,49 @@ def _format(name: str, pattern: re.Pattern, read: Callable[[re.Match], list[dict
         lambda text: _split(text, pattern, read, len(re.findall(opener, text)), strip))
 
 
-# hermes' opening: the exact prefix Qwen/Hermes templates render before a call (`{"name": ..., "arguments": ...}`)
-_format("hermes", re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL), lambda m: [_json_call(json.loads(m.group(1)))],
-        "<tool_call>", lambda name: "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else ""),
-        ("<tool_call>", "</tool_call>"))
+def _hermes_opening(name: str | None) -> str:
+    # the exact prefix Qwen/Hermes templates render before a call (`{"name": ..., "arguments": ...}`)
+    return "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
+
+
+def hermes_grammar(tools: dict[str, dict[str, Any]], name: str | None, text: str | None,
+                   token: Callable[[str], str]) -> str:
+    """The Lark grammar of a Hermes reply: free text without a call opening (or `text`, a Lark expression) or
+    text (none with `text`) then calls; after `_hermes_opening(name)` when `name` is given ("" forces a call).
+    `tools`: name -> {"schema": the arguments' JSON schema} or a custom tool's `format` (grammar or regex); a
+    custom tool's raw input and the call's closing `}\n` are one terminal, so that llguidance's greedy lexer
+    ends the input where the call does. `token(marker)`: the marker as a Lark token (`<[id]>`)."""
+    o, c, rules, nl = token("<tool_call>"), token("</tool_call>"), [], r'"\n"'
+    for i, (tool, spec) in enumerate(tools.items()):
+        if "schema" in spec:
+            rules.append(f'args{i}: {json_lark(spec["schema"], JSON_STYLE)} "}}\\n"')
+        else:  # its terminals and rules become terminals T{i}_NAME, T{i}R_NAME: a recursive grammar fails to compile (400)
+            lark = spec.get("definition", "")
+            lark = "start: /" + lark.replace("/", "\\/") + "/" if spec.get("syntax") == "regex" else lark
+            rules += [_LARK.sub(lambda m, i=i: m[0] if m[0][0] in '"/' else f"T{i}{'_' if m[0].isupper() else 'R_'}"
+                                f"{m[0].upper()}", re.sub(r"^[?!]", "", lark, flags=re.MULTILINE)),
+                      f'T{i}: T{i}R_START "}}\\n"', f"args{i}: T{i}"]
+        rules.append(f"body{i}: {json.dumps(_hermes_opening(tool).split(chr(10), 1)[1])} args{i}")
+    call = f"({' | '.join(f'body{i}' for i in range(len(tools)))}) {c}"
+    prose = f"{text} |" if text else "TEXT | BODY?"  # a text reply (no text before calls with `text`), or a call
+    start = f"args{list(tools).index(name)} {c}" if name else f"{call} calls" if name == "" else \
+        f"{prose} {o} {nl} {call} calls"
+    return "\n".join([f"start: {start}", f"calls: ({nl} {o} {nl} {call})*", *rules,
+                      "TEXT: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/", r"BODY: /(?s:.*)\S\n/ & ~/(?s:.*)<tool_call>(?s:.*)/"])
+
+
+def _hermes_read(match: re.Match, raw: Collection[str]) -> list[dict[str, Any]]:
+    found = _RAW.fullmatch(match.group(1)) if raw else None
+    if found and found[1] in raw:  # kept as the string it is (a template prints a string verbatim)
+        return [tool_call(new_call_id(), found[1], found[2])]
+    return [_json_call(json.loads(match.group(1)))]
+
+
+@register_tool_parser("hermes", _hermes_opening, ("<tool_call>", "</tool_call>"), hermes_grammar)
+def _hermes(text: str, raw: Collection[str] = ()) -> Parsed:
+    """`raw`: the tools whose input is raw text (grammar tools), read as the string they are."""
+    return _split(text, _HERMES, lambda m: _hermes_read(m, raw), text.count("<tool_call>"))
+
 
 _XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
 _XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
@@ -167,7 +213,9 @@ def choose_tool_parser(name: str, template: str, tokenizer: Any = None) -> ToolP
     if spec is None:
         return family
 
-    def own(text: str) -> Parsed:
+    def own(text: str, raw: Collection[str] = ()) -> Parsed:
+        if raw:  # grammar tools: the reply follows the family's grammar, so the family's parser reads it
+            return family(text, raw=raw)  # type: ignore[call-arg]
         try:
             calls = [tool_call(new_call_id(), c["function"]["name"], c["function"].get("arguments", {}))
                      for c in tokenizer.parse_response(text, prefix="").get("tool_calls") or []]
@@ -176,5 +224,5 @@ def choose_tool_parser(name: str, template: str, tokenizer: Any = None) -> ToolP
         # the content: the reply before its first call, as generated (an `open` list of literals is not read)
         first = re.search(spec.get("open_pattern") or re.escape(spec["open"]), text, re.DOTALL)
         return Parsed(text[:first.start()].rstrip() if first else text, calls) if calls else Parsed(text)
-    own.opening, own.markers = family.opening, family.markers  # type: ignore[attr-defined]
+    own.opening, own.markers, own.grammar = family.opening, family.markers, family.grammar  # type: ignore[attr-defined]
     return own
