@@ -308,7 +308,9 @@ def _train_and_report(cfg) -> dict:
          arg("--max-request-mb", type=float, default=32, help="refuse request bodies over this size with 413"),
          arg("--max-chars-per-token", type=float, default=16,
              help="refuse, before tokenizing, a conversation of more characters than this many per token of the "
-                  "context window (400; 0: off)"))
+                  "context window (400; 0: off)"),
+         arg("--tool-parser", default="auto", help="tool-call format: auto (the model's own parser, else its chat "
+             "template's format), hermes, qwen3_coder, llama3_json, mistral, mistral_v11, none"))
 def serve(args: argparse.Namespace) -> int:
     from molt.capture.serve import serve_main
 

@@ -185,6 +185,9 @@ class RolloutConfig:
     """Embedded engine on a GPU: decode steps replay CUDA graphs (text models without expert routers)."""
     num_workers: int = 1
     """Rollout workers (each: an engine, a capture server, agent runners)."""
+    tool_parser: str = "auto"
+    """Tool-call format of replies: auto (the model's own parser, else its template's), hermes, qwen3_coder, llama3_json,
+    mistral, mistral_v11 or none."""
     timeout_s: float = 300.0
     """Time limit of one rollout."""
     max_turns: int = 8

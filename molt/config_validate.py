@@ -49,13 +49,15 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
     """Raise ValueError naming the field for anything that cannot run (`molt sft`'s run with `sft`); return cfg,
     unchanged. Registered names are looked up in molt.algo's registries (load_config imports algo.plugins first)."""
     from molt.algo import POLICY_LOSSES, estimator_spec
+    from molt.capture.tools import get_tool_parser
 
     _choices(cfg)
     for names, ok, what in _RANGES:
         for name in names:
             if not ok(_get(cfg, name)):
                 raise ValueError(f"{name} must be {what} (got {_get(cfg, name)})")
-    for name, lookup in (("algo.advantage.estimator", estimator_spec), ("actor.policy_loss", POLICY_LOSSES.get_fn)):
+    for name, lookup in (("algo.advantage.estimator", estimator_spec), ("actor.policy_loss", POLICY_LOSSES.get_fn),
+                         ("rollout.tool_parser", lambda n: n == "auto" or get_tool_parser(n))):
         try:
             lookup(_get(cfg, name))
         except ValueError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 import re
 import zlib
 from dataclasses import dataclass, field, fields, replace
@@ -47,7 +48,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens besides the model's EOS
     seed: int | None = None  # per-request seed for reproducible sampling (a rollout's calls: module docstring)
     top_logprobs: int = 0  # also return this many most likely alternatives per position
-    json_schema: dict[str, Any] | None = None  # the reply is JSON valid against it (constrained decoding)
+    grammar: str | None = None  # the reply follows it (constrained decoding): llguidance's Lark, e.g. json_grammar
 
     def validate(self) -> SamplingParams:
         """Raise ValueError naming the field on a bad value; return self."""
@@ -61,10 +62,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0 (got {self.min_tokens})")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20] (got {self.top_logprobs})")
-        if self.json_schema is not None:
-            json_grammar(self.json_schema)
-            if self.min_tokens:  # the schema decides where the reply ends: the two could leave no token to sample
-                raise ValueError("min_tokens cannot be combined with json_schema")
+        if self.grammar is not None:
+            check_grammar(self.grammar)
+            if self.min_tokens:  # the grammar decides where the reply ends: the two could leave no token to sample
+                raise ValueError("min_tokens cannot be combined with a grammar")
         return self
 
     def copy(self, **changes: Any) -> SamplingParams:
@@ -81,18 +82,31 @@ class SamplingParams:
         return cls(**d)
 
 
-def json_grammar(schema: Any) -> str:
-    """llguidance's grammar of JSON text valid against `schema`, compact (no free whitespace, as vLLM's
-    `disable_any_whitespace`: a sampled model could otherwise spend its tokens on spaces); ValueError naming
-    json_schema where llguidance cannot compile it."""
-    from llguidance import LLMatcher
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
+
+def json_lark(schema: Any, style: dict[str, Any] | None = None) -> str:
+    """The Lark expression (llguidance's `%json`) of JSON text valid against `schema`, without free whitespace
+    (a sampled model could otherwise spend its tokens on spaces); `style`: llguidance's JSON options, compact by
+    default (as vLLM's `disable_any_whitespace`), `JSON_STYLE` as a chat template's `tojson` writes it."""
     if not isinstance(schema, dict):
         raise ValueError(f"json_schema must be a JSON schema object, not {type(schema).__name__}")  # noqa: TRY004
-    grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    return "%json" + json.dumps({**schema, "x-guidance": style or {"whitespace_flexible": False}})
+
+
+def json_grammar(schema: Any) -> str:
+    """The grammar (`SamplingParams.grammar`) of a reply that is JSON valid against `schema`; ValueError naming
+    json_schema where llguidance cannot compile it."""
+    return check_grammar(f"start: {json_lark(schema)}", "json_schema")
+
+
+def check_grammar(grammar: str, name: str = "grammar") -> str:
+    """`grammar`, once llguidance compiles it (ValueError naming `name` otherwise)."""
+    from llguidance import LLMatcher
+
     error = LLMatcher.validate_grammar(grammar)
     if error:
-        raise ValueError(f"json_schema: {error}")
+        raise ValueError(f"{name}: {error}")
     return grammar
 
 

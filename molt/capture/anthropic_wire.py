@@ -168,7 +168,7 @@ def _thread(req: MessagesRequest, session: Session) -> tuple[list[dict[str, Any]
 def to_chat(req: MessagesRequest, data: dict[str, Any], session: Session) -> ChatRequest:
     fmt = (req.output_config or {}).get("format", req.output_format)
     params = session.sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                              top_k=req.top_k, json_schema=output_schema(fmt, "output_config.format"))
+                              top_k=req.top_k)
     history, thread_tools = _thread(req, session)
     tools = thread_tools if req.tools is None else canonical_tools([{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
                                                                **({"description": t.description} if t.description else {})}}
@@ -180,7 +180,8 @@ def to_chat(req: MessagesRequest, data: dict[str, Any], session: Session) -> Cha
         raise WireError(400, 'tool_choice.type must be "auto", "any", "none" or "tool" (with a name)',
                         param="tool_choice")
     return ChatRequest(history + _messages(req, session), tools, params, list(req.stop_sequences or []), 1,
-                       parse_tools=bool(tools) and choice != "none", tool_choice=choice, tool_name=name)
+                       parse_tools=bool(tools) and choice != "none", tool_choice=choice, tool_name=name,
+                       output=output_schema(fmt, "output_config.format"))
 
 
 def count_tokens(req: MessagesRequest, data: dict[str, Any], session: Session) -> dict[str, Any]:

@@ -41,7 +41,7 @@ class WireError(Exception):
 
 
 def output_schema(fmt: Any, param: str) -> dict[str, Any] | None:
-    """The JSON schema a structured-output request's reply is held to (`SamplingParams.json_schema`, constrained
+    """The JSON schema a structured-output request's reply is held to (`ChatRequest.output`, constrained
     decoding): a json_schema format's `schema` (Chat Completions nests it in `json_schema`), any object for
     json_object, None for text. `strict` needs nothing: the constraint is always strict. A 400 naming `param` for
     another type or a schema llguidance cannot compile."""

@@ -8,8 +8,9 @@ and `tool_choice`, `max_tokens` / `max_completion_tokens`, `temperature`, `top_p
 sampling defaults (the rollout's; a left-out `max_tokens` where none is set: the rest of the context window; a
 left-out `seed`: the call's own, `molt.types`). `response_format` json_schema / json_object is honoured by
 constrained decoding (`errors.output_schema`). `tool_choice="none"` returns tool-call text as plain content; "required" or a named function (`{"type": "function", "function":
-{"name": ...}}`) prefill the reply with the call opening (see `molt.capture.session`), so the reply is a call
-unless the model breaks the format.
+{"name": ...}}`) prefill the reply with the call opening and constrain the rest to a call (`Session._constrain`);
+`strict: true` tools' arguments follow their schema; `response_format` beside tools constrains a text reply, and a
+reply is that JSON or calls (a forced call: the call).
 
 Streaming: content deltas go out as the engine samples (`molt.capture.streaming`), then tool-call deltas (id
 and name first, then the arguments), a finish chunk, the usage chunk when asked, and `[DONE]` - the sequence
@@ -110,13 +111,14 @@ def to_chat(req: ChatCompletionRequest, data: dict[str, Any], session: Session) 
     """The request in wire-independent form; messages and tools are read from the validated JSON `data`."""
     params = session.sampling(max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
                               top_p=req.top_p, top_k=req.top_k, min_tokens=req.min_tokens, seed=req.seed,
-                              top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
-                              json_schema=output_schema(req.response_format, "response_format"))
+                              top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0)
     tools = canonical_tools(data.get("tools"))
     choice, name = tool_choice(req.tool_choice)
+    strict = {f["name"]: {"schema": f.get("parameters") or {"type": "object"}}
+              for f in (t["function"] for t in tools or []) if f.get("strict")}  # constrained (session._constrain)
     return ChatRequest(canonical_messages(data["messages"], session.renderer.image), tools, params,
                        stop_list(req.stop), req.n, parse_tools=bool(tools) and choice != "none", tool_choice=choice,
-                       tool_name=name)
+                       tool_name=name, formats=strict, output=output_schema(req.response_format, "response_format"))
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -129,7 +131,7 @@ def tool_choice(choice: str | dict[str, Any] | None) -> tuple[str, str | None]:
     if not isinstance(choice, dict):
         return choice or "auto", None
     name = (choice.get("function") or choice).get("name")
-    if choice.get("type") != "function" or not isinstance(name, str):
+    if choice.get("type") not in ("function", "custom") or not isinstance(name, str):  # custom: Responses' own
         raise WireError(400, 'tool_choice must be "none", "auto", "required" or a function {"type": "function", '
                         '"name": ...}', code="invalid_request", param="tool_choice")
     return "function", name

@@ -8,8 +8,13 @@ dropped, as on the Anthropic wire), `additional_tools` items (their tools join `
 model its tools there) - `instructions` (a system message first), function `tools`, `tool_choice`,
 `max_output_tokens` (left out: the session's default, see `server.py`), `temperature`, `top_p`, `stop`, `stream`,
 `previous_response_id`, `text.format` json_schema/json_object (constrained decoding, `errors.output_schema`).
-Refused (400): `custom` tools whose input is a grammar (Codex's default model's `exec` tool, a Lark grammar:
-constrained decoding of a tool call's input inside free text is not built). A free-text `custom` tool is offered
+`custom` tools whose input is a grammar (Lark or regex; Codex's default model's `exec`) and `strict` function
+tools (the Responses default) constrain the reply (`Session._constrain`, `tools.hermes_grammar`): a grammar tool is
+offered as a function of one string whose description holds the grammar, and its raw input is the call's
+`arguments` as written (`<tool_call>\n{"name": "exec", "arguments": RAW}\n</tool_call>`), which a template that
+prints a string verbatim renders back token-exact when the client resends the `custom_tool_call` (docs/harnesses.md).
+A custom tool of another format type is refused (400), as is a grammar llguidance cannot compile once inlined
+(a recursive one: its rules become terminals). A free-text `custom` tool is offered
 to the model as a function of one string, `input`; a call to it comes back as a `custom_tool_call` item with that string (arguments without a
 string `input` come back as their JSON text, and then, sent back, do not extend the segment; the recorded tools of
 `previous_response_id` are functions, so a request that relies on them gets `function_call` items). `namespace`
@@ -72,9 +77,10 @@ def _part(part: dict[str, Any]) -> dict[str, Any]:
     return {"type": "text", "text": part.get("text") or part.get("refusal") or ""}
 
 
-def _messages(items: list[dict[str, Any]], session: Session) -> list[dict[str, Any]]:
+def _messages(items: list[dict[str, Any]], session: Session, raw: Any = ()) -> list[dict[str, Any]]:
     """Input items -> OpenAI chat messages: a function call joins the assistant message just before it (or
-    starts one), a reasoning item's text the assistant message after it."""
+    starts one), a reasoning item's text the assistant message after it; a call to a tool in `raw` (a grammar
+    tool) keeps its input as its arguments string (module docstring)."""
     out: list[dict[str, Any]] = []
     reasoning = ""
     for item in items:
@@ -94,7 +100,8 @@ def _messages(items: list[dict[str, Any]], session: Session) -> list[dict[str, A
                 out[-1]["reasoning_content"] = reasoning
             reasoning = "" if out[-1]["role"] == "assistant" else reasoning
             if kind != "message":
-                args = (item.get("arguments") or "{}") if kind == "function_call" else {"input": item.get("input") or ""}
+                args = (item.get("arguments") or "{}") if kind == "function_call" else item.get("input") or "" \
+                    if item["name"] in raw else {"input": item.get("input") or ""}
                 out[-1].setdefault("tool_calls", []).append(tool_call(item.get("call_id", ""), item["name"], args))
         elif kind != "additional_tools":  # its tools join the request's (`request_tools`)
             raise WireError(400, f"input: items of type {kind!r} are not supported here", param="input")
@@ -124,22 +131,35 @@ def _functions(tools: list[dict[str, Any]], space: str | None = None) -> list[tu
         fmt = t.get("format") or {"type": "text"}
         if t.get("type") == "namespace":
             found += _functions(t.get("tools") or [], t.get("name"))
-        elif t.get("type") == "function" or (t.get("type") == "custom" and fmt.get("type") == "text"):
+        elif t.get("type") == "function" or (t.get("type") == "custom" and fmt.get("type") in ("text", "grammar")):
             found.append((t, space))
         elif t.get("type") == "custom":
-            raise WireError(400, f"tools: the custom tool {t.get('name')!r} takes input in a {fmt.get('syntax')} "
-                            f"{fmt.get('type')}, which needs constrained decoding; only free-text custom tools are "
-                            "supported here", code="unsupported_parameter", param="tools")
+            raise WireError(400, f"tools: the custom tool {t.get('name')!r} has a format of type {fmt.get('type')!r}; "
+                            "text and grammar are supported", code="unsupported_parameter", param="tools")
         elif t.get("type") not in HOSTED:
             raise WireError(400, f"tools: only function tools are supported here, not {t.get('type')!r}",
                             code="unsupported_parameter", param="tools")
     return found
 
 
+def _grammar(tool: dict[str, Any]) -> dict[str, Any] | None:
+    fmt = tool.get("format") or {}
+    return fmt if tool.get("type") == "custom" and fmt.get("type") == "grammar" else None
+
+
 def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
     return canonical_tools([{"type": "function", "function": {
         "name": t.get("name"), "description": t.get("description"),
-        "parameters": FREE_TEXT if t.get("type") == "custom" else t.get("parameters")}} for t, _ in _functions(tools)])
+        "parameters": t.get("parameters") if t.get("type") == "function" else FREE_TEXT if not _grammar(t) else {
+            "type": "string", "description": f"raw text in this {_grammar(t).get('syntax')} grammar, not JSON:\n"
+            f"{_grammar(t).get('definition')}"}}} for t, _ in _functions(tools)])
+
+
+def _formats(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Tool name -> how its calls are constrained (`ChatRequest.formats`): a grammar tool by its grammar, a
+    function tool by its schema unless `strict` is false (the Responses API's default is true)."""
+    return {t["name"]: _grammar(t) or {"schema": t.get("parameters") or {"type": "object"}}
+            for t, _ in _functions(tools) if _grammar(t) or (t.get("type") == "function" and t.get("strict", True))}
 
 
 def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> ChatRequest:
@@ -154,15 +174,17 @@ def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> Ch
     if system and history and history[0]["role"] == "system":  # new instructions replace the recorded ones
         history = history[1:]
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else data["input"]
-    messages = merge_leading_system(system + history + canonical_messages(_messages(items, session),
+    formats = _formats(request_tools(req))
+    raw = {name for name, f in formats.items() if "schema" not in f}
+    messages = merge_leading_system(system + history + canonical_messages(_messages(items, session, raw),
                                                                           session.renderer.image))
     if req.tools is not None or request_tools(req):
         tools = _tools(request_tools(req))
     choice, name = tool_choice(req.tool_choice)
-    params = session.sampling(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
-                              json_schema=output_schema((req.text or {}).get("format"), "text.format"))
+    params = session.sampling(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p)
     return ChatRequest(messages, tools, params, stop_list(req.stop), parse_tools=bool(tools) and choice != "none",
-                       tool_choice=choice, tool_name=name)
+                       tool_choice=choice, tool_name=name, formats=formats,
+                       output=output_schema((req.text or {}).get("format"), "text.format"))
 
 
 def _body(req: ResponsesRequest, rid: str, created: int, status: str, output: list[dict[str, Any]],

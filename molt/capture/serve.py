@@ -1,5 +1,5 @@
 """`molt serve --model REF [--engine hf|vllm] [--host 127.0.0.1] [--port N] [--strict-model] [--prefix-cache-mb MB]
-[--allow-remote-images] [--max-request-mb MB] [--max-chars-per-token N]`: the engine and capture server as a
+[--allow-remote-images] [--max-request-mb MB] [--max-chars-per-token N] [--tool-parser NAME]`: the engine and capture server as a
 standalone service, for debugging agents and for external harnesses. The engine keeps each session's last turn in its prefix cache (`molt.engine.prefix_cache`),
 so an agent's next turn prefills only its new tokens. Remote image URLs are refused unless allowed.
 
@@ -81,14 +81,18 @@ def add_service_routes(server: CaptureServer) -> None:
         return JSONResponse({"session_id": session_id, "reward": session.reward})
 
 
+_SERVER_OPTIONS = ("strict_model", "max_request_mb", "max_chars_per_token", "tool_parser")  # CaptureServer's
+
+
 async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: Any = None,
-                engine_kind: str = "hf", ready: Any = print, strict_model: bool = False, allow_remote_images: bool = False,
-                max_request_mb: float = 32, max_chars_per_token: float = 16, **engine_options: Any) -> None:
+                engine_kind: str = "hf", ready: Any = print, allow_remote_images: bool = False, **engine_options: Any) -> None:
     """Run the service until SIGINT/SIGTERM. `engine` defaults to an HFEngine on `model` (a path) in a process
     of its own (`molt.engine.process`), leaving one core to the server, or with `engine_kind="vllm"` a VLLMEngine,
-    built with `engine_options`."""
+    built with the `engine_options` other than the capture server's own (`_SERVER_OPTIONS`: strict_model, max_request_mb,
+    max_chars_per_token, tool_parser)."""
     from molt.capture.render import ChatRenderer
 
+    server_options = {k: engine_options.pop(k) for k in _SERVER_OPTIONS if k in engine_options}
     owned = engine is None
     if owned and engine_kind == "vllm":  # vLLM runs its engine core in a process of its own
         from molt.engine.vllm import VLLMEngine
@@ -105,8 +109,7 @@ async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: A
         engine = EngineProcess("molt.engine.hf:HFEngine", model, torch_threads=max(1, (os.cpu_count() or 2) - 1),
                                **engine_options)
     renderer = ChatRenderer.from_pretrained(model, allow_remote_images=allow_remote_images)
-    server = CaptureServer(engine, renderer, host=host, port=port, strict_model=strict_model,
-                           max_request_mb=max_request_mb, max_chars_per_token=max_chars_per_token)
+    server = CaptureServer(engine, renderer, host=host, port=port, **server_options)
     add_service_routes(server)
     await server.start()
     loop = asyncio.get_running_loop()
@@ -128,11 +131,8 @@ def serve_main(args: Any) -> int:
     """Entry point for `molt serve` (args: model, host, port, strict_model, prefix_cache_mb)."""
     from molt.models import resolve_model
 
-    cache_mb = getattr(args, "prefix_cache_mb", None)
-    options = {} if cache_mb is None else {"prefix_cache_mb": cache_mb}
+    options = {k: v for k in (*_SERVER_OPTIONS, "allow_remote_images", "prefix_cache_mb")
+               if (v := getattr(args, k, None)) is not None}  # absent or None: the default
     asyncio.run(serve(str(resolve_model(args.model)), args.host, args.port, engine_kind=getattr(args, "engine", "hf"),
-                      strict_model=getattr(args, "strict_model", False),
-                      allow_remote_images=getattr(args, "allow_remote_images", False),
-                      max_request_mb=getattr(args, "max_request_mb", 32),
-                      max_chars_per_token=getattr(args, "max_chars_per_token", 16), **options))
+                      **options))
     return 0

@@ -40,7 +40,7 @@ from molt.capture.errors import ANSWERED, WireError, error_reply, parse_body
 from molt.capture.render import ChatRenderer
 from molt.capture.session import Session, cache_key
 from molt.capture.streaming import LiveReply
-from molt.capture.tools import get_tool_parser
+from molt.capture.tools import choose_tool_parser
 from molt.engine.base import Engine
 from molt.types import SamplingParams
 
@@ -60,11 +60,11 @@ class _EmbeddedServer(uvicorn.Server):
 
 class CaptureServer:
     def __init__(self, engine: Engine, renderer: ChatRenderer, *, host: str = "127.0.0.1", port: int = 0,
-                 tool_parser: str = "hermes", served_names: tuple[str, ...] = (), strict_model: bool = False,
+                 tool_parser: str = "auto", served_names: tuple[str, ...] = (), strict_model: bool = False,
                  max_request_mb: float = 32, max_chars_per_token: float = 16):
         self.engine, self.renderer = engine, renderer
         self.host, self.port = host, port
-        self.parser = get_tool_parser(tool_parser)
+        self.parser = choose_tool_parser(tool_parser, renderer.template, renderer.tokenizer)
         renderer.keep_special(self.parser.markers)  # type: ignore[attr-defined]
         self.model_names = {engine.model_name, *served_names}  # names /v1/models lists (the only ones, if strict)
         self.strict_model = strict_model

@@ -19,7 +19,16 @@ from molt.capture.render import ChatRenderer, canonical_messages, canonical_tool
 from molt.capture.segments import Action, Plan, SegmentTracker
 from molt.capture.tools import Parsed, ToolParser, call_opening
 from molt.engine.base import Engine, can_stream
-from molt.types import Completion, FinishReason, SamplingParams, Segment, sub_seed
+from molt.types import (
+    Completion,
+    FinishReason,
+    SamplingParams,
+    Segment,
+    check_grammar,
+    json_grammar,
+    json_lark,
+    sub_seed,
+)
 
 
 class SessionClosed(Exception):
@@ -40,6 +49,8 @@ class ChatRequest:
     parse_tools: bool = True
     tool_choice: str = "auto"  # "auto" | "none" | "required" (some tool) | "function" (the one in tool_name)
     tool_name: str | None = None
+    formats: dict[str, dict[str, Any]] = field(default_factory=dict)  # tool name -> {"schema"} (strict) or a grammar
+    output: dict[str, Any] | None = None  # the JSON schema of a text reply (structured outputs)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])  # its reply's id (hex; the wires prefix it)
 
 
@@ -171,7 +182,7 @@ class Session:
                                   **{k: v for k, v in fields.items() if v is not None})
 
     async def _generate(self, plan: Plan, request: ChatRequest, listener: Any = None) -> Generation:
-        opening = self._call_opening(request)
+        opening, base = self._constrain(request)
         if opening:  # forced tool call: the opening is context the model continues from (mask 0)
             forced = self.renderer.encode(opening)
             plan = dataclasses.replace(plan, prompt_ids=plan.prompt_ids + forced,
@@ -185,7 +196,7 @@ class Session:
             seed = sub_seed(self.defaults.seed, self._count)
         self._count += 1
         ids = [f"{self.session_id}-{self._count}-{i}" for i in range(request.n)]
-        params = [request.params if seed is None else request.params.copy(seed=seed + i) for i in range(request.n)]
+        params = [base if seed is None else base.copy(seed=seed + i) for i in range(request.n)]
         self._inflight.update(ids)
         stream: dict[str, Any] = {"images": plan.images, "sources": [i.image for i in message_images(
             plan.messages or [])]} if plan.images else {}  # sources: the decoded images (vLLM processes them itself)
@@ -238,6 +249,30 @@ class Session:
             raise ValueError(f"tool_choice {request.tool_choice!r}: this server's tool parser cannot force a call")
         return opening
 
+    def _constrain(self, request: ChatRequest) -> tuple[str, SamplingParams]:
+        """(the forced opening, the request's params with the grammar of its reply): `output` alone is a JSON
+        reply; with tools that may be called, strict or grammar tools, a forced call or `output` make the reply a
+        grammar of the parser's format (text or `output`, or calls; a forced call's rest). ValueError (400)
+        where the parser has none or llguidance cannot compile it."""
+        opening, build = self._call_opening(request), getattr(self.parser, "grammar", None)
+        if not (request.parse_tools and (request.formats or request.output or opening and build)):
+            return opening, request.params if request.output is None else \
+                request.params.copy(grammar=json_grammar(request.output))
+        if build is None:
+            raise ValueError("strict or grammar tools and structured outputs beside tools need a grammar of the "
+                             "tool-call format, which this server's tool parser has none of")
+        tools = {t["function"]["name"]: request.formats.get(t["function"]["name"], {"schema": {"type": "object"}})
+                 for t in request.tools or []}
+        name = {"function": request.tool_name, "required": ""}.get(request.tool_choice)
+        grammar = build(tools, name, request.output and json_lark(request.output), self._token)
+        return opening, request.params.copy(grammar=check_grammar(grammar, "tools"))
+
+    def _token(self, marker: str) -> str:
+        ids = self.renderer.encode(marker)
+        if len(ids) != 1:
+            raise ValueError(f"constrained tool calls need {marker!r} to be one token of {self.model_name}'s tokenizer")
+        return f"<[{ids[0]}]>"
+
     def _choice(self, completion: Completion, request: ChatRequest, opening: str = "") -> Choice:
         ids = completion.token_ids
         finish = "length" if completion.finish_reason is FinishReason.LENGTH else "stop"
@@ -246,7 +281,8 @@ class Session:
         text = opening + self.renderer.reply_text(ids)
         if stop is not None:  # found in the generated part (a forced opening may contain it too)
             finish, text = "stop", text[: text.find(stop, len(opening))]
-        parsed = self.parser(text) if request.parse_tools else Parsed(text)
+        raw = [name for name, f in request.formats.items() if "schema" not in f]  # grammar tools: raw input
+        parsed = Parsed(text) if not request.parse_tools else self.parser(text, raw=raw) if raw else self.parser(text)
         self.stats["malformed_tool_calls"] += parsed.malformed
         self.stats["tool_calls"] += len(parsed.calls)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}

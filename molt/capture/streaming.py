@@ -41,10 +41,12 @@ class LiveReply:
         self.created = int(time.time())
         self.prompt_tokens = 0
         self.sent = ""  # text already sent as deltas
-        # the start of a tool-call block ("" when calls are not parsed, or the parser has no known opening)
-        self._marker = (call_opening(session.parser, None) or "").strip() if request.parse_tools else ""
+        # the start of a tool-call block and the parser's markers (none when calls are not parsed, or the parser
+        # has no known opening)
+        opening = (call_opening(session.parser, None) or "").strip() if request.parse_tools else ""
+        self._holds = [opening, *session.parser.markers] if opening else []
         live = (request.n == 1 and request.tool_choice in ("auto", "none") and session.can_stream
-                and (self._marker or not request.parse_tools))
+                and (opening or not request.parse_tools))
         self._queue: asyncio.Queue[list[int]] = asyncio.Queue()
         self._begun = asyncio.Event()
         self.task = asyncio.create_task(session.complete(request, cache_key, lookup, listener=self if live else None))
@@ -119,7 +121,7 @@ class LiveReply:
 
     def _safe(self, text: str) -> str:
         cut = len(text.rstrip("\ufffd"))
-        holds = [s for s in self.request.stop if s] + ([self._marker] if self._marker else [])
+        holds = [s for s in self.request.stop if s] + self._holds
         for s in holds:
             found = text.find(s)
             if found >= 0:

@@ -26,7 +26,7 @@ from molt.engine.runner import ModelRunner
 from molt.engine.sampling import sample
 from molt.engine.scheduler import Scheduler, State, Step
 from molt.engine.weight_group import InProcessWeightReceiver
-from molt.types import Completion, FinishReason, SamplingParams, json_grammar
+from molt.types import Completion, FinishReason, SamplingParams
 
 
 class HFEngine(InProcessWeightReceiver):
@@ -72,8 +72,8 @@ class HFEngine(InProcessWeightReceiver):
         if images and not self.spec.vision:
             raise RequestError(f"{self.model_name} takes no images")
         req.on_tokens, req.session_id, req.images = on_tokens, session_id, images
-        if params.json_schema is not None:  # off the event loop: the first one builds llguidance's tokenizer too
-            req.matcher = await asyncio.to_thread(self._matcher, params.json_schema)
+        if params.grammar is not None:  # off the event loop: the first one builds llguidance's tokenizer too
+            req.matcher = await asyncio.to_thread(self._matcher, params.grammar)
         with self._cv:
             if self.scheduler.state is State.CLOSED:
                 raise EngineGone("the engine is closed")
@@ -147,13 +147,13 @@ class HFEngine(InProcessWeightReceiver):
         the first constrained request); a grammar that is complete allows the model's EOS tokens only."""
         return from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
 
-    def _matcher(self, schema: dict[str, Any]) -> Any:
-        """A json_schema request's matcher, made before its first token and advanced by each sampled one, so that
+    def _matcher(self, grammar: str) -> Any:
+        """A constrained request's matcher, made before its first token and advanced by each sampled one, so that
         it stays at the request's tokens through a refit's prefill again (keep mode); RequestError where
         llguidance cannot use the grammar with this vocabulary."""
-        matcher = LLMatcher(self._grammar_tokenizer, json_grammar(schema))
+        matcher = LLMatcher(self._grammar_tokenizer, grammar)
         if matcher.is_error():
-            raise RequestError(f"json_schema: {matcher.get_error()}")
+            raise RequestError(f"grammar: {matcher.get_error()}")
         return matcher
 
     def _tell(self, change: Any) -> None:

@@ -4,7 +4,7 @@ top-k, top-p, min_tokens and random generator.
 Behavior log-probability: exactly `molt.engine.base`'s definition, log_softmax(logits / T) over the full
 vocabulary (T = 0 -> 1), before top-k/top-p and before the min_tokens suppression of stop tokens (that
 suppression is a truncation like top-k: the token is sampled from the masked distribution, the record is the
-unmasked one). A constrained request's grammar (`SamplingParams.json_schema`, an llguidance matcher) is different:
+unmasked one). A constrained request's grammar (`SamplingParams.grammar`, an llguidance matcher) is different:
 the tokens it disallows are removed from the logits first, so its record (and `top_logprobs`) is of the masked
 distribution. vLLM does the same and can do nothing else: it applies the grammar's bitmask to the logits before
 its sampler, so every `logprobs_mode` it has is masked (vLLM 0.32 `gpu_model_runner.py`, `apply_grammar_bitmask`).

@@ -37,10 +37,10 @@ def sampling_kwargs(params: SamplingParams, max_new: int, stops: list[int], gene
     """Keyword arguments of `vllm.SamplingParams` for a request (or its continuation after `generated` tokens);
     `banned`: token ids never sampled (a VLM's vision tokens), a -inf logit bias, which vLLM applies before
     temperature, top-k/top-p and the processed log-probs (docs/vision.md); `structured_outputs`: the arguments of
-    vLLM's `StructuredOutputsParams` (the engine's backend: guidance, compact JSON, as `molt.types.json_grammar`)."""
+    vLLM's `StructuredOutputsParams` (the engine's backend: guidance, which takes llguidance's Lark as it is)."""
     assert 0 <= generated < max_new, "a finished request is never continued"
-    if generated and params.json_schema is not None:  # vLLM's grammar would restart after the tokens so far
-        raise EngineError("a json_schema request cannot be continued after a refit without vLLM's keep mode")
+    if generated and params.grammar is not None:  # vLLM's grammar would restart after the tokens so far
+        raise EngineError("a constrained request cannot be continued after a refit without vLLM's keep mode")
     seed = params.seed if params.seed is None or not generated else (params.seed + generated) % (1 << 63)
     return {"temperature": params.temperature, "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else -1,  # -1 disables in every vLLM version
@@ -48,7 +48,7 @@ def sampling_kwargs(params: SamplingParams, max_new: int, stops: list[int], gene
             "min_tokens": min(max(params.min_tokens - generated, 0), max_new - generated),
             "stop_token_ids": list(stops), "seed": seed, "logprobs": params.top_logprobs, "detokenize": False,
             **({"logit_bias": dict.fromkeys(banned, float("-inf"))} if banned else {}),
-            **({"structured_outputs": {"json": params.json_schema}} if params.json_schema is not None else {})}
+            **({"structured_outputs": {"grammar": params.grammar}} if params.grammar is not None else {})}
 
 
 def mm_prompt(prompt: list[int], images: dict | None, sources: list | None, placeholder: int | None,
@@ -191,7 +191,7 @@ class VLLMEngine:
         self.model_name = model_name or Path(model_path).name
         engine_args.setdefault("disable_log_stats", True)
         engine_args.setdefault("structured_outputs_config", vllm.config.StructuredOutputsConfig(
-            backend="guidance", disable_any_whitespace=True))  # json_schema as the embedded engine constrains it
+            backend="guidance"))  # SamplingParams.grammar is llguidance's Lark
         self.spec = spec = ModelSpec.from_pretrained(model_path)  # EOS ids the way molt.engine.hf reads them
         if engine_args.get("speculative_config") and spec.banned:  # vLLM rejects every such request otherwise
             raise ValueError("speculative_config: vLLM refuses logit_bias with speculative decoding, and it is how "

@@ -114,7 +114,8 @@ class Run:
         agent = cfg.train.agent_path and str(Path(cfg.train.agent_path).resolve())  # "": the built-in agent
         spawn = lambda i, n: worker_cls.options(**spread(i, n, gpus)).remote(
             self.model_path, agent, engine_kind=cfg.rollout.engine, torch_threads=worker_threads,
-            runner_options=runner_options, engine_options=engine_options, max_restarts=cfg.rollout.engine_max_restarts)
+            runner_options=runner_options, engine_options=engine_options, max_restarts=cfg.rollout.engine_max_restarts,
+            tool_parser=cfg.rollout.tool_parser)
         self.workers = Workers(spawn, n_workers, cfg.rollout.worker_max_restarts)
         self.trainer = TrainerGroup(cfg.train.num_ranks, torch_threads=trainer_threads,
                                     num_gpus_per_rank=1 if gpus else 0)

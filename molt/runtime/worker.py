@@ -66,9 +66,9 @@ class RefitGate:
 class RolloutWorker:
     def __init__(self, model_path: str, agent_path: str, *, engine_kind: str = "hf", torch_threads: int = 0,
                  runner_options: dict[str, Any] | None = None, engine_options: dict[str, Any] | None = None,
-                 max_restarts: int = 3):
+                 max_restarts: int = 3, tool_parser: str = "auto"):
         self.model_path, self.agent_path, self.engine_kind = model_path, agent_path, engine_kind
-        self.torch_threads, self.max_restarts = torch_threads, max_restarts
+        self.torch_threads, self.max_restarts, self.tool_parser = torch_threads, max_restarts, tool_parser
         self.runner_options = runner_options or {}
         self.engine_options = engine_options or {}
         self.engine: Any = None
@@ -95,7 +95,7 @@ class RolloutWorker:
         from molt.capture.server import CaptureServer
 
         self.engine = RefitGate(engine)
-        self.server = CaptureServer(self.engine, renderer)
+        self.server = CaptureServer(self.engine, renderer, tool_parser=self.tool_parser)
         await self.server.start()
         self.runner = load_agent(self.agent_path)
         for name, value in self.runner_options.items():

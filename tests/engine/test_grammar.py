@@ -50,7 +50,7 @@ def replay(model, tokenizer, eos, schema, prompt, out, temperature):
 async def test_replies_follow_the_schema_and_record_the_masked_distribution(engine, tokenizer, tiny_llama_dir,
                                                                            temperature):
     model, eos = load(tiny_llama_dir), engine.eos_token_ids
-    params = [SamplingParams(max_tokens=120, temperature=temperature, seed=s, json_schema=SCHEMA, top_logprobs=3)
+    params = [SamplingParams(max_tokens=120, temperature=temperature, seed=s, grammar=json_grammar(SCHEMA), top_logprobs=3)
               for s in range(4)]
     outs = await asyncio.gather(*(engine.generate(PROMPTS[3 + i], p) for i, p in enumerate(params)))
     for i, out in enumerate(outs):
@@ -69,7 +69,7 @@ async def test_only_constrained_rows_change(engine):
     plain = SamplingParams(max_tokens=24, seed=7)
     solo = await engine.generate(PROMPTS[5], plain)
     batched, *_ = await asyncio.gather(engine.generate(PROMPTS[5], plain), *(
-        engine.generate(PROMPTS[6 + i], SamplingParams(max_tokens=60, seed=i, json_schema=SCHEMA))
+        engine.generate(PROMPTS[6 + i], SamplingParams(max_tokens=60, seed=i, grammar=json_grammar(SCHEMA)))
         for i in range(3)))
     assert batched.token_ids == solo.token_ids
 
@@ -79,7 +79,7 @@ async def test_a_refit_in_the_middle_keeps_the_matcher(engine, tokenizer, tiny_l
     from molt.testing.models import build_tiny_llama
 
     new_model, old_model = load(build_tiny_llama(tmp_path / "v1", seed=1)), load(tiny_llama_dir)
-    task = asyncio.create_task(engine.generate(PROMPTS[2], SamplingParams(max_tokens=200, seed=5, json_schema=LONG),
+    task = asyncio.create_task(engine.generate(PROMPTS[2], SamplingParams(max_tokens=200, seed=5, grammar=json_grammar(LONG)),
                                                request_id="c"))
     await progress(engine, "c", 8)
     await engine.pause()
@@ -97,12 +97,12 @@ async def test_a_refit_in_the_middle_keeps_the_matcher(engine, tokenizer, tiny_l
 
 
 @pytest.mark.parametrize("params, message", [
-    (SamplingParams(json_schema={"type": "nonsense"}), "json_schema: Invalid type: nonsense"),
-    (SamplingParams(json_schema={"type": "string", "pattern": "(("}), "json_schema: regex parse error"),
-    (SamplingParams(json_schema=["not", "a", "schema"]), "json_schema must be a JSON schema object"),
-    (SamplingParams(json_schema={"type": "object"}, min_tokens=3), "min_tokens cannot be combined"),
+    (SamplingParams(grammar='start: %json{"type": "nonsense"}'), "grammar: .*Invalid type: nonsense"),
+    (SamplingParams(grammar="start: /((/"), "grammar: .*regex parse error"),
+    (SamplingParams(grammar="start: undefined_rule"), "grammar: .*undefined_rule"),
+    (SamplingParams(grammar=json_grammar({"type": "object"}), min_tokens=3), "min_tokens cannot be combined"),
 ])
-async def test_bad_schemas_are_request_errors(engine, params, message):
+async def test_bad_grammars_are_request_errors(engine, params, message):
     with pytest.raises(ValueError, match=message):
         params.validate()
     with pytest.raises(RequestError, match=message):

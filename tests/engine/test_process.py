@@ -7,7 +7,7 @@ import torch
 
 from molt.engine.base import EngineError, RequestError
 from molt.engine.process import EngineProcess
-from molt.types import FinishReason, SamplingParams
+from molt.types import FinishReason, SamplingParams, json_grammar
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def test_same_tokens_and_logprobs_as_in_process(proc_engine, hf_engine):
     assert remote.top_logprobs is not None and len(remote.top_logprobs) == len(remote.token_ids)
     assert proc_engine.model_name == hf_engine.model_name and proc_engine.eos_token_ids == hf_engine.eos_token_ids
     schema = {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}  # crosses the pipe, constrains there
-    remote, local = asyncio.run(both(params.copy(max_tokens=60, json_schema=schema)))
+    remote, local = asyncio.run(both(params.copy(max_tokens=60, grammar=json_grammar(schema))))
     assert remote.token_ids == local.token_ids and remote.logprobs == pytest.approx(local.logprobs, abs=1e-5)
     assert remote.finish_reason is FinishReason.STOP
     assert isinstance(json.loads(hf_engine.tokenizer.decode(remote.token_ids[:-1])), list)

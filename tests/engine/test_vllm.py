@@ -14,7 +14,7 @@ from fake_vllm import FakeAsyncLLM, FakeKeepAsyncLLM, lp
 from molt.engine import vllm as mv
 from molt.engine import vllm_worker as vw
 from molt.engine.base import Engine, EngineError, EngineGone, RequestError
-from molt.types import FinishReason, SamplingParams
+from molt.types import FinishReason, SamplingParams, json_grammar
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -47,9 +47,10 @@ def test_sampling_kwargs_first_request_and_continuation():
     with pytest.raises(AssertionError):
         mv.sampling_kwargs(p, 10, [2], generated=10)
     schema = {"type": "object"}
-    assert mv.sampling_kwargs(p.copy(json_schema=schema), 10, [2])["structured_outputs"] == {"json": schema}
-    with pytest.raises(EngineError, match="json_schema request cannot be continued"):  # vLLM's grammar restarts
-        mv.sampling_kwargs(p.copy(json_schema=schema), 10, [2], generated=4)
+    assert mv.sampling_kwargs(p.copy(grammar=json_grammar(schema)), 10, [2])["structured_outputs"] == {
+        "grammar": json_grammar(schema)}
+    with pytest.raises(EngineError, match="constrained request cannot be continued"):  # vLLM's grammar restarts
+        mv.sampling_kwargs(p.copy(grammar=json_grammar(schema)), 10, [2], generated=4)
 
 
 def test_finish_reason_mapping():
@@ -257,17 +258,16 @@ async def test_refit_keeps_request_and_marks_versions(fake):
     assert fake.num_requests == 0
 
 
-async def test_json_schema_goes_to_vllms_structured_outputs(fake):
-    """vLLM's guidance backend, compact JSON (as the embedded engine); a refit in the middle continues the grammar
+async def test_grammar_goes_to_vllms_structured_outputs(fake):
+    """vLLM's guidance backend takes the Lark grammar as it is; a refit in the middle continues the grammar
     in keep mode and, without it, fails the request rather than restart the grammar after its tokens."""
-    assert fake._llm.args["structured_outputs_config"] == ("config", {"backend": "guidance",
-                                                                      "disable_any_whitespace": True})
+    assert fake._llm.args["structured_outputs_config"] == ("config", {"backend": "guidance"})
     llm, schema = fake._llm, {"type": "object"}
     llm.hold["j-1"] = 4
-    task = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=30, json_schema=schema),
+    task = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=30, grammar=json_grammar(schema)),
                                              request_id="j"))
     await until(lambda: llm.produced.get("j-1") == 4)
-    assert llm.requests[0][2]["structured_outputs"] == ("params", {"json": schema})
+    assert llm.requests[0][2]["structured_outputs"] == ("params", {"grammar": json_grammar(schema)})
     await refit(fake, 1.0)
     llm.hold.clear()
     if keeps(fake):

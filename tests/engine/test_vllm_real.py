@@ -13,7 +13,7 @@ import torch
 
 from molt.engine.base import EngineError, RequestError
 from molt.testing.scripted import RecordingEngine, live_capture_server
-from molt.types import FinishReason, SamplingParams, token_lists
+from molt.types import FinishReason, SamplingParams, json_grammar, token_lists
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -99,7 +99,7 @@ async def test_json_schema_replies_validate_and_record_the_masked_distribution(e
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(models[0][0])
-    outs = await asyncio.gather(*[engine.generate(p, SamplingParams(max_tokens=120, seed=i, json_schema=SCHEMA))
+    outs = await asyncio.gather(*[engine.generate(p, SamplingParams(max_tokens=120, seed=i, grammar=json_grammar(SCHEMA)))
                                   for i, p in enumerate(PROMPTS[:3])])
     for p, out in zip(PROMPTS, outs):
         assert out.finish_reason is FinishReason.STOP, tokenizer.decode(out.token_ids)

@@ -35,12 +35,13 @@ QUIET = {"DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_RE
 
 
 def policy(tokenizer, calls):
-    """The scripted model: the k-th tool call while k tool results are in a prompt that offers tools."""
+    """The scripted model: the k-th tool call (a dict, or the text inside its block) while k tool results are in a
+    prompt that offers tools."""
     def reply(prompt_ids, params):
         text = tokenizer.decode(prompt_ids)
         k = text.count("<|im_start|>tool\n") + text.count("Observation:\n")  # smolagents: results in user turns
         if "# Tools" in text and k < len(calls):
-            return "<tool_call>\n" + json.dumps(calls[k]) + "\n</tool_call>"
+            return "<tool_call>\n" + (calls[k] if isinstance(calls[k], str) else json.dumps(calls[k])) + "\n</tool_call>"
         return FINAL
     return reply
 
@@ -162,17 +163,42 @@ async def test_codex_cli(tokenizer, tmp_path):
     h.check("Codex CLI", f"@openai/codex {version}", segments, session, ["molt-ok"])
 
 
-async def test_codex_cli_default_model_is_refused_naming_its_grammar_tool(tokenizer, tmp_path):
-    """Codex's default model gets its tools in an `additional_tools` input item (accepted), among them `exec`, a
-    custom tool whose input is a Lark grammar: refused with a 400 naming it (a grammar needs constrained decoding),
-    which Codex shows and exits on; nothing reaches the engine."""
+async def test_codex_cli_default_model(tokenizer, tmp_path):
+    """`codex exec` with its default model: its tools come in an `additional_tools` input item, among them `exec`,
+    a custom tool whose input is JavaScript under a Lark grammar. Each reply is constrained by the reply grammar
+    (text, or calls whose raw input matches the tool's grammar): the scripted `exec` calls are checked against the
+    grammar each request carried, and their raw input renders back token-exact when Codex resends them."""
+    from llguidance import LLMatcher
+    from llguidance.hf import from_tokenizer
+
     codex = npm_bin("codex")
-    async with serving(tokenizer, []) as (h, session):
+    calls = [f'{{"name": "exec", "arguments": const r = await tools.exec_command({{cmd: {cmd!r}}});\ntext(r);}}'
+             for cmd in ("echo molt-ok > out.txt", "cat out.txt")]
+    scripted = policy(tokenizer, calls)
+    replies = []
+
+    def reply(prompt_ids, params):
+        replies.append((scripted(prompt_ids, params), params.grammar))
+        return replies[-1][0]
+
+    async with serving(tokenizer, reply) as (h, session):
+        env = codex_env(session, tmp_path)
+        version = (await run_cli([codex, "--version"], env, tmp_path)).split()[-1]
+        work = tmp_path / "work"
+        work.mkdir()
         out = await run_cli([codex, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
-                             "Say done."], codex_env(session, tmp_path), tmp_path, ok=False)
-        await session.close()
-    assert "the custom tool 'exec' takes input in a lark grammar" in out, out[-2000:]
-    assert h.statuses == [400] and not h.engine.of_session(session.session_id)
+                             "Write molt-ok to out.txt, then read it."], env, work)
+        segments = await session.close()
+    assert out.rstrip().endswith(FINAL) and (work / "out.txt").read_text() == "molt-ok\n"
+    lltok = from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=tokenizer.eos_token_id)
+    assert all(g is not None and "T0_SOURCE" in g for _, g in replies)  # exec's grammar, in every request's
+    for text, grammar in replies:  # each scripted reply is one the grammar allows
+        matcher = LLMatcher(lltok, grammar)
+        assert all(matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False) + [
+            tokenizer.eos_token_id]) and matcher.is_stopped(), (text, matcher.get_error())
+    assert sum("<tool_call>" in text for text, _ in replies) == 2
+    h.check("Codex CLI (default model)", f"@openai/codex {version}", segments, session, ["molt-ok"])
+    assert len(segments) == 1  # the raw inputs rendered back token-exact
 
 
 CALC = [{"name": "add", "arguments": {"a": 12, "b": 30}}, {"name": "add", "arguments": {"a": 42, "b": 8}}]
