@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from molt.capture.render import ChatRenderer, canonical_messages, canonical_tools, message_images
-from molt.capture.segments import Action, Plan, SegmentTracker
+from molt.capture.segments import Action, Plan, SegmentTracker, joined_ids
 from molt.capture.tools import Parsed, ToolParser, call_opening
 from molt.engine.base import Engine, can_stream
 from molt.types import Completion, FinishReason, SamplingParams, Segment, sub_seed
@@ -59,7 +59,7 @@ class Choice:
 class Generation:
     id: str  # hex, the wires prefix it
     created: int
-    prompt_ids: list[int]
+    prompt_ids: Any  # numpy [n] int32 (`Plan.prompt_ids`)
     choices: list[Choice]
 
     @property
@@ -113,7 +113,7 @@ class Session:
                               parse_tools=bool(tools))
         gen = await self.complete(request)
         choice = gen.choices[0]
-        return Turn(choice.message, gen.prompt_ids, choice.action_ids, choice.finish_reason)
+        return Turn(choice.message, gen.prompt_ids.tolist(), choice.action_ids, choice.finish_reason)
 
     async def extend(self, text: str, params: SamplingParams) -> Turn:
         async with self._lock:
@@ -122,7 +122,7 @@ class Session:
             plan = await asyncio.to_thread(self.tracker.plan_raw, self._fits(text))
             gen = await self._generate(plan, ChatRequest([], None, params, parse_tools=False))
         choice = gen.choices[0]
-        return Turn(choice.message, gen.prompt_ids, choice.action_ids, choice.finish_reason)
+        return Turn(choice.message, gen.prompt_ids.tolist(), choice.action_ids, choice.finish_reason)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.renderer.decode(token_ids)
@@ -174,7 +174,7 @@ class Session:
         opening = self._call_opening(request)
         if opening:  # forced tool call: the opening is context the model continues from (mask 0)
             forced = self.renderer.encode(opening)
-            plan = dataclasses.replace(plan, prompt_ids=plan.prompt_ids + forced,
+            plan = dataclasses.replace(plan, prompt_ids=joined_ids(plan.prompt_ids, forced),
                                        context_ids=plan.context_ids + forced)
         if len(plan.prompt_ids) >= self.max_model_len:
             raise ContextTooLong(
