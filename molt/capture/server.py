@@ -192,6 +192,7 @@ class CaptureServer:
         key, lookup = cache_key(wire, raw, request.headers)
         try:
             chat = module.to_chat(req, data, session)  # ValueError: e.g. an image that cannot be decoded
+            chat.body_bytes = len(raw)
             if req.stream:  # tokens go out as they are sampled (streaming.py); errors before the first byte
                 live = LiveReply(session, chat, key, lookup)
                 await live.begin()

@@ -41,6 +41,7 @@ class ChatRequest:
     tool_choice: str = "auto"  # "auto" | "none" | "required" (some tool) | "function" (the one in tool_name)
     tool_name: str | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])  # its reply's id (hex; the wires prefix it)
+    body_bytes: int | None = None  # its wire body's length, a bound on its characters (`_fits` walks it above)
 
 
 @dataclass
@@ -142,7 +143,8 @@ class Session:
         """Answer one request: from the retry cache (when `lookup`), or plan -> generate -> record (and cache
         under `cache_key`). `listener` (a `streaming.LiveReply`, n == 1 only) hears the planned prompt and
         the sampled tokens as they come."""
-        self._fits(request.messages, request.tools)
+        if request.body_bytes is None or request.body_bytes > self.max_chars > 0:  # within it: no O(history) walk
+            self._fits(request.messages, request.tools)
         async with self._lock:
             self._check_open()
             self.stats["requests"] += 1
@@ -209,7 +211,9 @@ class Session:
 
     def _fits(self, *parts: Any) -> Any:
         """The first part, once the characters of every part (strings nested in lists and dicts) are within
-        max_chars_per_token x the window: a cheap bound that refuses an oversized request before tokenizing it."""
+        max_chars_per_token x the window: a cheap bound that refuses an oversized request before tokenizing it. A wire
+        request whose body is within the limit is not walked (every character of its text took at least a byte of
+        the body, up to the few a wire adds: a tool call's type), so a turn's check does not grow with its history."""
         def chars(x: Any) -> int:
             if isinstance(x, str):
                 return len(x)
