@@ -21,7 +21,9 @@ rest: client, HTTP, parsing, rendering, the continuation check, segment bookkeep
 loaded machine's waits do not inflate: this process's (client and capture server; the engine has its own) over
 the request, the client's (`time.thread_time` of its thread: encoding the conversation as JSON, sending it,
 reading the reply: the harness's cost, not capture's) and the capture server's, the difference (its event loop,
-the rendering thread, the engine pipe's reader: capture's own work per turn). Then the engine process's peak resident memory (which includes the cold prefill
+the rendering thread, the engine pipe's reader: capture's own work per turn), and that less what the process
+spends idle over the request's wall time (measured for 3 s before the session: uvicorn's 10 Hz tick and the event
+loop's wake-ups, which a turn that waits longer for the engine would otherwise count as capture's work). Then the engine process's peak resident memory (which includes the cold prefill
 of the last side request over the whole ~32K history) against the KV cache such a prompt needs, the prefix cache's reuse, and the payload of the session's experience as the
 rollout worker offloads it: pickled bytes per token (`pickle` protocol 5, as Ray serializes it). Memory per
 rollout: this process's resident memory (after `gc.collect()`) before the session, at its end with the session
@@ -86,6 +88,9 @@ async def run(args: argparse.Namespace) -> dict:
     loaded = _rss_peak(engine.engine._proc.pid)
     gc.collect()
     own_before = _rss_peak(os.getpid())[0]
+    t0, cpu = time.perf_counter(), time.process_time()
+    await asyncio.sleep(3)  # the server waiting: uvicorn's 10 Hz tick and the event loop's wake-ups
+    idle = (time.process_time() - cpu) / (time.perf_counter() - t0)
     session = await server.open_session("long", SamplingParams(max_tokens=args.max_tokens,
                                                                 min_tokens=args.max_tokens, seed=0))
     client = httpx.Client(timeout=600, headers={"Authorization": f"Bearer {session.api_key}"})
@@ -149,7 +154,7 @@ async def run(args: argparse.Namespace) -> dict:
     client.close()
     await server.stop()
     await engine.close()
-    return {"turns": turns, "side": side, "loaded": loaded, "peak": peak, "prefix": stats, "segments": n_segments,
+    return {"turns": turns, "side": side, "idle": idle, "loaded": loaded, "peak": peak, "prefix": stats, "segments": n_segments,
             "tokens": tokens, "payload_bytes": payload, "records": records,
             "own": (own_before, own_live, own_after), "saved": saved if args.save or args.train else None,
             "kv_per_token": 2 * 2 * 2 * 16 * 4}  # layers x (k, v) x kv heads x head dim x fp32
@@ -158,26 +163,29 @@ async def run(args: argparse.Namespace) -> dict:
 def table(result: dict, near: int) -> str:
     main = result["turns"]
     rows = [("| history (tokens) | turns | request (ms) | engine (ms) | capture (ms) | CPU, client + server (ms) "
-             "| client CPU (ms) | server CPU (ms) |"), "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| client CPU (ms) | server CPU (ms) | server CPU less idle (ms) |"), "|---:" * 9 + "|"]
     servers = []
     for target in (1024, 8192, 16384, 32768):
         picked = sorted(main, key=lambda t: abs(t["history"] - target))[:near]
-        wall, eng, cap, cpu, client, server = (statistics.median(f(t) * 1e3 for t in picked) for f in (
+        wall, eng, cap, cpu, client, server, net = (statistics.median(f(t) * 1e3 for t in picked) for f in (
             lambda t: t["wall"], lambda t: t["engine"], lambda t: t["wall"] - t["engine"], lambda t: t["cpu"],
-            lambda t: t["client_cpu"], lambda t: t["cpu"] - t["client_cpu"]))
-        servers.append(server)
+            lambda t: t["client_cpu"], lambda t: t["cpu"] - t["client_cpu"],
+            lambda t: t["cpu"] - t["client_cpu"] - result["idle"] * t["wall"]))
+        servers.append(net)
         rows.append(f"| {statistics.median(t['history'] for t in picked):,.0f} | {min(t['turn'] for t in picked) + 1}"
                     f"-{max(t['turn'] for t in picked) + 1} | {wall:.0f} | {eng:.0f} | {cap:.1f} | {cpu:.1f} | "
-                    f"{client:.1f} | {server:.1f} |")
-    every = [(t["cpu"] - t["client_cpu"]) * 1e3 for t in main[1:]]
+                    f"{client:.1f} | {server:.1f} | {net:.1f} |")
+    every = [(t["cpu"] - t["client_cpu"] - result["idle"] * t["wall"]) * 1e3 for t in main[1:]]
     after = [t["engine"] * 1e3 for t in main if t["after_side"]]
     others = [t["engine"] * 1e3 for t in main[1:] if not t["after_side"]]
     side = [s["engine"] * 1e3 for s in result["side"]]
     loaded, peak, own = result["loaded"], result["peak"], result["own"]
     lines = [
-        "", (f"Capture server's CPU per turn, last row over first: {servers[-1] / servers[0]:.2f}x; over every main "
+        "", (f"Capture server's CPU per turn less idle, last row over first: {servers[-1] / servers[0]:.2f}x; over every main "
              f"turn but the first: mean {statistics.mean(every):.1f} ms, max {max(every):.1f} ms (the medians above "
-             "leave out pauses such as the garbage collector's)."),
+             "leave out pauses such as the garbage collector's). Idle, the process spends "
+             f"{result['idle'] * 1e3:.2f} ms of CPU a second (uvicorn's tick, the event loop): \"less idle\" takes "
+             "that off each turn's server CPU pro rata of its wall time."),
         (f"Side requests (a title under another system prompt): {len(side)}, engine median "
              f"{statistics.median(side):.0f} ms (each prefills the history since the previous title); the main turn "
              f"right after one: "
