@@ -91,6 +91,16 @@ async def run(args: argparse.Namespace) -> dict:
     t0, cpu = time.perf_counter(), time.process_time()
     await asyncio.sleep(3)  # the server waiting: uvicorn's 10 Hz tick and the event loop's wake-ups
     idle = (time.process_time() - cpu) / (time.perf_counter() - t0)
+    pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}  # the collector's, by generation, over the session
+    started = [0.0]
+
+    def collector(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses[info["generation"]].append(time.perf_counter() - started[0])
+
+    gc.callbacks.append(collector)
     session = await server.open_session("long", SamplingParams(max_tokens=args.max_tokens,
                                                                 min_tokens=args.max_tokens, seed=0))
     client = httpx.Client(timeout=600, headers={"Authorization": f"Bearer {session.api_key}"})
@@ -129,6 +139,7 @@ async def run(args: argparse.Namespace) -> dict:
             last = turns[-1]
             print(f"turn {t + 1}: {last['history']} tokens, {last['wall'] * 1e3:.0f} ms "
                   f"({last['engine'] * 1e3:.0f} in the engine)", flush=True)
+    gc.callbacks.remove(collector)
     stats = await engine.prefix_stats()
     peak = _rss_peak(engine.engine._proc.pid)
     gc.collect()
@@ -154,7 +165,7 @@ async def run(args: argparse.Namespace) -> dict:
     client.close()
     await server.stop()
     await engine.close()
-    return {"turns": turns, "side": side, "idle": idle, "loaded": loaded, "peak": peak, "prefix": stats, "segments": n_segments,
+    return {"turns": turns, "side": side, "idle": idle, "pauses": pauses, "loaded": loaded, "peak": peak, "prefix": stats, "segments": n_segments,
             "tokens": tokens, "payload_bytes": payload, "records": records,
             "own": (own_before, own_live, own_after), "saved": saved if args.save or args.train else None,
             "kv_per_token": 2 * 2 * 2 * 16 * 4}  # layers x (k, v) x kv heads x head dim x fp32
@@ -182,10 +193,14 @@ def table(result: dict, near: int) -> str:
     loaded, peak, own = result["loaded"], result["peak"], result["own"]
     lines = [
         "", (f"Capture server's CPU per turn less idle, last row over first: {servers[-1] / servers[0]:.2f}x; over every main "
-             f"turn but the first: mean {statistics.mean(every):.1f} ms, max {max(every):.1f} ms (the medians above "
+             f"turn but the first: mean {statistics.mean(every):.1f} ms, max {max(every):.1f} ms (turn "
+             f"{every.index(max(every)) + 2}; the medians above "
              "leave out pauses such as the garbage collector's). Idle, the process spends "
              f"{result['idle'] * 1e3:.2f} ms of CPU a second (uvicorn's tick, the event loop): \"less idle\" takes "
-             "that off each turn's server CPU pro rata of its wall time."),
+             "that off each turn's server CPU pro rata of its wall time. The garbage collector over the session "
+             "(this process): " + ", ".join(f"generation {g}: {len(p)} collections, {sum(p) * 1e3:.0f} ms"
+                                            + (f" (longest {max(p) * 1e3:.0f} ms)" if p else "")
+                                            for g, p in result["pauses"].items()) + "."),
         (f"Side requests (a title under another system prompt): {len(side)}, engine median "
              f"{statistics.median(side):.0f} ms (each prefills the history since the previous title); the main turn "
              f"right after one: "

@@ -55,9 +55,11 @@ _NO_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": Fals
 @functools.cache
 def _freeze_heap() -> None:
     """Once per process, when the first server starts: the objects alive then (torch's, transformers', the
-    tokenizer's: millions of them) move to the collector's permanent generation, so its full collections, which
-    a long session's turns trigger every few turns as their messages survive, walk only what came later: each
-    took 100-190 ms of the capture process in the 100-turn long session. vLLM's server does the same at start-up
+    tokenizer's: 405K in the long-session bench's process) move to the collector's permanent generation. A full
+    collection walked them all, 175-185 ms of the capture process on the 2-core machine, at once and within a turn;
+    the messages that turns keep (`Session._replies`) bring one on rarely (none in the bench's 100 turns, one among
+    the last 10 of a 100-turn profiling run). Now it walks only what came later, and the young collections over
+    the bench's 100 turns took 7 ms instead of 24 (docs/benchmarks.md). vLLM's server does the same at start-up
     (`vllm.utils.gc_utils.freeze_gc_heap`)."""
     gc.collect()
     gc.freeze()
