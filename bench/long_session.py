@@ -6,8 +6,8 @@ memory, and the bytes a token costs in the payloads that travel through Ray.
 
 A tiny Llama (`molt.testing.build_tiny_llama`, 2 layers, 64 hidden) with a `--window`-token context runs in its
 own engine process (`molt.engine.process`, one torch thread, as rollout workers run it) behind a capture server in
-this process. One session of `--turns` turns over HTTP (one keep-alive httpx client posting OpenAI chat requests;
-not the `openai` SDK, whose own client-side request transform walks the whole conversation in Python: about
+this process. One session of `--turns` turns over HTTP (one keep-alive httpx client posting OpenAI chat requests
+from a thread of its own; not the `openai` SDK, whose own client-side request transform walks the whole conversation in Python: about
 360 ms per request at 38K tokens of history, more than the server's work): a ~800-token system prompt,
 then each turn adds a user message of about `window / turns` tokens and samples `--max-tokens` tokens
 (min_tokens = max_tokens, so every turn does the same decode work), growing to about the window. Every
@@ -17,9 +17,13 @@ can reuse the previous title's keys/values up to where the conversation went on)
 
 Reported per history length (median of the `--near` main turns closest to 1K, 8K, 16K and 32K tokens): the
 request latency seen by the client, the engine's part (time inside `engine.generate`) and capture's part (the
-rest: SDK, HTTP, parsing, rendering, the continuation check, segment bookkeeping), and the CPU time this process
-(client and capture server; the engine has its own) spent on the request: capture's own work, which a loaded
-machine's waits do not inflate. Then the engine process's peak resident memory (which includes the cold prefill
+rest: client, HTTP, parsing, rendering, the continuation check, segment bookkeeping), and CPU times, which a
+loaded machine's waits do not inflate: this process's (client and capture server; the engine has its own) over
+the request, the client's (`time.thread_time` of its thread: encoding the conversation as JSON, sending it,
+reading the reply: the harness's cost, not capture's) and the capture server's, the difference (its event loop,
+the rendering thread, the engine pipe's reader: capture's own work per turn), and that less what the process
+spends idle over the request's wall time (measured for 3 s before the session: uvicorn's 10 Hz tick and the event
+loop's wake-ups, which a turn that waits longer for the engine would otherwise count as capture's work). Then the engine process's peak resident memory (which includes the cold prefill
 of the last side request over the whole ~32K history) against the KV cache such a prompt needs, the prefix cache's reuse, and the payload of the session's experience as the
 rollout worker offloads it: pickled bytes per token (`pickle` protocol 5, as Ray serializes it). Memory per
 rollout: this process's resident memory (after `gc.collect()`) before the session, at its end with the session
@@ -84,39 +88,58 @@ async def run(args: argparse.Namespace) -> dict:
     loaded = _rss_peak(engine.engine._proc.pid)
     gc.collect()
     own_before = _rss_peak(os.getpid())[0]
+    t0, cpu = time.perf_counter(), time.process_time()
+    await asyncio.sleep(3)  # the server waiting: uvicorn's 10 Hz tick and the event loop's wake-ups
+    idle = (time.process_time() - cpu) / (time.perf_counter() - t0)
+    pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}  # the collector's, by generation, over the session
+    started = [0.0]
+
+    def collector(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses[info["generation"]].append(time.perf_counter() - started[0])
+
+    gc.callbacks.append(collector)
     session = await server.open_session("long", SamplingParams(max_tokens=args.max_tokens,
                                                                 min_tokens=args.max_tokens, seed=0))
-    client = httpx.AsyncClient(timeout=600, headers={"Authorization": f"Bearer {session.api_key}"})
+    client = httpx.Client(timeout=600, headers={"Authorization": f"Bearer {session.api_key}"})
     rng = random.Random(0)
     per_turn = (args.window - 2000) // args.turns - args.max_tokens - 10  # the template's ~10 tokens a turn
     messages = [{"role": "system", "content": "You are a coding agent. " + _text(rng, renderer, 800)}]
     turns, side = [], []
 
-    async def ask(msgs: list[dict], max_tokens: int) -> tuple[float, float, float, int, str]:
+    def post(msgs: list[dict], max_tokens: int) -> tuple[dict, float]:
+        """In the client's own thread: (the reply's JSON, the thread's CPU seconds for the request)."""
+        cpu = time.thread_time()
+        reply = client.post(f"{session.base_url}/chat/completions", json={
+            "model": session.model_name, "messages": msgs, "max_tokens": max_tokens, "min_tokens": max_tokens})
+        assert reply.status_code == 200, reply.text
+        return reply.json(), time.thread_time() - cpu
+
+    async def ask(msgs: list[dict], max_tokens: int) -> tuple[float, float, float, float, int, str]:
         engine.seconds = 0.0
         t0, cpu = time.perf_counter(), time.process_time()
-        reply = await client.post(f"{session.base_url}/chat/completions", json={
-            "model": session.model_name, "messages": msgs, "max_tokens": max_tokens, "min_tokens": max_tokens})
+        body, client_cpu = await asyncio.to_thread(post, msgs, max_tokens)
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu
-        assert reply.status_code == 200, reply.text
-        body = reply.json()
-        return wall, engine.seconds, cpu, body["usage"]["prompt_tokens"], body["choices"][0]["message"]["content"]
+        return (wall, engine.seconds, cpu, client_cpu, body["usage"]["prompt_tokens"],
+                body["choices"][0]["message"]["content"])
 
     for t in range(args.turns):
         messages.append({"role": "user", "content": _text(rng, renderer, per_turn)})
-        wall, in_engine, cpu, history, content = await ask(messages, args.max_tokens)
+        wall, in_engine, cpu, client_cpu, history, content = await ask(messages, args.max_tokens)
         turns.append({"turn": t, "history": history, "wall": wall, "engine": in_engine, "cpu": cpu,
-                      "after_side": bool(side)
-                      and side[-1]["turn"] == t - 1})
+                      "client_cpu": client_cpu, "after_side": bool(side) and side[-1]["turn"] == t - 1})
         messages.append({"role": "assistant", "content": content})
         if args.side_every and t % args.side_every == args.side_every - 1:
             title = [{"role": "system", "content": "Write a five-word title for this conversation."}, *messages[1:]]
-            wall, in_engine, _, history, _ = await ask(title, 8)
+            wall, in_engine, _, _, history, _ = await ask(title, 8)
             side.append({"turn": t, "history": history, "wall": wall, "engine": in_engine})
         if t % 10 == 9:
             last = turns[-1]
             print(f"turn {t + 1}: {last['history']} tokens, {last['wall'] * 1e3:.0f} ms "
                   f"({last['engine'] * 1e3:.0f} in the engine)", flush=True)
+    gc.callbacks.remove(collector)
     stats = await engine.prefix_stats()
     peak = _rss_peak(engine.engine._proc.pid)
     gc.collect()
@@ -139,10 +162,10 @@ async def run(args: argparse.Namespace) -> dict:
     del segments, trajectory, experiences, payloads
     gc.collect()
     own_after = _rss_peak(os.getpid())[0]
-    await client.aclose()
+    client.close()
     await server.stop()
     await engine.close()
-    return {"turns": turns, "side": side, "loaded": loaded, "peak": peak, "prefix": stats, "segments": n_segments,
+    return {"turns": turns, "side": side, "idle": idle, "pauses": pauses, "loaded": loaded, "peak": peak, "prefix": stats, "segments": n_segments,
             "tokens": tokens, "payload_bytes": payload, "records": records,
             "own": (own_before, own_live, own_after), "saved": saved if args.save or args.train else None,
             "kv_per_token": 2 * 2 * 2 * 16 * 4}  # layers x (k, v) x kv heads x head dim x fp32
@@ -150,20 +173,35 @@ async def run(args: argparse.Namespace) -> dict:
 
 def table(result: dict, near: int) -> str:
     main = result["turns"]
-    rows = ["| history (tokens) | turns | request (ms) | engine (ms) | capture (ms) | capture CPU (ms) |",
-            "|---:|---:|---:|---:|---:|---:|"]
+    rows = [("| history (tokens) | turns | request (ms) | engine (ms) | capture (ms) | CPU, client + server (ms) "
+             "| client CPU (ms) | server CPU (ms) | server CPU less idle (ms) |"), "|---:" * 9 + "|"]
+    servers = []
     for target in (1024, 8192, 16384, 32768):
         picked = sorted(main, key=lambda t: abs(t["history"] - target))[:near]
-        wall, eng, cap, cpu = (statistics.median(f(t) * 1e3 for t in picked) for f in (
-            lambda t: t["wall"], lambda t: t["engine"], lambda t: t["wall"] - t["engine"], lambda t: t["cpu"]))
+        wall, eng, cap, cpu, client, server, net = (statistics.median(f(t) * 1e3 for t in picked) for f in (
+            lambda t: t["wall"], lambda t: t["engine"], lambda t: t["wall"] - t["engine"], lambda t: t["cpu"],
+            lambda t: t["client_cpu"], lambda t: t["cpu"] - t["client_cpu"],
+            lambda t: t["cpu"] - t["client_cpu"] - result["idle"] * t["wall"]))
+        servers.append(net)
         rows.append(f"| {statistics.median(t['history'] for t in picked):,.0f} | {min(t['turn'] for t in picked) + 1}"
-                    f"-{max(t['turn'] for t in picked) + 1} | {wall:.0f} | {eng:.0f} | {cap:.1f} | {cpu:.1f} |")
+                    f"-{max(t['turn'] for t in picked) + 1} | {wall:.0f} | {eng:.0f} | {cap:.1f} | {cpu:.1f} | "
+                    f"{client:.1f} | {server:.1f} | {net:.1f} |")
+    every = [(t["cpu"] - t["client_cpu"] - result["idle"] * t["wall"]) * 1e3 for t in main[1:]]
     after = [t["engine"] * 1e3 for t in main if t["after_side"]]
     others = [t["engine"] * 1e3 for t in main[1:] if not t["after_side"]]
     side = [s["engine"] * 1e3 for s in result["side"]]
     loaded, peak, own = result["loaded"], result["peak"], result["own"]
     lines = [
-        "", (f"Side requests (a title under another system prompt): {len(side)}, engine median "
+        "", (f"Capture server's CPU per turn less idle, last row over first: {servers[-1] / servers[0]:.2f}x; over every main "
+             f"turn but the first: mean {statistics.mean(every):.1f} ms, max {max(every):.1f} ms (turn "
+             f"{every.index(max(every)) + 2}; the medians above "
+             "leave out pauses such as the garbage collector's). Idle, the process spends "
+             f"{result['idle'] * 1e3:.2f} ms of CPU a second (uvicorn's tick, the event loop): \"less idle\" takes "
+             "that off each turn's server CPU pro rata of its wall time. The garbage collector over the session "
+             "(this process): " + ", ".join(f"generation {g}: {len(p)} collections, {sum(p) * 1e3:.0f} ms"
+                                            + (f" (longest {max(p) * 1e3:.0f} ms)" if p else "")
+                                            for g, p in result["pauses"].items()) + "."),
+        (f"Side requests (a title under another system prompt): {len(side)}, engine median "
              f"{statistics.median(side):.0f} ms (each prefills the history since the previous title); the main turn "
              f"right after one: "
              f"engine median {statistics.median(after):.0f} ms, other turns {statistics.median(others):.0f} ms.")

@@ -36,7 +36,7 @@ class Action:
 class Plan:
     """What a request will extend (or start) and the exact prompt to send to the engine."""
 
-    prompt_ids: list[int]
+    prompt_ids: Any  # numpy [n] int32: the branch's tokens and the new context (what the engine gets)
     context_ids: list[int]  # tokens appended to the branch before the action (mask 0); the whole prompt if new
     branch: _Branch | None  # continued branch, None for a new segment
     break_reason: str
@@ -76,21 +76,21 @@ class SegmentTracker:
             context = pieces and self._continuation(branch, *pieces[:2])
             if context is not None:
                 ids, images = self.renderer.encode_images(context, message_images(messages[len(known):]))
-                return Plan(branch.segment.token_ids.tolist() + ids, ids, branch, "", messages, tools, temperature,
+                return Plan(joined_ids(branch.segment.token_ids, ids), ids, branch, "", messages, tools, temperature,
                             pieces[2], images=join_inputs(branch.segment.images, images))
             rewrite = True
             break
         text_c = self.renderer.render(messages, tools, add_generation_prompt=True)
         ids, images = self.renderer.encode_images(text_c, message_images(messages))
         reason = self._break_reason(messages, tools, temperature, rewrite)
-        return Plan(ids, ids, None, reason, messages, tools, temperature, text_c, rewrite, images)
+        return Plan(joined_ids(ids), ids, None, reason, messages, tools, temperature, text_c, rewrite, images)
 
     def plan_raw(self, text: str) -> Plan:
         if self._last is None:
             raise ValueError("raw-text continuation needs an earlier turn in this session")
         seg = self._last.segment
         ids = self.renderer.encode(text)
-        return Plan(seg.token_ids.tolist() + ids, ids, self._last, "", None, self._last.tools, seg.temperature,
+        return Plan(joined_ids(seg.token_ids, ids), ids, self._last, "", None, self._last.tools, seg.temperature,
                     images=seg.images)
 
     def commit(self, plan: Plan, actions: list[Action], replies: list[dict[str, Any]] | None) -> None:
@@ -144,9 +144,15 @@ def _start(messages: list[dict[str, Any]]) -> tuple[str, str]:
     return (messages[0]["role"], str(messages[0]["content"])) if messages else ("", "")
 
 
-def _extend(segment: Segment, context: list[int], action: Action) -> None:
+def joined_ids(*parts: Any) -> Any:
+    """Token ids as one int32 array: a turn's prompt is the segment's array and its new tokens, joined at C speed
+    (not a Python list of the whole history: the engine process gets the array's bytes, `molt.engine.process`)."""
+    return np.concatenate([np.asarray(p, np.int32) for p in parts])
+
+
+def _extend(segment: Segment, context: Any, action: Action) -> None:
     n, k = len(context), len(action.token_ids)
-    segment.token_ids = np.concatenate([segment.token_ids, np.asarray(context + action.token_ids, np.int32)])
+    segment.token_ids = joined_ids(segment.token_ids, context, action.token_ids)
     segment.action_mask = np.concatenate([segment.action_mask, np.arange(n + k) >= n])
     segment.behavior_logprobs = np.concatenate([segment.behavior_logprobs, np.asarray(action.logprobs, np.float32)])
     segment.versions = np.concatenate([segment.versions, np.asarray(action.versions, np.int32)])

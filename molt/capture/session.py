@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from molt.capture.render import ChatRenderer, canonical_messages, canonical_tools, message_images
-from molt.capture.segments import Action, Plan, SegmentTracker
+from molt.capture.segments import Action, Plan, SegmentTracker, joined_ids
 from molt.capture.tools import Parsed, ToolParser, call_opening
 from molt.engine.base import Engine, can_stream
 from molt.types import (
@@ -52,6 +52,7 @@ class ChatRequest:
     formats: dict[str, dict[str, Any]] = field(default_factory=dict)  # tool name -> {"schema"} (strict) or a grammar
     output: dict[str, Any] | None = None  # the JSON schema of a text reply (structured outputs)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])  # its reply's id (hex; the wires prefix it)
+    body_bytes: int | None = None  # its wire body's length, a bound on its characters (`_fits` walks it above)
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Choice:
 class Generation:
     id: str  # hex, the wires prefix it
     created: int
-    prompt_ids: list[int]
+    prompt_ids: Any  # numpy [n] int32 (`Plan.prompt_ids`)
     choices: list[Choice]
 
     @property
@@ -124,7 +125,7 @@ class Session:
                               parse_tools=bool(tools))
         gen = await self.complete(request)
         choice = gen.choices[0]
-        return Turn(choice.message, gen.prompt_ids, choice.action_ids, choice.finish_reason)
+        return Turn(choice.message, gen.prompt_ids.tolist(), choice.action_ids, choice.finish_reason)
 
     async def extend(self, text: str, params: SamplingParams) -> Turn:
         async with self._lock:
@@ -133,7 +134,7 @@ class Session:
             plan = await asyncio.to_thread(self.tracker.plan_raw, self._fits(text))
             gen = await self._generate(plan, ChatRequest([], None, params, parse_tools=False))
         choice = gen.choices[0]
-        return Turn(choice.message, gen.prompt_ids, choice.action_ids, choice.finish_reason)
+        return Turn(choice.message, gen.prompt_ids.tolist(), choice.action_ids, choice.finish_reason)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.renderer.decode(token_ids)
@@ -153,7 +154,8 @@ class Session:
         """Answer one request: from the retry cache (when `lookup`), or plan -> generate -> record (and cache
         under `cache_key`). `listener` (a `streaming.LiveReply`, n == 1 only) hears the planned prompt and
         the sampled tokens as they come."""
-        self._fits(request.messages, request.tools)
+        if request.body_bytes is None or request.body_bytes > self.max_chars > 0:  # within it: no O(history) walk
+            self._fits(request.messages, request.tools)
         async with self._lock:
             self._check_open()
             self.stats["requests"] += 1
@@ -185,7 +187,7 @@ class Session:
         opening, base = self._constrain(request)
         if opening:  # forced tool call: the opening is context the model continues from (mask 0)
             forced = self.renderer.encode(opening)
-            plan = dataclasses.replace(plan, prompt_ids=plan.prompt_ids + forced,
+            plan = dataclasses.replace(plan, prompt_ids=joined_ids(plan.prompt_ids, forced),
                                        context_ids=plan.context_ids + forced)
         if len(plan.prompt_ids) >= self.max_model_len:
             raise ContextTooLong(
@@ -220,7 +222,9 @@ class Session:
 
     def _fits(self, *parts: Any) -> Any:
         """The first part, once the characters of every part (strings nested in lists and dicts) are within
-        max_chars_per_token x the window: a cheap bound that refuses an oversized request before tokenizing it."""
+        max_chars_per_token x the window: a cheap bound that refuses an oversized request before tokenizing it. A wire
+        request whose body is within the limit is not walked (every character of its text took at least a byte of
+        the body, up to the few a wire adds: a tool call's type), so a turn's check does not grow with its history."""
         def chars(x: Any) -> int:
             if isinstance(x, str):
                 return len(x)

@@ -81,6 +81,12 @@ def check_request(prompt: list[int], params: SamplingParams, *, max_model_len: i
     return room if params.max_tokens is None else min(params.max_tokens, room)
 
 
+def token_list(ids: Any) -> list[int]:
+    """A prompt as the list of ints an engine keeps: capture sends an int32 numpy array (its bytes cross to an
+    engine process without a Python object per token), other callers a list (copied: the engine owns it)."""
+    return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+
+
 def can_stream(engine: Any) -> bool:
     """Whether `engine.generate` accepts `on_tokens`. A wrapper (router, refit gate) answers for the engines it
     wraps through a boolean `can_stream` attribute, since its own signature always has the parameter."""
@@ -98,7 +104,7 @@ class Engine(Protocol):
 
     async def generate(
         self,
-        prompt_ids: list[int],
+        prompt_ids: list[int],  # or an int32 numpy array (capture's): engines take `token_list(prompt_ids)`
         params: SamplingParams,
         session_id: str | None = None,  # requests of one session may be routed to the same engine (prefix cache)
         request_id: str | None = None,  # for abort(); cancelling the awaiting task aborts as well

@@ -20,7 +20,7 @@ import torch
 from llguidance import LLMatcher
 from llguidance.hf import from_tokenizer
 
-from molt.engine.base import EngineError, EngineGone, RequestError, copy_weights
+from molt.engine.base import EngineError, EngineGone, RequestError, copy_weights, token_list
 from molt.engine.request import Request, failed, resolve
 from molt.engine.runner import ModelRunner
 from molt.engine.sampling import sample
@@ -68,7 +68,7 @@ class HFEngine(InProcessWeightReceiver):
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
                        request_id: str | None = None, *, on_tokens: Any = None, images: Any = None,
                        sources: Any = None) -> Completion:  # sources: for engines that process images (vLLM)
-        req = self._make_request(list(prompt_ids), params, request_id)
+        req = self._make_request(token_list(prompt_ids), params, request_id)
         if images and not self.spec.vision:
             raise RequestError(f"{self.model_name} takes no images")
         req.on_tokens, req.session_id, req.images = on_tokens, session_id, images

@@ -11,7 +11,9 @@ requests through the capture server much slower than direct engine calls at 32 c
 Wire. One `multiprocessing` pipe (spawn context). The parent sends ("generate", id, prompt, params, session),
 ("abort", id) and ("call", id, method, args); the child answers ("ok", id, result) or ("error", id, exception)
 from its own event loop, where the real engine runs exactly as in-process. A reader thread in the parent
-resolves the waiting futures. Tensors sent with `update_weights` travel through shared memory (torch registers
+resolves the waiting futures. The prompt goes as the caller gave it: capture's int32 array pickles as its bytes
+(a list of 31K ids took 0.34 ms to pickle and 0.5 ms to unpickle into as many objects; the array 0.006 ms each
+way), and the child's engine makes its own list (`token_list`, 0.17 ms). Tensors sent with `update_weights` travel through shared memory (torch registers
 its tensor reductions with multiprocessing's pickler), so a refit costs no pickle of the bytes. A CPU engine
 goes further: its child moves the model's tensors into shared memory at start-up and hands them to the parent
 (`shared_weights`), which copies a refit's tensors straight into them while the child is paused (one copy;
@@ -119,7 +121,7 @@ class EngineProcess:
                        sources: Any = None) -> Completion:
         request_id = request_id or f"p{next(self._ids)}"
         try:
-            return await self._request("generate", request_id, list(prompt_ids), params, session_id,
+            return await self._request("generate", request_id, prompt_ids, params, session_id,
                                        on_tokens is not None, images and (images, sources), on_tokens=on_tokens)
         except asyncio.CancelledError:
             self._send(("abort", None, request_id))

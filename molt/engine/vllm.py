@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from molt.engine import vllm_worker
-from molt.engine.base import EngineError, EngineGone, RequestError
+from molt.engine.base import EngineError, EngineGone, RequestError, token_list
 from molt.engine.request import RequestRecord
 from molt.types import Completion, FinishReason, ModelSpec, SamplingParams
 
@@ -232,7 +232,7 @@ class VLLMEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
                        request_id: str | None = None, *, on_tokens: Any = None, images: Any = None,
                        sources: Any = None) -> Completion:
-        req = self._admit(list(prompt_ids), params, request_id)
+        req = self._admit(token_list(prompt_ids), params, request_id)
         spec = self.spec
         req.on_tokens, req.mm = on_tokens, mm_prompt(req.prompt, images, sources, spec.image_token_id, spec.merge_size)
         self._active[req.id] = req

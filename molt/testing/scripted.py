@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
-from molt.engine.base import RequestError, can_stream
+from molt.engine.base import RequestError, can_stream, token_list
 from molt.types import Completion, FinishReason, SamplingParams
 
 
@@ -48,7 +48,8 @@ class ScriptedEngine:
                        request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"prompt of {len(prompt_ids)} tokens does not fit the window of {self.max_model_len}")
-        self.calls.append({"prompt_ids": list(prompt_ids), "params": params, "session_id": session_id})
+        prompt_ids = token_list(prompt_ids)
+        self.calls.append({"prompt_ids": prompt_ids, "params": params, "session_id": session_id})
         text = self._text(prompt_ids, params)
         ids = self._encoded.get(text)
         if ids is None:
@@ -113,7 +114,7 @@ class RecordingEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
                        request_id: str | None = None, **kw: Any) -> Completion:  # on_tokens, images
         completion = await self.inner.generate(prompt_ids, params, session_id=session_id, request_id=request_id, **kw)
-        self.records.append((session_id, list(prompt_ids), completion))
+        self.records.append((session_id, token_list(prompt_ids), completion))
         return completion
 
     def of_session(self, session_id: str) -> list[tuple[list[int], Completion]]:

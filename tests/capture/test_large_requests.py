@@ -5,7 +5,8 @@ import time
 
 import httpx
 
-from molt.testing.scripted import live_capture_server
+from molt.capture.session import Session
+from molt.testing.scripted import ScriptedEngine, live_capture_server
 from molt.types import SamplingParams
 
 
@@ -61,3 +62,23 @@ async def test_a_large_request_does_not_hold_up_another_session(hf_engine, token
     # on a loaded machine, where a small request's latency swings well past twice its quiet value.
     assert max(during) <= max(2 * usual + 0.05, took / 10), \
         f"small requests took {during} s during the large one ({took:.2f} s), {usual:.3f} s alone"
+
+
+async def test_the_character_bound_walks_only_bodies_over_it(tokenizer, monkeypatch):
+    """A body within max_chars_per_token x the window holds no more characters than that (each took a byte at
+    least): its messages are not walked, so a turn's check does not grow with the history. Over it, the count
+    decides: 3,000 characters in a 9 KB body (3 bytes each in UTF-8) pass, 9,000 plain ones are refused."""
+    walks = []
+    fits = Session._fits
+    monkeypatch.setattr(Session, "_fits", lambda self, *parts: walks.append(1) or fits(self, *parts))
+    engine = ScriptedEngine(tokenizer, max_model_len=16384)
+    async with live_capture_server(engine, tokenizer, max_chars_per_token=0.5) as server:  # 8,192 characters
+        session = await server.open_session("r", SamplingParams(max_tokens=4))
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            small = await post(http, session, chat("hello " * 1000))  # 6 KB
+            assert (small.status_code, len(walks)) == (200, 0), small.text
+            wide = await post(http, session, chat("\u20ac" * 3000))  # the euro sign
+            assert (wide.status_code, len(walks)) == (200, 1), wide.text
+            over = await post(http, session, chat("x" * 9000))
+    assert len(walks) == 2 and over.status_code == 400 and "characters" in over.json()["error"]["message"]
+    assert len(await session.close()) == 2  # the two answered requests, new conversations each

@@ -1,6 +1,7 @@
 """Segment transitions and retries through a live server (scripted engine: exact, instant replies)."""
 import asyncio
 
+import numpy as np
 from openai import AsyncOpenAI
 
 from molt.agents import ChatAgent, ChatAgentRunner, Result
@@ -122,3 +123,26 @@ async def test_deliberate_repeat_is_a_new_sample(tokenizer):
         segments = await session.close()
     assert [r["content"] for r in replies] == ["first", "second"] and len(engine.calls) == 2
     assert [s.break_reason for s in segments] == ["start", "branch"]
+
+
+async def test_the_engine_gets_each_prompt_as_the_segments_int32_tokens(tokenizer):
+    """A turn's prompt reaches the engine as an int32 array (no Python list of the whole history), exactly the
+    segment's tokens up to the reply."""
+    prompts = []
+
+    class Recording(ScriptedEngine):
+        async def generate(self, prompt_ids, params, *args, **kwargs):
+            prompts.append(prompt_ids)
+            return await super().generate(prompt_ids, params, *args, **kwargs)
+
+    async with live_capture_server(Recording(tokenizer, ["4 is it", "ten"]), tokenizer) as server:
+        session = await server.open_session("r", SamplingParams(max_tokens=8))
+        api, messages = client(session), [USER]
+        for question in ("And 5 + 5?", "Sure?"):
+            messages += [await ask(api, messages), {"role": "user", "content": question}]
+        await ask(api, messages)
+        [segment] = await session.close()
+    assert len(prompts) == 3 and all(isinstance(p, np.ndarray) and p.dtype == np.int32 for p in prompts)
+    for prompt in prompts:
+        assert segment.token_ids[:len(prompt)].tolist() == prompt.tolist()
+        assert not segment.action_mask[len(prompt) - 1] and segment.action_mask[len(prompt)]

@@ -68,9 +68,9 @@ def test_windowed_rendering_equals_whole_rendering_token_for_token(name):
         trackers = [SegmentTracker(r, [eos]) for r in (windowed, whole)]
         for messages, reply in agent_session(rng, tools, 25):
             plans = [t.plan(messages, tools, 1.0) for t in trackers]
-            assert plans[0].prompt_ids == plans[1].prompt_ids
+            assert plans[0].prompt_ids.tolist() == plans[1].prompt_ids.tolist()
             assert (plans[0].branch is None, plans[0].break_reason) == (plans[1].branch is None, plans[1].break_reason)
-            assert windowed.decode(plans[0].prompt_ids) == windowed.render(messages, tools, True)
+            assert windowed.decode(plans[0].prompt_ids.tolist()) == windowed.render(messages, tools, True)
             ids = sampled(windowed, messages, reply, tools, eos)
             for tracker, plan in zip(trackers, plans):
                 tracker.commit(plan, [Action(ids, [0.0] * len(ids), [0] * len(ids))], [reply])

@@ -2,6 +2,7 @@
 import asyncio
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -116,3 +117,18 @@ def test_one_client_interface_in_process_or_not():
                 if inspect.iscoroutinefunction(f) and not name.startswith("_")}
     assert interface(EngineProcess) == interface(HFEngine)
     assert {"pause", "resume", "prefix_stats", "weight_sums", "join_weight_group"} <= set(interface(EngineProcess))
+
+
+def test_an_int32_array_prompt_gives_what_its_list_gives(proc_engine, hf_engine):
+    """Capture hands engines an int32 array (its bytes cross the pipe); in the child and in process it samples
+    what the same prompt as a list samples (each engine against itself: a test above refits the child's)."""
+    prompt = [5, 17, 42, 9, 300, 7]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+
+    async def run(engine):
+        return [await engine.generate(p, params) for p in (prompt, np.asarray(prompt, np.int32))]
+    for engine in (proc_engine, hf_engine):
+        listed, array = asyncio.run(run(engine))
+        assert array.token_ids == listed.token_ids and len(listed.token_ids) == 8
+        assert array.logprobs == pytest.approx(listed.logprobs, abs=1e-6)
+        assert array.prompt_tokens == len(prompt)
