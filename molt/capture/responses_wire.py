@@ -155,11 +155,12 @@ def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
             f"{_grammar(t).get('definition')}"}}} for t, _ in _functions(tools)])
 
 
-def _formats(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _formats(tools: list[dict[str, Any]], strict: bool) -> dict[str, dict[str, Any]]:
     """Tool name -> how its calls are constrained (`ChatRequest.formats`): a grammar tool by its grammar, a
-    function tool by its schema unless `strict` is false (the Responses API's default is true)."""
+    function tool by its schema where `strict` is true; left out, `strict` is true (the Responses API's default)
+    where the server's tool parser has a grammar, false where it has none (docs/harnesses.md)."""
     return {t["name"]: _grammar(t) or {"schema": t.get("parameters") or {"type": "object"}}
-            for t, _ in _functions(tools) if _grammar(t) or (t.get("type") == "function" and t.get("strict", True))}
+            for t, _ in _functions(tools) if _grammar(t) or (t.get("type") == "function" and t.get("strict", strict))}
 
 
 def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> ChatRequest:
@@ -174,7 +175,7 @@ def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> Ch
     if system and history and history[0]["role"] == "system":  # new instructions replace the recorded ones
         history = history[1:]
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else data["input"]
-    formats = _formats(request_tools(req))
+    formats = _formats(request_tools(req), getattr(session.parser, "grammar", None) is not None)
     raw = {name for name, f in formats.items() if "schema" not in f}
     messages = merge_leading_system(system + history + canonical_messages(_messages(items, session, raw),
                                                                           session.renderer.image))
