@@ -258,11 +258,11 @@ class Session:
         grammar = build(tools, name, request.output and json_lark(request.output), self._token)
         return opening, request.params.copy(grammar=check_grammar(grammar, "tools"))
 
-    def _token(self, marker: str) -> str:
+    def _token(self, marker: str) -> str | None:
+        """A call marker as a Lark token; None where it is not one token (SmolLM2's `<tool_call>`): then the
+        model writes it as text, in any tokenization, as the parser reads it."""
         ids = self.renderer.encode(marker)
-        if len(ids) != 1:
-            raise ValueError(f"constrained tool calls need {marker!r} to be one token of {self.model_name}'s tokenizer")
-        return f"<[{ids[0]}]>"
+        return f"<[{ids[0]}]>" if len(ids) == 1 else None
 
     def _choice(self, completion: Completion, request: ChatRequest, opening: str = "") -> Choice:
         ids = completion.token_ids

@@ -126,13 +126,13 @@ def call_grammar(opening: Callable[[str | None], str], markers: tuple[str, ...],
     The builder: (tools, name, text, token) -> the Lark grammar of a reply: free text (or `text`, a Lark
     expression) or calls, after `opening(name)` when `name` is given ("" forces some call). `tools`: name ->
     {"schema": the arguments' JSON schema} or a custom tool's `format` (grammar or regex); `token(marker)`: the
-    marker as a Lark token (`<[id]>`)."""
+    marker as a Lark token (`<[id]>`), None to write it as text."""
     split = re.compile("(" + "|".join(map(re.escape, markers)) + ")")
 
     def build(tools: dict[str, dict[str, Any]], name: str | None, text: str | None, token: Callable[[str], str]) -> str:
         def lark(*pieces: Any) -> str:
             return " ".join(f"/{p.pattern}/" if isinstance(p, re.Pattern) else " ".join(
-                token(s) if s in markers else json.dumps(s) for s in split.split(p) if s) for p in pieces)
+                s in markers and token(s) or json.dumps(s) for s in split.split(p) if s) for p in pieces)
         head, rules = opening(None), []
         for i, (tool, spec) in enumerate(tools.items()):
             if "schema" in spec:

@@ -186,3 +186,28 @@ async def test_qwen3_coder_refuses_explicit_strict_and_degrades_implicit(tokeniz
                                                {"role": "user", "content": "Add."}], tools=[
                                                {"name": "add", "input_schema": ADD, "strict": True}])
     assert len(engine.calls) == 1
+
+
+async def test_markers_that_are_not_one_token_are_text_in_the_grammar():
+    """A tokenizer without the format's markers as tokens (SmolLM2 has no `<tool_call>` token; here Mistral's
+    `[TOOL_CALLS]`/`[ARGS]` on the Llama family's tokenizer): strict calls are still constrained, the markers
+    written as text in the grammar, which accepts the call as the model writes it in any tokenization."""
+    from llguidance import LLMatcher
+    from llguidance.hf import from_tokenizer
+
+    from molt.testing.scripted import ScriptedEngine
+
+    tok = family_tokenizer("llama3.2.jinja")
+    assert len(tok.encode("[TOOL_CALLS]", add_special_tokens=False)) > 1
+    engine = ScriptedEngine(tok, ['a[ARGS]{"a": 3, "b": "x"}'], max_model_len=8192)
+    async with live_capture_server(engine, tok, tool_parser="mistral_v11") as server:
+        reply = await api(await server.open_session()).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Add."}], tool_choice="required", tools=[
+                {"type": "function", "function": {"name": "a", "parameters": ADD, "strict": True}}])
+    (call,) = reply.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"a": 3, "b": "x"}
+    grammar = engine.calls[0]["params"].grammar
+    assert '"[ARGS]"' in grammar and "<[" not in grammar
+    matcher = LLMatcher(from_tokenizer(tok), grammar)
+    assert matcher.consume_tokens(tok.encode('a[ARGS]{"a": 3, "b": "x"}', add_special_tokens=False) + [tok.eos_token_id])
+    assert not matcher.is_error()
