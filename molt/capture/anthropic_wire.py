@@ -2,7 +2,8 @@
 
 Supported: `system` (string or text blocks), `messages` with text, `image` (base64 or url sources, for
 vision-language models: `molt.capture.render`), `tool_use` and `tool_result` blocks (results may hold images),
-`tools` (converted to OpenAI function definitions so the chat template sees one format), `tool_choice`
+`tools` (converted to OpenAI function definitions so the chat template sees one format; `strict` ones, Anthropic's
+strict tool use, have their input held to `input_schema` by the reply grammar, `Session._constrain`), `tool_choice`
 (`none` disables parsing; `any` and `tool` force a call, see `molt.capture.session`), `max_tokens`, `temperature`, `top_p`,
 `top_k`, `stop_sequences`, `stream`. `stop_reason` is `tool_use`, `stop_sequence`, `max_tokens` or
 `end_turn`; `usage` counts the real prompt and completion tokens.

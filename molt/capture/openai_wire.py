@@ -9,7 +9,7 @@ sampling defaults (the rollout's; a left-out `max_tokens` where none is set: the
 left-out `seed`: the call's own, `molt.types`). `response_format` json_schema / json_object is honoured by
 constrained decoding (`errors.output_schema`). `tool_choice="none"` returns tool-call text as plain content; "required" or a named function (`{"type": "function", "function":
 {"name": ...}}`) prefill the reply with the call opening and constrain the rest to a call (`Session._constrain`);
-`strict: true` tools' arguments follow their schema; `response_format` beside tools constrains a text reply, and a
+`strict: true` tools' arguments follow their schema (a 400 where the tool parser's format has no grammar); `response_format` beside tools constrains a text reply, and a
 reply is that JSON or calls (a forced call: the call).
 
 Streaming: content deltas go out as the engine samples (`molt.capture.streaming`), then tool-call deltas (id

@@ -211,3 +211,19 @@ async def test_markers_that_are_not_one_token_are_text_in_the_grammar():
     matcher = LLMatcher(from_tokenizer(tok), grammar)
     assert matcher.consume_tokens(tok.encode('a[ARGS]{"a": 3, "b": "x"}', add_special_tokens=False) + [tok.eos_token_id])
     assert not matcher.is_error()
+
+
+async def test_grammar_tools_need_a_format_that_holds_raw_input():
+    """A custom grammar tool's raw input sits verbatim in a Hermes call; Llama's format (JSON arguments, quoted
+    by its template) cannot hold it: a 400 naming the tool, nothing generated."""
+    import openai
+
+    from molt.testing.scripted import ScriptedEngine
+
+    tok = family_tokenizer("llama3.2.jinja")
+    engine = ScriptedEngine(tok, ["ok"], max_model_len=8192)
+    async with live_capture_server(engine, tok) as server:
+        with pytest.raises(openai.BadRequestError, match="'exec' takes raw input"):
+            await api(await server.open_session()).responses.create(
+                model="m", input="Go.", tools=[{"type": "custom", "name": "exec", "format": CODE}])
+    assert not engine.calls
