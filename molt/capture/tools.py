@@ -129,7 +129,8 @@ def call_grammar(opening: Callable[[str | None], str], markers: tuple[str, ...],
     marker as a Lark token (`<[id]>`), None to write it as text."""
     split = re.compile("(" + "|".join(map(re.escape, markers)) + ")")
 
-    def build(tools: dict[str, dict[str, Any]], name: str | None, text: str | None, token: Callable[[str], str]) -> str:
+    def build(tools: dict[str, dict[str, Any]], name: str | None, text: str | None,
+              token: Callable[[str], str | None]) -> str:
         def lark(*pieces: Any) -> str:
             return " ".join(f"/{p.pattern}/" if isinstance(p, re.Pattern) else " ".join(
                 s in markers and token(s) or json.dumps(s) for s in split.split(p) if s) for p in pieces)
