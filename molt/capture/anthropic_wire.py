@@ -2,7 +2,8 @@
 
 Supported: `system` (string or text blocks), `messages` with text, `image` (base64 or url sources, for
 vision-language models: `molt.capture.render`), `tool_use` and `tool_result` blocks (results may hold images),
-`tools` (converted to OpenAI function definitions so the chat template sees one format), `tool_choice`
+`tools` (converted to OpenAI function definitions so the chat template sees one format; `strict` ones, Anthropic's
+strict tool use, have their input held to `input_schema` by the reply grammar, `Session._constrain`), `tool_choice`
 (`none` disables parsing; `any` and `tool` force a call, see `molt.capture.session`), `max_tokens`, `temperature`, `top_p`,
 `top_k`, `stop_sequences`, `stream`. `stop_reason` is `tool_use`, `stop_sequence`, `max_tokens` or
 `end_turn`; `usage` counts the real prompt and completion tokens.
@@ -34,6 +35,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from molt.capture.errors import ANSWERED, WireError, error_reply, output_schema
+from molt.capture.openai_wire import tool_choice
 from molt.capture.render import canonical_tools, content_parts, merge_leading_system
 from molt.capture.session import ChatRequest, Choice, Generation, Session, text_pieces
 from molt.capture.streaming import LiveReply
@@ -90,6 +92,7 @@ class Tool(_Model):
     name: str
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None  # strict tool use: the call's input follows input_schema (constrained decoding)
 
 
 class MessagesRequest(_Model):
@@ -173,14 +176,10 @@ def to_chat(req: MessagesRequest, data: dict[str, Any], session: Session) -> Cha
     tools = thread_tools if req.tools is None else canonical_tools([{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
                                                                **({"description": t.description} if t.description else {})}}
                              for t in req.tools or []])
-    kind = (req.tool_choice or {}).get("type", "auto")
-    choice = {"auto": "auto", "none": "none", "any": "required", "tool": "function"}.get(kind)
-    name = (req.tool_choice or {}).get("name")
-    if choice is None or (choice == "function" and not isinstance(name, str)):
-        raise WireError(400, 'tool_choice.type must be "auto", "any", "none" or "tool" (with a name)',
-                        param="tool_choice")
+    choice, name = tool_choice(req.tool_choice)
     return ChatRequest(history + _messages(req, session), tools, params, list(req.stop_sequences or []), 1,
                        parse_tools=bool(tools) and choice != "none", tool_choice=choice, tool_name=name,
+                       formats={t.name: {"schema": t.input_schema} for t in req.tools or [] if t.strict},
                        output=output_schema(fmt, "output_config.format"))
 
 

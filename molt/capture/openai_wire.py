@@ -9,7 +9,7 @@ sampling defaults (the rollout's; a left-out `max_tokens` where none is set: the
 left-out `seed`: the call's own, `molt.types`). `response_format` json_schema / json_object is honoured by
 constrained decoding (`errors.output_schema`). `tool_choice="none"` returns tool-call text as plain content; "required" or a named function (`{"type": "function", "function":
 {"name": ...}}`) prefill the reply with the call opening and constrain the rest to a call (`Session._constrain`);
-`strict: true` tools' arguments follow their schema; `response_format` beside tools constrains a text reply, and a
+`strict: true` tools' arguments follow their schema (a 400 where the tool parser's format has no grammar); `response_format` beside tools constrains a text reply, and a
 reply is that JSON or calls (a forced call: the call).
 
 Streaming: content deltas go out as the engine samples (`molt.capture.streaming`), then tool-call deltas (id
@@ -126,14 +126,17 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 def tool_choice(choice: str | dict[str, Any] | None) -> tuple[str, str | None]:
-    """(choice, function name) of an OpenAI `tool_choice`: a string, or a named function as Chat Completions
-    (`{"type": "function", "function": {"name"}}`) or Responses (`{"type": "function", "name"}`) writes it."""
+    """(choice, function name) of a `tool_choice`: an OpenAI string, or a dict as Chat Completions (a named
+    `{"type": "function", "function": {"name"}}`), Responses (`{"type": "function" or "custom", "name"}`) or
+    Anthropic (`{"type": "auto" | "none" | "any" | "tool"}`, "tool" with a name) writes it."""
     if not isinstance(choice, dict):
         return choice or "auto", None
-    name = (choice.get("function") or choice).get("name")
-    if choice.get("type") not in ("function", "custom") or not isinstance(name, str):  # custom: Responses' own
-        raise WireError(400, 'tool_choice must be "none", "auto", "required" or a function {"type": "function", '
-                        '"name": ...}', code="invalid_request", param="tool_choice")
+    kind, name = choice.get("type"), (choice.get("function") or choice).get("name")
+    if kind in ("auto", "none", "any"):
+        return "required" if kind == "any" else kind, None
+    if kind not in ("function", "custom", "tool") or not isinstance(name, str):
+        raise WireError(400, 'tool_choice must be "none", "auto", "required" or a named function (tool): '
+                        '{"type": "function", "name": ...}', code="invalid_request", param="tool_choice")
     return "function", name
 
 

@@ -9,7 +9,10 @@ model its tools there) - `instructions` (a system message first), function `tool
 `max_output_tokens` (left out: the session's default, see `server.py`), `temperature`, `top_p`, `stop`, `stream`,
 `previous_response_id`, `text.format` json_schema/json_object (constrained decoding, `errors.output_schema`).
 `custom` tools whose input is a grammar (Lark or regex; Codex's default model's `exec`) and `strict` function
-tools (the Responses default) constrain the reply (`Session._constrain`, `tools.hermes_grammar`): a grammar tool is
+tools constrain the reply (`Session._constrain`, `tools.call_grammar`). `strict` left out is the Responses
+default, true, where the tool parser has a grammar; where it has none (qwen3_coder) it is false, so that a
+harness that never names it still runs, while an explicit `strict: true` there is a 400 (docs/harnesses.md; the
+Agents SDK names it: its function tools are strict unless `function_tool(strict_mode=False)`). A grammar tool (hermes format only, a 400 elsewhere) is
 offered as a function of one string whose description holds the grammar, and its raw input is the call's
 `arguments` as written (`<tool_call>\n{"name": "exec", "arguments": RAW}\n</tool_call>`), which a template that
 prints a string verbatim renders back token-exact when the client resends the `custom_tool_call` (docs/harnesses.md).
@@ -155,11 +158,12 @@ def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
             f"{_grammar(t).get('definition')}"}}} for t, _ in _functions(tools)])
 
 
-def _formats(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _formats(tools: list[dict[str, Any]], strict: bool) -> dict[str, dict[str, Any]]:
     """Tool name -> how its calls are constrained (`ChatRequest.formats`): a grammar tool by its grammar, a
-    function tool by its schema unless `strict` is false (the Responses API's default is true)."""
+    function tool by its schema where `strict` is true; left out, `strict` is true (the Responses API's default)
+    where the server's tool parser has a grammar, false where it has none (docs/harnesses.md)."""
     return {t["name"]: _grammar(t) or {"schema": t.get("parameters") or {"type": "object"}}
-            for t, _ in _functions(tools) if _grammar(t) or (t.get("type") == "function" and t.get("strict", True))}
+            for t, _ in _functions(tools) if _grammar(t) or (t.get("type") == "function" and t.get("strict", strict))}
 
 
 def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> ChatRequest:
@@ -174,7 +178,7 @@ def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> Ch
     if system and history and history[0]["role"] == "system":  # new instructions replace the recorded ones
         history = history[1:]
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else data["input"]
-    formats = _formats(request_tools(req))
+    formats = _formats(request_tools(req), getattr(session.parser, "grammar", None) is not None)
     raw = {name for name, f in formats.items() if "schema" not in f}
     messages = merge_leading_system(system + history + canonical_messages(_messages(items, session, raw),
                                                                           session.renderer.image))

@@ -237,45 +237,36 @@ class Session:
                 "token (max_chars_per_token); shorten the messages")
         return parts[0]
 
-    def _call_opening(self, request: ChatRequest) -> str:
-        """The forced start of the reply for tool_choice "required" / "function" ("" otherwise); ValueError
-        (answered 400) for a choice that cannot be honoured."""
-        if request.tool_choice in ("auto", "none"):
-            return ""
-        names = [t["function"]["name"] for t in request.tools or []]
-        if not names:
-            raise ValueError(f"tool_choice {request.tool_choice!r} needs at least one tool in `tools`")
-        name = request.tool_name if request.tool_choice == "function" else None
-        if request.tool_choice == "function" and name not in names:
-            raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools {names}")
-        opening = call_opening(self.parser, name)
-        if opening is None:
-            raise ValueError(f"tool_choice {request.tool_choice!r}: this server's tool parser cannot force a call")
-        return opening
-
     def _constrain(self, request: ChatRequest) -> tuple[str, SamplingParams]:
-        """(the forced opening, the request's params with the grammar of its reply): `output` alone is a JSON
-        reply; with tools that may be called, strict or grammar tools, a forced call or `output` make the reply a
-        grammar of the parser's format (text or `output`, or calls; a forced call's rest). ValueError (400)
-        where the parser has none or llguidance cannot compile it."""
-        opening, build = self._call_opening(request), getattr(self.parser, "grammar", None)
+        """(the forced opening, the request's params with the grammar of its reply). A forced call (tool_choice
+        "required" / "function") starts with the parser's call opening; `output` alone is a JSON reply; with
+        tools that may be called, strict or grammar tools, a forced call or `output` make the reply a grammar of
+        the parser's format (text or `output`, or calls; a forced call's rest). ValueError (400) for a choice that
+        cannot be honoured, where the parser has no grammar or llguidance cannot compile it."""
+        names = [t["function"]["name"] for t in request.tools or []]
+        name = {"function": request.tool_name, "required": ""}.get(request.tool_choice)  # None: no call forced
+        opening = "" if name is None else call_opening(self.parser, name or None)
+        build = getattr(self.parser, "grammar", None)
+        why = None if name is None else "needs at least one tool in `tools`" if not names else \
+            f"names the function {name!r}, which is not among the tools {names}" if name and name not in names else \
+            "cannot be honoured: this server's tool parser cannot force a call" if opening is None else None
+        if why:
+            raise ValueError(f"tool_choice {request.tool_choice!r} {why}")
         if not (request.parse_tools and (request.formats or request.output or opening and build)):
             return opening, request.params if request.output is None else \
                 request.params.copy(grammar=json_grammar(request.output))
         if build is None:
             raise ValueError("strict or grammar tools and structured outputs beside tools need a grammar of the "
                              "tool-call format, which this server's tool parser has none of")
-        tools = {t["function"]["name"]: request.formats.get(t["function"]["name"], {"schema": {"type": "object"}})
-                 for t in request.tools or []}
-        name = {"function": request.tool_name, "required": ""}.get(request.tool_choice)
+        tools = {n: request.formats.get(n, {"schema": {"type": "object"}}) for n in names}
         grammar = build(tools, name, request.output and json_lark(request.output), self._token)
         return opening, request.params.copy(grammar=check_grammar(grammar, "tools"))
 
-    def _token(self, marker: str) -> str:
+    def _token(self, marker: str) -> str | None:
+        """A call marker as a Lark token; None where it is not one token (SmolLM2's `<tool_call>`): then the
+        model writes it as text, in any tokenization, as the parser reads it."""
         ids = self.renderer.encode(marker)
-        if len(ids) != 1:
-            raise ValueError(f"constrained tool calls need {marker!r} to be one token of {self.model_name}'s tokenizer")
-        return f"<[{ids[0]}]>"
+        return f"<[{ids[0]}]>" if len(ids) == 1 else None
 
     def _choice(self, completion: Completion, request: ChatRequest, opening: str = "") -> Choice:
         ids = completion.token_ids

@@ -30,8 +30,8 @@ def register_tool_parser(name: str, opening: Callable[[str | None], str] | None 
     """opening(tool name or None) -> the text that starts a call (to any tool when None), used to force calls;
     a parser registered without one cannot force them. `markers`: the tokens its format is written with, kept
     in the text it parses even where a tokenizer marks them special. `grammar(tools, name, text, token)`: the
-    Lark grammar of a reply in this format (`hermes_grammar`); a parser without one takes no grammar or strict
-    tools. A parser with one also takes `raw`: the names of tools whose input is raw text, not JSON."""
+    Lark grammar of a reply in this format (`call_grammar`); a parser without one takes no grammar or strict
+    tools. hermes also takes `raw`: the names of tools whose input is raw text, not JSON."""
     def add(parser: ToolParser) -> ToolParser:
         parser.opening, parser.markers, parser.grammar = opening, markers, grammar  # type: ignore[attr-defined]
         _PARSERS[name] = parser
@@ -105,41 +105,54 @@ def _split(text: str, pattern: re.Pattern, read: Callable[[re.Match], list[dict[
 
 
 def _format(name: str, pattern: re.Pattern, read: Callable[[re.Match], list[dict[str, Any]]], opener: str,
-            opening: Callable[[str | None], str], markers: tuple[str, ...], strip: bool = True) -> ToolParser:
-    """Register a format whose calls are blocks that start with `opener` (`_split`)."""
-    return register_tool_parser(name, opening, markers)(
+            opening: Callable[[str | None], str], markers: tuple[str, ...], strip: bool = True,
+            grammar: dict[str, Any] | None = None) -> ToolParser:
+    """Register a format whose calls are blocks that start with `opener` (`_split`); `grammar`: its shape
+    (`call_grammar`'s keywords), None for a format without one."""
+    return register_tool_parser(name, opening, markers, grammar and call_grammar(opening, markers, **grammar))(
         lambda text: _split(text, pattern, read, len(re.findall(opener, text)), strip))
 
 
-def _hermes_opening(name: str | None) -> str:
-    # the exact prefix Qwen/Hermes templates render before a call (`{"name": ..., "arguments": ...}`)
-    return "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
+def call_grammar(opening: Callable[[str | None], str], markers: tuple[str, ...], close: tuple[Any, ...],
+                 sep: tuple[Any, ...] | None, avoid: str, prose: str | None = None, end: tuple[Any, ...] = (),
+                 raw: bool = False) -> Callable[..., str]:
+    """The `grammar` builder of a format whose calls are `opening(name)`, the arguments, then `close`; calls
+    follow `opening(None)`, between them `sep` (None: one call a reply), after them `end`. Pieces are text, whose
+    markers become tokens, or regexes. A reply without calls is text that does not match `avoid` (what the parser
+    would take for a call); `prose`: the text allowed before calls (None: none, the template drops it). `raw`:
+    the parser reads grammar tools' raw input (`_hermes_read`), which with the text of `close[0]` is one terminal,
+    so that llguidance's greedy lexer ends the input where the call does.
 
+    The builder: (tools, name, text, token) -> the Lark grammar of a reply: free text (or `text`, a Lark
+    expression) or calls, after `opening(name)` when `name` is given ("" forces some call). `tools`: name ->
+    {"schema": the arguments' JSON schema} or a custom tool's `format` (grammar or regex); `token(marker)`: the
+    marker as a Lark token (`<[id]>`), None to write it as text."""
+    split = re.compile("(" + "|".join(map(re.escape, markers)) + ")")
 
-def hermes_grammar(tools: dict[str, dict[str, Any]], name: str | None, text: str | None,
-                   token: Callable[[str], str]) -> str:
-    """The Lark grammar of a Hermes reply: free text without a call opening (or `text`, a Lark expression) or
-    text (none with `text`) then calls; after `_hermes_opening(name)` when `name` is given ("" forces a call).
-    `tools`: name -> {"schema": the arguments' JSON schema} or a custom tool's `format` (grammar or regex); a
-    custom tool's raw input and the call's closing `}\n` are one terminal, so that llguidance's greedy lexer
-    ends the input where the call does. `token(marker)`: the marker as a Lark token (`<[id]>`)."""
-    o, c, rules, nl = token("<tool_call>"), token("</tool_call>"), [], r'"\n"'
-    for i, (tool, spec) in enumerate(tools.items()):
-        if "schema" in spec:
-            rules.append(f'args{i}: {json_lark(spec["schema"], JSON_STYLE)} "}}\\n"')
-        else:  # its terminals and rules become terminals T{i}_NAME, T{i}R_NAME: a recursive grammar fails to compile (400)
-            lark = spec.get("definition", "")
-            lark = "start: /" + lark.replace("/", "\\/") + "/" if spec.get("syntax") == "regex" else lark
-            rules += [_LARK.sub(lambda m, i=i: m[0] if m[0][0] in '"/' else f"T{i}{'_' if m[0].isupper() else 'R_'}"
-                                f"{m[0].upper()}", re.sub(r"^[?!]", "", lark, flags=re.MULTILINE)),
-                      f'T{i}: T{i}R_START "}}\\n"', f"args{i}: T{i}"]
-        rules.append(f"body{i}: {json.dumps(_hermes_opening(tool).split(chr(10), 1)[1])} args{i}")
-    call = f"({' | '.join(f'body{i}' for i in range(len(tools)))}) {c}"
-    prose = f"{text} |" if text else "TEXT | BODY?"  # a text reply (no text before calls with `text`), or a call
-    start = f"args{list(tools).index(name)} {c}" if name else f"{call} calls" if name == "" else \
-        f"{prose} {o} {nl} {call} calls"
-    return "\n".join([f"start: {start}", f"calls: ({nl} {o} {nl} {call})*", *rules,
-                      "TEXT: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/", r"BODY: /(?s:.*)\S\n/ & ~/(?s:.*)<tool_call>(?s:.*)/"])
+    def build(tools: dict[str, dict[str, Any]], name: str | None, text: str | None,
+              token: Callable[[str], str | None]) -> str:
+        def lark(*pieces: Any) -> str:
+            return " ".join(f"/{p.pattern}/" if isinstance(p, re.Pattern) else " ".join(
+                s in markers and token(s) or json.dumps(s) for s in split.split(p) if s) for p in pieces)
+        head, rules = opening(None), []
+        for i, (tool, spec) in enumerate(tools.items()):
+            if "schema" in spec:
+                rules.append(f"args{i}: {json_lark(spec['schema'], JSON_STYLE)} {lark(*close)}")
+            elif not raw:
+                raise ValueError(f"tools: {tool!r} takes raw input, which this server's tool-call format cannot hold")
+            else:  # its terminals and rules become terminals T{i}_NAME, T{i}R_NAME (a recursive one: a 400)
+                source = spec.get("definition", "")
+                source = "start: /" + source.replace("/", "\\/") + "/" if spec.get("syntax") == "regex" else source
+                rules += [_LARK.sub(lambda m, i=i: m[0] if m[0][0] in '"/' else f"T{i}{'_' if m[0].isupper() else 'R_'}"
+                                    f"{m[0].upper()}", re.sub(r"^[?!]", "", source, flags=re.MULTILINE)),
+                          f"T{i}: T{i}R_START {json.dumps(close[0])}", f"args{i}: T{i} {lark(*close[1:])}"]
+            rules.append(f"call{i}: {lark(opening(tool)[len(head):])} args{i}")
+        calls = f"call ({lark(*sep)} call)* {lark(*end)}" if sep else f"call {lark(*end)}"
+        start = f"args{list(tools).index(name)} {lark(*end)}" if name else calls if name == "" else \
+            f"{text} | {lark(head)} {calls}" if text else f"TEXT | {'PROSE? ' * bool(prose)}{lark(head)} {calls}"
+        return "\n".join([f"start: {start}", f"call: {' | '.join(f'call{i}' for i in range(len(tools)))}", *rules,
+                          f"TEXT: /(?s:.*)/ & ~/{avoid}/", *([f"PROSE: /{prose}/ & ~/{avoid}/"] if prose else [])])
+    return build
 
 
 def _hermes_read(match: re.Match, raw: Collection[str]) -> list[dict[str, Any]]:
@@ -149,7 +162,18 @@ def _hermes_read(match: re.Match, raw: Collection[str]) -> list[dict[str, Any]]:
     return [_json_call(json.loads(match.group(1)))]
 
 
-@register_tool_parser("hermes", _hermes_opening, ("<tool_call>", "</tool_call>"), hermes_grammar)
+def _hermes_opening(name: str | None) -> str:
+    # the exact prefix Qwen/Hermes templates render before a call (`{"name": ..., "arguments": ...}`)
+    return "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
+
+
+_TAGS = ("<tool_call>", "</tool_call>")
+
+
+# the text before calls ends with a newline after its last non-space (templates write it rstripped, then "\n")
+@register_tool_parser("hermes", _hermes_opening, _TAGS, call_grammar(
+    _hermes_opening, _TAGS, ("}\n", "</tool_call>"), ("\n<tool_call>\n",), "(?s:.*)<tool_call>(?s:.*)",
+    r"(?s:.*)\S\n", raw=True))
 def _hermes(text: str, raw: Collection[str] = ()) -> Parsed:
     """`raw`: the tools whose input is raw text (grammar tools), read as the string they are."""
     return _split(text, _HERMES, lambda m: _hermes_read(m, raw), text.count("<tool_call>"))
@@ -171,12 +195,13 @@ def _xml_value(raw: str) -> Any:
 
 _format("qwen3_coder", _XML_CALL, lambda m: [tool_call(new_call_id(), m.group(1).strip(), {
     k: _xml_value(v) for k, v in _XML_PARAM.findall(m.group(2))})], "<tool_call>",
-    lambda name: "<tool_call>\n" + (f"<function={name}>\n" if name else ""), ("<tool_call>", "</tool_call>"))
+    lambda name: "<tool_call>\n" + (f"<function={name}>\n" if name else ""), _TAGS)
 
 # a call is the whole reply, one JSON object (the template renders one call a turn), after an optional python tag
 _format("llama3_json", re.compile(r"\A\s*(?:<\|python_tag\|>)?\s*(\{.*\})\s*\Z", re.DOTALL),
         lambda m: [_json_call(json.loads(m.group(1)))], r"\A\s*(?:<\|python_tag\|>)?\s*\{",
-        lambda name: '{"name": "' + (f'{name}", "parameters": ' if name else ""), ("<|python_tag|>",))
+        lambda name: '{"name": "' + (f'{name}", "parameters": ' if name else ""), ("<|python_tag|>",),
+        grammar={"close": ("}",), "sep": None, "avoid": r"\s*\{(?s:.*)"})
 
 
 # `[TOOL_CALLS]` then a JSON list of calls (v3, Nemo), or name[ARGS]{...} per call, [CALL_ID]id between (v11+)
@@ -192,10 +217,13 @@ def _mistral_read(m: re.Match) -> list[dict[str, Any]]:
 
 
 _MISTRAL_MARKERS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
-_format("mistral", _MISTRAL, _mistral_read, r"\[TOOL_CALLS\]", lambda name: "[TOOL_CALLS]" + (
-    f'[{{"name": "{name}", "arguments": ' if name else ""), _MISTRAL_MARKERS, strip=False)
-_format("mistral_v11", _MISTRAL, _mistral_read, r"\[TOOL_CALLS\]", lambda name: "[TOOL_CALLS]" + (name or ""),
-        _MISTRAL_MARKERS, strip=False)
+_CALLS = {"avoid": r"(?s:.*)\[TOOL_CALLS\](?s:.*)"}  # free text never holds a call opening
+_format("mistral", _MISTRAL, _mistral_read, r"\[TOOL_CALLS\]", lambda name: "[TOOL_CALLS][" + (
+    f'{{"name": {json.dumps(name)}, "arguments": ' if name else ""), _MISTRAL_MARKERS, strip=False, grammar={
+    **_CALLS, "close": (', "id": "', re.compile("[A-Za-z0-9]{9}"), '"}'), "sep": (", ",), "end": ("]",)})
+_format("mistral_v11", _MISTRAL, _mistral_read, r"\[TOOL_CALLS\]",
+        lambda name: "[TOOL_CALLS]" + (f"{name}[ARGS]" if name else ""), _MISTRAL_MARKERS, strip=False,
+        grammar={**_CALLS, "close": (), "sep": ("[TOOL_CALLS]",), "prose": "(?s:.*)"})
 
 # auto: (what a chat template's text holds, the parser of its call format), the first match; none -> hermes
 _FORMATS = ((("<tool_call>", "<function="), "qwen3_coder"), (("<tool_call>",), "hermes"), (("[ARGS]",), "mistral_v11"),

@@ -18,6 +18,11 @@ the SDK rejects (a tool that does not exist, arguments that do not fit `multiply
 `model_errors`; 30% of the base model's held-out rollouts), too many turns (`MaxTurnsExceeded`). A tool error the
 SDK hands back to the model as text counts in `tool_errors`.
 `OpenAIChatCompletionsModel` in `model_class` runs the same agent on the chat-completions wire.
+
+The SDK's function tools are strict (`strict: true`), which the capture server honours since the run above was
+measured: each reply is sampled under the Hermes reply grammar (text, or calls whose arguments follow
+`multiply`'s schema; docs/harnesses.md), so schema failures no longer occur and the recorded log-probs are of the
+masked distribution (docs/algo.md); the figures in docs/ predate that.
 """
 import json
 import re

@@ -152,7 +152,7 @@ async def test_custom_tools_in_an_additional_tools_item(tokenizer, stream):
 
 
 async def test_custom_tools_the_reply_grammar_cannot_hold_are_refused(tokenizer):
-    """A recursive Lark grammar cannot become the one terminal a call's raw input is (tools.hermes_grammar); a
+    """A recursive Lark grammar cannot become the one terminal a call's raw input is (tools.call_grammar); a
     format of another type is unknown: 400s naming the field, nothing generated."""
     engine = ScriptedEngine(tokenizer, ["ok"])
     recursive = {"type": "grammar", "syntax": "lark", "definition": 'start: "(" start ")" | "x"'}
