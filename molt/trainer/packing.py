@@ -21,8 +21,8 @@ layer attends over a sliding window (`molt.trainer.base`): a padded micro-batch 
 mask (`molt.trainer.batching`), and under "sdpa" transformers would then read the position ids back from the
 device to look for packed sequences (a host sync per forward). Here it builds nothing and reads nothing:
 `varlen_attention` hands a padded batch to transformers' own SDPA function, which runs causal without a mask
-(or, after a shared prefix's cached keys, gets a [q, k] causal mask aligned to the bottom right); a non-causal
-layer (a vision tower's) gets its own mask, or none, as under "sdpa".
+(after a shared prefix's cached keys too: zero queries in front of the rest's, their outputs dropped, as for a
+packed piece after its prefix); a non-causal layer (a vision tower's) gets its own mask, or none, as under "sdpa".
 
 Decision: sliding-window layers are refused (the varlen window would have to match the model's); so are
 attention dropout in training and logit soft-capping (refused for the whole trainer in `logprobs.py`).
@@ -56,10 +56,11 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
     """query [1, Hq, T, D], key/value [1, Hkv, T, D] of one packed row -> ([1, T, Hq, D], None); a padded
     micro-batch (no `molt_bounds`) goes to transformers' SDPA (module docstring)."""
     if "molt_bounds" not in kwargs:
-        q, k = query.shape[2], key.shape[2]
-        if attention_mask is None and 1 < q < k:  # after a shared prefix's cached keys: causal from the bottom right
-            attention_mask = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)[None, None]
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        p = key.shape[2] - query.shape[2]  # > 0 after a shared prefix's cached keys: queries padded in front so
+        # that SDPA's causal flag (top-left aligned) lines them up with their keys, no [q, k] mask; outputs dropped
+        query = torch.cat([query.new_zeros(*query.shape[:2], p, query.shape[3]), query], 2) if p > 0 else query
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return out[:, p:], None
     if getattr(module, "sliding_window", None):
         raise ValueError("packing_samples: sliding-window attention layers are not supported")
     if dropout:
