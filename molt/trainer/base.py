@@ -63,12 +63,11 @@ class ShardedModelTrainer:
     def load_lm(self, path: str, auto_class=None) -> nn.Module:
         """`from_pretrained` in fp32 on CPU (the master weights; compute dtype comes from mixed precision);
         `--actor.freeze_visual_encoder` freezes a vision-language model's vision tower."""
-        attn = self.cfg.fsdp.attn_implementation
-        if self.cfg.fsdp.packing_samples:
+        attn, spec = self.cfg.fsdp.attn_implementation, ModelSpec.from_pretrained(path)
+        if self.cfg.fsdp.packing_samples or attn == "sdpa" and not spec.sliding:  # see molt.trainer.packing
             from molt.trainer.packing import register
 
             attn = register()
-        spec = ModelSpec.from_pretrained(path)
         if spec.vision and self.world > 1:  # FSDP2 collectives of the vision tower (molt.trainer.batching)
             self.blank = blank_image(path, self.device)
         lm = (auto_class or spec.auto_class).from_pretrained(path, dtype=torch.float32, attn_implementation=attn)

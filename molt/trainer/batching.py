@@ -2,14 +2,26 @@
 
 Decisions:
 - Pad or pack (`pack=True`, `--fsdp.packing_samples`). Padded: each micro-batch is a right-padded [B, L] batch
-  with an attention mask. Packed: the micro-batch is ONE row [1, T] of its sequences back to back, positions
-  restarting at 0 for each, no padding at all; the decoder attends within each sequence through
-  `molt.trainer.packing` (varlen flash attention on CUDA, one causal SDPA call per sequence on CPU), and
-  `seq_ids` [1, T] names each token's sequence for the sequence-level rules of `molt.algo`. Both give the same
-  log-probs and gradients (tests/trainer/test_packing.py). Packing saves the padding and batches sequences of any
-  mix of lengths at full width. With prefix sharing a packed row holds each shared prefix once, followed by the
-  rest of every sequence that starts with it (`_pack`): one decoder call as always, so it works on any number
-  of ranks and with gradient checkpointing, unlike the padded KV-cache path below.
+  (given to the decoder without an attention mask, below). Packed: the micro-batch is ONE row [1, T] of its
+  sequences back to back, positions restarting at 0 for each, no padding at all; the decoder attends within
+  each sequence through `molt.trainer.packing` (varlen flash attention on CUDA, one causal SDPA call per
+  sequence on CPU), and `seq_ids` [1, T] names each token's sequence for the sequence-level rules of
+  `molt.algo`. Both give the same log-probs and gradients (tests/trainer/test_packing.py). Packing saves the
+  padding and batches sequences of any mix of lengths at full width. With prefix sharing a packed row holds
+  each shared prefix once, followed by the rest of every sequence that starts with it (`_pack`): one decoder
+  call as always, so it works on any number of ranks and with gradient checkpointing, unlike the padded
+  KV-cache path below.
+- Padded rows get no attention mask (`MicroBatch.decoder_inputs`; `attention_mask` stays on the micro-batch for
+  what reads it: the MoE load-balancing loss weighs padded tokens 0, Qwen2-VL's M-RoPE positions). Rows are
+  right-padded, so whatever a real token may attend to under the model's own mask (earlier tokens, a sliding
+  window of them, the rest of its image's block, a shared prefix's cached keys) is real: the padding mask
+  changes nothing at real positions, positions stay 0..L-1 as it would leave them, and nothing reads the padded
+  positions' outputs (`act_index`), so their gradient is 0. No [B, 1, L, L] mask then (8.1 GB at the
+  65,536-token budget before): SDPA runs causal without one (`molt.trainer.packing`, which also spares the host
+  sync transformers' "sdpa" would spend looking for packed positions); sliding-window layers keep "sdpa",
+  whose window mask transformers builds from positions alone. Tested against each sequence alone
+  (tests/trainer/test_padded_rows.py: dense, shared prefix, MoE, sliding window, LLaVA and Qwen2-VL with
+  images, the critic's values, the MoE aux loss). Left padding would need the mask.
 - Everything the step indexes with is built here, on the host, from the experiences' numpy arrays (padded or
   packed in numpy, then one `torch.from_numpy` per field): the flat positions of the action tokens
   (`act_index`), their temperatures, the action count. Per-action values (behavior log-probs) and a rollout's
@@ -47,7 +59,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from molt.types import Experience, ModelSpec, expand_actions, join_inputs
+from molt.types import Experience, expand_actions, join_inputs
 
 
 def plan_micro_batches(lengths: list[int], micro_batch_size: int | None = None,
@@ -109,7 +121,7 @@ def shared_prefix(token_ids: list, action_masks: list) -> SharedPrefix | None:
 class MicroBatch:
     """Tensors of one forward/backward pass, on the device. [R, L] is [B, L] padded or [1, T] packed."""
     input_ids: Tensor  # [R, L] int64, right-padded with pad_id (padded layout)
-    attention_mask: Tensor | None  # [R, L] int64, 1 on real tokens; None when packed
+    attention_mask: Tensor | None  # [R, L] int64, 1 on real tokens (not for the decoder); None when packed
     action_mask: Tensor  # [R, L] bool, 1 on tokens the policy sampled
     behavior_logprobs: Tensor  # [R, L] fp32, 0 off action tokens
     advantages: Tensor  # [R, L] fp32
@@ -127,25 +139,10 @@ class MicroBatch:
     images: dict | None = None  # processor inputs of the rows' images in row order (module docstring)
     blank: dict | None = None  # a VLM's micro-batch without images on several ranks: `blank_image`'s inputs
 
-    def decoder_inputs(self, mask_4d: bool = False) -> dict:
-        """Keyword arguments of a Hugging Face decoder's forward for this micro-batch. `mask_4d` (see
-        `prebuilt_mask`): the padded layout gets its 4-D mask built here on the device (causal and key padding):
-        given a 2-D mask, or none, transformers reads it (or the positions) back to decide which mask to build,
-        a sync per forward."""
-        if self.packing is not None:
-            return {"input_ids": self.input_ids, **self.packing}
-        if self.attention_mask is None or not mask_4d or self.input_ids.shape[1] > 8192:
-            return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
-        n = self.input_ids.shape[1]
-        causal = torch.ones(n, n, dtype=torch.bool, device=self.input_ids.device).tril()
-        return {"input_ids": self.input_ids, "attention_mask": causal & self.attention_mask.bool()[:, None, None, :]}
-
-
-def prebuilt_mask(config) -> bool:
-    """Whether a model takes `MicroBatch.decoder_inputs`' 4-D boolean mask: SDPA reads a boolean mask as is,
-    and it is exact only where every layer attends fully causally (transformers uses a 4-D mask unchanged for
-    sliding-window layers too, which would then see too much)."""
-    return config._attn_implementation == "sdpa" and not ModelSpec.from_config(config).sliding
+    def decoder_inputs(self) -> dict:
+        """Keyword arguments of a Hugging Face decoder's forward: packed, the attention's arguments; padded, no
+        attention mask (module docstring: right padding changes nothing a real token attends to)."""
+        return {"input_ids": self.input_ids, **(self.packing or {})}
 
 
 def pad_rows(rows: list, value, dtype: type, length: int) -> Tensor:

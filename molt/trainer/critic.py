@@ -18,7 +18,6 @@ from molt.algo import value_loss, window_normalize
 from molt.config import MoltConfig
 from molt.trainer import parallel
 from molt.trainer.base import ShardedModelTrainer
-from molt.trainer.batching import prebuilt_mask
 from molt.trainer.logprobs import hidden_states, scatter_actions
 from molt.trainer.optim import build_optimizer
 from molt.types import Experience
@@ -34,7 +33,7 @@ class ValueModel(nn.Module):
 
     def forward(self, mb) -> Tensor:
         """mb: a `molt.trainer.batching.MicroBatch` -> [R, L] fp32 values, zero off the action tokens."""
-        hidden = hidden_states(self.backbone, self.backbone, mb, prebuilt_mask(self.backbone.config))
+        hidden = hidden_states(self.backbone, self.backbone, mb)
         # the state before token t is summarized at position t - 1 (of the same sequence, packed or not)
         v = self.value_head(hidden.flatten(0, 1).index_select(0, mb.act_index - 1)).squeeze(-1).float()
         return scatter_actions(v, mb.act_index, mb.input_ids.shape)

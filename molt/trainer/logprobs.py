@@ -8,7 +8,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from molt.trainer.batching import prebuilt_mask
 from molt.types import ModelSpec, mm_f32, rope_positions
 
 
@@ -160,11 +159,11 @@ def scatter_actions(values: Tensor, act_index: Tensor, shape: torch.Size) -> Ten
     return out
 
 
-def hidden_states(base: nn.Module, decoder: nn.Module, mb, mask_4d: bool) -> Tensor:
+def hidden_states(base: nn.Module, decoder: nn.Module, mb) -> Tensor:
     """[R, L, H] last hidden states of a micro-batch. With images, a vision-language model's base model merges
     their features into the embeddings (positions by `rope_positions`: Qwen2-VL); otherwise the decoder runs,
     on embeddings plus 0 times the features of `mb.blank` when set (`molt.trainer.batching.blank_image`)."""
-    inputs = mb.decoder_inputs(mask_4d)
+    inputs = mb.decoder_inputs()
     dtype = base.get_input_embeddings().weight.dtype  # FSDP2's param_dtype here (its root casts no inputs)
     images, blank = ({k: v.to(dtype) if isinstance(v, Tensor) and v.is_floating_point() else v
                       for k, v in (x or {}).items()}
@@ -190,7 +189,7 @@ class CausalLMLogProbs(nn.Module):
         self.chunk_size = chunk_size
         self.routing = routing  # a `molt.trainer.moe.Routing` on lm's routers (MoE), told each micro-batch
         spec = ModelSpec.from_config(lm.config)
-        self._cache_kw, self._mask_4d = spec.cache_kw, prebuilt_mask(lm.config)
+        self._cache_kw = spec.cache_kw
         self.banned, self._ban = list(spec.banned), None  # the engine never samples these: masked here too
 
     def forward(self, mb, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -200,9 +199,9 @@ class CausalLMLogProbs(nn.Module):
         if self.routing is not None:
             self.routing.set(mb)
         if mb.prefix is None:
-            hidden = hidden_states(self.lm.base_model, decoder, mb, self._mask_4d)
+            hidden = hidden_states(self.lm.base_model, decoder, mb)
         else:
-            hidden = self._hidden_with_shared_prefix(decoder, mb.input_ids, mb.attention_mask, mb.prefix)
+            hidden = self._hidden_with_shared_prefix(decoder, mb.input_ids, mb.prefix)
         head = self.lm.get_output_embeddings()
         bias = head.bias
         if self.banned:  # -1e9 (not -inf: no inf * 0 in the backward) puts exactly 0 mass on them in fp32 and bf16
@@ -213,8 +212,7 @@ class CausalLMLogProbs(nn.Module):
         return action_logprobs(hidden, head.weight, bias, mb.input_ids, mb.act_index, mb.act_temperature,
                                chunk_size=self.chunk_size, with_entropy=with_entropy)
 
-    def _hidden_with_shared_prefix(self, decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor,
-                                   prefix) -> Tensor:
+    def _hidden_with_shared_prefix(self, decoder: nn.Module, input_ids: Tensor, prefix) -> Tensor:
         """[B, L, H] hidden states, zero over the first `prefix.length` positions (they predict no action)."""
         from transformers import DynamicCache
 
@@ -225,6 +223,6 @@ class CausalLMLogProbs(nn.Module):
         if cache.get_seq_length() != p:
             raise ValueError(f"{type(decoder).__name__} did not fill its KV cache; set --train.share_prefix false")
         cache.batch_select_indices(prefix.index)
-        rest = decoder(input_ids=input_ids[:, p:], attention_mask=attention_mask, use_cache=True, **{kw: cache})
+        rest = decoder(input_ids=input_ids[:, p:], use_cache=True, **{kw: cache})  # no mask: as `decoder_inputs`
         hidden = rest.last_hidden_state
         return torch.cat([hidden.new_zeros(hidden.shape[0], p, hidden.shape[2]), hidden], dim=1)

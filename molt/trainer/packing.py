@@ -16,6 +16,14 @@ the rest of each of its sequences: such a piece attends to its prefix piece's ke
 sequence would see alone.
 transformers builds no mask for an implementation it has no mask function for, so nothing else runs.
 
+The trainer also loads with it for the padded layout when the model would have run transformers' "sdpa" and no
+layer attends over a sliding window (`molt.trainer.base`): a padded micro-batch reaches the decoder without a
+mask (`molt.trainer.batching`), and under "sdpa" transformers would then read the position ids back from the
+device to look for packed sequences (a host sync per forward). Here it builds nothing and reads nothing:
+`varlen_attention` hands a padded batch to transformers' own SDPA function, which runs causal without a mask
+(after a shared prefix's cached keys too: zero queries in front of the rest's, their outputs dropped, as for a
+packed piece after its prefix); a non-causal layer (a vision tower's) gets its own mask, or none, as under "sdpa".
+
 Decision: sliding-window layers are refused (the varlen window would have to match the model's); so are
 attention dropout in training and logit soft-capping (refused for the whole trainer in `logprobs.py`).
 """
@@ -27,6 +35,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "molt_varlen"
 
@@ -44,13 +53,18 @@ def _flash(query: Tensor) -> bool:
 
 def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None,
                      dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
-    """query [1, Hq, T, D], key/value [1, Hkv, T, D] of one packed row -> ([1, T, Hq, D], None)."""
+    """query [1, Hq, T, D], key/value [1, Hkv, T, D] of one packed row -> ([1, T, Hq, D], None); a padded
+    micro-batch (no `molt_bounds`) goes to transformers' SDPA (module docstring)."""
+    if "molt_bounds" not in kwargs:
+        p = key.shape[2] - query.shape[2]  # > 0 after a shared prefix's cached keys: queries padded in front so
+        # that SDPA's causal flag (top-left aligned) lines them up with their keys, no [q, k] mask; outputs dropped
+        query = torch.cat([query.new_zeros(*query.shape[:2], p, query.shape[3]), query], 2) if p > 0 else query
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return out[:, p:], None
     if getattr(module, "sliding_window", None):
         raise ValueError("packing_samples: sliding-window attention layers are not supported")
     if dropout:
         raise ValueError("packing_samples: attention dropout is not supported")
-    if "molt_bounds" not in kwargs:
-        raise ValueError(f"attn_implementation {NAME!r} runs packed micro-batches only")
     gqa = query.shape[1] != key.shape[1]
     prefixes = kwargs.get("molt_prefixes") or [None] * (len(kwargs["molt_bounds"]) - 1)
     if _flash(query):
