@@ -105,7 +105,8 @@ def _messages(items: list[dict[str, Any]], session: Session, raw: Any = ()) -> l
             if kind != "message":
                 args = (item.get("arguments") or "{}") if kind == "function_call" else item.get("input") or "" \
                     if item["name"] in raw else {"input": item.get("input") or ""}
-                out[-1].setdefault("tool_calls", []).append(tool_call(item.get("call_id", ""), item["name"], args))
+                call = tool_call(item.get("call_id", ""), item["name"], args, item["name"] in raw)
+                out[-1].setdefault("tool_calls", []).append(call)
         elif kind != "additional_tools":  # its tools join the request's (`request_tools`)
             raise WireError(400, f"input: items of type {kind!r} are not supported here", param="input")
     return out
@@ -181,7 +182,7 @@ def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> Ch
     formats = _formats(request_tools(req), getattr(session.parser, "grammar", None) is not None)
     raw = {name for name, f in formats.items() if "schema" not in f}
     messages = merge_leading_system(system + history + canonical_messages(_messages(items, session, raw),
-                                                                          session.renderer.image))
+                                                                          session.renderer.image, raw))
     if req.tools is not None or request_tools(req):
         tools = _tools(request_tools(req))
     choice, name = tool_choice(req.tool_choice)
