@@ -16,8 +16,9 @@ Agents SDK names it: its function tools are strict unless `function_tool(strict_
 offered as a function of one string whose description holds the grammar, and its raw input is the call's
 `arguments` as written (`<tool_call>\n{"name": "exec", "arguments": RAW}\n</tool_call>`), which a template that
 prints a string verbatim renders back token-exact when the client resends the `custom_tool_call` (docs/harnesses.md).
-A custom tool of another format type is refused (400), as is a grammar llguidance cannot compile once inlined
-(a recursive one: its rules become terminals). A free-text `custom` tool is offered
+A custom tool of another format type is refused (400), as is a grammar llguidance cannot compile as sent or once
+inlined (a recursive one: its rules become terminals; `%ignore`), naming `tools[<name>]`. A resent
+`custom_tool_call`'s input is the call's arguments as they are, never JSON-decoded. A free-text `custom` tool is offered
 to the model as a function of one string, `input`; a call to it comes back as a `custom_tool_call` item with that string (arguments without a
 string `input` come back as their JSON text, and then, sent back, do not extend the segment; the recorded tools of
 `previous_response_id` are functions, so a request that relies on them gets `function_call` items). `namespace`

@@ -5,8 +5,8 @@ Behavior log-probability: exactly `molt.engine.base`'s definition, log_softmax(l
 vocabulary (T = 0 -> 1), before top-k/top-p and before the min_tokens suppression of stop tokens (that
 suppression is a truncation like top-k: the token is sampled from the masked distribution, the record is the
 unmasked one); a row whose grammar allows only stop tokens keeps them (vLLM 0.32's `MinTokensLogitsProcessor`
-restores them the same way), so `min_tokens` holds while the grammar allows anything else. A constrained request's grammar (`SamplingParams.grammar`, an llguidance matcher) is different:
-the tokens it disallows are removed from the logits first, so its record (and `top_logprobs`) is of the masked
+restores them the same way), so `min_tokens` holds while the grammar allows anything else. A constrained
+request's grammar (`SamplingParams.grammar`, an llguidance matcher) is different: the tokens it disallows are removed from the logits first, so its record (and `top_logprobs`) is of the masked
 distribution. vLLM does the same and can do nothing else: it applies the grammar's bitmask to the logits before
 its sampler, so every `logprobs_mode` it has is masked (vLLM 0.32 `gpu_model_runner.py`, `apply_grammar_bitmask`).
 It is also how the token was really sampled; the trainer, which knows no grammar, recomputes the full
