@@ -44,7 +44,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables
     top_k: int = -1  # <= 0 disables
-    min_tokens: int = 0  # stop tokens are suppressed until this many tokens were generated
+    min_tokens: int = 0  # stop tokens are suppressed until this many were generated (unless a grammar allows only them)
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens besides the model's EOS
     seed: int | None = None  # per-request seed for reproducible sampling (a rollout's calls: module docstring)
     top_logprobs: int = 0  # also return this many most likely alternatives per position
@@ -64,14 +64,10 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be in [0, 20] (got {self.top_logprobs})")
         if self.grammar is not None:
             check_grammar(self.grammar)
-            if self.min_tokens:  # the grammar decides where the reply ends: the two could leave no token to sample
-                raise ValueError("min_tokens cannot be combined with a grammar")
         return self
 
     def copy(self, **changes: Any) -> SamplingParams:
-        out = replace(self, **changes)
-        out.stop_token_ids = list(out.stop_token_ids)
-        return out
+        return replace(self, **{**changes, "stop_token_ids": list(changes.get("stop_token_ids", self.stop_token_ids))})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:

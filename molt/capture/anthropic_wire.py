@@ -170,8 +170,7 @@ def _thread(req: MessagesRequest, session: Session) -> tuple[list[dict[str, Any]
 
 def to_chat(req: MessagesRequest, data: dict[str, Any], session: Session) -> ChatRequest:
     fmt = (req.output_config or {}).get("format", req.output_format)
-    params = session.sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                              top_k=req.top_k)
+    params = session.sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
     history, thread_tools = _thread(req, session)
     tools = thread_tools if req.tools is None else canonical_tools([{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
                                                                **({"description": t.description} if t.description else {})}}

@@ -10,7 +10,7 @@ import contextlib
 import functools
 import hashlib
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from jinja2 import TemplateError
@@ -221,10 +221,11 @@ def message_images(messages: list[dict[str, Any]]) -> list[ImageRef]:
     return [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
 
 
-def canonical_messages(messages: list[dict[str, Any]], image: Callable[[str], ImageRef] | None = None
-                       ) -> list[dict[str, Any]]:
+def canonical_messages(messages: list[dict[str, Any]], image: Callable[[str], ImageRef] | None = None,
+                       raw: Collection[str] = ()) -> list[dict[str, Any]]:
     """OpenAI-format chat messages (plain dicts) -> canonical messages; `image` loads an image_url (a
-    `ChatRenderer.image`). Idempotent."""
+    `ChatRenderer.image`); calls to the tools in `raw` (grammar tools) keep their input as the string it is.
+    Idempotent."""
     out = []
     for m in messages:
         role = "system" if m["role"] == "developer" else m["role"]
@@ -233,8 +234,8 @@ def canonical_messages(messages: list[dict[str, Any]], image: Callable[[str], Im
             content = content_parts(content, image)
         msg: dict[str, Any] = {"role": role, "content": content or ""}
         if role == "assistant" and m.get("tool_calls"):
-            msg["tool_calls"] = [tool_call(c.get("id") or "", c["function"]["name"], c["function"].get("arguments") or {})
-                                 for c in m["tool_calls"]]
+            msg["tool_calls"] = [tool_call(c.get("id") or "", c["function"]["name"], c["function"].get("arguments") or "",
+                                           c["function"]["name"] in raw) for c in m["tool_calls"]]
         if role == "tool":
             msg["tool_call_id"] = m.get("tool_call_id") or ""
             if m.get("name"):

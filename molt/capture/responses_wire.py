@@ -16,8 +16,9 @@ Agents SDK names it: its function tools are strict unless `function_tool(strict_
 offered as a function of one string whose description holds the grammar, and its raw input is the call's
 `arguments` as written (`<tool_call>\n{"name": "exec", "arguments": RAW}\n</tool_call>`), which a template that
 prints a string verbatim renders back token-exact when the client resends the `custom_tool_call` (docs/harnesses.md).
-A custom tool of another format type is refused (400), as is a grammar llguidance cannot compile once inlined
-(a recursive one: its rules become terminals). A free-text `custom` tool is offered
+A custom tool of another format type is refused (400), as is a grammar llguidance cannot compile as sent or once
+inlined (a recursive one: its rules become terminals; `%ignore`), naming `tools[<name>]`. A resent
+`custom_tool_call`'s input is the call's arguments as they are, never JSON-decoded. A free-text `custom` tool is offered
 to the model as a function of one string, `input`; a call to it comes back as a `custom_tool_call` item with that string (arguments without a
 string `input` come back as their JSON text, and then, sent back, do not extend the segment; the recorded tools of
 `previous_response_id` are functions, so a request that relies on them gets `function_call` items). `namespace`
@@ -105,7 +106,8 @@ def _messages(items: list[dict[str, Any]], session: Session, raw: Any = ()) -> l
             if kind != "message":
                 args = (item.get("arguments") or "{}") if kind == "function_call" else item.get("input") or "" \
                     if item["name"] in raw else {"input": item.get("input") or ""}
-                out[-1].setdefault("tool_calls", []).append(tool_call(item.get("call_id", ""), item["name"], args))
+                call = tool_call(item.get("call_id", ""), item["name"], args, item["name"] in raw)
+                out[-1].setdefault("tool_calls", []).append(call)
         elif kind != "additional_tools":  # its tools join the request's (`request_tools`)
             raise WireError(400, f"input: items of type {kind!r} are not supported here", param="input")
     return out
@@ -181,7 +183,7 @@ def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> Ch
     formats = _formats(request_tools(req), getattr(session.parser, "grammar", None) is not None)
     raw = {name for name, f in formats.items() if "schema" not in f}
     messages = merge_leading_system(system + history + canonical_messages(_messages(items, session, raw),
-                                                                          session.renderer.image))
+                                                                          session.renderer.image, raw))
     if req.tools is not None or request_tools(req):
         tools = _tools(request_tools(req))
     choice, name = tool_choice(req.tool_choice)

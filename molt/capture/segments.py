@@ -64,8 +64,7 @@ class SegmentTracker:
     def segments(self) -> list[Segment]:
         return [b.segment for b in self.branches]
 
-    def plan(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-             temperature: float) -> Plan:
+    def plan(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, temperature: float) -> Plan:
         rewrite = False
         for branch in reversed(self._by_start.get(_start(messages), ())):
             known = branch.messages

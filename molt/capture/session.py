@@ -259,7 +259,7 @@ class Session:
             raise ValueError("strict or grammar tools and structured outputs beside tools need a grammar of the "
                              "tool-call format, which this server's tool parser has none of")
         tools = {n: request.formats.get(n, {"schema": {"type": "object"}}) for n in names}
-        grammar = build(tools, name, request.output and json_lark(request.output), self._token)
+        grammar = build(tools, name, request.output and json_lark(request.output), self._token, self.renderer.reasoning)
         return opening, request.params.copy(grammar=check_grammar(grammar, "tools"))
 
     def _token(self, marker: str) -> str | None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from molt.types import JSON_STYLE, json_lark
+from molt.types import JSON_STYLE, check_grammar, json_lark
 
 
 @dataclass
@@ -55,9 +55,10 @@ def new_call_id(prefix: str = "call_", size: int = 24) -> str:
     return prefix + uuid.uuid4().hex[:size]
 
 
-def tool_call(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
-    """A canonical tool call (arguments a dict when they are valid JSON, else the raw string)."""
-    if isinstance(arguments, str):
+def tool_call(call_id: str, name: str, arguments: Any, raw: bool = False) -> dict[str, Any]:
+    """A canonical tool call (arguments a dict when they are valid JSON, else the raw string); `raw`: a grammar
+    tool's input, kept as the string it is (`1.50` stays `1.50`, "" stays "")."""
+    if isinstance(arguments, str) and not raw:
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError:
@@ -75,7 +76,9 @@ register_tool_parser("none")(lambda text: Parsed(text))
 
 _BAD = (ValueError, KeyError, TypeError, AttributeError)  # what reading a malformed call raises
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_LARK = re.compile(r'//[^\n]*|"(?:\\.|[^"\\])*"|/(?:\\.|[^/\\\n])+/[imsux]*|[A-Za-z_]\w*')  # comment|string|regex|name
+# comment|string|regex|import (`%import common.LF -> ALIAS`, `%import common (LF, WS)`)|directive|alias|name
+_LARK = re.compile(r'//[^\n]*|"(?:\\.|[^"\\])*"i?|/(?:\\.|[^/\\\n])+/[imsux]*|%import\s+(?P<path>[\w.]+?)(?:\.(?P<one>\w+)(?!\.)'
+                   r'(?:[ \t]*->[ \t]*(?P<to>\w+))?|\s*\((?P<names>[\w\s,]*)\))|%\w+|(?P<alias>->\s*\w+)|(?P<name>[A-Za-z_]\w*)')
 _RAW = re.compile(r'\s*\{"name": "([^"]+)", "arguments": (.*)\}\s*', re.DOTALL)  # a raw-input call (module docstring)
 
 
@@ -113,6 +116,28 @@ def _format(name: str, pattern: re.Pattern, read: Callable[[re.Match], list[dict
         lambda text: _split(text, pattern, read, len(re.findall(opener, text)), strip))
 
 
+def _inline(tool: str, i: int, spec: dict[str, Any], close: str, raw: bool) -> list[str]:
+    """A grammar tool's grammar (`format`: Lark or regex) inlined as terminals: its terminals T{i}_NAME, its rules
+    T{i}R_NAME (imported names renamed alike; aliases dropped, they only name tree nodes), and T{i}, its input
+    then `close`, one terminal, so that llguidance's greedy lexer ends the input where the call does. A rule
+    that recurses cannot become a terminal (llguidance's error on the inlined names), `%ignore` cannot hold inside
+    one, and a format without `raw` cannot hold the input: 400s naming the tool."""
+    if not raw:
+        raise ValueError(f"tools[{tool}]: its input is raw text, which this server's tool-call format cannot hold")
+    source = spec.get("definition", "")
+    source = "start: /" + source.replace("/", "\\/") + "/" if spec.get("syntax") == "regex" else source
+    if re.search(r"^\s*%ignore", check_grammar(source, f"tools[{tool}]"), re.MULTILINE):
+        raise ValueError(f"tools[{tool}]: %ignore is not supported in a grammar tool (its input is one terminal)")
+
+    def rename(m: re.Match) -> str:
+        new = lambda n: f"T{i}{'_' if n.isupper() else 'R_'}{n.upper()}"
+        names = [(m["one"], m["to"])] if m["one"] else [(n, None) for n in re.findall(r"\w+", m["names"] or "")]
+        return "\n".join(f"%import {m['path']}.{n} -> {new(to or n)}" for n, to in names) if m["path"] else \
+            "" if m["alias"] else new(m["name"]) if m["name"] else m[0]
+    return [_LARK.sub(rename, re.sub(r"^(\s*)[?!]", r"\1", source, flags=re.MULTILINE)),
+            f"T{i}: T{i}R_START {json.dumps(close)}"]
+
+
 def call_grammar(opening: Callable[[str | None], str], markers: tuple[str, ...], close: tuple[Any, ...],
                  sep: tuple[Any, ...] | None, avoid: str, prose: str | None = None, end: tuple[Any, ...] = (),
                  raw: bool = False) -> Callable[..., str]:
@@ -123,42 +148,43 @@ def call_grammar(opening: Callable[[str | None], str], markers: tuple[str, ...],
     the parser reads grammar tools' raw input (`_hermes_read`), which with the text of `close[0]` is one terminal,
     so that llguidance's greedy lexer ends the input where the call does.
 
-    The builder: (tools, name, text, token) -> the Lark grammar of a reply: free text (or `text`, a Lark
+    The builder: (tools, name, text, token, think) -> the Lark grammar of a reply: free text (or `text`, a Lark
     expression) or calls, after `opening(name)` when `name` is given ("" forces some call). `tools`: name ->
     {"schema": the arguments' JSON schema} or a custom tool's `format` (grammar or regex); `token(marker)`: the
-    marker as a Lark token (`<[id]>`), None to write it as text."""
-    split = re.compile("(" + "|".join(map(re.escape, markers)) + ")")
+    marker as a Lark token (`<[id]>`), None to write it as text. `think` (the template has a reasoning channel):
+    a free reply may start with a reasoning block as Qwen3's template writes it, `<think>` ... `</think>` then
+    "\n\n" (markers as tokens where they are one: llguidance keeps any added token out of a regex, so TEXT could
+    not hold them), its opening optional since some templates write it in the prompt (Qwen3-2507 thinking). Each
+    tool's piece is compiled on its own first, so that a refusal names the tool (`tools[name]`)."""
+    # a reasoning block's markers are markers too
+    split = re.compile("(" + "|".join(map(re.escape, markers := (*markers, "<think>", "</think>"))) + ")")
 
     def build(tools: dict[str, dict[str, Any]], name: str | None, text: str | None,
-              token: Callable[[str], str | None]) -> str:
+              token: Callable[[str], str | None], think: bool = False) -> str:
         def lark(*pieces: Any) -> str:
             return " ".join(f"/{p.pattern}/" if isinstance(p, re.Pattern) else " ".join(
                 s in markers and token(s) or json.dumps(s) for s in split.split(p) if s) for p in pieces)
         head, rules = opening(None), []
         for i, (tool, spec) in enumerate(tools.items()):
-            if "schema" in spec:
-                rules.append(f"args{i}: {json_lark(spec['schema'], JSON_STYLE)} {lark(*close)}")
-            elif not raw:
-                raise ValueError(f"tools: {tool!r} takes raw input, which this server's tool-call format cannot hold")
-            else:  # its terminals and rules become terminals T{i}_NAME, T{i}R_NAME (a recursive one: a 400)
-                source = spec.get("definition", "")
-                source = "start: /" + source.replace("/", "\\/") + "/" if spec.get("syntax") == "regex" else source
-                rules += [_LARK.sub(lambda m, i=i: m[0] if m[0][0] in '"/' else f"T{i}{'_' if m[0].isupper() else 'R_'}"
-                                    f"{m[0].upper()}", re.sub(r"^[?!]", "", source, flags=re.MULTILINE)),
-                          f"T{i}: T{i}R_START {json.dumps(close[0])}", f"args{i}: T{i} {lark(*close[1:])}"]
-            rules.append(f"call{i}: {lark(opening(tool)[len(head):])} args{i}")
+            mine = [f"args{i}: {json_lark(spec['schema'], JSON_STYLE)} {lark(*close)}"] if "schema" in spec else \
+                [*_inline(tool, i, spec, close[0], raw), f"args{i}: T{i} {lark(*close[1:])}"]
+            rules += [*mine, f"call{i}: {lark(opening(tool)[len(head):])} args{i}"]
+            check_grammar("\n".join([f"start: args{i}", *mine]), f"tools[{tool}]")  # a 400 naming the tool
         calls = f"call ({lark(*sep)} call)* {lark(*end)}" if sep else f"call {lark(*end)}"
+        reply = f"{text} | {lark(head)} {calls}" if text else f"TEXT | {'PROSE? ' * bool(prose)}{lark(head)} {calls}"
         start = f"args{list(tools).index(name)} {lark(*end)}" if name else calls if name == "" else \
-            f"{text} | {lark(head)} {calls}" if text else f"TEXT | {'PROSE? ' * bool(prose)}{lark(head)} {calls}"
+            f"{'think? ' * think}({reply})"
         return "\n".join([f"start: {start}", f"call: {' | '.join(f'call{i}' for i in range(len(tools)))}", *rules,
-                          f"TEXT: /(?s:.*)/ & ~/{avoid}/", *([f"PROSE: /{prose}/ & ~/{avoid}/"] if prose else [])])
+                          f"TEXT: /(?s:.*)/ & ~/{avoid}/", *([f"PROSE: /{prose}/ & ~/{avoid}/"] if prose else []),
+                          *["think: " + lark("<think>") + "? THINK " + lark("</think>\n\n"),  # see the docstring
+                            "THINK: /(?s:.*)/ & ~/(?s:.*)<\\/think>(?s:.*)/"] * (think and name is None)])
     return build
 
 
 def _hermes_read(match: re.Match, raw: Collection[str]) -> list[dict[str, Any]]:
     found = _RAW.fullmatch(match.group(1)) if raw else None
     if found and found[1] in raw:  # kept as the string it is (a template prints a string verbatim)
-        return [tool_call(new_call_id(), found[1], found[2])]
+        return [tool_call(new_call_id(), found[1], found[2], raw=True)]
     return [_json_call(json.loads(match.group(1)))]
 
 
@@ -249,8 +275,9 @@ def choose_tool_parser(name: str, template: str, tokenizer: Any = None) -> ToolP
                      for c in tokenizer.parse_response(text, prefix="").get("tool_calls") or []]
         except _BAD:  # a call it cannot read: the template format's parser keeps it as text and counts it
             return family(text)
-        # the content: the reply before its first call, as generated (an `open` list of literals is not read)
-        first = re.search(spec.get("open_pattern") or re.escape(spec["open"]), text, re.DOTALL)
+        # the content: the reply before its first call, as generated (`open`: a literal or a list of them)
+        opens = [spec["open"]] if isinstance(spec.get("open"), str) else spec.get("open") or []
+        first = re.search(spec.get("open_pattern") or "|".join(map(re.escape, opens)), text, re.DOTALL)
         return Parsed(text[:first.start()].rstrip() if first else text, calls) if calls else Parsed(text)
     own.opening, own.markers, own.grammar = family.opening, family.markers, family.grammar  # type: ignore[attr-defined]
     return own

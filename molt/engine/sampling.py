@@ -4,8 +4,9 @@ top-k, top-p, min_tokens and random generator.
 Behavior log-probability: exactly `molt.engine.base`'s definition, log_softmax(logits / T) over the full
 vocabulary (T = 0 -> 1), before top-k/top-p and before the min_tokens suppression of stop tokens (that
 suppression is a truncation like top-k: the token is sampled from the masked distribution, the record is the
-unmasked one). A constrained request's grammar (`SamplingParams.grammar`, an llguidance matcher) is different:
-the tokens it disallows are removed from the logits first, so its record (and `top_logprobs`) is of the masked
+unmasked one); a row whose grammar allows only stop tokens keeps them (vLLM 0.32's `MinTokensLogitsProcessor`
+restores them the same way), so `min_tokens` holds while the grammar allows anything else. A constrained
+request's grammar (`SamplingParams.grammar`, an llguidance matcher) is different: the tokens it disallows are removed from the logits first, so its record (and `top_logprobs`) is of the masked
 distribution. vLLM does the same and can do nothing else: it applies the grammar's bitmask to the logits before
 its sampler, so every `logprobs_mode` it has is masked (vLLM 0.32 `gpu_model_runner.py`, `apply_grammar_bitmask`).
 It is also how the token was really sampled; the trainer, which knows no grammar, recomputes the full
@@ -48,6 +49,8 @@ def sample(logits: torch.Tensor, reqs: list[Any]) -> tuple[list[int], list[float
         columns = torch.tensor([s for _, stops in suppress for s in stops], device=logits.device)
         scores = scores.index_put((rows, columns), torch.full((), -float("inf"), dtype=scores.dtype,
                                                               device=scores.device))
+        # a grammar that allows only stop tokens (a finished one) lets them through, as vLLM's min-tokens processor
+        scores = torch.where(scores.isneginf().all(-1, keepdim=True), logp, scores)
     if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs):
         scores = _truncate(scores, [r.params.top_k for r in reqs], [r.params.top_p for r in reqs])
     # Inverse-CDF sampling with one uniform draw per row from the request's own generator: exact, and a

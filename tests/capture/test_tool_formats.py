@@ -168,3 +168,20 @@ def test_the_models_own_parser_is_preferred():
     bad = '<tool_call>{"name": "a", "arguments": {oops</tool_call>'
     assert (parser(bad).content, parser(bad).malformed) == (bad, 1)
     assert choose_tool_parser("hermes", tok.chat_template, tok) is get_tool_parser("hermes")  # named: no preference
+
+
+async def test_the_models_own_parser_with_a_list_of_openings():
+    """transformers' response_template allows the tool_calls field's `open` to be a list of literals: a reply
+    with a call is read (it was a 500) and the content is the text before the first opening."""
+    tok = build_tokenizer()
+    tok.response_template = {"defaults": {"role": "assistant"}, "start_anchor": "<|im_start|>assistant\n", "fields": {
+        "tool_calls": {"open": ["<tool_call>", "<call>"], "close": "</tool_call>", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"\s*<\|im_end\|>", "content": "text"}}}
+    reply = 'Sure.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1"}}\n</tool_call>'
+    async with live_capture_server(ScriptedEngine(tok, [reply]), tok) as server:
+        r = await AsyncOpenAI(base_url=(s := await server.open_session()).base_url, api_key=s.api_key).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Add."}], tools=TOOLS)
+    message = r.choices[0].message
+    assert message.content == "Sure." and [json.loads(c.function.arguments) for c in message.tool_calls] == [
+        {"expression": "1"}]

@@ -7,12 +7,15 @@ import json
 import re
 
 import jsonschema
+import openai
 import pytest
 from openai import AsyncOpenAI
-from test_tool_formats import FAMILIES, family_tokenizer
+from test_tool_formats import FAMILIES, TEMPLATES, family_tokenizer
 
 from molt.capture.tools import get_tool_parser
-from molt.testing.scripted import RecordingEngine, live_capture_server
+from molt.testing import models
+from molt.testing.models import build_tokenizer
+from molt.testing.scripted import RecordingEngine, ScriptedEngine, live_capture_server
 from molt.types import FinishReason
 
 SEEDS = range(4)
@@ -223,7 +226,183 @@ async def test_grammar_tools_need_a_format_that_holds_raw_input():
     tok = family_tokenizer("llama3.2.jinja")
     engine = ScriptedEngine(tok, ["ok"], max_model_len=8192)
     async with live_capture_server(engine, tok) as server:
-        with pytest.raises(openai.BadRequestError, match="'exec' takes raw input"):
+        with pytest.raises(openai.BadRequestError, match=r"tools\[exec\]: its input is raw text"):
             await api(await server.open_session()).responses.create(
                 model="m", input="Go.", tools=[{"type": "custom", "name": "exec", "format": CODE}])
     assert not engine.calls
+
+
+# Codex CLI's `apply_patch` freeform tool (the Lark grammar in @openai/codex 0.171's binary; sent for its catalog's
+# models with apply_patch_tool_type "freeform", e.g. `codex exec -m gpt-5.5`)
+APPLY_PATCH = r'''start: begin_patch hunk+ end_patch
+begin_patch: "*** Begin Patch" LF
+end_patch: "*** End Patch" LF?
+hunk: add_hunk | delete_hunk | update_hunk
+add_hunk: "*** Add File: " filename LF add_line+
+delete_hunk: "*** Delete File: " filename LF
+update_hunk: "*** Update File: " filename LF change_move? change?
+filename: /(.+)/
+add_line: "+" /(.*)/ LF -> line
+change_move: "*** Move to: " filename LF
+change: (change_context | change_line)+ eof_line?
+change_context: ("@@" | "@@ " /(.+)/) LF
+change_line: ("+" | "-" | " ") /(.*)/ LF
+eof_line: "*** End of File" LF
+%import common.LF
+'''
+PATCH = "*** Begin Patch\n*** Update File: a.py\n@@ def f():\n-    return 1\n+    return 2\n*** End Patch\n"
+
+
+def custom(name, syntax, definition):
+    return {"type": "custom", "name": name, "format": {"type": "grammar", "syntax": syntax, "definition": definition}}
+
+
+def raw_call(name, raw):
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {raw}}}\n</tool_call>'
+
+
+def accepts(tok, grammar, text):
+    """Whether a fresh llguidance matcher takes `text` (as the tokenizer writes it) then EOS, and ends complete."""
+    from llguidance import LLMatcher
+    from llguidance.hf import from_tokenizer
+
+    matcher = LLMatcher(from_tokenizer(tok, n_vocab=len(tok), eos_token=tok.eos_token_id), grammar)
+    ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    return all(matcher.consume_token(t) for t in ids) and matcher.is_stopped() and not matcher.is_error()
+
+
+@pytest.mark.parametrize("definition, good, bad", [
+    (APPLY_PATCH, PATCH, PATCH.replace("*** End Patch\n", "")),
+    ('start: "select"i " " NAME\nNAME: /[a-z]+/', "SeLeCt ab", "SeLeCt AB"),
+    ('start: LF WS? "x"\n%import common (LF, WS)', "\n \tx", " x")], ids=["codex_apply_patch", "ci_string", "imports"])
+async def test_lark_grammar_tools_keep_their_meaning(definition, good, bad):
+    """Valid Lark grammars (Codex's apply_patch: `%import common.LF`, a `-> line` alias; a string's `i` flag; the
+    list form of %import) are inlined as terminals with the language they had: the reply grammar takes a call
+    with valid input token by token and refuses one with invalid input, and the input comes back as written."""
+    tok = build_tokenizer()
+    engine = ScriptedEngine(tok, [raw_call("apply_patch", good)], max_model_len=8192)
+    async with live_capture_server(engine, tok) as server:
+        reply = await api(await server.open_session()).responses.create(
+            model="m", input="Patch it.", tools=[custom("apply_patch", "lark", definition)])
+    assert [o.input for o in reply.output if o.type == "custom_tool_call"] == [good]
+    grammar = engine.calls[0]["params"].grammar
+    assert accepts(tok, grammar, raw_call("apply_patch", good)) and not accepts(tok, grammar, raw_call("apply_patch", bad))
+
+
+async def test_grammar_tools_that_cannot_be_inlined_are_named():
+    """A grammar llguidance refuses as sent (a terminal priority), or that cannot keep its meaning once its input is
+    one terminal (`%ignore`), is a 400 that names the tool; nothing is generated."""
+    tok = build_tokenizer()
+    engine = ScriptedEngine(tok, ["x"], max_model_len=8192)
+    async with live_capture_server(engine, tok) as server:
+        client = api(await server.open_session())
+        for definition, why in (('start: A | B\nA.2: /a+/\nB: /[ab]+/', r"tools\[calc\]: "),
+                                ('%ignore " "\nstart: "a" "b"', r"tools\[calc\]: %ignore is not supported")):
+            with pytest.raises(openai.BadRequestError, match=why) as e:
+                await client.responses.create(model="m", input="x", tools=[custom("calc", "lark", definition)])
+            assert e.value.status_code == 400
+    assert not engine.calls
+
+
+@pytest.mark.parametrize("regex, raw", [(r"\d+\.\d+", "1.50"), (r'"[a-z]+"', '"abc"'), (r"\{.*\}", '{"a":1}'),
+                                        ("x?", "")])
+async def test_grammar_tool_input_is_returned_and_resent_as_written(regex, raw):
+    """A grammar tool's raw input that happens to be JSON (or is empty) is not decoded: it comes back as the model
+    wrote it, and the `custom_tool_call` resent renders back to the tokens sampled (one segment)."""
+    tok = build_tokenizer()
+    tools = [custom("price", "regex", regex)]
+    async with live_capture_server(ScriptedEngine(tok, [raw_call("price", raw), "Done."]), tok) as server:
+        session = await server.open_session()
+        client = api(session)
+        first = await client.responses.create(model="m", input="Price?", tools=tools)
+        (call,) = [o for o in first.output if o.type == "custom_tool_call"]
+        assert call.input == raw
+        output = {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "ok"}
+        await client.responses.create(model="m", tools=tools, input=[
+            {"role": "user", "content": "Price?"}, call.model_dump(exclude_none=True), output])
+        assert len(await session.close()) == 1
+
+
+@pytest.mark.parametrize("wire", ["chat_required", "responses_default_strict"])
+async def test_tool_requests_work_without_a_single_token_call_marker(monkeypatch, wire):
+    """On a tokenizer without a `<tool_call>` token (SmolLM2-135M-Instruct's), a forced call and a Responses
+    function tool (strict by default) are constrained with the marker written as text."""
+    monkeypatch.setattr(models, "MARKER_TOKENS", [])
+    tok = build_tokenizer()
+    assert len(tok.encode("<tool_call>", add_special_tokens=False)) > 1
+    reply = raw_call("add", '{"a": 1, "b": "x"}')
+    engine = ScriptedEngine(tok, [reply[len("<tool_call>\n"):] if wire == "chat_required" else reply])
+    async with live_capture_server(engine, tok) as server:
+        client = api(await server.open_session())
+        if wire == "chat_required":  # the opening is forced: the model continues after it
+            r = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "Add."}], tool_choice="required",
+                tools=[{"type": "function", "function": {"name": "add", "parameters": ADD}}])
+            assert [json.loads(c.function.arguments) for c in r.choices[0].message.tool_calls] == [{"a": 1, "b": "x"}]
+        else:
+            r = await client.responses.create(model="m", input="Add.", tools=[
+                {"type": "function", "name": "add", "parameters": ADD}])
+            assert [o.type for o in r.output] == ["function_call"]
+            assert accepts(tok, engine.calls[0]["params"].grammar, reply)
+    assert "<[" not in engine.calls[0]["params"].grammar
+
+
+QWEN3_THINKING = [
+    '<think>\nI need the calculator.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "x"}}\n</tool_call>',
+    "<think>\nNothing to call.\n</think>\n\nHello.", "<think>\nhm\n</think>\n\nLet me add.\n" + raw_call("add", '{"a": 2, "b": "y"}'),
+    "\nhm\n</think>\n\nHello."]  # the last: a template that opens the block in the prompt (Qwen3-2507)
+
+
+@pytest.mark.parametrize("reply", QWEN3_THINKING, ids=["think_then_call", "think_then_text", "think_prose_call",
+                                                       "opened_in_prompt"])
+async def test_qwen3_thinking_replies_fit_the_reply_grammar(reply):
+    """Qwen3's template has a reasoning channel: the reply grammar allows a `<think>` ... `</think>` block (the
+    markers as tokens, which llguidance keeps out of any regex), then the template's "\\n\\n", before text or
+    calls; the matcher takes each reply as the tokenizer writes it, and a block elsewhere is refused."""
+    tok = family_tokenizer("qwen3.jinja")  # <think> an added token, as in Qwen3's vocabulary
+    engine = ScriptedEngine(tok, [reply], max_model_len=8192)
+    async with live_capture_server(engine, tok) as server:
+        r = await api(await server.open_session()).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Add."}],
+            tools=[{"type": "function", "function": {"name": "add", "parameters": ADD, "strict": True}}])
+    grammar = engine.calls[0]["params"].grammar
+    assert accepts(tok, grammar, reply) and not accepts(tok, grammar, "Hello.<think>\nhm\n</think>\n\n")
+    assert r.choices[0].message.content.startswith("<think>" if reply.startswith("<") else "\nhm")
+
+
+async def test_qwen3_thinking_sampled_replies_parse(tmp_path):
+    """At T=1 a random model under the Qwen3 reply grammar writes replies that parse: calls that follow the schema
+    (none malformed), or text without a call opening."""
+    from transformers import AutoTokenizer
+
+    from molt.engine.hf import HFEngine
+    from molt.testing.models import build_tiny_llama
+
+    path = build_tiny_llama(tmp_path, template=(TEMPLATES / "qwen3.jinja").read_text(), max_positions=2048)
+    engine = HFEngine(str(path))
+    tools = [{"type": "function", "function": {"name": "add", "parameters": ADD, "strict": True}}]
+    try:
+        async with live_capture_server(engine, AutoTokenizer.from_pretrained(path)) as server:
+            session = await server.open_session()
+            for seed in range(6):
+                r = await api(session).chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "Add."}], tools=tools, max_tokens=60,
+                    temperature=1.0, seed=seed)
+                for call in r.choices[0].message.tool_calls or []:
+                    jsonschema.validate(json.loads(call.function.arguments), ADD)
+                assert "<tool_call>" not in (r.choices[0].message.content or "")
+            assert session.stats["malformed_tool_calls"] == 0
+    finally:
+        await engine.close()
+
+
+async def test_min_tokens_with_a_forced_call(hf_engine, tokenizer):
+    """`min_tokens` beside the grammar of a forced call (one the client never sent): honoured while the grammar
+    allows anything but EOS, so the call is made and the reply ends (engine side: tests/engine/test_grammar.py)."""
+    async with live_capture_server(hf_engine, tokenizer) as server:
+        r = await api(await server.open_session()).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Add."}], tool_choice="required", max_tokens=60,
+            tools=[{"type": "function", "function": {"name": "add", "parameters": ADD, "strict": True}}],
+            extra_body={"min_tokens": 40}, temperature=1.0, seed=1)
+    assert r.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), ADD)

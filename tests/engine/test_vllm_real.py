@@ -108,6 +108,19 @@ async def test_json_schema_replies_validate_and_record_the_masked_distribution(e
         assert torch.tensor(out.logprobs).sub(masked).abs().max() <= 1e-3 and (full < masked - 1e-3).any()
 
 
+async def test_min_tokens_beside_a_json_schema_grammar(engine, models):
+    """`min_tokens` beside a grammar ends where the grammar does on vLLM too (its MinTokensLogitsProcessor lets the
+    stop tokens through once the grammar allows only them), as on the embedded engine (test_grammar.py)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models[0][0])
+    loose = SamplingParams(max_tokens=30, min_tokens=12, seed=2, grammar="start: /[a-z ]*/")
+    done, free = await asyncio.gather(engine.generate(PROMPTS[1], SamplingParams(
+        max_tokens=30, min_tokens=30, seed=1, grammar=json_grammar({"enum": ["ab"]}))), engine.generate(PROMPTS[2], loose))
+    assert done.finish_reason is FinishReason.STOP and tokenizer.decode(done.token_ids[:-1]) == '"ab"'
+    assert len(free.token_ids) >= 12 and not set(free.token_ids[:12]) & set(engine.eos_token_ids)
+
+
 async def test_the_reference_knobs_reach_vllm(engine):
     """Each of KNOBS read back from the running engine's own config (vLLM's, after its CPU platform's
     adjustments), and two seen at work: prefix caching on, with 32-token blocks (a repeated 200-token prompt finds
