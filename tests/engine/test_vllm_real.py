@@ -121,6 +121,34 @@ async def test_min_tokens_beside_a_json_schema_grammar(engine, models):
     assert len(free.token_ids) >= 12 and not set(free.token_ids[:12]) & set(engine.eos_token_ids)
 
 
+async def test_a_forced_strict_tool_call_under_the_tool_grammar(engine, models):
+    """A tool grammar through vLLM's guidance backend (`tools.call_grammar`, the tiny model's Hermes format): a
+    strict tool forced by name and as `required`, over the official `openai` SDK at T=1, gives calls that parse
+    and whose arguments follow the schema (the random model writes garbage unconstrained)."""
+    import json
+
+    import jsonschema
+    from openai import AsyncOpenAI
+    from transformers import AutoTokenizer
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "b": {"enum": ["x", "y"]}}, "required": ["a", "b"]}
+    tools = [{"type": "function", "function": {"name": "add", "parameters": schema, "strict": True}}]
+    async with live_capture_server(engine, AutoTokenizer.from_pretrained(models[0][0])) as server:
+        session = await server.open_session()
+        client = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        for seed, choice in enumerate([{"type": "function", "function": {"name": "add"}}, "required"] * 2):
+            reply = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "Add."}], tools=tools, tool_choice=choice,
+                max_tokens=100, seed=seed, temperature=1.0)
+            calls = reply.choices[0].message.tool_calls
+            assert calls and reply.choices[0].finish_reason in ("tool_calls", "length"), reply.choices[0].message
+            for call in calls:
+                assert call.function.name == "add"
+                jsonschema.validate(json.loads(call.function.arguments), schema)
+        assert session.stats["tool_calls"] >= 4
+
+
 async def test_the_reference_knobs_reach_vllm(engine):
     """Each of KNOBS read back from the running engine's own config (vLLM's, after its CPU platform's
     adjustments), and two seen at work: prefix caching on, with 32-token blocks (a repeated 200-token prompt finds
@@ -379,31 +407,3 @@ async def test_a_dead_engine_is_an_engine_error(engine):
         for _ in range(50):  # vLLM notices the death within a moment
             await engine.generate(PROMPTS[0], SamplingParams(max_tokens=4))
             await asyncio.sleep(0.1)
-
-
-async def test_a_forced_strict_tool_call_under_the_tool_grammar(engine, models):
-    """A tool grammar through vLLM's guidance backend (`tools.call_grammar`, the tiny model's Hermes format): a
-    strict tool forced by name and as `required`, over the official `openai` SDK at T=1, gives calls that parse
-    and whose arguments follow the schema (the random model writes garbage unconstrained)."""
-    import json
-
-    import jsonschema
-    from openai import AsyncOpenAI
-    from transformers import AutoTokenizer
-
-    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
-                                               "b": {"enum": ["x", "y"]}}, "required": ["a", "b"]}
-    tools = [{"type": "function", "function": {"name": "add", "parameters": schema, "strict": True}}]
-    async with live_capture_server(engine, AutoTokenizer.from_pretrained(models[0][0])) as server:
-        session = await server.open_session()
-        client = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
-        for seed, choice in enumerate([{"type": "function", "function": {"name": "add"}}, "required"] * 2):
-            reply = await client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "Add."}], tools=tools, tool_choice=choice,
-                max_tokens=100, seed=seed, temperature=1.0)
-            calls = reply.choices[0].message.tool_calls
-            assert calls and reply.choices[0].finish_reason in ("tool_calls", "length"), reply.choices[0].message
-            for call in calls:
-                assert call.function.name == "add"
-                jsonschema.validate(json.loads(call.function.arguments), schema)
-        assert session.stats["tool_calls"] >= 4
