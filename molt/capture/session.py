@@ -276,8 +276,8 @@ class Session:
         text = opening + self.renderer.reply_text(ids)
         if stop is not None:  # found in the generated part (a forced opening may contain it too)
             finish, text = "stop", text[: text.find(stop, len(opening))]
-        raw = [name for name, f in request.formats.items() if "schema" not in f]  # grammar tools: raw input
-        parsed = Parsed(text) if not request.parse_tools else self.parser(text, raw=raw) if raw else self.parser(text)
+        tools = {t["function"]["name"]: {"schema": t["function"].get("parameters") or {}} for t in request.tools or []}
+        parsed = self.parser(text, tools={**tools, **request.formats}) if request.parse_tools else Parsed(text)
         self.stats["malformed_tool_calls"] += parsed.malformed
         self.stats["tool_calls"] += len(parsed.calls)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}

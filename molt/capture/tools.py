@@ -21,7 +21,7 @@ class Parsed:
     malformed: int = 0
 
 
-ToolParser = Callable[[str], Parsed]
+ToolParser = Callable[..., Parsed]
 _PARSERS: dict[str, ToolParser] = {}
 
 
@@ -31,7 +31,8 @@ def register_tool_parser(name: str, opening: Callable[[str | None], str] | None 
     a parser registered without one cannot force them. `markers`: the tokens its format is written with, kept
     in the text it parses even where a tokenizer marks them special. `grammar(tools, name, text, token)`: the
     Lark grammar of a reply in this format (`call_grammar`); a parser without one takes no grammar or strict
-    tools. hermes also takes `raw`: the names of tools whose input is raw text, not JSON."""
+    tools. A parser is called with the text and `tools`: name -> {"schema": the arguments' schema} or a grammar
+    tool's format (whose input hermes reads as raw text, not JSON); qwen3_coder types values by the schema."""
     def add(parser: ToolParser) -> ToolParser:
         parser.opening, parser.markers, parser.grammar = opening, markers, grammar  # type: ignore[attr-defined]
         _PARSERS[name] = parser
@@ -71,7 +72,7 @@ def arguments_json(call: dict[str, Any]) -> str:
     return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
-register_tool_parser("none")(lambda text: Parsed(text))
+register_tool_parser("none")(lambda text, tools=None: Parsed(text))
 
 
 _BAD = (ValueError, KeyError, TypeError, AttributeError)  # what reading a malformed call raises
@@ -113,7 +114,7 @@ def _format(name: str, pattern: re.Pattern, read: Callable[[re.Match], list[dict
     """Register a format whose calls are blocks that start with `opener` (`_split`); `grammar`: its shape
     (`call_grammar`'s keywords), None for a format without one."""
     return register_tool_parser(name, opening, markers, grammar and call_grammar(opening, markers, **grammar))(
-        lambda text: _split(text, pattern, read, len(re.findall(opener, text)), strip))
+        lambda text, tools=None: _split(text, pattern, read, len(re.findall(opener, text)), strip))
 
 
 def _inline(tool: str, i: int, spec: dict[str, Any], close: str, raw: bool) -> list[str]:
@@ -140,13 +141,15 @@ def _inline(tool: str, i: int, spec: dict[str, Any], close: str, raw: bool) -> l
 
 def call_grammar(opening: Callable[[str | None], str], markers: tuple[str, ...], close: tuple[Any, ...],
                  sep: tuple[Any, ...] | None, avoid: str, prose: str | None = None, end: tuple[Any, ...] = (),
-                 raw: bool = False) -> Callable[..., str]:
+                 raw: bool = False, args: Callable[..., list[str]] = lambda schema, *_: [json_lark(schema, JSON_STYLE)]
+                 ) -> Callable[..., str]:
     """The `grammar` builder of a format whose calls are `opening(name)`, the arguments, then `close`; calls
     follow `opening(None)`, between them `sep` (None: one call a reply), after them `end`. Pieces are text, whose
     markers become tokens, or regexes. A reply without calls is text that does not match `avoid` (what the parser
     would take for a call); `prose`: the text allowed before calls (None: none, the template drops it). `raw`:
     the parser reads grammar tools' raw input (`_hermes_read`), which with the text of `close[0]` is one terminal,
-    so that llguidance's greedy lexer ends the input where the call does.
+    so that llguidance's greedy lexer ends the input where the call does. `args(schema, i, tool)`: [the Lark
+    expression of the arguments, rules it names] (default: JSON as `tojson` writes it).
 
     The builder: (tools, name, text, token, think) -> the Lark grammar of a reply: free text (or `text`, a Lark
     expression) or calls, after `opening(name)` when `name` is given ("" forces some call). `tools`: name ->
@@ -166,8 +169,8 @@ def call_grammar(opening: Callable[[str | None], str], markers: tuple[str, ...],
                 s in markers and token(s) or json.dumps(s) for s in split.split(p) if s) for p in pieces)
         head, rules = opening(None), []
         for i, (tool, spec) in enumerate(tools.items()):
-            mine = [f"args{i}: {json_lark(spec['schema'], JSON_STYLE)} {lark(*close)}"] if "schema" in spec else \
-                [*_inline(tool, i, spec, close[0], raw), f"args{i}: T{i} {lark(*close[1:])}"]
+            mine = [f"args{i}: {(a := args(spec['schema'], i, tool))[0]} {lark(*close)}", *a[1:]] if "schema" in spec \
+                else [*_inline(tool, i, spec, close[0], raw), f"args{i}: T{i} {lark(*close[1:])}"]
             rules += [*mine, f"call{i}: {lark(opening(tool)[len(head):])} args{i}"]
             check_grammar("\n".join([f"start: args{i}", *mine]), f"tools[{tool}]")  # a 400 naming the tool
         calls = f"call ({lark(*sep)} call)* {lark(*end)}" if sep else f"call {lark(*end)}"
@@ -200,28 +203,72 @@ _TAGS = ("<tool_call>", "</tool_call>")
 @register_tool_parser("hermes", _hermes_opening, _TAGS, call_grammar(
     _hermes_opening, _TAGS, ("}\n", "</tool_call>"), ("\n<tool_call>\n",), "(?s:.*)<tool_call>(?s:.*)",
     r"(?s:.*)\S\n", raw=True))
-def _hermes(text: str, raw: Collection[str] = ()) -> Parsed:
-    """`raw`: the tools whose input is raw text (grammar tools), read as the string they are."""
+def _hermes(text: str, tools: dict[str, dict[str, Any]] | None = None) -> Parsed:
+    """Grammar tools' input is raw text, read as the string it is."""
+    raw = [name for name, spec in (tools or {}).items() if "schema" not in spec]
     return _split(text, _HERMES, lambda m: _hermes_read(m, raw), text.count("<tool_call>"))
 
 
 _XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
 _XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+_PY = {"True": True, "False": False, "None": None}  # how the template's `string` writes them
+# a text value with the block's close: one terminal, so that llguidance's greedy lexer ends it there (`_inline`)
+_XML_TEXT = r"/(?s:.*)\n<\/parameter>\n/ & ~/(?s:.*)<\/parameter>(?s:.*)<\/parameter>(?s:.*)/"
 
 
-def _xml_value(raw: str) -> Any:
-    """A parameter's value, typed where the type renders back to the same text (the template writes objects and
-    lists as JSON, other values with `string`): "42" -> 42, but "true" stays "true" (it would come back "True")."""
+def _text(schema: Any) -> list[str] | None:
+    """The choices of a value the template writes as it is and the parser keeps as text, a string ([]: any);
+    None for any other value."""
+    choices = schema.get("enum", [schema["const"]] if "const" in schema else []) if isinstance(schema, dict) else [0]
+    return choices if all(isinstance(c, str) for c in choices) and (choices or schema.get("type") == "string") else None
+
+
+def _xml_value(raw: str, schema: Any = None) -> Any:
+    """A parameter's value. By its property's schema where the tool is known: text for a string, else Python's
+    True/False/None or JSON as the template writes them. Untyped, typed where the type renders back to the same
+    text (objects and lists as JSON, other values with `string`): "42" -> 42, but "true" stays "true"."""
+    if schema is not None and (_text(schema) is not None or raw in _PY):
+        return raw if _text(schema) is not None else _PY[raw]
     try:
         value = json.loads(raw)
     except ValueError:
         return raw
-    return value if (json.dumps(value, ensure_ascii=False) if isinstance(value, dict | list) else str(value)) == raw else raw
+    return value if schema is not None or (
+        json.dumps(value, ensure_ascii=False) if isinstance(value, dict | list) else str(value)) == raw else raw
 
 
-_format("qwen3_coder", _XML_CALL, lambda m: [tool_call(new_call_id(), m.group(1).strip(), {
-    k: _xml_value(v) for k, v in _XML_PARAM.findall(m.group(2))})], "<tool_call>",
-    lambda name: "<tool_call>\n" + (f"<function={name}>\n" if name else ""), _TAGS)
+def _xml_args(schema: dict[str, Any], i: int, tool: str) -> list[str]:
+    """qwen3_coder's arguments as the template writes them and `_xml_value` reads them back: a block per property
+    in the schema's order (the required ones present), a string as text (its choices as literals), a boolean or
+    null as Python writes it, anything else as JSON (`tojson`); without properties, any blocks of text. A string's
+    pattern, format or length cannot hold on plain text: a 400 naming the tool."""
+    props, blocks = schema.get("properties") or {}, [] if schema.get("properties") else [
+        f'("<parameter=" /[^>\\n]+/ ">\\n" T{i})*']
+    for name, sub in props.items():
+        if (choices := _text(sub)) is not None and {"pattern", "format", "minLength", "maxLength"} & sub.keys():
+            raise ValueError(f"tools[{tool}]: {name!r}: a string's pattern, format and length are not supported "
+                             "in this server's tool-call format (qwen3_coder), whose strings are plain text")
+        value = " | ".join(json.dumps(f"{c}\n</parameter>\n") for c in choices) or f"T{i}" if choices is not None \
+            else {"boolean": '"True" | "False"', "null": '"None"'}.get(sub.get("type")) or json_lark(
+                {**sub, **{k: schema[k] for k in ("$defs", "definitions") if k in schema}}, JSON_STYLE)
+        block = json.dumps(f"<parameter={name}>\n") + f" ({value})" + ' "\\n</parameter>\\n"' * (choices is None)
+        blocks.append(block if name in schema.get("required", []) else f"({block})?")
+    return [" ".join(blocks), f"T{i}: {_XML_TEXT}"]
+
+
+def _coder_opening(name: str | None) -> str:
+    return "<tool_call>\n" + (f"<function={name}>\n" if name else "")
+
+
+# the text before calls ends in a non-space and "\n\n" (the template writes it trimmed, "\n", then "\n<tool_call>")
+@register_tool_parser("qwen3_coder", _coder_opening, _TAGS, call_grammar(
+    _coder_opening, _TAGS, ("</function>\n</tool_call>",), ("\n<tool_call>\n",), "(?s:.*)<tool_call>(?s:.*)",
+    r"(?s:.*)\S\n\n", args=_xml_args))
+def _qwen3_coder(text: str, tools: dict[str, dict[str, Any]] | None = None) -> Parsed:
+    def read(m: re.Match) -> list[dict[str, Any]]:
+        props = (tools or {}).get(name := m.group(1).strip(), {}).get("schema", {}).get("properties") or {}
+        return [tool_call(new_call_id(), name, {k: _xml_value(v, props.get(k)) for k, v in _XML_PARAM.findall(m[2])})]
+    return _split(text, _XML_CALL, read, text.count("<tool_call>"))
 
 # a call is the whole reply, one JSON object (the template renders one call a turn), after an optional python tag
 _format("llama3_json", re.compile(r"\A\s*(?:<\|python_tag\|>)?\s*(\{.*\})\s*\Z", re.DOTALL),
@@ -267,14 +314,14 @@ def choose_tool_parser(name: str, template: str, tokenizer: Any = None) -> ToolP
     if spec is None:
         return family
 
-    def own(text: str, raw: Collection[str] = ()) -> Parsed:
-        if raw:  # grammar tools: the reply follows the family's grammar, so the family's parser reads it
-            return family(text, raw=raw)  # type: ignore[call-arg]
+    def own(text: str, tools: dict[str, dict[str, Any]] | None = None) -> Parsed:
+        if any("schema" not in s for s in (tools or {}).values()):  # grammar tools: the reply follows the
+            return family(text, tools)  # family's grammar, so the family's parser reads it
         try:
             calls = [tool_call(new_call_id(), c["function"]["name"], c["function"].get("arguments", {}))
                      for c in tokenizer.parse_response(text, prefix="").get("tool_calls") or []]
         except _BAD:  # a call it cannot read: the template format's parser keeps it as text and counts it
-            return family(text)
+            return family(text, tools)
         # the content: the reply before its first call, as generated (`open`: a literal or a list of them)
         opens = [spec["open"]] if isinstance(spec.get("open"), str) else spec.get("open") or []
         first = re.search(spec.get("open_pattern") or "|".join(map(re.escape, opens)), text, re.DOTALL)
