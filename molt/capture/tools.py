@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,30 +91,25 @@ def _json_call(obj: Any, call_id: str | None = None) -> dict[str, Any]:
     return call
 
 
-def _split(text: str, pattern: re.Pattern, read: Callable[[re.Match], list[dict[str, Any]]], opened: int,
-           strip: bool = True) -> Parsed:
-    """The calls in the matches of `pattern` as `read` reads them (raising on a malformed block, which then stays
-    in the content); `opened`: the blocks the text starts, so the ones not read count as malformed. The text
-    around the calls is the content, rstripped where the template writes a newline before a call (a streamed
-    reply has sent its leading text already, see streaming.py)."""
-    calls, kept, pos = [], [], 0  # kept: the text before each block read
-    for match in pattern.finditer(text):
-        try:
-            calls += read(match)
-        except _BAD:
-            continue
-        kept, pos = [*kept, text[pos:match.start()]], match.end()
-    content = "".join(kept) + text[pos:] if calls else text
-    return Parsed(content.rstrip() if strip and calls else content, calls, opened - len(kept))
-
-
-def _format(name: str, pattern: re.Pattern, read: Callable[[re.Match], list[dict[str, Any]]], opener: str,
+def _format(name: str, pattern: re.Pattern, read: Callable[[re.Match, dict], list[dict[str, Any]]], opener: str,
             opening: Callable[[str | None], str], markers: tuple[str, ...], strip: bool = True,
             grammar: dict[str, Any] | None = None) -> ToolParser:
-    """Register a format whose calls are blocks that start with `opener` (`_split`); `grammar`: its shape
-    (`call_grammar`'s keywords), None for a format without one."""
-    return register_tool_parser(name, opening, markers, grammar and call_grammar(opening, markers, **grammar))(
-        lambda text, tools=None: _split(text, pattern, read, len(re.findall(opener, text)), strip))
+    """Register a format whose calls are the matches of `pattern`, as `read(match, tools)` reads them (raising on
+    a malformed block, which then stays in the content); blocks that start with `opener` but are not read count
+    as malformed. The text around the calls is the content, rstripped where the template writes a newline
+    before a call (a streamed reply has sent its leading text already, see streaming.py). `grammar`: the
+    format's shape (`call_grammar`'s keywords), None for a format without one."""
+    def parse(text: str, tools: dict[str, dict[str, Any]] | None = None) -> Parsed:
+        calls, kept, pos = [], [], 0  # kept: the text before each block read
+        for match in pattern.finditer(text):
+            try:
+                calls += read(match, tools or {})
+            except _BAD:
+                continue
+            kept, pos = [*kept, text[pos:match.start()]], match.end()
+        content = "".join(kept) + text[pos:] if calls else text
+        return Parsed(content.rstrip() if strip and calls else content, calls, len(re.findall(opener, text)) - len(kept))
+    return register_tool_parser(name, opening, markers, grammar and call_grammar(opening, markers, **grammar))(parse)
 
 
 def _inline(tool: str, i: int, spec: dict[str, Any], close: str, raw: bool) -> list[str]:
@@ -184,10 +179,10 @@ def call_grammar(opening: Callable[[str | None], str], markers: tuple[str, ...],
     return build
 
 
-def _hermes_read(match: re.Match, raw: Collection[str]) -> list[dict[str, Any]]:
-    found = _RAW.fullmatch(match.group(1)) if raw else None
-    if found and found[1] in raw:  # kept as the string it is (a template prints a string verbatim)
-        return [tool_call(new_call_id(), found[1], found[2], raw=True)]
+def _hermes_read(match: re.Match, tools: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    found = _RAW.fullmatch(match.group(1))
+    if found and "schema" not in tools.get(found[1], _JSON):  # a grammar tool's raw input: the string it is (a
+        return [tool_call(new_call_id(), found[1], found[2], raw=True)]  # template prints a string verbatim)
     return [_json_call(json.loads(match.group(1)))]
 
 
@@ -196,22 +191,15 @@ def _hermes_opening(name: str | None) -> str:
     return "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
 
 
-_TAGS = ("<tool_call>", "</tool_call>")
-
-
+_TAGS, _JSON = ("<tool_call>", "</tool_call>"), {"schema": {}}
+_TAG_CALLS = {"close": ("}\n", "</tool_call>"), "sep": ("\n<tool_call>\n",), "avoid": "(?s:.*)<tool_call>(?s:.*)"}
 # the text before calls ends with a newline after its last non-space (templates write it rstripped, then "\n")
-@register_tool_parser("hermes", _hermes_opening, _TAGS, call_grammar(
-    _hermes_opening, _TAGS, ("}\n", "</tool_call>"), ("\n<tool_call>\n",), "(?s:.*)<tool_call>(?s:.*)",
-    r"(?s:.*)\S\n", raw=True))
-def _hermes(text: str, tools: dict[str, dict[str, Any]] | None = None) -> Parsed:
-    """Grammar tools' input is raw text, read as the string it is."""
-    raw = [name for name, spec in (tools or {}).items() if "schema" not in spec]
-    return _split(text, _HERMES, lambda m: _hermes_read(m, raw), text.count("<tool_call>"))
-
+_format("hermes", _HERMES, _hermes_read, "<tool_call>", _hermes_opening, _TAGS,
+        grammar={**_TAG_CALLS, "prose": r"(?s:.*)\S\n", "raw": True})
 
 _XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
 _XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
-_PY = {"True": True, "False": False, "None": None}  # how the template's `string` writes them
+_PY = {"True": True, "False": False, "None": None}  # as the template's `string` writes them
 # a text value with the block's close: one terminal, so that llguidance's greedy lexer ends it there (`_inline`)
 _XML_TEXT = r"/(?s:.*)\n<\/parameter>\n/ & ~/(?s:.*)<\/parameter>(?s:.*)<\/parameter>(?s:.*)/"
 
@@ -227,10 +215,8 @@ def _xml_value(raw: str, schema: Any = None) -> Any:
     """A parameter's value. By its property's schema where the tool is known: text for a string, else Python's
     True/False/None or JSON as the template writes them. Untyped, typed where the type renders back to the same
     text (objects and lists as JSON, other values with `string`): "42" -> 42, but "true" stays "true"."""
-    if schema is not None and (_text(schema) is not None or raw in _PY):
-        return raw if _text(schema) is not None else _PY[raw]
     try:
-        value = json.loads(raw)
+        value = raw if _text(schema) is not None else _PY[raw] if schema is not None and raw in _PY else json.loads(raw)
     except ValueError:
         return raw
     return value if schema is not None or (
@@ -240,39 +226,36 @@ def _xml_value(raw: str, schema: Any = None) -> Any:
 def _xml_args(schema: dict[str, Any], i: int, tool: str) -> list[str]:
     """qwen3_coder's arguments as the template writes them and `_xml_value` reads them back: a block per property
     in the schema's order (the required ones present), a string as text (its choices as literals), a boolean or
-    null as Python writes it, anything else as JSON (`tojson`); without properties, any blocks of text. A string's
-    pattern, format or length cannot hold on plain text: a 400 naming the tool."""
-    props, blocks = schema.get("properties") or {}, [] if schema.get("properties") else [
-        f'("<parameter=" /[^>\\n]+/ ">\\n" T{i})*']
-    for name, sub in props.items():
+    null as Python writes it, anything else as JSON (`tojson`, the schema's `$defs` kept); without properties,
+    any blocks of text. A string's pattern, format or length cannot hold on plain text: a 400 naming the tool."""
+    blocks = [] if schema.get("properties") else [f'("<parameter=" /[^>\\n]+/ ">\\n" T{i})*']
+    for name, sub in (schema.get("properties") or {}).items():
         if (choices := _text(sub)) is not None and {"pattern", "format", "minLength", "maxLength"} & sub.keys():
-            raise ValueError(f"tools[{tool}]: {name!r}: a string's pattern, format and length are not supported "
-                             "in this server's tool-call format (qwen3_coder), whose strings are plain text")
-        value = " | ".join(json.dumps(f"{c}\n</parameter>\n") for c in choices) or f"T{i}" if choices is not None \
-            else {"boolean": '"True" | "False"', "null": '"None"'}.get(sub.get("type")) or json_lark(
-                {**sub, **{k: schema[k] for k in ("$defs", "definitions") if k in schema}}, JSON_STYLE)
-        block = json.dumps(f"<parameter={name}>\n") + f" ({value})" + ' "\\n</parameter>\\n"' * (choices is None)
+            raise ValueError(f"tools[{tool}]: {name!r}: qwen3_coder's strings are plain text: no pattern, format or length")
+        value = (" | ".join(json.dumps(f"{c}\n</parameter>\n") for c in choices) or f"T{i}") if choices is not None else \
+            f'({_PY_LARK.get(sub.get("type")) or json_lark({**sub, **{k: schema[k] for k in _DEFS if k in schema}}, JSON_STYLE)})' \
+            ' "\\n</parameter>\\n"'
+        block = json.dumps(f"<parameter={name}>\n") + f" ({value})"
         blocks.append(block if name in schema.get("required", []) else f"({block})?")
     return [" ".join(blocks), f"T{i}: {_XML_TEXT}"]
 
 
-def _coder_opening(name: str | None) -> str:
-    return "<tool_call>\n" + (f"<function={name}>\n" if name else "")
+_PY_LARK, _DEFS = {"boolean": '"True" | "False"', "null": '"None"'}, ("$defs", "definitions")
+
+
+def _xml_read(m: re.Match, tools: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    props = tools.get(name := m.group(1).strip(), _JSON).get("schema", {}).get("properties") or {}
+    return [tool_call(new_call_id(), name, {k: _xml_value(v, props.get(k)) for k, v in _XML_PARAM.findall(m[2])})]
 
 
 # the text before calls ends in a non-space and "\n\n" (the template writes it trimmed, "\n", then "\n<tool_call>")
-@register_tool_parser("qwen3_coder", _coder_opening, _TAGS, call_grammar(
-    _coder_opening, _TAGS, ("</function>\n</tool_call>",), ("\n<tool_call>\n",), "(?s:.*)<tool_call>(?s:.*)",
-    r"(?s:.*)\S\n\n", args=_xml_args))
-def _qwen3_coder(text: str, tools: dict[str, dict[str, Any]] | None = None) -> Parsed:
-    def read(m: re.Match) -> list[dict[str, Any]]:
-        props = (tools or {}).get(name := m.group(1).strip(), {}).get("schema", {}).get("properties") or {}
-        return [tool_call(new_call_id(), name, {k: _xml_value(v, props.get(k)) for k, v in _XML_PARAM.findall(m[2])})]
-    return _split(text, _XML_CALL, read, text.count("<tool_call>"))
+_format("qwen3_coder", _XML_CALL, _xml_read, "<tool_call>", lambda name: "<tool_call>\n" + (
+    f"<function={name}>\n" if name else ""), _TAGS, grammar={**_TAG_CALLS, "close": ("</function>\n</tool_call>",),
+                                                              "prose": r"(?s:.*)\S\n\n", "args": _xml_args})
 
 # a call is the whole reply, one JSON object (the template renders one call a turn), after an optional python tag
 _format("llama3_json", re.compile(r"\A\s*(?:<\|python_tag\|>)?\s*(\{.*\})\s*\Z", re.DOTALL),
-        lambda m: [_json_call(json.loads(m.group(1)))], r"\A\s*(?:<\|python_tag\|>)?\s*\{",
+        lambda m, _: [_json_call(json.loads(m.group(1)))], r"\A\s*(?:<\|python_tag\|>)?\s*\{",
         lambda name: '{"name": "' + (f'{name}", "parameters": ' if name else ""), ("<|python_tag|>",),
         grammar={"close": ("}",), "sep": None, "avoid": r"\s*\{(?s:.*)"})
 
@@ -282,7 +265,7 @@ _MISTRAL = re.compile(r"\[TOOL_CALLS\]\s*(?:(\[.*?\])|([^\[\]{}\s]+)(?:\[CALL_ID
                       r"(?=\s*(?:\[TOOL_CALLS\]|$))", re.DOTALL)
 
 
-def _mistral_read(m: re.Match) -> list[dict[str, Any]]:
+def _mistral_read(m: re.Match, _: Any = None) -> list[dict[str, Any]]:
     """Mistral's templates write call ids back (and refuse any but 9 alphanumerics): the model's own are kept."""
     if m.group(1):
         return [_json_call(obj, str(obj.get("id") or new_call_id("", 9))) for obj in json.loads(m.group(1))]

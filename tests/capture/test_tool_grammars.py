@@ -228,7 +228,7 @@ async def test_qwen3_coder_strict_tools_on_every_wire():
             {"type": "function", "function": {"name": "add", "parameters": loose}}])
         assert json.loads(reply.choices[0].message.tool_calls[0].function.arguments) == {"a": 3, "b": "7"}
         assert engine.calls[-1]["params"].grammar is None
-        with pytest.raises(openai.BadRequestError, match=r"tools\[add\]: 'b': a string's pattern"):
+        with pytest.raises(openai.BadRequestError, match=r"tools\[add\]: 'b': qwen3_coder's strings are plain text"):
             await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Add."}], tools=[
                 {"type": "function", "function": {"name": "add", "strict": True, "parameters": {
                     **loose, "properties": {"b": {"type": "string", "pattern": "^[a-z]+$"}}}}}])
