@@ -8,6 +8,7 @@ import json
 import re
 import uuid
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +43,7 @@ def register_tool_parser(name: str, opening: Callable[[str | None], str] | None 
 
 def call_opening(parser: ToolParser, name: str | None) -> str | None:
     """The text that forces `parser`'s call format (a call to `name`, or to any tool); None if it cannot."""
-    opening = getattr(parser, "opening", None)
-    return None if opening is None else opening(name)
+    return (getattr(parser, "opening", None) or (lambda _: None))(name)
 
 
 def get_tool_parser(name: str) -> ToolParser:
@@ -60,10 +60,8 @@ def tool_call(call_id: str, name: str, arguments: Any, raw: bool = False) -> dic
     """A canonical tool call (arguments a dict when they are valid JSON, else the raw string); `raw`: a grammar
     tool's input, kept as the string it is (`1.50` stays `1.50`, "" stays "")."""
     if isinstance(arguments, str) and not raw:
-        try:
+        with suppress(json.JSONDecodeError):
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            pass
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -199,7 +197,8 @@ _format("hermes", _HERMES, _hermes_read, "<tool_call>", _hermes_opening, _TAGS,
 
 _XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
 _XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
-_PY = {"True": True, "False": False, "None": None}  # as the template's `string` writes them
+# Python's values as the template's `string` writes them, and as a grammar of the types
+_PY, _PY_LARK = {"True": True, "False": False, "None": None}, {"boolean": '"True" | "False"', "null": '"None"'}
 # a text value with the block's close: one terminal, so that llguidance's greedy lexer ends it there (`_inline`)
 _XML_TEXT = r"/(?s:.*)\n<\/parameter>\n/ & ~/(?s:.*)<\/parameter>(?s:.*)<\/parameter>(?s:.*)/"
 
@@ -215,12 +214,11 @@ def _xml_value(raw: str, schema: Any = None) -> Any:
     """A parameter's value. By its property's schema where the tool is known: text for a string, else Python's
     True/False/None or JSON as the template writes them. Untyped, typed where the type renders back to the same
     text (objects and lists as JSON, other values with `string`): "42" -> 42, but "true" stays "true"."""
-    try:
+    with suppress(ValueError):
         value = raw if _text(schema) is not None else _PY[raw] if schema is not None and raw in _PY else json.loads(raw)
-    except ValueError:
-        return raw
-    return value if schema is not None or (
-        json.dumps(value, ensure_ascii=False) if isinstance(value, dict | list) else str(value)) == raw else raw
+        return value if schema is not None or (
+            json.dumps(value, ensure_ascii=False) if isinstance(value, dict | list) else str(value)) == raw else raw
+    return raw
 
 
 def _xml_args(schema: dict[str, Any], i: int, tool: str) -> list[str]:
@@ -229,18 +227,14 @@ def _xml_args(schema: dict[str, Any], i: int, tool: str) -> list[str]:
     null as Python writes it, anything else as JSON (`tojson`, the schema's `$defs` kept); without properties,
     any blocks of text. A string's pattern, format or length cannot hold on plain text: a 400 naming the tool."""
     blocks = [] if schema.get("properties") else [f'("<parameter=" /[^>\\n]+/ ">\\n" T{i})*']
+    defs = {k: v for k, v in schema.items() if k in ("$defs", "definitions")}  # what its properties refer to
     for name, sub in (schema.get("properties") or {}).items():
         if (choices := _text(sub)) is not None and {"pattern", "format", "minLength", "maxLength"} & sub.keys():
             raise ValueError(f"tools[{tool}]: {name!r}: qwen3_coder's strings are plain text: no pattern, format or length")
         value = (" | ".join(json.dumps(f"{c}\n</parameter>\n") for c in choices) or f"T{i}") if choices is not None else \
-            f'({_PY_LARK.get(sub.get("type")) or json_lark({**sub, **{k: schema[k] for k in _DEFS if k in schema}}, JSON_STYLE)})' \
-            ' "\\n</parameter>\\n"'
-        block = json.dumps(f"<parameter={name}>\n") + f" ({value})"
-        blocks.append(block if name in schema.get("required", []) else f"({block})?")
+            f'({_PY_LARK.get(sub.get("type")) or json_lark({**sub, **defs}, JSON_STYLE)}) "\\n</parameter>\\n"'
+        blocks.append(f'({json.dumps(f"<parameter={name}>")} "\\n" ({value})){"?" * (name not in schema.get("required", []))}')
     return [" ".join(blocks), f"T{i}: {_XML_TEXT}"]
-
-
-_PY_LARK, _DEFS = {"boolean": '"True" | "False"', "null": '"None"'}, ("$defs", "definitions")
 
 
 def _xml_read(m: re.Match, tools: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
