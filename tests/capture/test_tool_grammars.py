@@ -69,8 +69,8 @@ async def test_chat_completions_strict_tools_auto_and_forced(hf_engine, tokenize
                 assert "<tool_call>" not in (message.content or "")  # never a malformed call
 
 
-@pytest.fixture(scope="module", params=["qwen3.jinja", "qwen3_coder.jinja", "llama3.2.jinja",
-                                                  "mistral_nemo.jinja", "ministral3.jinja"])
+@pytest.fixture(scope="module", params=["qwen3.jinja", "qwen3_coder.jinja", "llama3.2.jinja", "mistral_nemo.jinja",
+                                        "ministral3.jinja"])
 def family(request, tmp_path_factory):
     """(template, its tokenizer, an embedded engine on a tiny random model of that tokenizer's vocabulary)."""
     import torch
@@ -90,11 +90,11 @@ def family(request, tmp_path_factory):
 
 
 async def test_strict_calls_in_each_familys_format(family):
-    """Every family whose format has a grammar (hermes, qwen3_coder, llama3_json, mistral, mistral_v11): a strict tool forced
-    (by name, required) and auto, at T=1 over several seeds, over Chat Completions and over Responses (strict left
-    out: the Responses default, as the Agents SDK sends it), gives calls whose arguments follow the schema (a
-    forced reply, calls unless the token limit cut it), and no malformed call but one the token limit cut;
-    a call sent back renders to the tokens sampled (one segment)."""
+    """Every family whose format has a grammar (hermes, qwen3_coder, llama3_json, mistral, mistral_v11): a strict
+    tool forced (by name, required) and auto, at T=1 over several seeds, over Chat Completions and over Responses
+    (strict left out: the Responses default, as the Agents SDK sends it), gives calls whose arguments follow the
+    schema (a forced reply, calls unless the token limit cut it), and no malformed call but one the token limit
+    cut; a call sent back renders to the tokens sampled (one segment)."""
     name, tok, hf = family
     engine = RecordingEngine(hf)
     tools = [{"type": "function", "function": {"name": "add", "parameters": ADD, "strict": True}}]
@@ -173,7 +173,8 @@ TYPED_CALLS = [{"path": "42", "mode": "w", "n": -3, "x": 2.5, "ok": False, "none
 def test_qwen3_coder_grammar_holds_the_templates_calls_and_the_parser_reads_them_back_by_schema(arguments):
     """A call as Qwen3-Coder's template writes it (values with `string`, objects and lists with `tojson`) is in the
     reply grammar built from the tool's schema, and the parser, knowing the schema, reads back the arguments sent
-    (the string "42" stays a string, False a boolean); the template rendering it again gives the same text."""
+    (the string "42" stays a string, False a boolean), so that resent it renders the same text; without the
+    schema, a value is typed by how it reads."""
     from llguidance import LLMatcher
     from llguidance.hf import from_tokenizer
 
