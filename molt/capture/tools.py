@@ -184,16 +184,13 @@ def _hermes_read(match: re.Match, tools: dict[str, dict[str, Any]]) -> list[dict
     return [_json_call(json.loads(match.group(1)))]
 
 
-def _hermes_opening(name: str | None) -> str:
-    # the exact prefix Qwen/Hermes templates render before a call (`{"name": ..., "arguments": ...}`)
-    return "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
-
-
 _TAGS, _JSON = ("<tool_call>", "</tool_call>"), {"schema": {}}
 _TAG_CALLS = {"close": ("}\n", "</tool_call>"), "sep": ("\n<tool_call>\n",), "avoid": "(?s:.*)<tool_call>(?s:.*)"}
+# the opening: the exact prefix Qwen/Hermes templates render before a call (`{"name": ..., "arguments": ...}`);
 # the text before calls ends with a newline after its last non-space (templates write it rstripped, then "\n")
-_format("hermes", _HERMES, _hermes_read, "<tool_call>", _hermes_opening, _TAGS,
-        grammar={**_TAG_CALLS, "prose": r"(?s:.*)\S\n", "raw": True})
+_format("hermes", _HERMES, _hermes_read, "<tool_call>", lambda name: "<tool_call>\n" + (
+    f'{{"name": {json.dumps(name)}, "arguments": ' if name else ""), _TAGS, grammar={
+    **_TAG_CALLS, "prose": r"(?s:.*)\S\n", "raw": True})
 
 _XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
 _XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
@@ -229,6 +226,7 @@ def _xml_args(schema: dict[str, Any], i: int, tool: str) -> list[str]:
     blocks = [] if schema.get("properties") else [f'("<parameter=" /[^>\\n]+/ ">\\n" T{i})*']
     defs = {k: v for k, v in schema.items() if k in ("$defs", "definitions")}  # what its properties refer to
     for name, sub in (schema.get("properties") or {}).items():
+        sub = sub if isinstance(sub, dict) else {}  # a boolean schema: `true` takes any value (here `false` too)
         if (choices := _text(sub)) is not None and {"pattern", "format", "minLength", "maxLength"} & sub.keys():
             raise ValueError(f"tools[{tool}]: {name!r}: qwen3_coder's strings are plain text: no pattern, format or length")
         value = (" | ".join(json.dumps(f"{c}\n</parameter>\n") for c in choices) or f"T{i}") if choices is not None else \
