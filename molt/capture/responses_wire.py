@@ -10,9 +10,9 @@ model its tools there) - `instructions` (a system message first), function `tool
 `previous_response_id`, `text.format` json_schema/json_object (constrained decoding, `errors.output_schema`).
 `custom` tools whose input is a grammar (Lark or regex; Codex's default model's `exec`) and `strict` function
 tools constrain the reply (`Session._constrain`, `tools.call_grammar`). `strict` left out is the Responses
-default, true, where the tool parser has a grammar; where it has none (qwen3_coder) it is false, so that a
-harness that never names it still runs, while an explicit `strict: true` there is a 400 (docs/harnesses.md; the
-Agents SDK names it: its function tools are strict unless `function_tool(strict_mode=False)`). A grammar tool (hermes format only, a 400 elsewhere) is
+default, true, where the tool parser has a grammar (every format's but `none`); where it has none it is false,
+so that a harness that never names it still runs, while an explicit `strict: true` there is a 400
+(docs/harnesses.md; the Agents SDK names it: its function tools are strict unless `function_tool(strict_mode=False)`). A grammar tool (hermes format only, a 400 elsewhere) is
 offered as a function of one string whose description holds the grammar, and its raw input is the call's
 `arguments` as written (`<tool_call>\n{"name": "exec", "arguments": RAW}\n</tool_call>`), which a template that
 prints a string verbatim renders back token-exact when the client resends the `custom_tool_call` (docs/harnesses.md).

@@ -10,6 +10,7 @@ import hashlib
 import re
 import time
 import uuid
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -124,8 +125,7 @@ class Session:
         request = ChatRequest(canonical_messages(messages, self.renderer.image), canonical_tools(tools), params,
                               parse_tools=bool(tools))
         gen = await self.complete(request)
-        choice = gen.choices[0]
-        return Turn(choice.message, gen.prompt_ids.tolist(), choice.action_ids, choice.finish_reason)
+        return Turn((c := gen.choices[0]).message, gen.prompt_ids.tolist(), c.action_ids, c.finish_reason)
 
     async def extend(self, text: str, params: SamplingParams) -> Turn:
         async with self._lock:
@@ -133,8 +133,7 @@ class Session:
             self.stats["requests"] += 1
             plan = await asyncio.to_thread(self.tracker.plan_raw, self._fits(text))
             gen = await self._generate(plan, ChatRequest([], None, params, parse_tools=False))
-        choice = gen.choices[0]
-        return Turn(choice.message, gen.prompt_ids.tolist(), choice.action_ids, choice.finish_reason)
+        return Turn((c := gen.choices[0]).message, gen.prompt_ids.tolist(), c.action_ids, c.finish_reason)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.renderer.decode(token_ids)
@@ -265,8 +264,7 @@ class Session:
     def _token(self, marker: str) -> str | None:
         """A call marker as a Lark token; None where it is not one token (SmolLM2's `<tool_call>`): then the
         model writes it as text, in any tokenization, as the parser reads it."""
-        ids = self.renderer.encode(marker)
-        return f"<[{ids[0]}]>" if len(ids) == 1 else None
+        return f"<[{ids[0]}]>" if len(ids := self.renderer.encode(marker)) == 1 else None
 
     def _choice(self, completion: Completion, request: ChatRequest, opening: str = "") -> Choice:
         ids = completion.token_ids
@@ -276,8 +274,8 @@ class Session:
         text = opening + self.renderer.reply_text(ids)
         if stop is not None:  # found in the generated part (a forced opening may contain it too)
             finish, text = "stop", text[: text.find(stop, len(opening))]
-        raw = [name for name, f in request.formats.items() if "schema" not in f]  # grammar tools: raw input
-        parsed = Parsed(text) if not request.parse_tools else self.parser(text, raw=raw) if raw else self.parser(text)
+        tools = {t["function"]["name"]: {"schema": t["function"].get("parameters") or {}} for t in request.tools or []}
+        parsed = self.parser(text, tools={**tools, **request.formats}) if request.parse_tools else Parsed(text)
         self.stats["malformed_tool_calls"] += parsed.malformed
         self.stats["tool_calls"] += len(parsed.calls)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
@@ -296,11 +294,8 @@ class Session:
 
         if first_stop(len(ids)) is None:
             return len(ids), None
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if first_stop(mid) is not None else (mid + 1, hi)
-        return lo, first_stop(lo)
+        cut = bisect_left(range(len(ids)), True, lo=1, key=lambda k: first_stop(k) is not None)
+        return cut, first_stop(cut)
 
     def _check_open(self) -> None:
         if self.closed:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ class Parsed:
     malformed: int = 0
 
 
-ToolParser = Callable[[str], Parsed]
+ToolParser = Callable[..., Parsed]
 _PARSERS: dict[str, ToolParser] = {}
 
 
@@ -31,7 +32,8 @@ def register_tool_parser(name: str, opening: Callable[[str | None], str] | None 
     a parser registered without one cannot force them. `markers`: the tokens its format is written with, kept
     in the text it parses even where a tokenizer marks them special. `grammar(tools, name, text, token)`: the
     Lark grammar of a reply in this format (`call_grammar`); a parser without one takes no grammar or strict
-    tools. hermes also takes `raw`: the names of tools whose input is raw text, not JSON."""
+    tools. A parser is called with the text and `tools`: name -> {"schema": the arguments' schema} or a grammar
+    tool's format (whose input hermes reads as raw text, not JSON); qwen3_coder types values by the schema."""
     def add(parser: ToolParser) -> ToolParser:
         parser.opening, parser.markers, parser.grammar = opening, markers, grammar  # type: ignore[attr-defined]
         _PARSERS[name] = parser
@@ -41,8 +43,7 @@ def register_tool_parser(name: str, opening: Callable[[str | None], str] | None 
 
 def call_opening(parser: ToolParser, name: str | None) -> str | None:
     """The text that forces `parser`'s call format (a call to `name`, or to any tool); None if it cannot."""
-    opening = getattr(parser, "opening", None)
-    return None if opening is None else opening(name)
+    return (getattr(parser, "opening", None) or (lambda _: None))(name)
 
 
 def get_tool_parser(name: str) -> ToolParser:
@@ -59,10 +60,8 @@ def tool_call(call_id: str, name: str, arguments: Any, raw: bool = False) -> dic
     """A canonical tool call (arguments a dict when they are valid JSON, else the raw string); `raw`: a grammar
     tool's input, kept as the string it is (`1.50` stays `1.50`, "" stays "")."""
     if isinstance(arguments, str) and not raw:
-        try:
+        with suppress(json.JSONDecodeError):
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            pass
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -71,7 +70,7 @@ def arguments_json(call: dict[str, Any]) -> str:
     return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
-register_tool_parser("none")(lambda text: Parsed(text))
+register_tool_parser("none")(lambda text, tools=None: Parsed(text))
 
 
 _BAD = (ValueError, KeyError, TypeError, AttributeError)  # what reading a malformed call raises
@@ -90,30 +89,25 @@ def _json_call(obj: Any, call_id: str | None = None) -> dict[str, Any]:
     return call
 
 
-def _split(text: str, pattern: re.Pattern, read: Callable[[re.Match], list[dict[str, Any]]], opened: int,
-           strip: bool = True) -> Parsed:
-    """The calls in the matches of `pattern` as `read` reads them (raising on a malformed block, which then stays
-    in the content); `opened`: the blocks the text starts, so the ones not read count as malformed. The text
-    around the calls is the content, rstripped where the template writes a newline before a call (a streamed
-    reply has sent its leading text already, see streaming.py)."""
-    calls, kept, pos = [], [], 0  # kept: the text before each block read
-    for match in pattern.finditer(text):
-        try:
-            calls += read(match)
-        except _BAD:
-            continue
-        kept, pos = [*kept, text[pos:match.start()]], match.end()
-    content = "".join(kept) + text[pos:] if calls else text
-    return Parsed(content.rstrip() if strip and calls else content, calls, opened - len(kept))
-
-
-def _format(name: str, pattern: re.Pattern, read: Callable[[re.Match], list[dict[str, Any]]], opener: str,
+def _format(name: str, pattern: re.Pattern, read: Callable[[re.Match, dict], list[dict[str, Any]]], opener: str,
             opening: Callable[[str | None], str], markers: tuple[str, ...], strip: bool = True,
             grammar: dict[str, Any] | None = None) -> ToolParser:
-    """Register a format whose calls are blocks that start with `opener` (`_split`); `grammar`: its shape
-    (`call_grammar`'s keywords), None for a format without one."""
-    return register_tool_parser(name, opening, markers, grammar and call_grammar(opening, markers, **grammar))(
-        lambda text: _split(text, pattern, read, len(re.findall(opener, text)), strip))
+    """Register a format whose calls are the matches of `pattern`, as `read(match, tools)` reads them (raising on
+    a malformed block, which then stays in the content); blocks that start with `opener` but are not read count
+    as malformed. The text around the calls is the content, rstripped where the template writes a newline
+    before a call (a streamed reply has sent its leading text already, see streaming.py). `grammar`: the
+    format's shape (`call_grammar`'s keywords), None for a format without one."""
+    def parse(text: str, tools: dict[str, dict[str, Any]] | None = None) -> Parsed:
+        calls, kept, pos = [], [], 0  # kept: the text before each block read
+        for match in pattern.finditer(text):
+            try:
+                calls += read(match, tools or {})
+            except _BAD:
+                continue
+            kept, pos = [*kept, text[pos:match.start()]], match.end()
+        content = "".join(kept) + text[pos:] if calls else text
+        return Parsed(content.rstrip() if strip and calls else content, calls, len(re.findall(opener, text)) - len(kept))
+    return register_tool_parser(name, opening, markers, grammar and call_grammar(opening, markers, **grammar))(parse)
 
 
 def _inline(tool: str, i: int, spec: dict[str, Any], close: str, raw: bool) -> list[str]:
@@ -140,13 +134,15 @@ def _inline(tool: str, i: int, spec: dict[str, Any], close: str, raw: bool) -> l
 
 def call_grammar(opening: Callable[[str | None], str], markers: tuple[str, ...], close: tuple[Any, ...],
                  sep: tuple[Any, ...] | None, avoid: str, prose: str | None = None, end: tuple[Any, ...] = (),
-                 raw: bool = False) -> Callable[..., str]:
+                 raw: bool = False, args: Callable[..., list[str]] = lambda schema, *_: [json_lark(schema, JSON_STYLE)]
+                 ) -> Callable[..., str]:
     """The `grammar` builder of a format whose calls are `opening(name)`, the arguments, then `close`; calls
     follow `opening(None)`, between them `sep` (None: one call a reply), after them `end`. Pieces are text, whose
     markers become tokens, or regexes. A reply without calls is text that does not match `avoid` (what the parser
     would take for a call); `prose`: the text allowed before calls (None: none, the template drops it). `raw`:
     the parser reads grammar tools' raw input (`_hermes_read`), which with the text of `close[0]` is one terminal,
-    so that llguidance's greedy lexer ends the input where the call does.
+    so that llguidance's greedy lexer ends the input where the call does. `args(schema, i, tool)`: [the Lark
+    expression of the arguments, rules it names] (default: JSON as `tojson` writes it).
 
     The builder: (tools, name, text, token, think) -> the Lark grammar of a reply: free text (or `text`, a Lark
     expression) or calls, after `opening(name)` when `name` is given ("" forces some call). `tools`: name ->
@@ -166,8 +162,8 @@ def call_grammar(opening: Callable[[str | None], str], markers: tuple[str, ...],
                 s in markers and token(s) or json.dumps(s) for s in split.split(p) if s) for p in pieces)
         head, rules = opening(None), []
         for i, (tool, spec) in enumerate(tools.items()):
-            mine = [f"args{i}: {json_lark(spec['schema'], JSON_STYLE)} {lark(*close)}"] if "schema" in spec else \
-                [*_inline(tool, i, spec, close[0], raw), f"args{i}: T{i} {lark(*close[1:])}"]
+            mine = [f"args{i}: {(a := args(spec['schema'], i, tool))[0]} {lark(*close)}", *a[1:]] if "schema" in spec \
+                else [*_inline(tool, i, spec, close[0], raw), f"args{i}: T{i} {lark(*close[1:])}"]
             rules += [*mine, f"call{i}: {lark(opening(tool)[len(head):])} args{i}"]
             check_grammar("\n".join([f"start: args{i}", *mine]), f"tools[{tool}]")  # a 400 naming the tool
         calls = f"call ({lark(*sep)} call)* {lark(*end)}" if sep else f"call {lark(*end)}"
@@ -181,51 +177,77 @@ def call_grammar(opening: Callable[[str | None], str], markers: tuple[str, ...],
     return build
 
 
-def _hermes_read(match: re.Match, raw: Collection[str]) -> list[dict[str, Any]]:
-    found = _RAW.fullmatch(match.group(1)) if raw else None
-    if found and found[1] in raw:  # kept as the string it is (a template prints a string verbatim)
-        return [tool_call(new_call_id(), found[1], found[2], raw=True)]
+def _hermes_read(match: re.Match, tools: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    found = _RAW.fullmatch(match.group(1))
+    if found and "schema" not in tools.get(found[1], _JSON):  # a grammar tool's raw input: the string it is (a
+        return [tool_call(new_call_id(), found[1], found[2], raw=True)]  # template prints a string verbatim)
     return [_json_call(json.loads(match.group(1)))]
 
 
-def _hermes_opening(name: str | None) -> str:
-    # the exact prefix Qwen/Hermes templates render before a call (`{"name": ..., "arguments": ...}`)
-    return "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
-
-
-_TAGS = ("<tool_call>", "</tool_call>")
-
-
+_TAGS, _JSON = ("<tool_call>", "</tool_call>"), {"schema": {}}
+_TAG_CALLS = {"close": ("}\n", "</tool_call>"), "sep": ("\n<tool_call>\n",), "avoid": "(?s:.*)<tool_call>(?s:.*)"}
+# the opening: the exact prefix Qwen/Hermes templates render before a call (`{"name": ..., "arguments": ...}`);
 # the text before calls ends with a newline after its last non-space (templates write it rstripped, then "\n")
-@register_tool_parser("hermes", _hermes_opening, _TAGS, call_grammar(
-    _hermes_opening, _TAGS, ("}\n", "</tool_call>"), ("\n<tool_call>\n",), "(?s:.*)<tool_call>(?s:.*)",
-    r"(?s:.*)\S\n", raw=True))
-def _hermes(text: str, raw: Collection[str] = ()) -> Parsed:
-    """`raw`: the tools whose input is raw text (grammar tools), read as the string they are."""
-    return _split(text, _HERMES, lambda m: _hermes_read(m, raw), text.count("<tool_call>"))
-
+_format("hermes", _HERMES, _hermes_read, "<tool_call>", lambda name: "<tool_call>\n" + (
+    f'{{"name": {json.dumps(name)}, "arguments": ' if name else ""), _TAGS, grammar={
+    **_TAG_CALLS, "prose": r"(?s:.*)\S\n", "raw": True})
 
 _XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
 _XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+# Python's values as the template's `string` writes them, and as a grammar of the types
+_PY, _PY_LARK = {"True": True, "False": False, "None": None}, {"boolean": '"True" | "False"', "null": '"None"'}
+# a text value with the block's close: one terminal, so that llguidance's greedy lexer ends it there (`_inline`)
+_XML_TEXT = r"/(?s:.*)\n<\/parameter>\n/ & ~/(?s:.*)<\/parameter>(?s:.*)<\/parameter>(?s:.*)/"
 
 
-def _xml_value(raw: str) -> Any:
-    """A parameter's value, typed where the type renders back to the same text (the template writes objects and
-    lists as JSON, other values with `string`): "42" -> 42, but "true" stays "true" (it would come back "True")."""
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return raw
-    return value if (json.dumps(value, ensure_ascii=False) if isinstance(value, dict | list) else str(value)) == raw else raw
+def _text(schema: Any) -> list[str] | None:
+    """The choices of a value the template writes as it is and the parser keeps as text, a string ([]: any);
+    None for any other value."""
+    choices = schema.get("enum", [schema["const"]] if "const" in schema else []) if isinstance(schema, dict) else [0]
+    return choices if all(isinstance(c, str) for c in choices) and (choices or schema.get("type") == "string") else None
 
 
-_format("qwen3_coder", _XML_CALL, lambda m: [tool_call(new_call_id(), m.group(1).strip(), {
-    k: _xml_value(v) for k, v in _XML_PARAM.findall(m.group(2))})], "<tool_call>",
-    lambda name: "<tool_call>\n" + (f"<function={name}>\n" if name else ""), _TAGS)
+def _xml_value(raw: str, schema: Any = None) -> Any:
+    """A parameter's value. By its property's schema where the tool is known: text for a string, else Python's
+    True/False/None or JSON as the template writes them. Untyped, typed where the type renders back to the same
+    text (objects and lists as JSON, other values with `string`): "42" -> 42, but "true" stays "true"."""
+    with suppress(ValueError):
+        value = raw if _text(schema) is not None else _PY[raw] if schema is not None and raw in _PY else json.loads(raw)
+        return value if schema is not None or (
+            json.dumps(value, ensure_ascii=False) if isinstance(value, dict | list) else str(value)) == raw else raw
+    return raw
+
+
+def _xml_args(schema: dict[str, Any], i: int, tool: str) -> list[str]:
+    """qwen3_coder's arguments as the template writes them and `_xml_value` reads them back: a block per property
+    in the schema's order (the required ones present), a string as text (its choices as literals), a boolean or
+    null as Python writes it, anything else as JSON (`tojson`, the schema's `$defs` kept); without properties,
+    any blocks of text. A string's pattern, format or length cannot hold on plain text: a 400 naming the tool."""
+    blocks = [] if schema.get("properties") else [f'("<parameter=" /[^>\\n]+/ ">\\n" T{i})*']
+    defs = {k: v for k, v in schema.items() if k in ("$defs", "definitions")}  # what its properties refer to
+    for name, sub in (schema.get("properties") or {}).items():
+        sub = sub if isinstance(sub, dict) else {}  # a boolean schema: `true` takes any value (here `false` too)
+        if (choices := _text(sub)) is not None and {"pattern", "format", "minLength", "maxLength"} & sub.keys():
+            raise ValueError(f"tools[{tool}]: {name!r}: qwen3_coder's strings are plain text: no pattern, format or length")
+        value = (" | ".join(json.dumps(f"{c}\n</parameter>\n") for c in choices) or f"T{i}") if choices is not None else \
+            f'({_PY_LARK.get(sub.get("type")) or json_lark({**sub, **defs}, JSON_STYLE)}) "\\n</parameter>\\n"'
+        blocks.append(f'({json.dumps(f"<parameter={name}>")} "\\n" ({value})){"?" * (name not in schema.get("required", []))}')
+    return [" ".join(blocks), f"T{i}: {_XML_TEXT}"]
+
+
+def _xml_read(m: re.Match, tools: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    props = tools.get(name := m.group(1).strip(), _JSON).get("schema", {}).get("properties") or {}
+    return [tool_call(new_call_id(), name, {k: _xml_value(v, props.get(k)) for k, v in _XML_PARAM.findall(m[2])})]
+
+
+# the text before calls ends in a non-space and "\n\n" (the template writes it trimmed, "\n", then "\n<tool_call>")
+_format("qwen3_coder", _XML_CALL, _xml_read, "<tool_call>", lambda name: "<tool_call>\n" + (
+    f"<function={name}>\n" if name else ""), _TAGS, grammar={**_TAG_CALLS, "close": ("</function>\n</tool_call>",),
+                                                              "prose": r"(?s:.*)\S\n\n", "args": _xml_args})
 
 # a call is the whole reply, one JSON object (the template renders one call a turn), after an optional python tag
 _format("llama3_json", re.compile(r"\A\s*(?:<\|python_tag\|>)?\s*(\{.*\})\s*\Z", re.DOTALL),
-        lambda m: [_json_call(json.loads(m.group(1)))], r"\A\s*(?:<\|python_tag\|>)?\s*\{",
+        lambda m, _: [_json_call(json.loads(m.group(1)))], r"\A\s*(?:<\|python_tag\|>)?\s*\{",
         lambda name: '{"name": "' + (f'{name}", "parameters": ' if name else ""), ("<|python_tag|>",),
         grammar={"close": ("}",), "sep": None, "avoid": r"\s*\{(?s:.*)"})
 
@@ -235,7 +257,7 @@ _MISTRAL = re.compile(r"\[TOOL_CALLS\]\s*(?:(\[.*?\])|([^\[\]{}\s]+)(?:\[CALL_ID
                       r"(?=\s*(?:\[TOOL_CALLS\]|$))", re.DOTALL)
 
 
-def _mistral_read(m: re.Match) -> list[dict[str, Any]]:
+def _mistral_read(m: re.Match, _: Any = None) -> list[dict[str, Any]]:
     """Mistral's templates write call ids back (and refuse any but 9 alphanumerics): the model's own are kept."""
     if m.group(1):
         return [_json_call(obj, str(obj.get("id") or new_call_id("", 9))) for obj in json.loads(m.group(1))]
@@ -267,14 +289,14 @@ def choose_tool_parser(name: str, template: str, tokenizer: Any = None) -> ToolP
     if spec is None:
         return family
 
-    def own(text: str, raw: Collection[str] = ()) -> Parsed:
-        if raw:  # grammar tools: the reply follows the family's grammar, so the family's parser reads it
-            return family(text, raw=raw)  # type: ignore[call-arg]
+    def own(text: str, tools: dict[str, dict[str, Any]] | None = None) -> Parsed:
+        if any("schema" not in s for s in (tools or {}).values()):  # grammar tools: the reply follows the
+            return family(text, tools)  # family's grammar, so the family's parser reads it
         try:
             calls = [tool_call(new_call_id(), c["function"]["name"], c["function"].get("arguments", {}))
                      for c in tokenizer.parse_response(text, prefix="").get("tool_calls") or []]
         except _BAD:  # a call it cannot read: the template format's parser keeps it as text and counts it
-            return family(text)
+            return family(text, tools)
         # the content: the reply before its first call, as generated (`open`: a literal or a list of them)
         opens = [spec["open"]] if isinstance(spec.get("open"), str) else spec.get("open") or []
         first = re.search(spec.get("open_pattern") or "|".join(map(re.escape, opens)), text, re.DOTALL)

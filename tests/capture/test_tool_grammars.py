@@ -69,7 +69,8 @@ async def test_chat_completions_strict_tools_auto_and_forced(hf_engine, tokenize
                 assert "<tool_call>" not in (message.content or "")  # never a malformed call
 
 
-@pytest.fixture(scope="module", params=["qwen3.jinja", "llama3.2.jinja", "mistral_nemo.jinja", "ministral3.jinja"])
+@pytest.fixture(scope="module", params=["qwen3.jinja", "qwen3_coder.jinja", "llama3.2.jinja", "mistral_nemo.jinja",
+                                        "ministral3.jinja"])
 def family(request, tmp_path_factory):
     """(template, its tokenizer, an embedded engine on a tiny random model of that tokenizer's vocabulary)."""
     import torch
@@ -89,11 +90,11 @@ def family(request, tmp_path_factory):
 
 
 async def test_strict_calls_in_each_familys_format(family):
-    """Every family whose format has a grammar (hermes, llama3_json, mistral, mistral_v11): a strict tool forced
-    (by name, required) and auto, at T=1 over several seeds, over Chat Completions and over Responses (strict left
-    out: the Responses default, as the Agents SDK sends it), gives calls whose arguments follow the schema (a
-    forced reply, calls unless the token limit cut it), and no malformed call but one the token limit cut;
-    a call sent back renders to the tokens sampled (one segment)."""
+    """Every family whose format has a grammar (hermes, qwen3_coder, llama3_json, mistral, mistral_v11): a strict
+    tool forced (by name, required) and auto, at T=1 over several seeds, over Chat Completions and over Responses
+    (strict left out: the Responses default, as the Agents SDK sends it), gives calls whose arguments follow the
+    schema (a forced reply, calls unless the token limit cut it), and no malformed call but one the token limit
+    cut; a call sent back renders to the tokens sampled (one segment)."""
     name, tok, hf = family
     engine = RecordingEngine(hf)
     tools = [{"type": "function", "function": {"name": "add", "parameters": ADD, "strict": True}}]
@@ -157,18 +158,54 @@ async def test_anthropic_strict_tools(hf_engine, tokenizer):
         assert used >= len(SEEDS)
 
 
-async def test_qwen3_coder_refuses_explicit_strict_and_degrades_implicit(tokenizer):
-    """qwen3_coder's XML parameters have no grammar (docs/harnesses.md): an explicit `strict: true` (Chat
-    Completions, Responses, Anthropic) is a 400 naming why, while a Responses function tool with `strict` left out
-    (the Responses default, as the Agents SDK sends it) is offered unconstrained, as `strict: false` would be."""
-    import anthropic
-    import openai
+# every kind of value a Qwen3-Coder call holds: text (digits and JSON-looking text too), choices, Python's
+# booleans and None, numbers, JSON objects and lists; optional properties may be left out
+TYPED = {"type": "object", "properties": {
+    "path": {"type": "string"}, "mode": {"enum": ["r", "w"]}, "n": {"type": "integer"}, "x": {"type": "number"},
+    "ok": {"type": "boolean"}, "none": {"type": "null"}, "opts": {"type": "object", "properties": {"k": {"type": "string"}},
+                                                                 "required": ["k"], "additionalProperties": False},
+    "tags": {"type": "array", "items": {"type": "string"}}, "note": {"type": "string"}}, "required": ["path", "mode", "n"]}
+TYPED_CALLS = [{"path": "42", "mode": "w", "n": -3, "x": 2.5, "ok": False, "none": None, "opts": {"k": "v"},
+                "tags": ["a", "b"], "note": '{"a": 1}\nline 2'}, {"path": "a b", "mode": "r", "n": 0, "ok": True}]
 
-    from molt.testing.scripted import ScriptedEngine
+
+@pytest.mark.parametrize("arguments", TYPED_CALLS)
+def test_qwen3_coder_grammar_holds_the_templates_calls_and_the_parser_reads_them_back_by_schema(arguments):
+    """A call as Qwen3-Coder's template writes it (values with `string`, objects and lists with `tojson`) is in the
+    reply grammar built from the tool's schema, and the parser, knowing the schema, reads back the arguments sent
+    (the string "42" stays a string, False a boolean), so that resent it renders the same text; without the
+    schema, a value is typed by how it reads."""
+    from llguidance import LLMatcher
+    from llguidance.hf import from_tokenizer
+
+    from molt.types import check_grammar
+
+    tok = family_tokenizer("qwen3_coder.jinja")
+    call = {"type": "function", "function": {"name": "f", "arguments": arguments}}
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Go."}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template([{"role": "user", "content": "Go."}, {"role": "assistant", "content": "", "tool_calls": [
+        call]}], tokenize=False)[len(prompt):].removesuffix("<|im_end|>\n")
+    parser = get_tool_parser("qwen3_coder")
+    token = lambda m: f"<[{ids[0]}]>" if len(ids := tok.encode(m, add_special_tokens=False)) == 1 else None
+    grammar = check_grammar(parser.grammar({"f": {"schema": TYPED}}, None, None, token))
+    matcher = LLMatcher(from_tokenizer(tok), grammar)
+    assert matcher.consume_tokens(tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]), text
+    (read,) = parser(text, tools={"f": {"schema": TYPED}}).calls
+    assert read["function"]["arguments"] == arguments
+    untyped = parser(text).calls[0]["function"]["arguments"]  # without the schema, values are typed by how they read
+    assert untyped["path"] == (42 if arguments["path"] == "42" else "a b") and untyped["ok"] in ("False", "True")
+
+
+async def test_qwen3_coder_strict_tools_on_every_wire():
+    """On qwen3_coder, `strict: true` (Chat Completions, Responses, Anthropic) and Responses' default are held to
+    the schema by the reply grammar; a tool that is not strict is read by its schema too (a string of digits stays
+    a string)."""
+    import anthropic
 
     tok = family_tokenizer("qwen3_coder.jinja")
     call = "<tool_call>\n<function=add>\n<parameter=a>\n3\n</parameter>\n<parameter=b>\nx\n</parameter>\n</function>\n</tool_call>"
-    engine = ScriptedEngine(tok, [call], max_model_len=8192)
+    engine = ScriptedEngine(tok, [call] * 4, max_model_len=8192)
+    loose = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
     async with live_capture_server(engine, tok) as server:
         assert server.parser is get_tool_parser("qwen3_coder")
         session = await server.open_session()
@@ -176,19 +213,26 @@ async def test_qwen3_coder_refuses_explicit_strict_and_degrades_implicit(tokeniz
         reply = await client.responses.create(model="m", input="Add.", tools=[
             {"type": "function", "name": "add", "parameters": ADD}], tool_choice="required")
         (item,) = [o for o in reply.output if o.type == "function_call"]
-        assert json.loads(item.arguments) == {"a": 3, "b": "x"} and engine.calls[-1]["params"].grammar is None
-        with pytest.raises(openai.BadRequestError, match="grammar of the tool-call format"):
-            await client.responses.create(model="m", input="Add.", tools=[
-                {"type": "function", "name": "add", "parameters": ADD, "strict": True}])
-        with pytest.raises(openai.BadRequestError, match="grammar of the tool-call format"):
+        assert json.loads(item.arguments) == {"a": 3, "b": "x"} and "<parameter=a>" in engine.calls[-1]["params"].grammar
+        reply = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Add."}], tools=[
+            {"type": "function", "function": {"name": "add", "parameters": ADD, "strict": True}}])
+        assert json.loads(reply.choices[0].message.tool_calls[0].function.arguments) == {"a": 3, "b": "x"}
+        assert "%json" in engine.calls[-1]["params"].grammar
+        use = await anthropic.AsyncAnthropic(base_url=session.session_url, api_key=session.api_key, max_retries=0
+                                             ).messages.create(model="m", max_tokens=200, messages=[
+                                                 {"role": "user", "content": "Add."}], tools=[
+                                                 {"name": "add", "input_schema": ADD, "strict": True}])
+        assert [b.input for b in use.content if b.type == "tool_use"] == [{"a": 3, "b": "x"}]
+        assert engine.calls[-1]["params"].grammar is not None
+        engine.replies = [call.replace("\nx\n", "\n7\n")]
+        reply = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Add."}], tools=[
+            {"type": "function", "function": {"name": "add", "parameters": loose}}])
+        assert json.loads(reply.choices[0].message.tool_calls[0].function.arguments) == {"a": 3, "b": "7"}
+        assert engine.calls[-1]["params"].grammar is None
+        with pytest.raises(openai.BadRequestError, match=r"tools\[add\]: 'b': qwen3_coder's strings are plain text"):
             await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Add."}], tools=[
-                {"type": "function", "function": {"name": "add", "parameters": ADD, "strict": True}}])
-        with pytest.raises(anthropic.BadRequestError, match="grammar of the tool-call format"):
-            await anthropic.AsyncAnthropic(base_url=session.session_url, api_key=session.api_key, max_retries=0
-                                           ).messages.create(model="m", max_tokens=20, messages=[
-                                               {"role": "user", "content": "Add."}], tools=[
-                                               {"name": "add", "input_schema": ADD, "strict": True}])
-    assert len(engine.calls) == 1
+                {"type": "function", "function": {"name": "add", "strict": True, "parameters": {
+                    **loose, "properties": {"b": {"type": "string", "pattern": "^[a-z]+$"}}}}}])
 
 
 async def test_markers_that_are_not_one_token_are_text_in_the_grammar():
