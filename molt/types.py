@@ -98,12 +98,19 @@ def json_grammar(schema: Any) -> str:
 
 def check_grammar(grammar: str, name: str = "grammar") -> str:
     """`grammar`, once llguidance compiles it (ValueError naming `name` otherwise)."""
-    from llguidance import LLMatcher
-
-    error = LLMatcher.validate_grammar(grammar)
-    if error:
+    if error := _grammar_error(grammar):
         raise ValueError(f"{name}: {error}")
     return grammar
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_error(grammar: str) -> str:
+    """llguidance's verdict on `grammar`, kept: a request's grammar is checked where it is built (each tool's
+    piece, then the whole) and again by the engine (`SamplingParams.validate`), and an agent sends the same tools
+    every turn; a compile of a few dozen tools' schemas takes milliseconds, on the event loop."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.validate_grammar(grammar)
 
 
 def sub_seed(seed: int, key: Any) -> int:
