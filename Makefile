@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.molt-installed
 
-.PHONY: demo demo-agent test test-slow test-chaos test-slurm test-vllm test-vllm-slow vllm gpu-check gpu-rehearse install harness clean
+.PHONY: demo demo-agent lint test test-slow test-chaos test-slurm test-vllm test-vllm-slow vllm gpu-check gpu-rehearse install harness clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -62,6 +62,13 @@ demo: $(STAMP)
 # The agentic main job: a multi-turn, tool-using agent on AsyncOpenAI learns to call its calculator.
 demo-agent: $(STAMP)
 	$(BIN)/molt demo --agent
+
+# The standard form (ruff format with the project's settings) and ruff's checks, on everything that is Python.
+LINTED := molt tests bench recipes scripts
+
+lint: $(STAMP)
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/ruff check $(LINTED)
 
 test: $(STAMP) harness
 	$(BIN)/pytest -q -x

@@ -13,6 +13,7 @@ docs/benchmarks.md with this command.
    the rest). Producers and the consumer are Ray actors; the controller's peak RSS is measured with psutil
    while it handles 32 rollouts (`--image-rollouts` for the screenshots). `--memory-only` skips part 1.
 """
+
 import argparse
 import asyncio
 import os
@@ -40,8 +41,15 @@ def time_updates(steps: int, latency: float) -> list[tuple[str, float, float, fl
     os.environ["MOLT_BENCH_TOOL_LATENCY"] = str(latency)
     tmp = Path(tempfile.mkdtemp())
     model = build_tiny_llama(tmp / "model", hidden_size=256, num_layers=4)
-    ray.init("local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"MOLT_BENCH_TOOL_LATENCY": str(latency), "TOKENIZERS_PARALLELISM": "false"}})
+    ray.init(
+        "local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={
+            "env_vars": {"MOLT_BENCH_TOOL_LATENCY": str(latency), "TOKENIZERS_PARALLELISM": "false"}
+        },
+    )
     rows = []
     for staleness in (0, 1, 2):
         cfg = MoltConfig()
@@ -53,8 +61,14 @@ def time_updates(steps: int, latency: float) -> list[tuple[str, float, float, fl
         cfg.ckpt.output_dir = str(tmp / f"run-s{staleness}")
         summary = asyncio.run(run_training(validate(cfg)))
         train_s = np.mean([m["timing/policy_train"] for m in read_metrics(cfg.ckpt.output_dir)])
-        rows.append((f"staleness {staleness}" + (" (sync)" if staleness == 0 else ""), summary["train_seconds"],
-                     summary["train_seconds"] / steps, float(train_s)))
+        rows.append(
+            (
+                f"staleness {staleness}" + (" (sync)" if staleness == 0 else ""),
+                summary["train_seconds"],
+                summary["train_seconds"] / steps,
+                float(train_s),
+            )
+        )
     ray.shutdown()
     return rows
 
@@ -74,7 +88,9 @@ def screenshots(i: int, n: int = 2) -> dict:
             draw.rectangle((x, y, x + 420, y + 300), fill=(240, 240, 235), outline="black")
             draw.rectangle((x, y, x + 420, y + 24), fill=(70, 70, 90))
             for line in range(12):
-                draw.text((x + 10, y + 34 + 21 * line), f"rollout {i} turn {k} window {w} line {line}", fill="black")
+                draw.text(
+                    (x + 10, y + 34 + 21 * line), f"rollout {i} turn {k} window {w} line {line}", fill="black"
+                )
         shots.append(im)
     out = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056)(shots, return_tensors="pt")
     return {k: v for k, v in out.items()}
@@ -100,8 +116,11 @@ def controller_memory(mb: int, offload: bool, rollouts: int = 32) -> float:
         def make(self, i):
             if mb == 0 and i % 4 not in self.shots:
                 self.shots[i % 4] = screenshots(i % 4)
-            images = ({k: v.clone() for k, v in self.shots[i % 4].items()} if mb == 0
-                      else np.full(mb << 20, i % 251, dtype=np.uint8))
+            images = (
+                {k: v.clone() for k, v in self.shots[i % 4].items()}
+                if mb == 0
+                else np.full(mb << 20, i % 251, dtype=np.uint8)
+            )
             seg = Segment(list(range(256)), [1] * 256, [-0.5] * 256, [0] * 256, images=images)
             return outcome_from_trajectory(Trajectory(f"r{i}", "g", [seg]), offload=offload)
 
@@ -149,25 +168,44 @@ def main() -> None:
     if not args.memory_only:
         timing = time_updates(args.steps, args.latency)
         sync = timing[0][1]
-        lines = [f"### Asynchrony: {args.steps} updates, tool latency {args.latency} s x U[0.5, 1.5]", "",
-                 "| mode | wall s | s/update | train step s (mean) | speed-up vs sync |", "|---|---|---|---|---|", ""]
-        lines[-1:] = [f"| {name} | {wall:.1f} | {per:.2f} | {train:.2f} | {sync / wall:.2f}x |"
-                      for name, wall, per, train in timing] + [""]
+        lines = [
+            f"### Asynchrony: {args.steps} updates, tool latency {args.latency} s x U[0.5, 1.5]",
+            "",
+            "| mode | wall s | s/update | train step s (mean) | speed-up vs sync |",
+            "|---|---|---|---|---|",
+            "",
+        ]
+        lines[-1:] = [
+            f"| {name} | {wall:.1f} | {per:.2f} | {train:.2f} | {sync / wall:.2f}x |"
+            for name, wall, per, train in timing
+        ] + [""]
     ray.init("local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     sizes = {1: 32, 10: 32, 0: args.image_rollouts}  # mb -> rollouts (0: the screenshots)
     mem = {(mb, off): controller_memory(mb, off, n) for mb, n in sizes.items() for off in (True, False)}
     ray.shutdown()
     shot_mb = nbytes(screenshots(0)) / 2**20
-    names = {1: "1 MB bytes", 10: "10 MB bytes", 0: f"2 screenshots 1280x720, Qwen2-VL inputs ({shot_mb:.0f} MB)"}
-    lines += ["### Controller peak memory growth for one step", "",
-              "| payload per rollout | rollouts | offloaded (refs) MB | gathered centrally MB |", "|---|---|---|---|"]
-    lines += [f"| {names[mb]} | {n} | {mem[(mb, True)]:.1f} | {mem[(mb, False)]:.1f} |" for mb, n in sizes.items()]
+    names = {
+        1: "1 MB bytes",
+        10: "10 MB bytes",
+        0: f"2 screenshots 1280x720, Qwen2-VL inputs ({shot_mb:.0f} MB)",
+    }
+    lines += [
+        "### Controller peak memory growth for one step",
+        "",
+        "| payload per rollout | rollouts | offloaded (refs) MB | gathered centrally MB |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {names[mb]} | {n} | {mem[(mb, True)]:.1f} | {mem[(mb, False)]:.1f} |" for mb, n in sizes.items()
+    ]
     table = "\n".join(lines)
     print(table)
     if args.write:
         cmd = "python bench/async.py " + " ".join(sys.argv[1:])
         with open(ROOT / "docs/benchmarks.md", "a") as f:
-            f.write(f"\n## bench/async.py\n\nCommand: `{cmd}` ({time.strftime('%Y-%m-%d')}, 2-core CPU)\n\n{table}\n")
+            f.write(
+                f"\n## bench/async.py\n\nCommand: `{cmd}` ({time.strftime('%Y-%m-%d')}, 2-core CPU)\n\n{table}\n"
+            )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ recipes/sft/recipe.yaml`, which answers "3 + 2 = 5." where the base model writes
 
     .venv/bin/python bench/distill.py --student smollm2-135m-instruct --teacher runs/sft/policy --max-new 32 ...
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,15 +41,20 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--scheduler", default="cosine")
     p.add_argument("--staleness", type=int, default=1, help="train.max_staleness (0: synchronous)")
-    p.add_argument("--return-to-go", action="store_true",
-                   help="each token's signal is the sum of the per-token KLs from it to the end (reinforce_baseline "
-                        "with the teacher's k1 as token reward, unwhitened) instead of its own KL")
+    p.add_argument(
+        "--return-to-go",
+        action="store_true",
+        help="each token's signal is the sum of the per-token KLs from it to the end (reinforce_baseline "
+        "with the teacher's k1 as token reward, unwhitened) instead of its own KL",
+    )
     p.add_argument("--eval-every", type=int, default=2)
     p.add_argument("--eval-samples", type=int, default=16)
     p.add_argument("--out", default="/tmp/molt-bench-distill")
     p.add_argument("--student", default="", help="student model (default: the tiny tuned pair of the test)")
     p.add_argument("--teacher", default="", help="teacher model, with --student")
-    p.add_argument("--max-new", type=int, default=12, help="rollout.max_new_tokens and the evaluation's length")
+    p.add_argument(
+        "--max-new", type=int, default=12, help="rollout.max_new_tokens and the evaluation's length"
+    )
     p.add_argument("--warmup", type=int, default=0, help="actor.lr_warmup_steps")
     a = p.parse_args()
 
@@ -75,18 +81,35 @@ def main() -> None:
         cfg.algo.kl.use_loss, cfg.algo.kl.estimator, cfg.algo.kl.init_coef = False, "k1", 1.0
         agent = out / "generate_agent.py"
         out.mkdir(parents=True, exist_ok=True)
-        agent.write_text("from molt.agents.loader import Generate\nfrom molt.agents.runners import StepEnvRunner\n\n\n"
-                         "class AgentRunner(StepEnvRunner):\n    def __init__(self):\n"
-                         "        super().__init__(Generate, max_turns=1)\n")
+        agent.write_text(
+            "from molt.agents.loader import Generate\nfrom molt.agents.runners import StepEnvRunner\n\n\n"
+            "class AgentRunner(StepEnvRunner):\n    def __init__(self):\n"
+            "        super().__init__(Generate, max_turns=1)\n"
+        )
         cfg.train.agent_path = str(agent)
     cfg.data.prompt_dataset = str(DATA / "single_train.jsonl")
     cfg.train.max_steps, cfg.train.max_staleness = a.steps, a.staleness
-    cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens = a.prompts, a.samples, a.max_new
-    cfg.ckpt.output_dir, cfg.ckpt.save_steps, cfg.ckpt.save_hf, cfg.ckpt.max_num = str(out / "run"), a.eval_every, True, 0
+    cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens = (
+        a.prompts,
+        a.samples,
+        a.max_new,
+    )
+    cfg.ckpt.output_dir, cfg.ckpt.save_steps, cfg.ckpt.save_hf, cfg.ckpt.max_num = (
+        str(out / "run"),
+        a.eval_every,
+        True,
+        0,
+    )
     for attempt in range(5):  # Ray gives a new node 30 s to start, which a loaded 2-core machine can miss
         try:
-            ray.init("local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+            ray.init(
+                "local",
+                num_cpus=4,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+                runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+            )
             break
         except Exception:
             ray.shutdown()
@@ -99,12 +122,29 @@ def main() -> None:
 
     prompts = [json.loads(line)["prompt"][0]["content"] for line in (DATA / "single_test.jsonl").open()]
     steps = range(0, a.steps + 1, a.eval_every)
-    kls = [heldout_reverse_kl(out / "run" / "checkpoints" / f"step_{s}" / "hf" if s else student, teacher, prompts,
-                              samples=a.eval_samples, max_new=a.max_new) for s in steps]
+    kls = [
+        heldout_reverse_kl(
+            out / "run" / "checkpoints" / f"step_{s}" / "hf" if s else student,
+            teacher,
+            prompts,
+            samples=a.eval_samples,
+            max_new=a.max_new,
+        )
+        for s in steps
+    ]
     train_kl = [m["kl/mean"] for m in map(json.loads, (out / "run" / "metrics.jsonl").open())]
-    print(json.dumps({"args": vars(a), "train_seconds": round(seconds), "load": os.getloadavg()[0],
-                      "steps": list(steps), "heldout_kl": [round(k, 3) for k in kls],
-                      "train_kl": [round(k, 3) for k in train_kl]}))
+    print(
+        json.dumps(
+            {
+                "args": vars(a),
+                "train_seconds": round(seconds),
+                "load": os.getloadavg()[0],
+                "steps": list(steps),
+                "heldout_kl": [round(k, 3) for k in kls],
+                "train_kl": [round(k, 3) for k in train_kl],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ padded decode path that CUDA graphs replay (run eagerly on the CPU), each reques
 
     .venv/bin/python bench/engine_host.py [--rows 64,256] [--new-tokens 64] [--repeats 3] [--write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,21 +49,32 @@ def main() -> None:
             spent[kind] += time.perf_counter() - start
             spent["steps"] += kind == "decode"
             return out
+
         return wrapper
 
     GraphDecoder._forward = timing(GraphDecoder._forward, "decode")
-    ModelRunner._forward = timing(ModelRunner._forward, "prefill")  # prefills (decode goes through the graph path)
+    ModelRunner._forward = timing(
+        ModelRunner._forward, "prefill"
+    )  # prefills (decode goes through the graph path)
     scratch = tempfile.TemporaryDirectory()
     engine = HFEngine(random_qwen_05b(Path(scratch.name), tiny=True, vocab=args.vocab), max_batch_size=256)
-    engine.runner.graphs, engine.scheduler.hold_steps = True, 8  # the CUDA path's padded decode, without capture
+    engine.runner.graphs, engine.scheduler.hold_steps = (
+        True,
+        8,
+    )  # the CUDA path's padded decode, without capture
     params = SamplingParams(max_tokens=args.new_tokens, min_tokens=args.new_tokens, temperature=1.0)
-    lines = ["| rows | decode step ms | of which forward ms | host ms | rows / host (tokens/s ceiling) | prefill s |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| rows | decode step ms | of which forward ms | host ms | rows / host (tokens/s ceiling) | prefill s |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for n in map(int, args.rows.split(",")):
         prompts = [[2 + (i * 7 + j) % (args.vocab - 2) for j in range(34 + i % 18)] for i in range(n)]
 
         async def go(prompts=prompts):
-            return await asyncio.gather(*[engine.generate(p, params.copy(seed=i)) for i, p in enumerate(prompts)])
+            return await asyncio.gather(
+                *[engine.generate(p, params.copy(seed=i)) for i, p in enumerate(prompts)]
+            )
+
         asyncio.run(go())  # warm-up
         runs = []
         for _ in range(args.repeats):
@@ -70,23 +82,34 @@ def main() -> None:
             start = time.perf_counter()
             asyncio.run(go())
             wall = time.perf_counter() - start
-            runs.append(((wall - spent["prefill"]) / spent["steps"], spent["decode"] / spent["steps"],
-                         spent["prefill"]))
+            runs.append(
+                (
+                    (wall - spent["prefill"]) / spent["steps"],
+                    spent["decode"] / spent["steps"],
+                    spent["prefill"],
+                )
+            )
         step, fwd, prefill = (statistics.median(r[i] for r in runs) for i in range(3))
-        lines.append(f"| {n} | {1e3 * step:.1f} | {1e3 * fwd:.1f} | {1e3 * (step - fwd):.1f} | "
-                     f"{n / (step - fwd):,.0f} | {prefill:.2f} |")
+        lines.append(
+            f"| {n} | {1e3 * step:.1f} | {1e3 * fwd:.1f} | {1e3 * (step - fwd):.1f} | "
+            f"{n / (step - fwd):,.0f} | {prefill:.2f} |"
+        )
     asyncio.run(engine.close())
     table = "\n".join(lines)
-    context = (f"{args.new_tokens} new tokens per request (min_tokens too), vocabulary {args.vocab}, median of "
-               f"{args.repeats}; a decode step's time is the run's wall time less its prefill forwards, per decode "
-               f"forward; torch {torch.__version__}, "
-               f"1 thread")
+    context = (
+        f"{args.new_tokens} new tokens per request (min_tokens too), vocabulary {args.vocab}, median of "
+        f"{args.repeats}; a decode step's time is the run's wall time less its prefill forwards, per decode "
+        f"forward; torch {torch.__version__}, "
+        f"1 thread"
+    )
     print(f"{context}\n\n{table}")
     if args.write:
         cmd = ".venv/bin/python bench/engine_host.py " + " ".join(a for a in sys.argv[1:] if a != "--write")
         with open(Path(__file__).resolve().parents[1] / "docs/benchmarks.md", "a") as f:
-            f.write(f"\n## The engine's host time per decode step (`bench/engine_host.py`)\n\nCommand: `{cmd}`\n\n"
-                    f"{context}\n\n{table}\n")
+            f.write(
+                f"\n## The engine's host time per decode step (`bench/engine_host.py`)\n\nCommand: `{cmd}`\n\n"
+                f"{context}\n\n{table}\n"
+            )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ both engines live in one process and one event loop, and every measurement alter
     .venv-vllm/bin/python bench/engine.py --engine vllm [--requests 64,256] [--sessions 1] [--eager] [--write]
     .venv-vllm/bin/python bench/engine.py --engine vllm --multi-turn [--turns 6] [--write]   # start-up, multi-turn
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,18 +47,25 @@ async def sessions(engine, starts: list[list[int]], user: list[int], turns: int,
     prompts, start = [list(p) for p in starts], time.perf_counter()
     for k in range(turns):
         params = SamplingParams(max_tokens=new, min_tokens=new, temperature=1.0, seed=k)
-        outs = await asyncio.gather(*[engine.generate(p, params, f"{tag}-{i}") for i, p in enumerate(prompts)])
+        outs = await asyncio.gather(
+            *[engine.generate(p, params, f"{tag}-{i}") for i, p in enumerate(prompts)]
+        )
         prompts = [p + o.token_ids + user for p, o in zip(prompts, outs)]
     return time.perf_counter() - start
 
 
-async def side_by_side(args: argparse.Namespace, model_path: str, prompts_for, questions: list[str]) -> list[tuple]:
+async def side_by_side(
+    args: argparse.Namespace, model_path: str, prompts_for, questions: list[str]
+) -> list[tuple]:
     from molt.engine.hf import HFEngine
     from molt.engine.vllm import VLLMEngine
 
-    makers = {"embedded (molt.engine.hf)": lambda: HFEngine(model_path, max_batch_size=256, prefix_cache_mb=1024),
-              "vLLM (molt.engine.vllm)": lambda: VLLMEngine(model_path, max_model_len=4096,
-                                                            enforce_eager=args.eager)}
+    makers = {
+        "embedded (molt.engine.hf)": lambda: HFEngine(model_path, max_batch_size=256, prefix_cache_mb=1024),
+        "vLLM (molt.engine.vllm)": lambda: VLLMEngine(
+            model_path, max_model_len=4096, enforce_eager=args.eager
+        ),
+    }
     engines, tables = {}, []
     for name, make in makers.items():  # one after the other: a start-up alone on the machine's cores
         engines[name], seconds = await started(make)
@@ -75,18 +83,24 @@ async def side_by_side(args: argparse.Namespace, model_path: str, prompts_for, q
                 for name, engine in engines.items():
                     rates[name].append(await batch(engine, prompts, new))
                     print(f"  {n} requests, {name}: {rates[name][-1]:.1f} tokens/s", flush=True)
-            tables += [(f"{n} requests x {new} tokens, tokens/s", name, statistics.median(r), max(r))
-                       for name, r in rates.items()]
+            tables += [
+                (f"{n} requests x {new} tokens, tokens/s", name, statistics.median(r), max(r))
+                for name, r in rates.items()
+            ]
         n, turns, new = args.sessions, args.turns, args.new_tokens or 32
-        stream = tokenizer.encode(" ".join(questions) * ((args.history + 97 * n + args.user_tokens) // 200 + 1))
-        starts, user = [stream[97 * i: 97 * i + args.history] for i in range(n)], stream[-args.user_tokens:]
+        stream = tokenizer.encode(
+            " ".join(questions) * ((args.history + 97 * n + args.user_tokens) // 200 + 1)
+        )
+        starts, user = [stream[97 * i : 97 * i + args.history] for i in range(n)], stream[-args.user_tokens :]
         times = {name: [] for name in engines}
         for r in range(args.repeats or 2):
             for name, engine in engines.items():
                 times[name].append(await sessions(engine, starts, user, turns, new, f"r{r}"))
                 print(f"  multi-turn, {name}: {times[name][-1]:.1f} s", flush=True)
-        what = (f"multi-turn: {n} session(s) x {turns} turns, {args.history}-token history, +{new} sampled "
-                f"+{args.user_tokens} per turn, seconds")
+        what = (
+            f"multi-turn: {n} session(s) x {turns} turns, {args.history}-token history, +{new} sampled "
+            f"+{args.user_tokens} per turn, seconds"
+        )
         tables += [(what, name, statistics.median(t), min(t)) for name, t in times.items()]
     finally:
         for engine in engines.values():
@@ -101,8 +115,13 @@ def main(args: argparse.Namespace, model_path: str, prompts_for, questions: list
     lines += [f"| {what} | {name} | {med:.1f} | {best:.1f} |" for what, name, med, best in rows]
     import vllm
 
-    context = (f"{Path(model_path).name}, fp32, temperature 1; vLLM {vllm.__version__} "
-               f"({'eager' if args.eager else 'compiled, its default'}), one process and event loop for both, "
-               f"rounds alternated; 1-min load average at the end {os.getloadavg()[0]:.1f}")
-    report("The vLLM engine beside the embedded engine on this CPU (`bench/engine.py --engine vllm`)", context,
-           "\n".join(lines))
+    context = (
+        f"{Path(model_path).name}, fp32, temperature 1; vLLM {vllm.__version__} "
+        f"({'eager' if args.eager else 'compiled, its default'}), one process and event loop for both, "
+        f"rounds alternated; 1-min load average at the end {os.getloadavg()[0]:.1f}"
+    )
+    report(
+        "The vLLM engine beside the embedded engine on this CPU (`bench/engine.py --engine vllm`)",
+        context,
+        "\n".join(lines),
+    )

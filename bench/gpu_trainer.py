@@ -17,6 +17,7 @@ bench runs; its times say nothing about a GPU.
 
     python bench/gpu_trainer.py [--tiny] [--repeats 3] [--variants molt-packed molt-padded plain] [--write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,22 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SHAPE = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-         "intermediate_size": 4864, "vocab_size": 151936}
-TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "intermediate_size": 128, "vocab_size": 512}
+SHAPE = {
+    "hidden_size": 896,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "intermediate_size": 4864,
+    "vocab_size": 151936,
+}
+TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+}
 
 
 def build_model(path: Path, shape: dict) -> int:
@@ -60,11 +73,22 @@ def make_window(args, vocab: int) -> list:
         for i in range(args.group):
             reply = [rng.randrange(vocab) for _ in range(args.seq_len - args.prompt)]
             mask = [0] * args.prompt + [1] * len(reply)
-            out.append(Experience(
-                rollout_id=f"r{g}-{i}", group_id=f"g{g}", segment_index=0, reward=0.0, num_tokens=args.seq_len,
-                num_actions=len(reply), min_version=0, token_ids=prompt + reply, action_mask=mask,
-                behavior_logprobs=[0.0] * args.seq_len, versions=[0] * args.seq_len,
-                advantages=[rng.gauss(0, 1) if m else 0.0 for m in mask]))
+            out.append(
+                Experience(
+                    rollout_id=f"r{g}-{i}",
+                    group_id=f"g{g}",
+                    segment_index=0,
+                    reward=0.0,
+                    num_tokens=args.seq_len,
+                    num_actions=len(reply),
+                    min_version=0,
+                    token_ids=prompt + reply,
+                    action_mask=mask,
+                    behavior_logprobs=[0.0] * args.seq_len,
+                    versions=[0] * args.seq_len,
+                    advantages=[rng.gauss(0, 1) if m else 0.0 for m in mask],
+                )
+            )
     return out
 
 
@@ -76,10 +100,21 @@ def sync(device):
 def molt_step(args, path, window, pack: bool, chunk: int, lora: int = 0):
     from molt.trainer import Actor
 
-    actor = Actor.from_pretrained(str(path), **{
-        "actor.lora_rank": lora, "actor.lora_alpha": 2 * lora, "actor.adam.lr": 1e-6, "train.max_tokens_per_gpu": args.budget, "fsdp.packing_samples": pack,
-        "actor.logprob_chunk_size": chunk, "train.share_prefix": False, "algo.advantage.is_correction_level": "token",
-        "algo.advantage.is_correction_mode": "trunc", "algo.advantage.is_correction_threshold": (0.0, 2.0)})
+    actor = Actor.from_pretrained(
+        str(path),
+        **{
+            "actor.lora_rank": lora,
+            "actor.lora_alpha": 2 * lora,
+            "actor.adam.lr": 1e-6,
+            "train.max_tokens_per_gpu": args.budget,
+            "fsdp.packing_samples": pack,
+            "actor.logprob_chunk_size": chunk,
+            "train.share_prefix": False,
+            "algo.advantage.is_correction_level": "token",
+            "algo.advantage.is_correction_mode": "trunc",
+            "algo.advantage.is_correction_threshold": (0.0, 2.0),
+        },
+    )
     for e, lp in zip(window, actor.compute_logprobs(window)):  # behavior log-probs near the trainer's
         e.behavior_logprobs = lp[e.action_mask]  # one per action token (molt.types)
     return lambda: actor.train_step(window), actor.device
@@ -101,10 +136,10 @@ def plain_step(args, path, window):
     def step():
         for s in range(0, len(window), rows):
             with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
-                logits = lm(input_ids=ids[s:s + rows]).logits
+                logits = lm(input_ids=ids[s : s + rows]).logits
             logp = torch.log_softmax(logits.float(), -1)[:, :-1]
-            lp = logp.gather(-1, ids[s:s + rows, 1:, None])[..., 0]
-            (-(lp * adv[s:s + rows, 1:] * mask[s:s + rows, 1:]).sum() / count).backward()
+            lp = logp.gather(-1, ids[s : s + rows, 1:, None])[..., 0]
+            (-(lp * adv[s : s + rows, 1:] * mask[s : s + rows, 1:]).sum() / count).backward()
         torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -139,8 +174,11 @@ def profile_step(step, device, name: str) -> None:
     events = prof.key_averages()
     key = "device_time_total" if cuda else "self_cpu_time_total"
     syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize"))
-    print(f"{name}: one step's kernels by {key}; {syncs} stream or device synchronizations\n"
-          + events.table(sort_by=key, row_limit=20, max_name_column_width=70), flush=True)
+    print(
+        f"{name}: one step's kernels by {key}; {syncs} stream or device synchronizations\n"
+        + events.table(sort_by=key, row_limit=20, max_name_column_width=70),
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -152,10 +190,13 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--budget", type=int, default=8192, help="tokens per micro-batch")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", nargs="+", default=["molt-packed", "molt-packed:2048", "molt-padded", "plain",
-                                                      "molt-packed-lora"],
-                   help="molt-packed, molt-padded (optionally -lora: LoRA rank 16, docs/lora.md; optionally :CHUNK, "
-                        "the log-prob chunk size; 512), plain")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["molt-packed", "molt-packed:2048", "molt-padded", "plain", "molt-packed-lora"],
+        help="molt-packed, molt-padded (optionally -lora: LoRA rank 16, docs/lora.md; optionally :CHUNK, "
+        "the log-prob chunk size; 512), plain",
+    )
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--write", action="store_true", help="append the table to docs/benchmarks.md")
     p.add_argument("--json", help="also write the results here")
@@ -175,8 +216,14 @@ def main() -> None:
                 else:
                     name, _, chunk = variant.partition(":")
                     lora = 16 if name.endswith("-lora") else 0
-                    step, device = molt_step(args, tmp, window, pack=name.removesuffix("-lora") == "molt-packed",
-                                             chunk=int(chunk or 512), lora=lora)
+                    step, device = molt_step(
+                        args,
+                        tmp,
+                        window,
+                        pack=name.removesuffix("-lora") == "molt-packed",
+                        chunk=int(chunk or 512),
+                        lora=lora,
+                    )
                 r = measure(step, device, args.repeats)
             except Exception as e:  # noqa: BLE001 - reported and counted in the exit code
                 failed[variant] = f"{type(e).__name__}: {e}"
@@ -202,26 +249,33 @@ def main() -> None:
                 failed.setdefault(variant, f"{type(e).__name__}: {e}")
                 break
     base = results.get("plain", {}).get("best_s")
-    lines = ["| variant | best step s | mean step s | tokens/s | MFU | peak GiB | time vs plain |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| variant | best step s | mean step s | tokens/s | MFU | peak GiB | time vs plain |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for v, r in results.items():
         ratio = f"{r['best_s'] / base:.2f}x" if base else "-"
-        lines.append(f"| {v} | {r['best_s']:.3f} | {r['mean_s']:.3f} | {r['tokens_per_s']:,.0f} | "
-                     f"{100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {ratio} |")
+        lines.append(
+            f"| {v} | {r['best_s']:.3f} | {r['mean_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+            f"{100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | {ratio} |"
+        )
     lines += [f"| {v} | failed: {err[:200].replace('|', '/')} | | | | | |" for v, err in failed.items()]
     table = "\n".join(lines)
     print(table)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "CPU"
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": device, "params": n_params, "results": results,
-                                               "failed": failed}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"device": device, "params": n_params, "results": results, "failed": failed}, indent=1)
+        )
     if args.write:
         cmd = "python bench/gpu_trainer.py " + " ".join(sys.argv[1:])
         when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         with open(ROOT / "docs" / "benchmarks.md", "a") as f:
-            f.write(f"\n## Trainer step on {device} (`bench/gpu_trainer.py`)\n\nCommand: `{cmd}` ({when}, "
-                    f"torch {torch.__version__}, {n_params / 1e6:.0f}M parameters, {args.sequences} x {args.seq_len} "
-                    f"tokens, micro-batches of {args.budget} tokens).\n\n{table}\n")
+            f.write(
+                f"\n## Trainer step on {device} (`bench/gpu_trainer.py`)\n\nCommand: `{cmd}` ({when}, "
+                f"torch {torch.__version__}, {n_params / 1e6:.0f}M parameters, {args.sequences} x {args.seq_len} "
+                f"tokens, micro-batches of {args.budget} tokens).\n\n{table}\n"
+            )
     if failed:
         sys.exit(f"failed: {', '.join(failed)}")
 

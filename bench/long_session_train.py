@@ -18,6 +18,7 @@ what torch does not allocate itself), and the step's wall and CPU seconds (the p
 The child's data segment is capped (`RLIMIT_DATA`, `--limit-gib`), so that a configuration whose attention
 would not fit fails with an allocation error there instead of filling the shared machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,11 +37,14 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
     "default": ("padded, 4,096-token budget (the defaults)", {}),
     "packed": ("packed, 4,096-token budget", {"fsdp.packing_samples": True}),
-    "packed-64k": ("packed, 65,536-token budget", {"fsdp.packing_samples": True,
-                                                    "train.max_tokens_per_gpu": 65536}),
-    "packed-64k-ckpt": ("packed, 65,536, activation checkpointing",
-                        {"fsdp.packing_samples": True, "train.max_tokens_per_gpu": 65536,
-                         "actor.gradient_checkpoint": True}),
+    "packed-64k": (
+        "packed, 65,536-token budget",
+        {"fsdp.packing_samples": True, "train.max_tokens_per_gpu": 65536},
+    ),
+    "packed-64k-ckpt": (
+        "packed, 65,536, activation checkpointing",
+        {"fsdp.packing_samples": True, "train.max_tokens_per_gpu": 65536, "actor.gradient_checkpoint": True},
+    ),
     "padded-64k": ("padded, 65,536-token budget", {"train.max_tokens_per_gpu": 65536}),
     "unchunked": ("padded, 4,096, log-probs in one chunk", {"actor.logprob_chunk_size": 1 << 20}),
 }
@@ -65,9 +69,21 @@ def _head(e, n: int):
     from molt.types import Experience
 
     k = int(e.action_mask[:n].sum())
-    return Experience(e.rollout_id, e.group_id, 0, e.reward, min(n, e.num_tokens), k, e.min_version,
-                      e.temperature, e.token_ids[:n], e.action_mask[:n], e.behavior_logprobs[:k], e.versions[:k],
-                      advantages=e.advantages)
+    return Experience(
+        e.rollout_id,
+        e.group_id,
+        0,
+        e.reward,
+        min(n, e.num_tokens),
+        k,
+        e.min_version,
+        e.temperature,
+        e.token_ids[:n],
+        e.action_mask[:n],
+        e.behavior_logprobs[:k],
+        e.versions[:k],
+        advantages=e.advantages,
+    )
 
 
 def child(saved: Path, name: str) -> dict:
@@ -82,8 +98,12 @@ def child(saved: Path, name: str) -> dict:
         e.advantages = 1.0  # the rollout's advantage on every action token, as a group estimator ships it
     actor = Actor.from_pretrained(data["model"], **{"fsdp.device": "cpu", **CONFIGS[name][1]})
     t = actor.cfg.train
-    plan = plan_micro_batches([e.num_tokens for e in experiences], t.micro_batch_size or None,
-                              t.max_tokens_per_gpu or None, packed=actor.cfg.fsdp.packing_samples)
+    plan = plan_micro_batches(
+        [e.num_tokens for e in experiences],
+        t.micro_batch_size or None,
+        t.max_tokens_per_gpu or None,
+        packed=actor.cfg.fsdp.packing_samples,
+    )
     actor.train_step([_head(experiences[0], 1536)])  # warm-up: one-time costs, the optimizer's state
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -91,10 +111,21 @@ def child(saved: Path, name: str) -> dict:
     c0, w0 = time.process_time(), time.perf_counter()
     metrics = actor.train_step(experiences)
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-    return {"loaded": before, "peak": _status("VmHWM"), "wall": wall, "cpu": cpu, "micro_batches": len(plan),
-            "widest": max(sum(experiences[i].num_tokens for i in mb) if actor.cfg.fsdp.packing_samples
-                          else max(experiences[i].num_tokens for i in mb) * len(mb) for mb in plan),
-            "loss": metrics["policy_loss"], "grad_norm": metrics["actor_grad_norm"]}
+    return {
+        "loaded": before,
+        "peak": _status("VmHWM"),
+        "wall": wall,
+        "cpu": cpu,
+        "micro_batches": len(plan),
+        "widest": max(
+            sum(experiences[i].num_tokens for i in mb)
+            if actor.cfg.fsdp.packing_samples
+            else max(experiences[i].num_tokens for i in mb) * len(mb)
+            for mb in plan
+        ),
+        "loss": metrics["policy_loss"],
+        "grad_norm": metrics["actor_grad_norm"],
+    }
 
 
 def measure(saved: Path, names: list[str], limit_gib: float) -> dict[str, dict]:
@@ -102,12 +133,24 @@ def measure(saved: Path, names: list[str], limit_gib: float) -> dict[str, dict]:
     out = {}
     for name in names:
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": str(ROOT)}
-        cmd = [sys.executable, __file__, "--saved", str(saved), "--child", name, "--limit-gib", str(limit_gib)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--saved",
+            str(saved),
+            "--child",
+            name,
+            "--limit-gib",
+            str(limit_gib),
+        ]
         # check=False: a configuration that does not fit is a row of the table, not the end of the bench
         run = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT, env=env)
         lines = (run.stdout.strip() or run.stderr.strip() or "no output").splitlines()
-        out[name] = json.loads(lines[-1]) if run.returncode == 0 else {
-            "error": (run.stderr.strip().splitlines() or lines)[-1][:160]}
+        out[name] = (
+            json.loads(lines[-1])
+            if run.returncode == 0
+            else {"error": (run.stderr.strip().splitlines() or lines)[-1][:160]}
+        )
         print(f"{name}: {out[name]}", flush=True)
     return out
 
@@ -116,23 +159,29 @@ def table(saved: Path, results: dict[str, dict]) -> str:
     with open(saved / "experiences.pkl", "rb") as f:
         experiences = pickle.load(f)["experiences"]
     lengths = sorted((e.num_tokens for e in experiences), reverse=True)
-    head = (f"One training step on the session's {len(experiences)} experiences ({sum(lengths):,} tokens, the "
-            f"longest {lengths[0]:,}, {sum(e.num_actions for e in experiences):,} action tokens):\n\n"
-            "| configuration | micro-batches | widest (tokens) | RSS before (MiB) | peak RSS (MiB) | step peak - "
-            "before (MiB) | step wall (s) | step CPU (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    head = (
+        f"One training step on the session's {len(experiences)} experiences ({sum(lengths):,} tokens, the "
+        f"longest {lengths[0]:,}, {sum(e.num_actions for e in experiences):,} action tokens):\n\n"
+        "| configuration | micro-batches | widest (tokens) | RSS before (MiB) | peak RSS (MiB) | step peak - "
+        "before (MiB) | step wall (s) | step CPU (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
     rows = []
     for name, r in results.items():
         if "error" in r:
             rows.append(f"| {CONFIGS[name][0]} | | | | failed: {r['error']} | | | |")
             continue
-        rows.append(f"| {CONFIGS[name][0]} | {r['micro_batches']} | {r['widest']:,} | {r['loaded']:.0f} | "
-                    f"{r['peak']:.0f} | +{r['peak'] - r['loaded']:.0f} | {r['wall']:.1f} | {r['cpu']:.1f} |")
+        rows.append(
+            f"| {CONFIGS[name][0]} | {r['micro_batches']} | {r['widest']:,} | {r['loaded']:.0f} | "
+            f"{r['peak']:.0f} | +{r['peak'] - r['loaded']:.0f} | {r['wall']:.1f} | {r['cpu']:.1f} |"
+        )
     return "\n".join([head, *rows])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--saved", required=True, type=Path, help="a directory `long_session.py --save` wrote")
+    parser.add_argument(
+        "--saved", required=True, type=Path, help="a directory `long_session.py --save` wrote"
+    )
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--limit-gib", type=float, default=8.0, help="the child's data-segment cap")
     parser.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)

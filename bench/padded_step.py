@@ -11,6 +11,7 @@ planned into padded micro-batches of at most `--budget` padded tokens (`train.ma
 sharing off (rows share no prompt anyway). After a warm-up step, `--steps` steps; reported: the median step's
 process CPU seconds (the number to compare on a shared machine) and wall seconds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,18 @@ def build(path: Path) -> None:
     from molt.testing.models import build_tokenizer
 
     tokenizer = build_tokenizer(vocab_size=4096)
-    config = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=4096,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=4096,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -43,10 +53,22 @@ def window(rows: int, vocab: int) -> list:
     for i in range(rows):
         n = rng.randint(128, 1024)
         mask = [0] * (n // 4) + [1] * (n - n // 4)
-        out.append(Experience(rollout_id=f"r{i}", group_id=f"g{i}", segment_index=0, reward=0.0, num_tokens=n,
-                              num_actions=sum(mask), min_version=0, token_ids=[rng.randrange(10, vocab) for _ in range(n)],
-                              action_mask=mask, behavior_logprobs=[-8.0] * sum(mask), versions=[0] * sum(mask),
-                              advantages=rng.gauss(0.0, 1.0)))
+        out.append(
+            Experience(
+                rollout_id=f"r{i}",
+                group_id=f"g{i}",
+                segment_index=0,
+                reward=0.0,
+                num_tokens=n,
+                num_actions=sum(mask),
+                min_version=0,
+                token_ids=[rng.randrange(10, vocab) for _ in range(n)],
+                action_mask=mask,
+                behavior_logprobs=[-8.0] * sum(mask),
+                versions=[0] * sum(mask),
+                advantages=rng.gauss(0.0, 1.0),
+            )
+        )
     return out
 
 
@@ -61,8 +83,15 @@ def main() -> None:
         build(args.dir)
     from molt.trainer import Actor
 
-    actor = Actor.from_pretrained(str(args.dir), **{"fsdp.device": "cpu", "train.max_tokens_per_gpu": args.budget,
-                                                    "train.share_prefix": False, "actor.adam.lr": 1e-6})
+    actor = Actor.from_pretrained(
+        str(args.dir),
+        **{
+            "fsdp.device": "cpu",
+            "train.max_tokens_per_gpu": args.budget,
+            "train.share_prefix": False,
+            "actor.adam.lr": 1e-6,
+        },
+    )
     exps = window(args.rows, actor.model.lm.config.vocab_size)
     actor.train_step(exps)  # warm-up
     cpu, wall = [], []
@@ -71,8 +100,16 @@ def main() -> None:
         actor.train_step(exps)
         cpu.append(time.process_time() - c0)
         wall.append(time.perf_counter() - w0)
-    print(json.dumps({"tokens": sum(e.num_tokens for e in exps), "cpu_s": statistics.median(cpu),
-                      "wall_s": statistics.median(wall), "cpu_all": [round(c, 3) for c in cpu]}))
+    print(
+        json.dumps(
+            {
+                "tokens": sum(e.num_tokens for e in exps),
+                "cpu_s": statistics.median(cpu),
+                "wall_s": statistics.median(wall),
+                "cpu_all": [round(c, 3) for c in cpu],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ data would be, so it runs unchanged on an older tree: `git archive <rev> | tar -
 `PYTHONPATH=/tmp/old python bench/per_token.py` (run from this tree) measures that revision (docs/benchmarks.md).
 Times are the best of `--repeat` runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,12 @@ def main() -> None:
     exps = []
     for i in range(args.samples):
         mask = [0] * (n - k) + [1] * k
-        segment = Segment(prompt + [rng.randrange(50000) for _ in range(k)], mask, [-1.0 * m for m in mask],
-                          [3 if m else -1 for m in mask])
+        segment = Segment(
+            prompt + [rng.randrange(50000) for _ in range(k)],
+            mask,
+            [-1.0 * m for m in mask],
+            [3 if m else -1 for m in mask],
+        )
         exps.append(Experience.from_segment(Trajectory(f"r{i}", "g", [segment], reward=float(i % 2)), 0))
     payloads = [e.split() for e in exps]
     size = sum(len(pickle.dumps(p, protocol=5)) for p in payloads)
@@ -54,12 +59,18 @@ def main() -> None:
     for e, p in zip(exps, payloads):
         for name, value in p.items():
             setattr(e, name, value)
-    cpu = torch.device("cpu")  # advantages left out (zeros): how a tree holds them differs (per token or one number)
+    cpu = torch.device(
+        "cpu"
+    )  # advantages left out (zeros): how a tree holds them differs (per token or one number)
     padded = best_ms(lambda: collate(exps, 0, cpu, need_advantages=False), args.repeat)
-    packed = best_ms(lambda: collate(exps, 0, cpu, need_advantages=False, share_prefix=True, pack=True), args.repeat)
-    print("| tree | payload (bytes/token) | pickle round trip (ms) | collate padded (ms) | packed, shared prefix (ms) |\n"
-          f"|---|---:|---:|---:|---:|\n| {molt.__file__.rsplit('/molt/', 1)[0]} | {size / (n * args.samples):.1f} "
-          f"| {round_trip:.1f} | {padded:.0f} | {packed:.0f} |")
+    packed = best_ms(
+        lambda: collate(exps, 0, cpu, need_advantages=False, share_prefix=True, pack=True), args.repeat
+    )
+    print(
+        "| tree | payload (bytes/token) | pickle round trip (ms) | collate padded (ms) | packed, shared prefix (ms) |\n"
+        f"|---|---:|---:|---:|---:|\n| {molt.__file__.rsplit('/molt/', 1)[0]} | {size / (n * args.samples):.1f} "
+        f"| {round_trip:.1f} | {padded:.0f} | {packed:.0f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ process with one torch thread, alternating the two ways; the median of `--repeat
 
     .venv/bin/python bench/refit.py [--model smollm2-135m-instruct] [--repeats 5] [--write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,19 +51,25 @@ def main() -> None:
             times[name].append((t1 - t0, time.perf_counter() - t1))
             del refs
     ray.shutdown()
-    n_bytes = sum(t.numel() * t.element_size() for _, t in (p for b in iter_weight_buckets(lm, 64 << 20) for p in b))
+    n_bytes = sum(
+        t.numel() * t.element_size() for _, t in (p for b in iter_weight_buckets(lm, 64 << 20) for p in b)
+    )
     lines = ["| way | put s | fetch and copy s | total s |", "| --- | ---: | ---: | ---: |"]
     for name, rows in times.items():
         put, fetch = (statistics.median(r[i] for r in rows[1:]) for i in (0, 1))
         lines.append(f"| {name} | {put:.3f} | {fetch:.3f} | {put + fetch:.3f} |")
-    context = (f"{args.model}, {n_bytes / 2**20:.0f} MiB in 64 MiB buckets, one process, 1 torch thread, median of "
-               f"{args.repeats} rounds after a warm-up; torch {torch.__version__}, ray {ray.__version__}")
+    context = (
+        f"{args.model}, {n_bytes / 2**20:.0f} MiB in 64 MiB buckets, one process, 1 torch thread, median of "
+        f"{args.repeats} rounds after a warm-up; torch {torch.__version__}, ray {ray.__version__}"
+    )
     table = "\n".join(lines)
     print(f"{context}\n\n{table}")
     if args.write:
         cmd = ".venv/bin/python bench/refit.py " + " ".join(a for a in sys.argv[1:] if a != "--write")
         with open(Path(__file__).resolve().parents[1] / "docs/benchmarks.md", "a") as f:
-            f.write(f"\n## Refit through the object store (`bench/refit.py`)\n\nCommand: `{cmd}`\n\n{context}\n\n{table}\n")
+            f.write(
+                f"\n## Refit through the object store (`bench/refit.py`)\n\nCommand: `{cmd}`\n\n{context}\n\n{table}\n"
+            )
 
 
 if __name__ == "__main__":

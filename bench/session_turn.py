@@ -10,6 +10,7 @@ of the same attention calls alone (`F.scaled_dot_product_attention` per layer: t
 with an additive mask, then one query per sampled token), the part of a turn that must grow with the history;
 "rest" is the turn minus that.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,15 +37,18 @@ def attention_ms(context: int, new: int, sampled: int, layers: int = 2) -> float
     of them causal), then one query per sampled token."""
     q, k = torch.randn(1, 4, new, 16), torch.randn(1, 2, context + sampled, 16)
     mask = torch.zeros(new, context)
-    mask[:, context - new:] = torch.full((new, new), torch.finfo(torch.float32).min).triu(1)
+    mask[:, context - new :] = torch.full((new, new), torch.finfo(torch.float32).min).triu(1)
     runs = []
     for _ in range(3):
         start = time.process_time()
         for _ in range(layers):
-            F.scaled_dot_product_attention(q, k[:, :, :context], k[:, :, :context], attn_mask=mask, enable_gqa=True)
+            F.scaled_dot_product_attention(
+                q, k[:, :, :context], k[:, :, :context], attn_mask=mask, enable_gqa=True
+            )
             for i in range(1, sampled):
-                F.scaled_dot_product_attention(q[:, :, :1], k[:, :, :context + i], k[:, :, :context + i],
-                                               enable_gqa=True)
+                F.scaled_dot_product_attention(
+                    q[:, :, :1], k[:, :, : context + i], k[:, :, : context + i], enable_gqa=True
+                )
         runs.append(time.process_time() - start)
     return statistics.median(runs) * 1e3
 
@@ -55,20 +59,31 @@ async def run(args: argparse.Namespace) -> list[dict]:
     rng = random.Random(0)
     rows = []
     for history in args.histories:
-        context = [rng.randrange(10, engine.vocab_size - 10) for _ in range(history - 3 * (args.new + args.sampled))]
+        context = [
+            rng.randrange(10, engine.vocab_size - 10) for _ in range(history - 3 * (args.new + args.sampled))
+        ]
         done = await engine.generate(context, SamplingParams(max_tokens=1, seed=0), session_id=str(history))
         context += done.token_ids
         turns = []
         for _ in range(3):
             context += [rng.randrange(10, engine.vocab_size - 10) for _ in range(args.new)]
             cpu, wall = time.process_time(), time.perf_counter()
-            done = await engine.generate(context, SamplingParams(max_tokens=args.sampled, min_tokens=args.sampled,
-                                                                 seed=0), session_id=str(history))
+            done = await engine.generate(
+                context,
+                SamplingParams(max_tokens=args.sampled, min_tokens=args.sampled, seed=0),
+                session_id=str(history),
+            )
             turns.append((time.process_time() - cpu, time.perf_counter() - wall, len(context)))
             context += done.token_ids
         cpu, wall, length = (statistics.median(t[i] for t in turns) for i in range(3))
-        rows.append({"history": int(length), "cpu": cpu * 1e3, "wall": wall * 1e3,
-                     "attention": attention_ms(int(length), args.new, args.sampled)})
+        rows.append(
+            {
+                "history": int(length),
+                "cpu": cpu * 1e3,
+                "wall": wall * 1e3,
+                "attention": attention_ms(int(length), args.new, args.sampled),
+            }
+        )
     await engine.close()
     return rows
 
@@ -85,8 +100,10 @@ def main() -> None:
     print("| prompt (tokens) | turn CPU (ms) | turn wall (ms) | attention alone, CPU (ms) | rest (ms) |")
     print("|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['history']:,} | {r['cpu']:.0f} | {r['wall']:.0f} | {r['attention']:.0f} | "
-              f"{r['cpu'] - r['attention']:.0f} |")
+        print(
+            f"| {r['history']:,} | {r['cpu']:.0f} | {r['wall']:.0f} | {r['attention']:.0f} | "
+            f"{r['cpu'] - r['attention']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ sharing. Also checks that every variant gives the same log-probs for the window 
     .venv/bin/python bench/shared_prefix.py [--model PATH] [--prompts 2] [--samples 8] [--prompt-len 38]
         [--reply 10 48] [--threads 1 2] [--repeats 3] [--write-docs]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,22 @@ def window(args, vocab: int):
         for i in range(args.samples):
             reply = [rng.randrange(vocab) for _ in range(rng.randint(*args.reply))]
             ids, mask = prompt + reply, [0] * len(prompt) + [1] * len(reply)
-            out.append(Experience(rollout_id=f"{g}-{i}", group_id=str(g), segment_index=0, reward=0.0,
-                                  num_tokens=len(ids), num_actions=len(reply), min_version=0, token_ids=ids,
-                                  action_mask=mask, behavior_logprobs=[-1.0 * m for m in mask],
-                                  versions=[0] * len(ids), advantages=[rng.gauss(0, 1) * m for m in mask]))
+            out.append(
+                Experience(
+                    rollout_id=f"{g}-{i}",
+                    group_id=str(g),
+                    segment_index=0,
+                    reward=0.0,
+                    num_tokens=len(ids),
+                    num_actions=len(reply),
+                    min_version=0,
+                    token_ids=ids,
+                    action_mask=mask,
+                    behavior_logprobs=[-1.0 * m for m in mask],
+                    versions=[0] * len(ids),
+                    advantages=[rng.gauss(0, 1) * m for m in mask],
+                )
+            )
     return out
 
 
@@ -47,8 +60,9 @@ def worker(args, threads: int, share: bool, pack: bool) -> dict:
     from molt.trainer import Actor
 
     torch.set_num_threads(threads)
-    actor = Actor.from_pretrained(args.model, **{"actor.adam.lr": 1e-6, "train.share_prefix": share,
-                                                 "fsdp.packing_samples": pack})
+    actor = Actor.from_pretrained(
+        args.model, **{"actor.adam.lr": 1e-6, "train.share_prefix": share, "fsdp.packing_samples": pack}
+    )
     exps = window(args, actor.lm.config.vocab_size)
     actor.train_step(exps)  # warm-up
     times = []
@@ -57,16 +71,24 @@ def worker(args, threads: int, share: bool, pack: bool) -> dict:
         actor.train_step(exps)
         times.append(time.perf_counter() - t0)
     lp = actor.compute_logprobs(exps[: args.samples])
-    return {"min": min(times), "mean": sum(times) / len(times), "logprobs": lp,
-            "tokens": sum(len(e.token_ids) for e in exps)}
+    return {
+        "min": min(times),
+        "mean": sum(times) / len(times),
+        "logprobs": lp,
+        "tokens": sum(len(e.token_ids) for e in exps),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: resolve smollm2-135m-instruct)")
+    ap.add_argument(
+        "--model", default=None, help="HF checkpoint dir (default: resolve smollm2-135m-instruct)"
+    )
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=38, help="context tokens per prompt (the math recipe: ~38)")
+    ap.add_argument(
+        "--prompt-len", type=int, default=38, help="context tokens per prompt (the math recipe: ~38)"
+    )
     ap.add_argument("--reply", type=int, nargs=2, default=[10, 48])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=3)
@@ -81,31 +103,58 @@ def main() -> None:
         print(json.dumps(worker(args, args.worker[0], bool(args.worker[1]), bool(args.worker[2]))))
         return
     variants = [(0, 0), (0, 1), (1, 0), (1, 1)]  # (pack, share)
-    rows, lines = [], ["| torch threads | layout | share_prefix | fastest step s | mean step s | speed-up |",
-                       "|---|---|---|---:|---:|---:|"]
+    rows, lines = (
+        [],
+        [
+            "| torch threads | layout | share_prefix | fastest step s | mean step s | speed-up |",
+            "|---|---|---|---:|---:|---:|",
+        ],
+    )
     for threads in args.threads:
         res = {}
         for pack, share in variants:
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--model", str(args.model), "--worker", str(threads),
-                   str(share), str(pack)]
+            cmd = [
+                sys.executable,
+                __file__,
+                *sys.argv[1:],
+                "--model",
+                str(args.model),
+                "--worker",
+                str(threads),
+                str(share),
+                str(pack),
+            ]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             res[pack, share] = json.loads(out.strip().splitlines()[-1])
         base = res[0, 0]
-        rows.append(max(abs(a - b) for r in res.values() for r0, r1 in zip(base["logprobs"], r["logprobs"])
-                        for a, b in zip(r0, r1)))
+        rows.append(
+            max(
+                abs(a - b)
+                for r in res.values()
+                for r0, r1 in zip(base["logprobs"], r["logprobs"])
+                for a, b in zip(r0, r1)
+            )
+        )
         for (pack, share), r in res.items():
-            lines.append(f"| {threads} | {'packed' if pack else 'padded'} | {bool(share)} | {r['min']:.2f} | "
-                         f"{r['mean']:.2f} | {base['min'] / r['min']:.2f}x |")
+            lines.append(
+                f"| {threads} | {'packed' if pack else 'padded'} | {bool(share)} | {r['min']:.2f} | "
+                f"{r['mean']:.2f} | {base['min'] / r['min']:.2f}x |"
+            )
     cmd = "python bench/shared_prefix.py " + " ".join(a for a in sys.argv[1:] if a != "--write-docs")
-    head = (f"Command: `{cmd.strip()}` ({time.strftime('%Y-%m-%d')}, {platform.machine()}); window "
-            f"{args.prompts} prompts x {args.samples} samples, {args.prompt_len} prompt tokens, replies "
-            f"U{args.reply}, {base['tokens']} tokens; largest log-prob difference between variants: {max(rows):.1e}")
+    head = (
+        f"Command: `{cmd.strip()}` ({time.strftime('%Y-%m-%d')}, {platform.machine()}); window "
+        f"{args.prompts} prompts x {args.samples} samples, {args.prompt_len} prompt tokens, replies "
+        f"U{args.reply}, {base['tokens']} tokens; largest log-prob difference between variants: {max(rows):.1e}"
+    )
     table = "\n".join([head, "", *lines])
     print(table)
     if args.write_docs:
         with open(ROOT / "docs" / "benchmarks.md", "a") as f:
-            f.write("\n## Padded, packed and shared prefixes in the policy update (`bench/shared_prefix.py`)\n\n"
-                    + table + "\n")
+            f.write(
+                "\n## Padded, packed and shared prefixes in the policy update (`bench/shared_prefix.py`)\n\n"
+                + table
+                + "\n"
+            )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ log-probs, and the finite ones' gap to a transformers fp32 forward (log_softmax(
 
     .venv-vllm/bin/python bench/spec_decode.py [--ngram 0|4] [--requests 8] [--new-tokens 128] [--eager] [--write]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,12 +32,22 @@ def copy_prompts(tokenizer, n: int) -> list[list[int]]:
     words = (ROOT / "README.md").read_text().split()
     prompts = []
     for i in range(n):
-        result = " ".join(words[i * 97: i * 97 + 180])
-        chat = [{"role": "system", "content": "You are a precise assistant."},
-                {"role": "user", "content": f"Here is the output of the tool `read_file`:\n\n{result}\n\n"
-                                            "Copy the tool output above exactly, word for word, with no comment."}]
-        prompts.append(list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=False)))
+        result = " ".join(words[i * 97 : i * 97 + 180])
+        chat = [
+            {"role": "system", "content": "You are a precise assistant."},
+            {
+                "role": "user",
+                "content": f"Here is the output of the tool `read_file`:\n\n{result}\n\n"
+                "Copy the tool output above exactly, word for word, with no comment.",
+            },
+        ]
+        prompts.append(
+            list(
+                tokenizer.apply_chat_template(
+                    chat, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+        )
     return prompts
 
 
@@ -52,8 +63,10 @@ def gaps(model, prompts, outs, temperature: float) -> torch.Tensor:
     """vLLM log-prob - log_softmax(logits / T) of a transformers fp32 forward, for every sampled token."""
     out = []
     for p, (tokens, logprobs) in zip(prompts, outs):
-        logits = model(torch.tensor([p + tokens])).logits[0, len(p) - 1: -1].double()
-        ref = torch.log_softmax(logits / (temperature or 1.0), -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        logits = model(torch.tensor([p + tokens])).logits[0, len(p) - 1 : -1].double()
+        ref = torch.log_softmax(logits / (temperature or 1.0), -1).gather(1, torch.tensor(tokens)[:, None])[
+            :, 0
+        ]
         out.append(torch.tensor(logprobs).double() - ref)
     return torch.cat(out)
 
@@ -67,34 +80,67 @@ def main(args) -> list[str]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     path = str(resolve_model("smollm2-135m-instruct"))
     prompts = copy_prompts(AutoTokenizer.from_pretrained(path), args.requests)
-    spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": args.ngram, "prompt_lookup_min": 2,
-                                   "prompt_lookup_max": 5}} if args.ngram else {}
+    spec = (
+        {
+            "speculative_config": {
+                "method": "ngram",
+                "num_speculative_tokens": args.ngram,
+                "prompt_lookup_min": 2,
+                "prompt_lookup_max": 5,
+            }
+        }
+        if args.ngram
+        else {}
+    )
     start = time.perf_counter()
-    llm = vllm.LLM(path, dtype="float32", max_model_len=2048, enforce_eager=args.eager, seed=0,
-                   logprobs_mode="processed_logprobs", disable_log_stats=False, enable_chunked_prefill=False,
-                   max_num_batched_tokens=8192, **spec)
+    llm = vllm.LLM(
+        path,
+        dtype="float32",
+        max_model_len=2048,
+        enforce_eager=args.eager,
+        seed=0,
+        logprobs_mode="processed_logprobs",
+        disable_log_stats=False,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=8192,
+        **spec,
+    )
     startup, rows = time.perf_counter() - start, []
     for temperature in map(float, args.temperatures.split(",")):
-        params = [vllm.SamplingParams(max_tokens=args.new_tokens, temperature=temperature, seed=i, logprobs=0)
-                  for i in range(len(prompts))]
+        params = [
+            vllm.SamplingParams(max_tokens=args.new_tokens, temperature=temperature, seed=i, logprobs=0)
+            for i in range(len(prompts))
+        ]
         llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params[:2], use_tqdm=False)  # warm-up
         before, t = counters(llm), time.perf_counter()
         done = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         seconds, after = time.perf_counter() - t, counters(llm)
-        outs = [(list(o.outputs[0].token_ids), [d[t].logprob for d, t in zip(o.outputs[0].logprobs,
-                                                                           o.outputs[0].token_ids)]) for o in done]
+        outs = [
+            (
+                list(o.outputs[0].token_ids),
+                [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+            )
+            for o in done
+        ]
         rows.append((temperature, seconds, outs, after[0] - before[0], after[1] - before[1]))
         print(f"  T={temperature}: {sum(len(o[0]) for o in outs) / seconds:.1f} tokens/s", flush=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     name = f"ngram, {args.ngram} tokens" if args.ngram else "no speculation"
-    lines = [("| engine | start-up, s | T | tokens | tokens/s | drafted / accepted | non-finite log-probs "
-              "| gap of the finite ones, mean / max |"), "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        (
+            "| engine | start-up, s | T | tokens | tokens/s | drafted / accepted | non-finite log-probs "
+            "| gap of the finite ones, mean / max |"
+        ),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for temperature, seconds, outs, drafted, took in rows:
         g = gaps(model, prompts, outs, temperature)
         finite = g[torch.isfinite(g)].abs()
         n = sum(len(o[0]) for o in outs)
-        lines.append(f"| {name} | {startup:.0f} | {temperature:g} | {n} | {n / seconds:.1f} | {drafted:.0f} / "
-                     f"{took:.0f} | {len(g) - len(finite)} | {finite.mean():.2e} / {finite.max():.2e} |")
+        lines.append(
+            f"| {name} | {startup:.0f} | {temperature:g} | {n} | {n / seconds:.1f} | {drafted:.0f} / "
+            f"{took:.0f} | {len(g) - len(finite)} | {finite.mean():.2e} / {finite.max():.2e} |"
+        )
     print("\n".join(lines))
     return lines
 

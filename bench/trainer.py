@@ -15,6 +15,7 @@ number: this machine's 2 cores are shared, so wall time swings with other jobs) 
 
     .venv/bin/python bench/trainer.py [--model PATH] [--batch 8] [--seq 256] [--scope head model] [--write-docs]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,16 +88,44 @@ def _steps(args) -> dict:
             if variant == "naive":
                 naive_loss(hidden @ weight.T).backward()
             else:
-                chunked_loss(*action_logprobs(hidden, weight, None, ids, act_index, act_temp, chunk_size=args.chunk,
-                                              with_entropy=True)).backward()
+                chunked_loss(
+                    *action_logprobs(
+                        hidden,
+                        weight,
+                        None,
+                        ids,
+                        act_index,
+                        act_temp,
+                        chunk_size=args.chunk,
+                        with_entropy=True,
+                    )
+                ).backward()
     else:
         lm.config.use_cache = False
         lm.gradient_checkpointing_enable({"use_reentrant": False})
         lm.train()
         wrapped = CausalLMLogProbs(lm, args.chunk)
-        mb = collate([Experience("r", "g", 0, 0.0, length, length - 1, 0, token_ids=row, action_mask=[0] + [1] * (length - 1),
-                                 behavior_logprobs=[0.0] * length, versions=[0] * length) for row in ids.tolist()],
-                     0, torch.device("cpu"), need_advantages=False)
+        mb = collate(
+            [
+                Experience(
+                    "r",
+                    "g",
+                    0,
+                    0.0,
+                    length,
+                    length - 1,
+                    0,
+                    token_ids=row,
+                    action_mask=[0] + [1] * (length - 1),
+                    behavior_logprobs=[0.0] * length,
+                    versions=[0] * length,
+                )
+                for row in ids.tolist()
+            ],
+            0,
+            torch.device("cpu"),
+            need_advantages=False,
+        )
 
         def zero():
             lm.zero_grad(set_to_none=True)
@@ -133,10 +162,14 @@ def worker(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: resolve smollm2-135m-instruct)")
+    ap.add_argument(
+        "--model", default=None, help="HF checkpoint dir (default: resolve smollm2-135m-instruct)"
+    )
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--chunk", type=int, default=512, help="action rows per chunk (ActorConfig.logprob_chunk_size)")
+    ap.add_argument(
+        "--chunk", type=int, default=512, help="action rows per chunk (ActorConfig.logprob_chunk_size)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--scope", nargs="+", default=["head", "model"], choices=["head", "model"])
     ap.add_argument("--write-docs", action="store_true", help="append the table to docs/benchmarks.md")
@@ -154,8 +187,23 @@ def main() -> None:
     for scope in args.scope:
         res = {}
         for what in ("naive", "chunked", "time"):
-            cmd = [sys.executable, __file__, "--worker", scope, what, "--model", args.model, "--batch",
-                   str(args.batch), "--seq", str(args.seq), "--chunk", str(args.chunk), "--repeats", str(args.repeats)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                scope,
+                what,
+                "--model",
+                args.model,
+                "--batch",
+                str(args.batch),
+                "--seq",
+                str(args.seq),
+                "--chunk",
+                str(args.chunk),
+                "--repeats",
+                str(args.repeats),
+            ]
             # A fixed mmap threshold turns off glibc's adaptive one, so every buffer of 128 KiB or more is mapped
             # on allocation and returned to the OS on free: RSS then follows live tensors instead of keeping
             # freed warm-up memory that a later allocation could reuse unseen. Timing runs use default malloc.
@@ -163,10 +211,14 @@ def main() -> None:
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, env=env)
             res[what] = json.loads(out.stdout.strip().splitlines()[-1])
         n, c, t = res["naive"]["peak_mb"], res["chunked"]["peak_mb"], res["time"]
-        rows.append(f"| {scope} | {n:.0f} | {c:.0f} | {c / n:.2f} | {t['naive_cpu']:.2f} | {t['chunked_cpu']:.2f} | "
-                    f"{t['chunked_cpu'] / t['naive_cpu'] - 1:+.1%} | {t['naive_wall']:.2f} | {t['chunked_wall']:.2f} |")
-    header = ("| scope | naive peak MiB | chunked peak MiB | peak ratio | naive CPU s | chunked CPU s | extra CPU time "
-              "| naive wall s | chunked wall s |")
+        rows.append(
+            f"| {scope} | {n:.0f} | {c:.0f} | {c / n:.2f} | {t['naive_cpu']:.2f} | {t['chunked_cpu']:.2f} | "
+            f"{t['chunked_cpu'] / t['naive_cpu'] - 1:+.1%} | {t['naive_wall']:.2f} | {t['chunked_wall']:.2f} |"
+        )
+    header = (
+        "| scope | naive peak MiB | chunked peak MiB | peak ratio | naive CPU s | chunked CPU s | extra CPU time "
+        "| naive wall s | chunked wall s |"
+    )
     table = "\n".join([header, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", *rows])
     print(table)
     if args.write_docs:
@@ -182,9 +234,11 @@ def main() -> None:
             "allocation counts), each variant in a fresh process. "
             "Time: fastest of alternated runs, CPU seconds of the process (wall seconds swing with the load of "
             "the shared cores). Goal: peak at most half of naive at no more than 10% extra time. "
-            f"1-min load average at the end: {os.getloadavg()[0]:.1f}.\n\n{table}\n")
+            f"1-min load average at the end: {os.getloadavg()[0]:.1f}.\n\n{table}\n"
+        )
         with open(ROOT / "docs" / "benchmarks.md", "a") as f:
             f.write(section)
+
 
 if __name__ == "__main__":
     main()

@@ -46,6 +46,7 @@ Measures:
   problem, temperature 1, 48 tokens, through its engine and the recipe's agent). "train s to 0.8" is the train
   time at the first evaluation at or above 0.8.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,9 +79,15 @@ LR = 5e-6
 EVAL_SAMPLES = 4
 
 # name -> (train.max_staleness, fsdp.packing_samples, train.partial_rollout_enable, rollout.engine); None is TRL
-SYSTEMS = {"molt-sync": (0, False, False, "hf"), "molt-async": (1, False, False, "hf"),
-           "molt-async2": (2, False, False, "hf"), "molt-async-packed": (1, True, False, "hf"),
-           "molt-async-partial": (1, True, True, "hf"), "molt-vllm": (1, True, False, "vllm"), "trl": None}
+SYSTEMS = {
+    "molt-sync": (0, False, False, "hf"),
+    "molt-async": (1, False, False, "hf"),
+    "molt-async2": (2, False, False, "hf"),
+    "molt-async-packed": (1, True, False, "hf"),
+    "molt-async-partial": (1, True, True, "hf"),
+    "molt-vllm": (1, True, False, "vllm"),
+    "trl": None,
+}
 
 
 def load_grade():
@@ -104,17 +111,27 @@ def shared_eval(model, tokenizer, rows: list[dict], grade, seed: int, n: int = E
     import torch
 
     tokenizer.padding_side = "left"
-    prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
+    prompts = [
+        tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows
+    ]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     was_training = model.training
     model.eval()
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(**enc, do_sample=True, temperature=TEMPERATURE, top_p=1.0, top_k=0,
-                             max_new_tokens=MAX_NEW_TOKENS, num_return_sequences=n,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            **enc,
+            do_sample=True,
+            temperature=TEMPERATURE,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=MAX_NEW_TOKENS,
+            num_return_sequences=n,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     model.train(was_training)
-    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     labels = [r["label"] for r in rows for _ in range(n)]  # num_return_sequences repeats each prompt n times
     return statistics.fmean(grade(t, label) for t, label in zip(texts, labels))
 
@@ -132,8 +149,16 @@ def eval_checkpoint(path: str, rows: list[dict], grade, seed: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ Molt
-def molt_config(staleness: int, steps: int, seed: int, out_dir: Path, packed: bool = False, eval_every: int = 0,
-                partial: bool = False, engine: str = "hf"):
+def molt_config(
+    staleness: int,
+    steps: int,
+    seed: int,
+    out_dir: Path,
+    packed: bool = False,
+    eval_every: int = 0,
+    partial: bool = False,
+    engine: str = "hf",
+):
     """The math recipe with the shared workload pinned explicitly (so a recipe edit cannot drift the bench)."""
     from molt.config import load_config, validate
 
@@ -176,8 +201,19 @@ def molt_config(staleness: int, steps: int, seed: int, out_dir: Path, packed: bo
     return validate(cfg)
 
 
-def run_molt(name: str, staleness: int, packed: bool, partial: bool, engine: str, steps: int, seed: int, work: Path,
-             test_rows, grade, eval_every: int) -> dict:
+def run_molt(
+    name: str,
+    staleness: int,
+    packed: bool,
+    partial: bool,
+    engine: str,
+    steps: int,
+    seed: int,
+    work: Path,
+    test_rows,
+    grade,
+    eval_every: int,
+) -> dict:
     from molt.runtime.metrics import read_metrics
 
     out_dir = work / name
@@ -185,8 +221,11 @@ def run_molt(name: str, staleness: int, packed: bool, partial: bool, engine: str
     for d in (out_dir, export_dir):
         shutil.rmtree(d, ignore_errors=True)
     cfg = molt_config(staleness, steps, seed, out_dir, packed, eval_every, partial, engine)
-    print(f"\n=== {name}: Molt, train.max_staleness {staleness}, packing {packed}, partial rollout {partial}, "
-          f"engine {engine}, run dir {out_dir}", flush=True)
+    print(
+        f"\n=== {name}: Molt, train.max_staleness {staleness}, packing {packed}, partial rollout {partial}, "
+        f"engine {engine}, run dir {out_dir}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     from molt.runtime.loop import run_training
 
@@ -202,9 +241,16 @@ def run_molt(name: str, staleness: int, packed: bool, partial: bool, engine: str
     elapsed = [sum(m["timing/step_total"] for m in rows[:k]) for k in range(steps + 1)]
     curve = [(e["step"], e["accuracy"], elapsed[e["step"]]) for e in summary["evals"]]
     return {
-        "system": name, "curve": curve, "steps": summary["steps"], "train_s": train_s, "tokens": tokens,
-        "gen_s": sum(m["timing/generation"] for m in rows), "upd_s": sum(m["timing/policy_train"] for m in rows),
-        "final": final, "own_base": summary["base_eval_accuracy"], "own_final": summary["final_eval_accuracy"],
+        "system": name,
+        "curve": curve,
+        "steps": summary["steps"],
+        "train_s": train_s,
+        "tokens": tokens,
+        "gen_s": sum(m["timing/generation"] for m in rows),
+        "upd_s": sum(m["timing/policy_train"] for m in rows),
+        "final": final,
+        "own_base": summary["base_eval_accuracy"],
+        "own_final": summary["final_eval_accuracy"],
         "reward": statistics.fmean(m["rollout/reward_mean"] for m in rows),
         "staleness": statistics.fmean(m.get("rollout/staleness_mean", 0.0) for m in rows),
         "wall_s": total,
@@ -226,20 +272,46 @@ def trl_config(steps: int, seed: int, out_dir: Path):
     return GRPOConfig(
         output_dir=str(out_dir),
         # one optimizer step = one generation batch = 2 prompts x 8 completions
-        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP, gradient_accumulation_steps=1,
-        num_generations=GROUP, steps_per_generation=1, num_iterations=1,
-        max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE, top_p=1.0, top_k=0,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group",
+        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
+        gradient_accumulation_steps=1,
+        num_generations=GROUP,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=MAX_NEW_TOKENS,
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type="dapo",
+        scale_rewards="group",
         mask_truncated_completions=False,
-        use_vllm=False, use_cpu=True, bf16=False, fp16=False, activation_checkpointing=False,
-        max_steps=steps, logging_steps=1, report_to="none", save_strategy="no", log_completions=False,
-        seed=seed, data_seed=seed, dataloader_num_workers=0, disable_tqdm=True,
+        use_vllm=False,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        activation_checkpointing=False,
+        max_steps=steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        log_completions=False,
+        seed=seed,
+        data_seed=seed,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
 
 
-def run_trl(steps: int, seed: int, work: Path, model_path: str, train_rows, test_rows, grade,
-            eval_every: int) -> dict:
+def run_trl(
+    steps: int, seed: int, work: Path, model_path: str, train_rows, test_rows, grade, eval_every: int
+) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -257,13 +329,23 @@ def run_trl(steps: int, seed: int, work: Path, model_path: str, train_rows, test
         def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
             self.step_s.append(time.perf_counter() - self._t0)
             if eval_every and state.global_step % eval_every == 0:  # outside the timed step
-                curve.append((state.global_step, shared_eval(model, processing_class, test_rows, grade, seed),
-                              sum(self.step_s)))
+                curve.append(
+                    (
+                        state.global_step,
+                        shared_eval(model, processing_class, test_rows, grade, seed),
+                        sum(self.step_s),
+                    )
+                )
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "completions/mean_length" in logs:
-                self.logs.append({k: float(v) for k, v in logs.items() if isinstance(v, (int, float, str))
-                                  and _is_number(v)})
+                self.logs.append(
+                    {
+                        k: float(v)
+                        for k, v in logs.items()
+                        if isinstance(v, (int, float, str)) and _is_number(v)
+                    }
+                )
 
     def math_reward(completions, label, **kwargs):
         """The recipe's `grade` over TRL completions (conversational: a list holding the assistant message)."""
@@ -279,19 +361,36 @@ def run_trl(steps: int, seed: int, work: Path, model_path: str, train_rows, test
     dataset = Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in train_rows])
     clock = Clock()
     curve = [(0, None, 0.0)]  # the base model's figure is the shared one, filled in by the caller
-    trainer = GRPOTrainer(model=model, reward_funcs=math_reward, args=trl_config(steps, seed, out_dir),
-                          train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=math_reward,
+        args=trl_config(steps, seed, out_dir),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
     trainer.train()
     if len(clock.step_s) != steps or len(clock.logs) != steps:
-        raise RuntimeError(f"trl: {len(clock.step_s)} steps timed and {len(clock.logs)} logged, expected {steps}")
+        raise RuntimeError(
+            f"trl: {len(clock.step_s)} steps timed and {len(clock.logs)} logged, expected {steps}"
+        )
     train_s = sum(clock.step_s)
     tokens = sum(log["completions/mean_length"] * PROMPTS_PER_STEP * GROUP for log in clock.logs)
     print(f"trl: trained {steps} steps in {train_s:.1f} s; evaluating the final policy", flush=True)
     final = shared_eval(trainer.model, tokenizer, test_rows, grade, seed)
     return {
-        "system": "trl", "curve": curve, "steps": trainer.state.global_step, "train_s": train_s, "tokens": tokens,
-        "gen_s": None, "upd_s": None, "final": final, "own_base": None, "own_final": None,
-        "reward": statistics.fmean(log["reward"] for log in clock.logs), "staleness": 0.0,
+        "system": "trl",
+        "curve": curve,
+        "steps": trainer.state.global_step,
+        "train_s": train_s,
+        "tokens": tokens,
+        "gen_s": None,
+        "upd_s": None,
+        "final": final,
+        "own_base": None,
+        "own_final": None,
+        "reward": statistics.fmean(log["reward"] for log in clock.logs),
+        "staleness": 0.0,
         "wall_s": time.perf_counter() - t0,
     }
 
@@ -304,28 +403,39 @@ def _pct(x) -> str:
 def curves(results: list[dict], base: float, target: float = 0.8) -> str:
     """Held-out accuracy along training: one row per system, one column per evaluated step."""
     steps = sorted({s for r in results for s, _, _ in r["curve"]})
-    lines = ["| system | " + " | ".join(f"step {s}" for s in steps) + f" | train s to {target} |",
-             "| --- |" + " ---: |" * (len(steps) + 1)]
+    lines = [
+        "| system | " + " | ".join(f"step {s}" for s in steps) + f" | train s to {target} |",
+        "| --- |" + " ---: |" * (len(steps) + 1),
+    ]
     for r in results:
         at = {s: (base if a is None else a) for s, a, _ in r["curve"]}
         hit = next((t for _, a, t in r["curve"] if a is not None and a >= target), None)
-        lines.append(f"| {r['system']} | " + " | ".join(_pct(at.get(s)) for s in steps)
-                     + f" | {'not reached' if hit is None else f'{hit:.0f}'} |")
+        lines.append(
+            f"| {r['system']} | "
+            + " | ".join(_pct(at.get(s)) for s in steps)
+            + f" | {'not reached' if hit is None else f'{hit:.0f}'} |"
+        )
     return "\n".join(lines)
 
 
 def table(results: list[dict], base: float) -> str:
     ref = next((r for r in results if r["system"] == "trl"), None)
-    lines = [("| system | steps | train s | s/step | vs TRL | gen tokens | tokens/s | mean train reward | "
-              "held-out base | held-out final | gain | Molt eval base / final |"),
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        (
+            "| system | steps | train s | s/step | vs TRL | gen tokens | tokens/s | mean train reward | "
+            "held-out base | held-out final | gain | Molt eval base / final |"
+        ),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in results:
         per_step = r["train_s"] / r["steps"]
         speed = f"{(ref['train_s'] / ref['steps']) / per_step:.2f}x" if ref else "-"
         own = "-" if r["own_base"] is None else f"{_pct(r['own_base'])} / {_pct(r['own_final'])}"
-        lines.append(f"| {r['system']} | {r['steps']} | {r['train_s']:.1f} | {per_step:.2f} | {speed} | "
-                     f"{r['tokens']:.0f} | {r['tokens'] / r['train_s']:.1f} | {r['reward']:.3f} | {_pct(base)} | "
-                     f"{_pct(r['final'])} | {r['final'] - base:+.2f} | {own} |")
+        lines.append(
+            f"| {r['system']} | {r['steps']} | {r['train_s']:.1f} | {per_step:.2f} | {speed} | "
+            f"{r['tokens']:.0f} | {r['tokens'] / r['train_s']:.1f} | {r['reward']:.3f} | {_pct(base)} | "
+            f"{_pct(r['final'])} | {r['final'] - base:+.2f} | {own} |"
+        )
     return "\n".join(lines)
 
 
@@ -346,20 +456,30 @@ def environment() -> str:
     except ImportError:  # the molt-vllm system only
         vllm_version = ""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl_version}{vllm_version}"
-            f", {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, {platform.machine()}, "
-            f"1-min load average at the end {load:.1f}")
+    return (
+        f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl_version}{vllm_version}"
+        f", {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, {platform.machine()}, "
+        f"1-min load average at the end {load:.1f}"
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per system (default 60)")
-    p.add_argument("--systems", default="molt-sync,molt-async,trl",
-                   help=f"comma-separated, run in this order; known: {', '.join(SYSTEMS)}")
-    p.add_argument("--seed", type=int, default=42, help="training seed of every system and the shared eval seed")
+    p.add_argument(
+        "--systems",
+        default="molt-sync,molt-async,trl",
+        help=f"comma-separated, run in this order; known: {', '.join(SYSTEMS)}",
+    )
+    p.add_argument(
+        "--seed", type=int, default=42, help="training seed of every system and the shared eval seed"
+    )
     p.add_argument("--work-dir", default=str(ROOT / "runs/bench_vs_trl"), help="run directories and exports")
-    p.add_argument("--eval-every", type=int, default=10, help="held-out accuracy every N steps (0: before and after)")
+    p.add_argument(
+        "--eval-every", type=int, default=10, help="held-out accuracy every N steps (0: before and after)"
+    )
     p.add_argument("--write", action="store_true", help="append the table to docs/benchmarks.md")
     args = p.parse_args()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -385,7 +505,10 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     started = datetime.now(timezone.utc)
 
-    print(f"shared eval of the base model ({len(test_rows)} held-out problems x {EVAL_SAMPLES} samples)", flush=True)
+    print(
+        f"shared eval of the base model ({len(test_rows)} held-out problems x {EVAL_SAMPLES} samples)",
+        flush=True,
+    )
     base = eval_checkpoint(model_path, test_rows, grade, args.seed)
     print(f"base held-out accuracy (shared eval): {base:.3f}", flush=True)
 
@@ -393,8 +516,9 @@ def main() -> None:
     ray_started = False
     for name in systems:
         if SYSTEMS[name] is not None:
-            results.append(run_molt(name, *SYSTEMS[name], args.steps, args.seed, work, test_rows, grade,
-                                    args.eval_every))
+            results.append(
+                run_molt(name, *SYSTEMS[name], args.steps, args.seed, work, test_rows, grade, args.eval_every)
+            )
             ray_started = True
         else:
             if ray_started:  # give the cores and memory back before TRL trains in this process
@@ -402,8 +526,11 @@ def main() -> None:
 
                 ray.shutdown()
                 ray_started = False
-            results.append(run_trl(args.steps, args.seed, work, model_path, train_rows, test_rows, grade,
-                                   args.eval_every))
+            results.append(
+                run_trl(
+                    args.steps, args.seed, work, model_path, train_rows, test_rows, grade, args.eval_every
+                )
+            )
     if ray_started:
         import ray
 
@@ -411,14 +538,18 @@ def main() -> None:
 
     env = environment()
     command = "python bench/vs_trl.py " + " ".join(sys.argv[1:])
-    out = table(results, base) + "\n\nHeld-out accuracy along training (TRL: shared evaluation; Molt: its own):\n\n" + \
-        curves(results, base)
+    out = (
+        table(results, base)
+        + "\n\nHeld-out accuracy along training (TRL: shared evaluation; Molt: its own):\n\n"
+        + curves(results, base)
+    )
     notes = "\n".join(
         f"- {r['system']}: generation {r['gen_s']:.1f} s and update {r['upd_s']:.1f} s inside the train time, mean "
         f"staleness {r['staleness']:.2f}; whole run incl. loading and evaluations {r['wall_s']:.0f} s"
-        if r["gen_s"] is not None else
-        f"- {r['system']}: whole run incl. loading and the final evaluation {r['wall_s']:.0f} s"
-        for r in results)
+        if r["gen_s"] is not None
+        else f"- {r['system']}: whole run incl. loading and the final evaluation {r['wall_s']:.0f} s"
+        for r in results
+    )
     print(f"\n{out}\n\n{notes}\n\n{env}")
     if args.write:
         section = (
@@ -429,7 +560,8 @@ def main() -> None:
             f"lr {LR:g} constant, no KL, seed {args.seed}. Held-out accuracy: one shared evaluation for every "
             f"model ({EVAL_SAMPLES} samples per problem at temperature 1, seeded `model.generate`, graded by the "
             f"recipe's `grade`); the last column is Molt's own recipe evaluation. train s excludes model loading and "
-            f"evaluations. {env}.\n\n{out}\n\n{notes}\n")
+            f"evaluations. {env}.\n\n{out}\n\n{notes}\n"
+        )
         path = ROOT / "docs/benchmarks.md"
         with open(path, "a") as f:
             f.write(section)

@@ -13,6 +13,7 @@ with status 2, like argparse's own usage errors; an engine failure (`EngineError
 mistake: it ends with its traceback (status 1), as any other bug does; a failed download/conversion exits with status 1; a training run
 stopped by a signal exits with 128 + its number, after a checkpoint (`molt.runtime.loop`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,7 +47,8 @@ def command(name: str, help: str, *arguments: tuple, raw: bool = False) -> Calla
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="molt", description="Molt: fully asynchronous agentic RL of language models.",
+        prog="molt",
+        description="Molt: fully asynchronous agentic RL of language models.",
     )
     top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
@@ -78,10 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         return args.handler(args) or 0
-    except (ValueError, ModelFetchError) as e:  # user mistakes (2), failed fetches (1): one clear line, no traceback
+    except (
+        ValueError,
+        ModelFetchError,
+    ) as e:  # user mistakes (2), failed fetches (1): one clear line, no traceback
         print(f"molt: error: {e}", file=sys.stderr)
         return 1 if isinstance(e, ModelFetchError) else 2
-    except RunStopped as e:  # a signal or a fatal condition of `train`/`sft`, after a checkpoint: its exit code
+    except (
+        RunStopped
+    ) as e:  # a signal or a fatal condition of `train`/`sft`, after a checkpoint: its exit code
         print(f"molt: {getattr(e, 'cause', e)}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
@@ -90,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---------------------------------------------------------------------------------------------- helpers
 
-_MODEL_ARG = arg("--model", default=DEFAULT_MODEL,
-                 help=f"local checkpoint directory, alias or hub id (default: {DEFAULT_MODEL})")
+_MODEL_ARG = arg(
+    "--model",
+    default=DEFAULT_MODEL,
+    help=f"local checkpoint directory, alias or hub id (default: {DEFAULT_MODEL})",
+)
 
 
 def _positive_int(text: str) -> int:
@@ -114,8 +124,9 @@ def _render_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
         if not tokenizer.chat_template:
             raise ValueError("the model has no chat template; pass --no-chat to send the prompt as raw text")
         # the template writes any BOS itself: the tokenizer adds no special tokens here
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             return_dict=False)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=False
+        )
     return tokenizer.encode(prompt)
 
 
@@ -154,8 +165,9 @@ def _generate_all(path, prompts: list[list[int]], params, timings: dict | None =
 # ---------------------------------------------------------------------------------------------- commands
 
 
-def load_config(argv: list[str] | None = None, *, check_files: bool = True, prog: str = "molt train",
-                sft: bool = False) -> Any:
+def load_config(
+    argv: list[str] | None = None, *, check_files: bool = True, prog: str = "molt train", sft: bool = False
+) -> Any:
     """`[--config recipe.yaml] [--group.field value ...]` -> validated MoltConfig (the reference's flags rewritten
     by molt.flags); algo.plugins are imported first, so that their names validate."""
     import tyro
@@ -177,38 +189,53 @@ def load_config(argv: list[str] | None = None, *, check_files: bool = True, prog
         default = from_dict(MoltConfig(), yaml.safe_load(path.read_text()) or {})
         del argv[i : i + 2]
     argv, engine_args, given = translate(argv, dotted(to_dict(default)))
-    cfg = tyro.cli(MoltConfig, args=argv, default=default, use_underscores=True, prog=prog,
-                   description="Train a model on an agent's experience. Flags override the --config YAML recipe. "
-                               "Every flag of the reference's train_rl_ray is accepted too (molt.flags).")
+    cfg = tyro.cli(
+        MoltConfig,
+        args=argv,
+        default=default,
+        use_underscores=True,
+        prog=prog,
+        description="Train a model on an agent's experience. Flags override the --config YAML recipe. "
+        "Every flag of the reference's train_rl_ray is accepted too (molt.flags).",
+    )
     cfg.vllm.engine_args = {**engine_args, **cfg.vllm.engine_args}
     after_parse(cfg.rollout.engine, given)
     import_files(cfg.algo.plugins, "algo.plugins")
     return validate(cfg, check_files=check_files, sft=sft)
 
 
-@command("model fetch", "resolve a model reference (an alias is fetched and converted once), print its path",
-         arg("name", help="alias (e.g. smollm2-135m-instruct), local directory or hub id"))
+@command(
+    "model fetch",
+    "resolve a model reference (an alias is fetched and converted once), print its path",
+    arg("name", help="alias (e.g. smollm2-135m-instruct), local directory or hub id"),
+)
 def model_fetch(args: argparse.Namespace) -> None:
     print(resolve_model(args.name))
 
 
 @command(
-    "generate", "sample one completion and print it with per-token log-probabilities",
+    "generate",
+    "sample one completion and print it with per-token log-probabilities",
     _MODEL_ARG,
     arg("--prompt", required=True, help="the user message (or raw text with --no-chat)"),
     arg("--max-tokens", type=_positive_int, default=64, help="max new tokens (default: 64)"),
     arg("--temperature", type=_non_negative_float, default=1.0, help="0 = greedy (default: 1.0)"),
     arg("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default: 1.0)"),
     arg("--seed", type=int, default=None, help="sampling seed for a reproducible completion"),
-    arg("--chat", action=argparse.BooleanOptionalAction, default=True,
-        help="render the prompt as a user turn with the chat template (default: on)"),
+    arg(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="render the prompt as a user turn with the chat template (default: on)",
+    ),
 )
 def generate(args: argparse.Namespace) -> None:
     from molt.types import SamplingParams
 
     # Validate before loading anything, so that a typo costs no model load.
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed).validate()
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    ).validate()
     path, tokenizer = _load(args.model)
     prompt_ids = _render_prompt(tokenizer, args.prompt, args.chat)
     _print_completion(tokenizer, _generate_all(path, [prompt_ids], params)[0])
@@ -222,8 +249,10 @@ def _print_completion(tokenizer, completion) -> None:
     from rich.text import Text
 
     print(tokenizer.decode(completion.token_ids, skip_special_tokens=True))  # verbatim: no wrap, no markup
-    table = Table(title=f"{len(completion.token_ids)} tokens, finish: {completion.finish_reason.value}, "
-                        f"sum logprob {sum(completion.logprobs):.3f}")
+    table = Table(
+        title=f"{len(completion.token_ids)} tokens, finish: {completion.finish_reason.value}, "
+        f"sum logprob {sum(completion.logprobs):.3f}"
+    )
     for col in ("#", "id", "token", "logprob", "prob", "version"):
         table.add_column(col, justify="left" if col == "token" else "right")
     for i, (tid, lp, v) in enumerate(zip(completion.token_ids, completion.logprobs, completion.versions)):
@@ -235,14 +264,22 @@ def _print_completion(tokenizer, completion) -> None:
 SMOKE_QUESTIONS = ["What is 3 + 4?", "What is 12 - 5?", "What is 6 * 7?", "What is 81 / 9?"]
 
 
-@command("train", "train a model on an agent's experience: [--config RECIPE.yaml] [--group.field VALUE ...] "
-                  "(`molt train --help` lists every field)", raw=True)
+@command(
+    "train",
+    "train a model on an agent's experience: [--config RECIPE.yaml] [--group.field VALUE ...] "
+    "(`molt train --help` lists every field)",
+    raw=True,
+)
 def train(args: argparse.Namespace) -> None:
     _train_and_report(load_config(args.rest))
 
 
-@command("sft", "supervised fine-tuning on chats (assistant tokens only) with the RL trainer: [--config RECIPE.yaml] "
-                "[--group.field VALUE ...] (molt.runtime.sft)", raw=True)
+@command(
+    "sft",
+    "supervised fine-tuning on chats (assistant tokens only) with the RL trainer: [--config RECIPE.yaml] "
+    "[--group.field VALUE ...] (molt.runtime.sft)",
+    raw=True,
+)
 def sft(args: argparse.Namespace) -> None:
     from molt.runtime.plot import plot_run
     from molt.runtime.sft import run_sft
@@ -254,9 +291,13 @@ def sft(args: argparse.Namespace) -> None:
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
-@command("demo", "the main job on the embedded default: SmolLM2-135M-Instruct learns arithmetic with GRPO on "
-                 "this machine (recipes/math; `--agent`: a multi-turn tool-using agent learns to call its calculator, "
-                 "recipes/calculator; extra flags override the recipe, e.g. --train.seed 1)", raw=True)
+@command(
+    "demo",
+    "the main job on the embedded default: SmolLM2-135M-Instruct learns arithmetic with GRPO on "
+    "this machine (recipes/math; `--agent`: a multi-turn tool-using agent learns to call its calculator, "
+    "recipes/calculator; extra flags override the recipe, e.g. --train.seed 1)",
+    raw=True,
+)
 def demo(args: argparse.Namespace) -> None:
     agent = "--agent" in args.rest
     args.rest = [a for a in args.rest if a != "--agent"]
@@ -280,10 +321,17 @@ def _train_and_report(cfg) -> dict:
     summary = asyncio.run(run_training(cfg))
     png = plot_run(cfg.ckpt.output_dir)
     table = Table(title=f"molt run {cfg.ckpt.output_dir}")
-    cols = {"base eval accuracy": summary["base_eval_accuracy"], "final eval accuracy": summary["final_eval_accuracy"]}
+    cols = {
+        "base eval accuracy": summary["base_eval_accuracy"],
+        "final eval accuracy": summary["final_eval_accuracy"],
+    }
     if summary["evals"] and "agent/tool_call_valid" in summary["evals"][0]:  # an agent with tools
-        cols.update({"base valid calls": summary["evals"][0]["agent/tool_call_valid"],
-                     "final valid calls": summary["evals"][-1].get("agent/tool_call_valid")})
+        cols.update(
+            {
+                "base valid calls": summary["evals"][0]["agent/tool_call_valid"],
+                "final valid calls": summary["evals"][-1].get("agent/tool_call_valid"),
+            }
+        )
     cols.update({k.replace("_", " "): summary[k] for k in ("steps", "generated_tokens", "seconds")})
     for col in cols:
         table.add_column(col, justify="right")
@@ -294,56 +342,94 @@ def _train_and_report(cfg) -> dict:
     return summary
 
 
-@command("serve", "serve a model through the capture server (OpenAI and Anthropic wires, captured segments)",
-         _MODEL_ARG, arg("--engine", choices=["hf", "vllm"], default="hf",
-                         help="embedded transformers engine, or vLLM where installed (default: hf)"),
-         arg("--host", default="127.0.0.1", help="address to bind (default: loopback only)"),
-         arg("--port", type=int, default=8000, help="port to listen on (0: any free port)"),
-         arg("--strict-model", action="store_true",
-             help="answer a request naming another model than the served one with 400 (default: serve any name)"),
-         arg("--prefix-cache-mb", type=int, default=None,
-             help="session prefix cache of the engine in MB, 0: off (default: the engine's, 1024)"),
-         arg("--allow-remote-images", action="store_true",
-             help="fetch the http(s) image URLs clients send (default: refuse them with 400)"),
-         arg("--max-request-mb", type=float, default=32, help="refuse request bodies over this size with 413"),
-         arg("--max-chars-per-token", type=float, default=16,
-             help="refuse, before tokenizing, a conversation of more characters than this many per token of the "
-                  "context window (400; 0: off)"),
-         arg("--tool-parser", default="auto", help="tool-call format: auto (the model's own parser, else its chat "
-             "template's format), hermes, qwen3_coder, llama3_json, mistral, mistral_v11, none"))
+@command(
+    "serve",
+    "serve a model through the capture server (OpenAI and Anthropic wires, captured segments)",
+    _MODEL_ARG,
+    arg(
+        "--engine",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="embedded transformers engine, or vLLM where installed (default: hf)",
+    ),
+    arg("--host", default="127.0.0.1", help="address to bind (default: loopback only)"),
+    arg("--port", type=int, default=8000, help="port to listen on (0: any free port)"),
+    arg(
+        "--strict-model",
+        action="store_true",
+        help="answer a request naming another model than the served one with 400 (default: serve any name)",
+    ),
+    arg(
+        "--prefix-cache-mb",
+        type=int,
+        default=None,
+        help="session prefix cache of the engine in MB, 0: off (default: the engine's, 1024)",
+    ),
+    arg(
+        "--allow-remote-images",
+        action="store_true",
+        help="fetch the http(s) image URLs clients send (default: refuse them with 400)",
+    ),
+    arg("--max-request-mb", type=float, default=32, help="refuse request bodies over this size with 413"),
+    arg(
+        "--max-chars-per-token",
+        type=float,
+        default=16,
+        help="refuse, before tokenizing, a conversation of more characters than this many per token of the "
+        "context window (400; 0: off)",
+    ),
+    arg(
+        "--tool-parser",
+        default="auto",
+        help="tool-call format: auto (the model's own parser, else its chat "
+        "template's format), hermes, qwen3_coder, llama3_json, mistral, mistral_v11, none",
+    ),
+)
 def serve(args: argparse.Namespace) -> int:
     from molt.capture.serve import serve_main
 
     return serve_main(args)
 
 
-@command("doctor", "check whether the model's chat template keeps multi-turn capture in one segment", _MODEL_ARG)
+@command(
+    "doctor", "check whether the model's chat template keeps multi-turn capture in one segment", _MODEL_ARG
+)
 def doctor(args: argparse.Namespace) -> int:
     from molt.capture.doctor import doctor_main
 
     return doctor_main(args)
 
 
-@command("plot", "redraw the reward and accuracy curves of a run directory into RUN_DIR/curves.png",
-         arg("run_dir", help="a run directory (holds metrics.jsonl)"))
+@command(
+    "plot",
+    "redraw the reward and accuracy curves of a run directory into RUN_DIR/curves.png",
+    arg("run_dir", help="a run directory (holds metrics.jsonl)"),
+)
 def plot(args: argparse.Namespace) -> None:
     from molt.runtime.plot import plot_run
 
     print(plot_run(args.run_dir))
 
 
-@command("inspect", "browse a run directory's steps, groups and rollouts in a local web page, live while it trains",
-         arg("run_dir", help="a run directory (ckpt.output_dir)"),
-         arg("--host", default="127.0.0.1", help="address to bind (default: loopback only)"),
-         arg("--port", type=int, default=8765, help="port to listen on (default: 8765)"))
+@command(
+    "inspect",
+    "browse a run directory's steps, groups and rollouts in a local web page, live while it trains",
+    arg("run_dir", help="a run directory (ckpt.output_dir)"),
+    arg("--host", default="127.0.0.1", help="address to bind (default: loopback only)"),
+    arg("--port", type=int, default=8765, help="port to listen on (default: 8765)"),
+)
 def inspect_run(args: argparse.Namespace) -> None:
     from molt.inspect.app import serve
 
     serve(args.run_dir, args.host, args.port)
 
 
-@command("smoke", "engine smoke test: answer arithmetic questions concurrently with the embedded engine",
-         _MODEL_ARG, arg("--max-tokens", type=_positive_int, default=48, help="max new tokens per answer"))
+@command(
+    "smoke",
+    "engine smoke test: answer arithmetic questions concurrently with the embedded engine",
+    _MODEL_ARG,
+    arg("--max-tokens", type=_positive_int, default=48, help="max new tokens per answer"),
+)
 def smoke(args: argparse.Namespace) -> None:
     engine_smoke(args.model, max_tokens=args.max_tokens)
 
@@ -361,8 +447,10 @@ def engine_smoke(model_ref: str = DEFAULT_MODEL, *, max_tokens: int = 48) -> lis
     for q, a in zip(SMOKE_QUESTIONS, answers):
         print(f"Q: {q}\nA: {a}\n")
     n_tokens = sum(len(c.token_ids) for c in completions)
-    print(f"{path}: engine loaded in {took['load']:.1f} s; {len(prompts)} concurrent requests, {n_tokens} "
-          f"tokens in {took['generate']:.1f} s ({n_tokens / took['generate']:.1f} tokens/s)")
+    print(
+        f"{path}: engine loaded in {took['load']:.1f} s; {len(prompts)} concurrent requests, {n_tokens} "
+        f"tokens in {took['generate']:.1f} s ({n_tokens / took['generate']:.1f} tokens/s)"
+    )
     return answers
 
 

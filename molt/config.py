@@ -5,6 +5,7 @@ computed), `override` (dotted fields: the Python API).
 
 Design notes and decisions: docs/internals.md, section `molt/config.py`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -63,14 +64,19 @@ class OptimConfig:
     """LoRA scaling numerator (the adapters' update is alpha / rank * B @ A)."""
     lora_dropout: float = 0.0
     """Dropout on the adapters' input."""
-    lora_target_modules: list[str] = field(default_factory=lambda: [
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     """Module names that get adapters (default: the attention and MLP projections)."""
 
     def lora_options(self) -> dict[str, Any]:
         """PEFT `LoraConfig` arguments: the trainer's adapters and the embedded engine's copy of them."""
-        return {"r": self.lora_rank, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
-                "target_modules": list(self.lora_target_modules)}
+        return {
+            "r": self.lora_rank,
+            "lora_alpha": self.lora_alpha,
+            "lora_dropout": self.lora_dropout,
+            "target_modules": list(self.lora_target_modules),
+        }
 
 
 @dataclass
@@ -409,10 +415,13 @@ class MoltConfig:
         import yaml
 
         v = self.vllm
-        return {"tensor_parallel_size": v.tensor_parallel_size, "max_model_len": self.data.max_len,
-                "gpu_memory_utilization": v.gpu_memory_utilization,
-                **{k: yaml.safe_load(x) for k, x in v.engine_args.items()},
-                **({"enable_return_routed_experts": True} if self.train.routing_replay else {})}
+        return {
+            "tensor_parallel_size": v.tensor_parallel_size,
+            "max_model_len": self.data.max_len,
+            "gpu_memory_utilization": v.gpu_memory_utilization,
+            **{k: yaml.safe_load(x) for k, x in v.engine_args.items()},
+            **({"enable_return_routed_experts": True} if self.train.routing_replay else {}),
+        }
 
 
 def __getattr__(name: str) -> Any:

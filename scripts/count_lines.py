@@ -1,12 +1,20 @@
 """Count the logic lines under molt/: non-blank, non-comment Python lines, docstrings not counted (the budget of
 docs/design.md: 8,500)."""
+
 import ast
 import sys
 import tokenize
 from pathlib import Path
 
-SKIP = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.ENCODING, tokenize.INDENT, tokenize.DEDENT,
-        tokenize.ENDMARKER)
+SKIP = (
+    tokenize.COMMENT,
+    tokenize.NL,
+    tokenize.NEWLINE,
+    tokenize.ENCODING,
+    tokenize.INDENT,
+    tokenize.DEDENT,
+    tokenize.ENDMARKER,
+)
 
 
 def docstring_lines(path: Path) -> set[int]:
@@ -15,7 +23,11 @@ def docstring_lines(path: Path) -> set[int]:
         body = getattr(node, "body", None)
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
             first = body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 lines.update(range(first.lineno, first.end_lineno + 1))
     return lines
 

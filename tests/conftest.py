@@ -1,5 +1,6 @@
 """Shared fixtures: tiny real checkpoints built once per test session (no network), their tokenizer, one real
 embedded engine, and a local Ray instance."""
+
 import asyncio
 import os
 
@@ -44,8 +45,14 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init("local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        ray.init(
+            "local",
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+        )
     return ray
 
 
@@ -81,5 +88,7 @@ def quickstart_argv():
         def var(m: re.Match) -> str:  # ${NAME:-default} or $NAME (which must be given)
             name, default = m.group(1) or m.group(3), m.group(2)
             return str(values[name]) if default is None or name in values else default
+
         return shlex.split(re.sub(r"\$\{(\w+):-([^}]*)\}|\$(\w+)", var, text))
+
     return fill

@@ -1,4 +1,5 @@
 """Bench Env: each episode waits a tool latency drawn from a seeded distribution, then grades like the math env."""
+
 import asyncio
 import os
 import random

@@ -19,6 +19,7 @@ trajectory's `status` and `error`.
 
 This package imports only `molt.types` and `molt.engine.base` (no torch, fastapi or ray).
 """
+
 from molt.agents.contract import (
     CaptureSession,
     ChatAgent,
@@ -34,6 +35,18 @@ from molt.agents.runners import ChatAgentRunner, InvalidReward, StepEnvRunner, t
 from molt.types import Trajectory
 
 __all__ = [
-    "CaptureSession", "ChatAgent", "ChatAgentRunner", "ChatContext", "Env", "InvalidReward", "Result", "Runner",
-    "SessionProvider", "StepEnvRunner", "Trajectory", "Turn", "load_agent", "to_float",
+    "CaptureSession",
+    "ChatAgent",
+    "ChatAgentRunner",
+    "ChatContext",
+    "Env",
+    "InvalidReward",
+    "Result",
+    "Runner",
+    "SessionProvider",
+    "StepEnvRunner",
+    "Trajectory",
+    "Turn",
+    "load_agent",
+    "to_float",
 ]

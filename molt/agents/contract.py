@@ -6,6 +6,7 @@ runner an object that satisfies `SessionProvider` (the capture server does). Bot
 capture session: `ChatAgentRunner` gives the agent the session's URLs, `StepEnvRunner` calls `session.chat`
 in-process, so Env and SDK agents share one chat-rendering and token-capture path.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -91,8 +92,12 @@ class CaptureSession(Protocol):
     max_model_len: int
     stats: dict[str, int]  # counters for dashboards (requests, cache_hits, malformed_tool_calls, ...)
 
-    async def chat(self, messages: list[dict[str, Any]], params: SamplingParams,
-                   tools: list[dict[str, Any]] | None = None) -> Turn: ...
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Turn: ...
 
     async def extend(self, text: str, params: SamplingParams) -> Turn:
         """Raw-text mode: append `text`'s tokens (no chat template) to the newest segment and generate."""
@@ -121,6 +126,13 @@ class Runner:
     implementations, and a custom Runner subclass may implement `run` itself.
     """
 
-    async def run(self, row: Mapping[str, Any], *, sessions: SessionProvider, rollout_id: str,
-                  group_id: str = "", sampling_params: SamplingParams | None = None) -> Trajectory:
+    async def run(
+        self,
+        row: Mapping[str, Any],
+        *,
+        sessions: SessionProvider,
+        rollout_id: str,
+        group_id: str = "",
+        sampling_params: SamplingParams | None = None,
+    ) -> Trajectory:
         raise NotImplementedError

@@ -5,6 +5,7 @@ directory on `sys.path` so that helper modules next to it import the way they do
 directly. It must define `AgentRunner`, a `Runner` subclass built with no arguments. No path gives the built-in
 agent `Generate` (one model turn, reward 0) of on-policy distillation, whose signal is the teacher's.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,7 +42,8 @@ def load_agent(path: str | Path) -> Runner:
     if not (isinstance(runner_cls, type) and issubclass(runner_cls, Runner)):
         raise ValueError(  # noqa: TRY004 - a user mistake, which the CLI reports as such
             f"{file} must define AgentRunner, a subclass of molt.agents.Runner "
-            f"(e.g. class AgentRunner(StepEnvRunner) or ChatAgentRunner); found {runner_cls!r}")
+            f"(e.g. class AgentRunner(StepEnvRunner) or ChatAgentRunner); found {runner_cls!r}"
+        )
     try:
         return runner_cls()
     except TypeError as e:

@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/agents/runners.py`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,9 @@ def to_float(value: Any, what: str = "reward") -> float:
             x = x[0]
         result = float(x)
     except (TypeError, IndexError, KeyError, ValueError):
-        raise InvalidReward(f"{what} must be a number or a tensor/list whose first element is a number, "
-                            f"got {value!r}") from None
+        raise InvalidReward(
+            f"{what} must be a number or a tensor/list whose first element is a number, got {value!r}"
+        ) from None
     if not math.isfinite(result):
         raise InvalidReward(f"{what} must be finite, got {result}")
     return result
@@ -65,7 +67,10 @@ def with_images(content: Any, images: list[Any] | None) -> Any:
     """Message content with `images` put before its text (content unchanged without images)."""
     if not images:
         return content
-    return [*map(image_part, images), *([{"type": "text", "text": content}] if isinstance(content, str) else content)]
+    return [
+        *map(image_part, images),
+        *([{"type": "text", "text": content}] if isinstance(content, str) else content),
+    ]
 
 
 def row_messages(row: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str]:
@@ -76,8 +81,10 @@ def row_messages(row: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str]:
     elif isinstance(row.get("prompt"), str):
         messages = [{"role": "user", "content": row["prompt"]}]
     else:
-        raise ValueError(f"a dataset row needs 'messages' (a list of chat messages) or 'prompt' (a string); "
-                         f"got keys {sorted(row)}")
+        raise ValueError(
+            f"a dataset row needs 'messages' (a list of chat messages) or 'prompt' (a string); "
+            f"got keys {sorted(row)}"
+        )
     first = next((m for m in messages if m.get("role") == "user"), None)
     if first is not None and row.get("images"):
         first["content"] = with_images(first.get("content") or "", row["images"])
@@ -87,7 +94,9 @@ def row_messages(row: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str]:
     return messages, prompt or ""
 
 
-def _merge_params(params: SamplingParams, override: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
+def _merge_params(
+    params: SamplingParams, override: SamplingParams | Mapping[str, Any] | None
+) -> SamplingParams:
     """Apply `Result.sampling_params` (a SamplingParams replaces, a dict overrides some fields)."""
     if override is None:
         return params
@@ -123,8 +132,15 @@ class _RunnerBase(Runner):
 
     timeout: float | None = None
 
-    async def run(self, row: Mapping[str, Any], *, sessions: SessionProvider, rollout_id: str,
-                  group_id: str = "", sampling_params: SamplingParams | None = None) -> Trajectory:
+    async def run(
+        self,
+        row: Mapping[str, Any],
+        *,
+        sessions: SessionProvider,
+        rollout_id: str,
+        group_id: str = "",
+        sampling_params: SamplingParams | None = None,
+    ) -> Trajectory:
         params = (sampling_params or SamplingParams()).copy()
         traj = Trajectory(rollout_id=rollout_id, group_id=group_id)
         session = await sessions.open_session(rollout_id, params)
@@ -145,7 +161,10 @@ class _RunnerBase(Runner):
         if not done:
             task.cancel()
             await asyncio.wait({task}, timeout=5.0)  # an agent that swallows the cancellation is left behind
-            traj.status, traj.error = RolloutStatus.TIMEOUT, f"the rollout ran past its timeout of {self.timeout}s"
+            traj.status, traj.error = (
+                RolloutStatus.TIMEOUT,
+                f"the rollout ran past its timeout of {self.timeout}s",
+            )
             return
         error = asyncio.CancelledError("the agent was cancelled") if task.cancelled() else task.exception()
         if error is not None:  # the controller prints the first of each kind (molt.runtime.pool)
@@ -155,8 +174,9 @@ class _RunnerBase(Runner):
         elif error is not None:
             traj.status, traj.error = RolloutStatus.AGENT_ERROR, f"{type(error).__name__}: {error}"
 
-    async def _episode(self, row: Mapping[str, Any], session: CaptureSession, params: SamplingParams,
-                       episode: _Episode) -> None:
+    async def _episode(
+        self, row: Mapping[str, Any], session: CaptureSession, params: SamplingParams, episode: _Episode
+    ) -> None:
         raise NotImplementedError
 
 
@@ -170,10 +190,18 @@ class ChatAgentRunner(_RunnerBase):
     async def _episode(self, row, session, params, episode):
         messages, prompt = row_messages(row)
         ctx = ChatContext(
-            messages=messages, tools=row.get("tools") or None, prompt=prompt, label=row.get("label"),
-            images=row.get("images"), base_url=session.base_url, session_url=session.session_url,
-            model_name=session.model_name, api_key=session.api_key, session_id=session.session_id,
-            sampling_params=params.copy(), max_length=session.max_model_len,
+            messages=messages,
+            tools=row.get("tools") or None,
+            prompt=prompt,
+            label=row.get("label"),
+            images=row.get("images"),
+            base_url=session.base_url,
+            session_url=session.session_url,
+            model_name=session.model_name,
+            api_key=session.api_key,
+            session_id=session.session_id,
+            sampling_params=params.copy(),
+            max_length=session.max_model_len,
         )
         episode.add(await self.agent_cls().run(ctx), f"{getattr(self.agent_cls, '__name__', 'agent')}.run")
 
@@ -181,8 +209,15 @@ class ChatAgentRunner(_RunnerBase):
 class StepEnvRunner(_RunnerBase):
     """Drives generation for an `Env` class (a fresh instance per episode); see the module docstring."""
 
-    def __init__(self, env_cls: Callable[[], Any], *, max_turns: int = 16, max_episode_tokens: int | None = None,
-                 timeout: float | None = None, observation_role: str = "user"):
+    def __init__(
+        self,
+        env_cls: Callable[[], Any],
+        *,
+        max_turns: int = 16,
+        max_episode_tokens: int | None = None,
+        timeout: float | None = None,
+        observation_role: str = "user",
+    ):
         if observation_role not in ("user", "tool", "raw"):
             raise ValueError(f"observation_role must be 'user', 'tool' or 'raw', got {observation_role!r}")
         self.env_cls, self.max_turns, self.max_episode_tokens = env_cls, max_turns, max_episode_tokens
@@ -213,12 +248,17 @@ class StepEnvRunner(_RunnerBase):
                 messages += [turn.message, self._observation_message(with_images(observation, images), turn)]
                 turn = await session.chat(messages, turn_params, tools)
             used += len(turn.action_ids)
-            result = episode.add(await env.step({
-                "observation_text": session.decode(turn.prompt_ids),
-                "action_text": session.decode(turn.action_ids),
-                "label": label,
-                "sampling_params": turn_params.copy(),
-            }), name)
+            result = episode.add(
+                await env.step(
+                    {
+                        "observation_text": session.decode(turn.prompt_ids),
+                        "action_text": session.decode(turn.action_ids),
+                        "label": label,
+                        "sampling_params": turn_params.copy(),
+                    }
+                ),
+                name,
+            )
             if result.terminated or result.truncated:
                 return
             if len(turn.prompt_ids) + len(turn.action_ids) >= session.max_model_len:

@@ -32,7 +32,9 @@ class EstimatorSpec:
 
     kind: str  # group: one advantage per rollout from its group's rewards, by the controller; token: per token on
     # the trainer ranks, each over its own rollouts (KL rewards, critic values)
-    centred: bool = False  # token: the controller subtracts each rollout's group mean from its reward (a group
+    centred: bool = (
+        False  # token: the controller subtracts each rollout's group mean from its reward (a group
+    )
     # may span ranks) and the ranks run the estimator with `AdvantageParams.centred`
     critic: bool = False  # token: needs critic values (a run builds a critic)
 
@@ -121,17 +123,22 @@ class AdvantageBatch:
         mask = torch.zeros(len(exps), max((len(e.action_mask) for e in exps), default=0), dtype=torch.bool)
         for i, e in enumerate(exps):
             mask[i, : len(e.action_mask)] = torch.tensor(e.action_mask, dtype=torch.bool)
-        return cls(rewards=torch.tensor([float(e.reward) for e in exps]),
-                   group_ids=_dense_ids([e.group_id for e in exps]),
-                   rollout_ids=_dense_ids([e.rollout_id for e in exps]),
-                   segment_index=torch.tensor([e.segment_index for e in exps], dtype=torch.long),
-                   action_mask=mask, **tensors)
+        return cls(
+            rewards=torch.tensor([float(e.reward) for e in exps]),
+            group_ids=_dense_ids([e.group_id for e in exps]),
+            rollout_ids=_dense_ids([e.rollout_id for e in exps]),
+            segment_index=torch.tensor([e.segment_index for e in exps], dtype=torch.long),
+            action_mask=mask,
+            **tensors,
+        )
 
 
 @dataclass(slots=True)
 class AdvantageResult:
     advantages: Tensor  # [N, T], 0 off action tokens
-    returns: Tensor | None = None  # [N, T] unwhitened returns (gae: the critic's targets); None for group ones
+    returns: Tensor | None = (
+        None  # [N, T] unwhitened returns (gae: the critic's targets); None for group ones
+    )
     metrics: dict = field(default_factory=dict)
 
 
@@ -150,8 +157,10 @@ class RolloutStats:
 def _per_rollout(values: Tensor, row_rollout: Tensor, num: int, name: str) -> Tensor:
     """Collapse a per-row value to one per rollout; ValueError when a rollout's rows disagree."""
     v = values.double()
-    hi, lo = (torch.full((num,), fill, dtype=v.dtype, device=v.device).scatter_reduce(0, row_rollout, v, how)
-              for fill, how in ((-torch.inf, "amax"), (torch.inf, "amin")))
+    hi, lo = (
+        torch.full((num,), fill, dtype=v.dtype, device=v.device).scatter_reduce(0, row_rollout, v, how)
+        for fill, how in ((-torch.inf, "amax"), (torch.inf, "amin"))
+    )
     if (hi != lo).any():
         raise ValueError(f"{name} must be equal on all segment rows of a rollout")
     return hi
@@ -245,8 +254,10 @@ def _reinforce(batch: AdvantageBatch, params: AdvantageParams, baseline: bool) -
     stats = rollout_stats(batch)
     seqs = ActionSequences.build(batch, stats)
     terminal = stats.reward - stats.group_mean if baseline and not params.centred else stats.reward
-    returns = seqs.scatter(discounted_reverse_cumsum(seqs.token_rewards(terminal, batch, params), params.gamma),
-                           _float_like(batch))
+    returns = seqs.scatter(
+        discounted_reverse_cumsum(seqs.token_rewards(terminal, batch, params), params.gamma),
+        _float_like(batch),
+    )
     adv = masked_whiten(returns, batch.action_mask) if params.whiten else returns
     return AdvantageResult(adv, returns)
 
@@ -313,30 +324,40 @@ def dr_grpo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
 @register_estimator("rloo", "group")
 def rloo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     """RLOO: r - mean of the other rollouts of the group = n / (n - 1) * (r - group mean)."""
-    return _group_result(batch, lambda s: (s.reward - s.group_mean) * s.group_size / (s.group_size - 1).clamp(min=1))
+    return _group_result(
+        batch, lambda s: (s.reward - s.group_mean) * s.group_size / (s.group_size - 1).clamp(min=1)
+    )
 
 
-def compute_advantages(name: str, batch: AdvantageBatch, params: AdvantageParams | None = None) -> AdvantageResult:
+def compute_advantages(
+    name: str, batch: AdvantageBatch, params: AdvantageParams | None = None
+) -> AdvantageResult:
     """Run the estimator registered as `name` on `batch` and add common metrics:
     "advantage/mean", "advantage/abs_mean" (over action tokens), "advantage/num_rollouts",
     "advantage/degenerate_group_frac" (groups of one or with all-equal rewards)."""
     params, fn = (params or AdvantageParams()).validate(), ESTIMATORS.get_fn(name)
     if SPECS[name].kind == "group" and params.kl_coef > 0:  # it sees one reward per rollout, no token rewards
-        raise ValueError(f"kl_coef: {name} takes no KL token reward; put KL in the loss (kl placement 'loss')")
+        raise ValueError(
+            f"kl_coef: {name} takes no KL token reward; put KL in the loss (kl placement 'loss')"
+        )
     result = fn(batch, params)
     if result.advantages.shape != batch.action_mask.shape:
-        raise ValueError(f"estimator {name!r} returned advantages of shape {tuple(result.advantages.shape)}, "
-                         f"expected {tuple(batch.action_mask.shape)}")
+        raise ValueError(
+            f"estimator {name!r} returned advantages of shape {tuple(result.advantages.shape)}, "
+            f"expected {tuple(batch.action_mask.shape)}"
+        )
     stats = rollout_stats(batch)
     degenerate = ((stats.group_size < 2) | (stats.group_std == 0)).double()
     num_groups = int(stats.group.max()) + 1 if len(stats.group) else 0
     per_group = degenerate.new_zeros(num_groups).scatter_reduce(0, stats.group, degenerate, "amax")
     m = batch.action_mask
-    result.metrics = detach_all({
-        "advantage/mean": masked_mean(result.advantages, m),
-        "advantage/abs_mean": masked_mean(result.advantages.abs(), m),
-        "advantage/num_rollouts": float(len(stats.reward)),
-        "advantage/degenerate_group_frac": per_group.mean() if len(per_group) else torch.zeros(()),
-        **result.metrics,
-    })
+    result.metrics = detach_all(
+        {
+            "advantage/mean": masked_mean(result.advantages, m),
+            "advantage/abs_mean": masked_mean(result.advantages.abs(), m),
+            "advantage/num_rollouts": float(len(stats.reward)),
+            "advantage/degenerate_group_frac": per_group.mean() if len(per_group) else torch.zeros(()),
+            **result.metrics,
+        }
+    )
     return result

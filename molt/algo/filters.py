@@ -20,8 +20,12 @@ class FilterResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _drop_reason(group: Sequence[Trajectory], group_size: int, drop_all_equal: bool,
-                 score_range: tuple[float, float] | None) -> str | None:
+def _drop_reason(
+    group: Sequence[Trajectory],
+    group_size: int,
+    drop_all_equal: bool,
+    score_range: tuple[float, float] | None,
+) -> str | None:
     ok = [t for t in group if t.ok]
     if len({t.rollout_id for t in ok}) < group_size:
         return "incomplete"
@@ -33,8 +37,13 @@ def _drop_reason(group: Sequence[Trajectory], group_size: int, drop_all_equal: b
     return None
 
 
-def filter_groups(groups: Mapping[str, Sequence[Trajectory]], group_size: int, *, drop_all_equal: bool = True,
-                  score_range: tuple[float, float] | None = None) -> FilterResult:
+def filter_groups(
+    groups: Mapping[str, Sequence[Trajectory]],
+    group_size: int,
+    *,
+    drop_all_equal: bool = True,
+    score_range: tuple[float, float] | None = None,
+) -> FilterResult:
     """Keep complete, informative groups.
 
     groups: group_id -> the trajectories gathered for it; group_size: rollouts per prompt

@@ -23,16 +23,25 @@ def _gate(lr: Tensor, kept: Tensor, lo: float, hi: float) -> tuple[Tensor, Tenso
 
 
 # mode -> (weight, retained) from the level's log-ratio `lr`, the token log-ratio `tok` and the log band [lo, hi]
-MODES = {"mask": lambda lr, tok, lo, hi: _gate(lr, tok, lo, hi),  # the token's own ratio
-         "mis": lambda lr, tok, lo, hi: _gate(lr, lr, lo, hi),  # the level's ratio
-         "clip": lambda lr, tok, lo, hi: (lr.clamp(lo, hi).exp(), (lr >= lo) & (lr <= hi)),
-         "trunc": lambda lr, tok, lo, hi: (lr.clamp(max=hi).exp(), lr <= hi)}
+MODES = {
+    "mask": lambda lr, tok, lo, hi: _gate(lr, tok, lo, hi),  # the token's own ratio
+    "mis": lambda lr, tok, lo, hi: _gate(lr, lr, lo, hi),  # the level's ratio
+    "clip": lambda lr, tok, lo, hi: (lr.clamp(lo, hi).exp(), (lr >= lo) & (lr <= hi)),
+    "trunc": lambda lr, tok, lo, hi: (lr.clamp(max=hi).exp(), lr <= hi),
+}
 GATES = ("mask", "mis")  # the modes that reject (weight 0) what falls outside the band
 
 
-def importance_weights(trainer_logprobs: Tensor, behavior_logprobs: Tensor, action_mask: Tensor, level: str = "token",
-                       mode: str = "mask", low: float = 0.5, high: float = 2.0,
-                       seq_ids: Tensor | None = None) -> tuple[Tensor, dict]:
+def importance_weights(
+    trainer_logprobs: Tensor,
+    behavior_logprobs: Tensor,
+    action_mask: Tensor,
+    level: str = "token",
+    mode: str = "mask",
+    low: float = 0.5,
+    high: float = 2.0,
+    seq_ids: Tensor | None = None,
+) -> tuple[Tensor, dict]:
     """Per-token importance weights for the policy-gradient term.
 
     trainer_logprobs: [N, T] the trainer's log-probabilities of the sampled tokens (any grad is dropped);
@@ -58,8 +67,11 @@ def importance_weights(trainer_logprobs: Tensor, behavior_logprobs: Tensor, acti
     weights = torch.where(mask, weights, 1.0)
     # an empty mask retains everything; torch.where rather than `if mask.any()` avoids a device sync
     retained_frac = torch.where(mask.sum() > 0, masked_mean(retained.double(), mask), 1.0)
-    metrics = {"is/retained_frac": retained_frac, "is/logprob_gap": masked_mean(log_r.abs(), mask),
-               "is/weight_mean": masked_mean(weights, mask)}
+    metrics = {
+        "is/retained_frac": retained_frac,
+        "is/logprob_gap": masked_mean(log_r.abs(), mask),
+        "is/weight_mean": masked_mean(weights, mask),
+    }
     if level != "off" and mode in GATES:
         metrics["is/rejected_frac"] = 1.0 - retained_frac
     return weights.to(trainer_logprobs.dtype), detach_all(metrics)

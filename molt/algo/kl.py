@@ -37,8 +37,15 @@ def k3(log_r: Tensor, clamp: float) -> Tensor:
     return torch.expm1(-log_r) + log_r
 
 
-def kl_divergence(logprobs: Tensor, ref_logprobs: Tensor, action_mask: Tensor, estimator: str = "k3", *,
-                  placement: str = "loss", clamp: float = 20.0) -> tuple[Tensor, dict]:
+def kl_divergence(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    action_mask: Tensor,
+    estimator: str = "k3",
+    *,
+    placement: str = "loss",
+    clamp: float = 20.0,
+) -> tuple[Tensor, dict]:
     """Per-token KL estimate of the policy against the reference.
 
     logprobs: [N, T] the policy's log-probabilities of the sampled tokens (with grad for placement "loss").
@@ -51,8 +58,10 @@ def kl_divergence(logprobs: Tensor, ref_logprobs: Tensor, action_mask: Tensor, e
         raise ValueError(f"placement must be one of {sorted(PLACEMENTS)} (got {placement!r})")
     fn = KL_ESTIMATORS.get_fn(estimator)
     if estimator in ("k1", "k2", "k3") and estimator not in PLACEMENTS[placement]:
-        raise ValueError(f"estimator: {estimator} has zero expected gradient as a loss; use k2 or k3 for "
-                         "placement 'loss' (k1 belongs in the reward)")
+        raise ValueError(
+            f"estimator: {estimator} has zero expected gradient as a loss; use k2 or k3 for "
+            "placement 'loss' (k1 belongs in the reward)"
+        )
     log_r = torch.where(mask, logprobs - ref_logprobs, 0.0)
     kl = torch.where(mask, fn(log_r, clamp), 0.0)
     if placement == "reward":

@@ -38,11 +38,15 @@ class PolicyLossParams:
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"dual_clip must be > 1 or None (got {self.dual_clip})")
         if self.entropy_coef < 0 or self.kl_coef < 0:
-            raise ValueError(f"entropy_coef and kl_coef must be >= 0 (got {self.entropy_coef}, {self.kl_coef})")
+            raise ValueError(
+                f"entropy_coef and kl_coef must be >= 0 (got {self.entropy_coef}, {self.kl_coef})"
+            )
         return self
 
 
-def _clipped_surrogate(ratio: Tensor, adv: Tensor, mask: Tensor, params: PolicyLossParams) -> tuple[Tensor, dict]:
+def _clipped_surrogate(
+    ratio: Tensor, adv: Tensor, mask: Tensor, params: PolicyLossParams
+) -> tuple[Tensor, dict]:
     """max(-r A, -clip(r) A), then the dual clip; metrics over action tokens."""
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - params.eps_low, 1.0 + params.eps_high)
@@ -57,13 +61,21 @@ def _clipped_surrogate(ratio: Tensor, adv: Tensor, mask: Tensor, params: PolicyL
 
 
 def _ratio_metrics(log_ratio: Tensor, mask: Tensor) -> dict:
-    return {"policy/ratio_mean": masked_mean(log_ratio.exp(), mask),
-            "policy/approx_kl": masked_mean(0.5 * log_ratio.square(), mask)}  # k2 of old vs current
+    return {
+        "policy/ratio_mean": masked_mean(log_ratio.exp(), mask),
+        "policy/approx_kl": masked_mean(0.5 * log_ratio.square(), mask),
+    }  # k2 of old vs current
 
 
 @register_policy_loss("ppo")
-def ppo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, params: PolicyLossParams,
-        seq_ids: Tensor | None = None) -> tuple[Tensor, dict]:
+def ppo(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    params: PolicyLossParams,
+    seq_ids: Tensor | None = None,
+) -> tuple[Tensor, dict]:
     """Token-level clipped surrogate with asymmetric clip and optional dual clip. [N, T] -> [N, T]."""
     log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
     loss, metrics = _clipped_surrogate(log_ratio.exp(), advantages, mask, params)
@@ -71,8 +83,14 @@ def ppo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor
 
 
 @register_policy_loss("gspo")
-def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, params: PolicyLossParams,
-         seq_ids: Tensor | None = None) -> tuple[Tensor, dict]:
+def gspo(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    params: PolicyLossParams,
+    seq_ids: Tensor | None = None,
+) -> tuple[Tensor, dict]:
     """Clipped surrogate on the sequence ratio exp(mean_t log r_t), broadcast to the sequence's tokens."""
     log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
     seq_log_ratio = seq_mean(log_ratio, mask, seq_ids)
@@ -81,8 +99,14 @@ def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tenso
 
 
 @register_policy_loss("cispo")
-def cispo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, params: PolicyLossParams,
-          seq_ids: Tensor | None = None) -> tuple[Tensor, dict]:
+def cispo(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    params: PolicyLossParams,
+    seq_ids: Tensor | None = None,
+) -> tuple[Tensor, dict]:
     """-sg(clip(r)) A logprobs: clipped importance weight, gradient on every token. [N, T] -> [N, T]."""
     log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0).detach()
     ratio = log_ratio.exp()
@@ -93,15 +117,30 @@ def cispo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tens
 
 
 @register_policy_loss("sft")
-def sft(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, params: PolicyLossParams,
-        seq_ids: Tensor | None = None) -> tuple[Tensor, dict]:
+def sft(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    params: PolicyLossParams,
+    seq_ids: Tensor | None = None,
+) -> tuple[Tensor, dict]:
     return torch.where(mask, -logprobs, 0.0), {}
 
 
-def policy_loss(name: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor, *,
-                params: PolicyLossParams | None = None, is_weights: Tensor | None = None,
-                entropy: Tensor | None = None, kl: Tensor | None = None,
-                seq_ids: Tensor | None = None) -> tuple[Tensor, dict]:
+def policy_loss(
+    name: str,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    *,
+    params: PolicyLossParams | None = None,
+    is_weights: Tensor | None = None,
+    entropy: Tensor | None = None,
+    kl: Tensor | None = None,
+    seq_ids: Tensor | None = None,
+) -> tuple[Tensor, dict]:
     """Per-token loss [N, T] of the policy loss registered as `name`, with the optional terms:
 
     is_weights: [N, T] detached importance weights (importance.py), multiply the policy-gradient term.
@@ -112,8 +151,13 @@ def policy_loss(name: str, logprobs: Tensor, old_logprobs: Tensor, advantages: T
     "policy/pg_loss" (token mean of the weighted policy-gradient term) and "policy/entropy" when given."""
     params = (params or PolicyLossParams()).validate()
     mask = as_mask(action_mask, logprobs)
-    for arg, value in (("old_logprobs", old_logprobs), ("advantages", advantages), ("is_weights", is_weights),
-                       ("entropy", entropy), ("kl", kl)):
+    for arg, value in (
+        ("old_logprobs", old_logprobs),
+        ("advantages", advantages),
+        ("is_weights", is_weights),
+        ("entropy", entropy),
+        ("kl", kl),
+    ):
         check_shape(arg, value, logprobs.shape)
     advantages = torch.where(mask, advantages, 0.0)  # padding garbage must not reach a gradient (0 * nan)
     loss, metrics = POLICY_LOSSES.get_fn(name)(logprobs, old_logprobs, advantages, mask, params, seq_ids)
@@ -133,8 +177,9 @@ def policy_loss(name: str, logprobs: Tensor, old_logprobs: Tensor, advantages: T
     return loss, detach_all(metrics)
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor,
-               clip_eps: float | None = 0.2) -> tuple[Tensor, dict]:
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor, clip_eps: float | None = 0.2
+) -> tuple[Tensor, dict]:
     """Clipped critic loss per token: 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2).
 
     values: [N, T] current critic values (with grad); old_values: [N, T] values when the batch was made;
@@ -156,5 +201,10 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask:
         err_clip = (v_clip - returns).square()
         loss, clipped = torch.maximum(err, err_clip), err_clip > err
     loss = torch.where(mask, 0.5 * loss, 0.0)
-    return loss, detach_all({"critic/clip_frac": masked_mean(clipped.float(), mask),
-                             "critic/value_mean": masked_mean(values, mask), "critic/loss": masked_mean(loss, mask)})
+    return loss, detach_all(
+        {
+            "critic/clip_frac": masked_mean(clipped.float(), mask),
+            "critic/value_mean": masked_mean(values, mask),
+            "critic/loss": masked_mean(loss, mask),
+        }
+    )

@@ -26,6 +26,7 @@ Decisions: `max_tokens` may be left out or null (the session default applies), s
 hotter than Anthropic allows). In a user turn, tool results become `tool` messages, followed by the turn's
 text blocks as one user message. Block types other than those above (documents, server tool results) are 400s.
 """
+
 from __future__ import annotations
 
 import json
@@ -79,8 +80,10 @@ class ToolResultBlock(_Model):
     is_error: bool | None = None
 
 
-Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-                  Field(discriminator="type")]
+Block = Annotated[
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
 
 
 class Message(_Model):
@@ -92,7 +95,9 @@ class Tool(_Model):
     name: str
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
-    strict: bool | None = None  # strict tool use: the call's input follows input_schema (constrained decoding)
+    strict: bool | None = (
+        None  # strict tool use: the call's input follows input_schema (constrained decoding)
+    )
 
 
 class MessagesRequest(_Model):
@@ -123,13 +128,24 @@ def _content(blocks: str | list[Any] | None, session: Session) -> str | list[dic
     """Text and image blocks as canonical content (`molt.capture.render.content_parts`)."""
     if not isinstance(blocks, list):
         return blocks or ""
-    return content_parts([{"type": "text", "text": b.text} if isinstance(b, TextBlock) else
-                          {"type": "image_url", "image_url": {"url": _url(b.source)}}
-                          for b in blocks if isinstance(b, (TextBlock, ImageBlock))], session.renderer.image)
+    return content_parts(
+        [
+            {"type": "text", "text": b.text}
+            if isinstance(b, TextBlock)
+            else {"type": "image_url", "image_url": {"url": _url(b.source)}}
+            for b in blocks
+            if isinstance(b, (TextBlock, ImageBlock))
+        ],
+        session.renderer.image,
+    )
 
 
 def _url(src: dict[str, Any]) -> str:
-    return str(src.get("url") if src.get("type") == "url" else f"data:{src.get('media_type')};base64,{src.get('data')}")
+    return str(
+        src.get("url")
+        if src.get("type") == "url"
+        else f"data:{src.get('media_type')};base64,{src.get('data')}"
+    )
 
 
 def _messages(req: MessagesRequest, session: Session) -> list[dict[str, Any]]:
@@ -144,82 +160,149 @@ def _messages(req: MessagesRequest, session: Session) -> list[dict[str, Any]]:
         if m.role != "user":
             calls = [tool_call(b.id, b.name, b.input) for b in m.content if isinstance(b, ToolUseBlock)]
             thinking = "".join(b.thinking for b in m.content if isinstance(b, ThinkingBlock))
-            out.append({"role": m.role, "content": text, **({"tool_calls": calls} if calls else {}),
-                        **({"reasoning_content": thinking} if thinking and session.renderer.reasoning else {})})
+            out.append(
+                {
+                    "role": m.role,
+                    "content": text,
+                    **({"tool_calls": calls} if calls else {}),
+                    **({"reasoning_content": thinking} if thinking and session.renderer.reasoning else {}),
+                }
+            )
             continue
         results = [b for b in m.content if isinstance(b, ToolResultBlock)]
-        out += [{"role": "tool", "content": _content(b.content, session), "tool_call_id": b.tool_use_id}
-                for b in results]
+        out += [
+            {"role": "tool", "content": _content(b.content, session), "tool_call_id": b.tool_use_id}
+            for b in results
+        ]
         content = _content(m.content, session)
         if content or not results:
             out.append({"role": "user", "content": content})
     return merge_leading_system(out)
 
 
-def _thread(req: MessagesRequest, session: Session) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+def _thread(
+    req: MessagesRequest, session: Session
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) a `thread: continue` request continues from: the session's record of the reply it
     names; ([], None) for any other request."""
     if (req.thread or {}).get("type") != "continue":
         return [], None
     found = session.recall(str(req.thread.get("previous_message_id")))
     if found is None:  # the SDK then replays the whole history under a new thread
-        raise WireError(400, f"thread: no message {req.thread.get('previous_message_id')!r} in this session",
-                        param="thread", details={"error_code": "thread_not_found"})
+        raise WireError(
+            400,
+            f"thread: no message {req.thread.get('previous_message_id')!r} in this session",
+            param="thread",
+            details={"error_code": "thread_not_found"},
+        )
     return found
 
 
 def to_chat(req: MessagesRequest, data: dict[str, Any], session: Session) -> ChatRequest:
     fmt = (req.output_config or {}).get("format", req.output_format)
-    params = session.sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
+    params = session.sampling(
+        max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k
+    )
     history, thread_tools = _thread(req, session)
-    tools = thread_tools if req.tools is None else canonical_tools([{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
-                                                               **({"description": t.description} if t.description else {})}}
-                             for t in req.tools or []])
+    tools = (
+        thread_tools
+        if req.tools is None
+        else canonical_tools(
+            [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": t.name,
+                        "parameters": t.input_schema,
+                        **({"description": t.description} if t.description else {}),
+                    },
+                }
+                for t in req.tools or []
+            ]
+        )
+    )
     choice, name = tool_choice(req.tool_choice)
-    return ChatRequest(history + _messages(req, session), tools, params, list(req.stop_sequences or []), 1,
-                       parse_tools=bool(tools) and choice != "none", tool_choice=choice, tool_name=name,
-                       formats={t.name: {"schema": t.input_schema} for t in req.tools or [] if t.strict},
-                       output=output_schema(fmt, "output_config.format"))
+    return ChatRequest(
+        history + _messages(req, session),
+        tools,
+        params,
+        list(req.stop_sequences or []),
+        1,
+        parse_tools=bool(tools) and choice != "none",
+        tool_choice=choice,
+        tool_name=name,
+        formats={t.name: {"schema": t.input_schema} for t in req.tools or [] if t.strict},
+        output=output_schema(fmt, "output_config.format"),
+    )
 
 
 def count_tokens(req: MessagesRequest, data: dict[str, Any], session: Session) -> dict[str, Any]:
     """POST /v1/messages/count_tokens: the prompt tokens this request would send the engine now."""
     chat = to_chat(req, data, session)
-    return {"input_tokens": len(session.tracker.plan(chat.messages, chat.tools, chat.params.temperature).prompt_ids)}
+    return {
+        "input_tokens": len(
+            session.tracker.plan(chat.messages, chat.tools, chat.params.temperature).prompt_ids
+        )
+    }
 
 
 def _stop_reason(ch: Choice) -> str:
     return {"tool_calls": "tool_use", "length": "max_tokens"}.get(
-        ch.finish_reason, "stop_sequence" if ch.stop_sequence is not None else "end_turn")
+        ch.finish_reason, "stop_sequence" if ch.stop_sequence is not None else "end_turn"
+    )
 
 
 def _blocks(ch: Choice) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": ch.content}] if ch.content or not ch.tool_calls else []
+    blocks: list[dict[str, Any]] = (
+        [{"type": "text", "text": ch.content}] if ch.content or not ch.tool_calls else []
+    )
     for c in ch.tool_calls:
         args = c["function"]["arguments"]
-        blocks.append({"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
-                       "input": args if isinstance(args, dict) else {}})
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": c["id"],
+                "name": c["function"]["name"],
+                "input": args if isinstance(args, dict) else {},
+            }
+        )
     return blocks
 
 
 def response_body(gen: Generation, req: MessagesRequest, session: Session | None = None) -> dict[str, Any]:
     ch = gen.choices[0]
-    return {"id": f"msg_{gen.id}", "type": "message", "role": "assistant", "model": req.model,
-            "content": _blocks(ch), "stop_reason": _stop_reason(ch), "stop_sequence": ch.stop_sequence,
-            "usage": {"input_tokens": len(gen.prompt_ids), "output_tokens": len(ch.action_ids)}}
+    return {
+        "id": f"msg_{gen.id}",
+        "type": "message",
+        "role": "assistant",
+        "model": req.model,
+        "content": _blocks(ch),
+        "stop_reason": _stop_reason(ch),
+        "stop_sequence": ch.stop_sequence,
+        "usage": {"input_tokens": len(gen.prompt_ids), "output_tokens": len(ch.action_ids)},
+    }
 
 
 def _event(kind: str, data: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
 
 
-async def stream(live: LiveReply, req: MessagesRequest, session: Session | None = None) -> AsyncIterator[bytes]:
+async def stream(
+    live: LiveReply, req: MessagesRequest, session: Session | None = None
+) -> AsyncIterator[bytes]:
     """message_start; the text block's deltas while the engine samples (streaming.py), then the rest of it;
     tool_use blocks; message_delta (stop reason, usage); message_stop. A failure after the first byte ends the
     stream with an error event."""
-    start = {"id": f"msg_{live.id}", "type": "message", "role": "assistant", "model": req.model, "content": [],
-             "stop_reason": None, "stop_sequence": None,
-             "usage": {"input_tokens": live.prompt_tokens, "output_tokens": 0}}
+    start = {
+        "id": f"msg_{live.id}",
+        "type": "message",
+        "role": "assistant",
+        "model": req.model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": live.prompt_tokens, "output_tokens": 0},
+    }
     yield _event("message_start", {"message": start})
     text_open = False
     async for piece in live.deltas():
@@ -240,15 +323,28 @@ async def stream(live: LiveReply, req: MessagesRequest, session: Session | None 
     for i, block in enumerate(body["content"], start=shift):
         if block["type"] == "text":
             if not text_open:
-                yield _event("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
+                yield _event(
+                    "content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}}
+                )
             for piece in text_pieces(live.rest(gen.choices[0])):
-                yield _event("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": piece}})
+                yield _event(
+                    "content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": piece}}
+                )
         else:
             yield _event("content_block_start", {"index": i, "content_block": {**block, "input": {}}})
-            yield _event("content_block_delta", {"index": i, "delta": {"type": "input_json_delta",
-                                                                        "partial_json": json.dumps(block["input"])}})
+            yield _event(
+                "content_block_delta",
+                {
+                    "index": i,
+                    "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])},
+                },
+            )
         yield _event("content_block_stop", {"index": i})
-    yield _event("message_delta", {"delta": {"stop_reason": body["stop_reason"],
-                                             "stop_sequence": body["stop_sequence"]},
-                                   "usage": {"output_tokens": body["usage"]["output_tokens"]}})
+    yield _event(
+        "message_delta",
+        {
+            "delta": {"stop_reason": body["stop_reason"], "stop_sequence": body["stop_sequence"]},
+            "usage": {"output_tokens": body["usage"]["output_tokens"]},
+        },
+    )
     yield _event("message_stop", {})

@@ -7,6 +7,7 @@ OpenAI `{"error": {"message", "type", "param", "code"}}`, Anthropic `{"type": "e
 "message"}}` (on `/messages`). Request bodies are parsed here rather than by FastAPI, so malformed JSON and
 schema mistakes are 400s with a readable message instead of FastAPI's 422.
 """
+
 from __future__ import annotations
 
 from typing import Any, TypeVar
@@ -18,15 +19,27 @@ from molt.capture.session import ContextTooLong, SessionClosed
 from molt.engine.base import EngineError, EngineGone
 from molt.types import json_grammar
 
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                    405: "invalid_request_error", 413: "request_too_large"}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+}
 
 M = TypeVar("M", bound=BaseModel)
 
 
 class WireError(Exception):
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 details: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        details: dict[str, Any] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.details = details  # Anthropic's machine-readable `error.details` (e.g. {"error_code": ...})
@@ -36,8 +49,14 @@ class WireError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def anthropic_body(self) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
-                                           "message": self.message, **({"details": self.details} if self.details else {})}}
+        return {
+            "type": "error",
+            "error": {
+                "type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
+                "message": self.message,
+                **({"details": self.details} if self.details else {}),
+            },
+        }
 
 
 def output_schema(fmt: Any, param: str) -> dict[str, Any] | None:
@@ -48,8 +67,13 @@ def output_schema(fmt: Any, param: str) -> dict[str, Any] | None:
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if fmt is None or kind == "text":
         return None
-    schema = {"type": "object"} if kind == "json_object" else \
-        fmt.get("schema", (fmt.get("json_schema") or {}).get("schema")) if kind == "json_schema" else None
+    schema = (
+        {"type": "object"}
+        if kind == "json_object"
+        else fmt.get("schema", (fmt.get("json_schema") or {}).get("schema"))
+        if kind == "json_schema"
+        else None
+    )
     try:
         if schema is None:
             raise ValueError(f"type {kind!r} is not one of text, json_object, json_schema (with a schema)")
@@ -67,7 +91,9 @@ def error_reply(error: Exception) -> WireError:
     RequestError (a ValueError) 400; an engine failure 500, 503 while the engine is gone."""
     if isinstance(error, EngineError):
         gone = isinstance(error, EngineGone)
-        return WireError(503 if gone else 500, str(error), code="engine_unavailable" if gone else "engine_error")
+        return WireError(
+            503 if gone else 500, str(error), code="engine_unavailable" if gone else "engine_error"
+        )
     if isinstance(error, SessionClosed):
         return WireError(404, str(error), code="session_closed")
     code = "context_length_exceeded" if isinstance(error, ContextTooLong) else "invalid_request"
@@ -88,5 +114,9 @@ def parse_body(model: type[M], body: bytes) -> tuple[M, dict[str, Any]]:
     except ValidationError as e:
         problems = e.errors(include_url=False)
         where = ".".join(str(p) for p in problems[0]["loc"])
-        text = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in problems[:3])
-        raise WireError(400, f"invalid request: {text}", code="invalid_request", param=where or None) from None
+        text = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in problems[:3]
+        )
+        raise WireError(
+            400, f"invalid request: {text}", code="invalid_request", param=where or None
+        ) from None

@@ -16,6 +16,7 @@ Streaming: content deltas go out as the engine samples (`molt.capture.streaming`
 and name first, then the arguments), a finish chunk, the usage chunk when asked, and `[DONE]` - the sequence
 the official SDK assembles into the same message a non-streaming request returns.
 """
+
 from __future__ import annotations
 
 import json
@@ -109,16 +110,34 @@ SCHEMA = ChatCompletionRequest
 
 def to_chat(req: ChatCompletionRequest, data: dict[str, Any], session: Session) -> ChatRequest:
     """The request in wire-independent form; messages and tools are read from the validated JSON `data`."""
-    params = session.sampling(max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
-                              top_p=req.top_p, top_k=req.top_k, min_tokens=req.min_tokens, seed=req.seed,
-                              top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0)
+    params = session.sampling(
+        max_tokens=req.max_completion_tokens or req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_tokens=req.min_tokens,
+        seed=req.seed,
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+    )
     tools = canonical_tools(data.get("tools"))
     choice, name = tool_choice(req.tool_choice)
-    strict = {f["name"]: {"schema": f.get("parameters") or {"type": "object"}}
-              for f in (t["function"] for t in tools or []) if f.get("strict")}  # constrained (session._constrain)
-    return ChatRequest(canonical_messages(data["messages"], session.renderer.image), tools, params,
-                       stop_list(req.stop), req.n, parse_tools=bool(tools) and choice != "none", tool_choice=choice,
-                       tool_name=name, formats=strict, output=output_schema(req.response_format, "response_format"))
+    strict = {
+        f["name"]: {"schema": f.get("parameters") or {"type": "object"}}
+        for f in (t["function"] for t in tools or [])
+        if f.get("strict")
+    }  # constrained (session._constrain)
+    return ChatRequest(
+        canonical_messages(data["messages"], session.renderer.image),
+        tools,
+        params,
+        stop_list(req.stop),
+        req.n,
+        parse_tools=bool(tools) and choice != "none",
+        tool_choice=choice,
+        tool_name=name,
+        formats=strict,
+        output=output_schema(req.response_format, "response_format"),
+    )
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -135,8 +154,13 @@ def tool_choice(choice: str | dict[str, Any] | None) -> tuple[str, str | None]:
     if kind in ("auto", "none", "any"):
         return "required" if kind == "any" else kind, None
     if kind not in ("function", "custom", "tool") or not isinstance(name, str):
-        raise WireError(400, 'tool_choice must be "none", "auto", "required" or a named function (tool): '
-                        '{"type": "function", "name": ...}', code="invalid_request", param="tool_choice")
+        raise WireError(
+            400,
+            'tool_choice must be "none", "auto", "required" or a named function (tool): '
+            '{"type": "function", "name": ...}',
+            code="invalid_request",
+            param="tool_choice",
+        )
     return "function", name
 
 
@@ -151,26 +175,53 @@ def _logprobs(choice: Choice, session: Session) -> dict[str, Any]:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     tops = choice.top_logprobs or [[] for _ in choice.action_ids]
-    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
-                        for t, lp, top in zip(choice.action_ids, choice.logprobs, tops)], "refusal": None}
+    return {
+        "content": [
+            {**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
+            for t, lp, top in zip(choice.action_ids, choice.logprobs, tops)
+        ],
+        "refusal": None,
+    }
 
 
 def _calls(choice: Choice) -> list[dict[str, Any]]:
-    return [{"id": c["id"], "type": "function",
-             "function": {"name": c["function"]["name"], "arguments": arguments_json(c)}} for c in choice.tool_calls]
+    return [
+        {
+            "id": c["id"],
+            "type": "function",
+            "function": {"name": c["function"]["name"], "arguments": arguments_json(c)},
+        }
+        for c in choice.tool_calls
+    ]
 
 
 def response_body(gen: Generation, req: ChatCompletionRequest, session: Session) -> dict[str, Any]:
     choices = []
     for i, ch in enumerate(gen.choices):
-        message: dict[str, Any] = {"role": "assistant", "content": ch.content if ch.content or not ch.tool_calls
-                                   else None, "refusal": None}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": ch.content if ch.content or not ch.tool_calls else None,
+            "refusal": None,
+        }
         if ch.tool_calls:
             message["tool_calls"] = _calls(ch)
-        choices.append({"index": i, "message": message, "finish_reason": ch.finish_reason,
-                        "logprobs": _logprobs(ch, session) if req.logprobs else None})
-    return {"id": f"chatcmpl-{gen.id}", "object": "chat.completion", "created": gen.created, "model": req.model,
-            "choices": choices, "usage": _usage(gen), "system_fingerprint": None}
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "finish_reason": ch.finish_reason,
+                "logprobs": _logprobs(ch, session) if req.logprobs else None,
+            }
+        )
+    return {
+        "id": f"chatcmpl-{gen.id}",
+        "object": "chat.completion",
+        "created": gen.created,
+        "model": req.model,
+        "choices": choices,
+        "usage": _usage(gen),
+        "system_fingerprint": None,
+    }
 
 
 async def stream(live: LiveReply, req: ChatCompletionRequest, session: Session) -> AsyncIterator[bytes]:
@@ -178,11 +229,19 @@ async def stream(live: LiveReply, req: ChatCompletionRequest, session: Session) 
     tool-call deltas (id and name first, then the arguments), the finish chunk (with the logprobs when asked),
     the usage chunk when asked, `[DONE]`. A failure after the first byte ends the stream with an error event."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    head = {"id": f"chatcmpl-{live.id}", "object": "chat.completion.chunk", "created": live.created,
-            "model": req.model, "system_fingerprint": None}
+    head = {
+        "id": f"chatcmpl-{live.id}",
+        "object": "chat.completion.chunk",
+        "created": live.created,
+        "model": req.model,
+        "system_fingerprint": None,
+    }
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
-        body = {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        body = {
+            **head,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        }
         if include_usage:
             body["usage"] = None
         return b"data: " + json.dumps(body).encode() + b"\n\n"
@@ -201,9 +260,22 @@ async def stream(live: LiveReply, req: ChatCompletionRequest, session: Session) 
         for piece in text_pieces(live.rest(ch) if i == 0 else ch.content):
             yield chunk(i, {"content": piece})
         for j, call in enumerate(_calls(ch)):
-            yield chunk(i, {"tool_calls": [{"index": j, "id": call["id"], "type": "function",
-                                            "function": {"name": call["function"]["name"], "arguments": ""}}]})
-            yield chunk(i, {"tool_calls": [{"index": j, "function": {"arguments": call["function"]["arguments"]}}]})
+            yield chunk(
+                i,
+                {
+                    "tool_calls": [
+                        {
+                            "index": j,
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {"name": call["function"]["name"], "arguments": ""},
+                        }
+                    ]
+                },
+            )
+            yield chunk(
+                i, {"tool_calls": [{"index": j, "function": {"arguments": call["function"]["arguments"]}}]}
+            )
         yield chunk(i, {}, finish=ch.finish_reason, logprobs=_logprobs(ch, session) if req.logprobs else None)
     if include_usage:
         yield b"data: " + json.dumps({**head, "choices": [], "usage": _usage(gen)}).encode() + b"\n\n"

@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/capture/render.py`.
 """
+
 from __future__ import annotations
 
 import base64
@@ -36,8 +37,10 @@ def _decode(data: bytes, max_pixels: int) -> ImageRef:
     try:
         with Image.open(io.BytesIO(data)) as im:
             if im.width * im.height > max_pixels:
-                raise ValueError(f"image_url: a {im.width}x{im.height} image is over the limit of {max_pixels} pixels "
-                                 "(max_image_pixels)")
+                raise ValueError(
+                    f"image_url: a {im.width}x{im.height} image is over the limit of {max_pixels} pixels "
+                    "(max_image_pixels)"
+                )
             rgb = im.convert("RGB")  # decodes it all: truncated data fails here
     except (OSError, SyntaxError, Image.DecompressionBombError) as e:
         raise ValueError(f"image_url: the image cannot be decoded ({e})") from None
@@ -50,8 +53,14 @@ class ChatRenderer:
     """Renders canonical messages with a Hugging Face tokenizer's chat template and (de)tokenizes text; with a
     `processor` (vision-language models) also images (module docstring)."""
 
-    def __init__(self, tokenizer: Any, processor: Any = None, *, max_image_pixels: int = 1 << 24,
-                 allow_remote_images: bool = False):
+    def __init__(
+        self,
+        tokenizer: Any,
+        processor: Any = None,
+        *,
+        max_image_pixels: int = 1 << 24,
+        allow_remote_images: bool = False,
+    ):
         self.template = getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
         if not self.template:
             raise ValueError("the tokenizer has no chat template; capture needs one to render conversations")
@@ -59,7 +68,9 @@ class ChatRenderer:
         self.max_image_pixels, self.allow_remote_images = max_image_pixels, allow_remote_images
         self.reasoning = "reasoning_content" in self.template  # the template renders an assistant's reasoning
         self._token_text: dict[int, str] = {}
-        self._hidden: set[int] | None = None  # special tokens reply text leaves out when some are kept (keep_special)
+        self._hidden: set[int] | None = (
+            None  # special tokens reply text leaves out when some are kept (keep_special)
+        )
         # The Rust tokenizer directly when decoding needs no Python post-processing: the per-call overhead of
         # the transformers wrapper is larger than the tokenization itself at chat-turn sizes.
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -82,8 +93,10 @@ class ChatRenderer:
             raise ValueError("this model takes no images (it has no image processor)")
         if url.startswith(("http://", "https://")):
             if not self.allow_remote_images:
-                raise ValueError("image_url: remote URLs are refused (allow_remote_images is off); send the image "
-                                 "inline as a data URL, data:image/png;base64,...")
+                raise ValueError(
+                    "image_url: remote URLs are refused (allow_remote_images is off); send the image "
+                    "inline as a data URL, data:image/png;base64,..."
+                )
             import urllib.request
 
             with urllib.request.urlopen(url, timeout=30) as response:
@@ -103,24 +116,42 @@ class ChatRenderer:
         if not images:
             return self.encode(text), None
         try:
-            out = self.processor(text=[text], images=[i.image for i in images], add_special_tokens=False,
-                                 return_tensors="pt")
+            out = self.processor(
+                text=[text], images=[i.image for i in images], add_special_tokens=False, return_tensors="pt"
+            )
         except (ValueError, IndexError) as e:
             raise RenderError(f"the images do not match the conversation's image placeholders: {e}") from None
         for per_token in ("attention_mask", "mm_token_type_ids"):  # Qwen2-VL's modalities: read off the ids
             out.pop(per_token, None)
         return out.pop("input_ids")[0].tolist(), dict(out)
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-               add_generation_prompt: bool) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=self.template,
-                                                      add_generation_prompt=add_generation_prompt)
-        except (TemplateError, TypeError, ValueError, KeyError) as e:  # incl. a template's raise_exception(...)
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                tokenize=False,
+                chat_template=self.template,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except (
+            TemplateError,
+            TypeError,
+            ValueError,
+            KeyError,
+        ) as e:  # incl. a template's raise_exception(...)
             raise RenderError(f"the model's chat template rejected the conversation: {e}") from None
 
-    def extension(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, known: int,
-                  prompt: str = "", window: bool | None = None) -> tuple[str, str, str] | None:
+    def extension(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        known: int,
+        prompt: str = "",
+        window: bool | None = None,
+    ) -> tuple[str, str, str] | None:
         """How the template goes on from `messages[:known]` (ending with a reply) to `messages`: (the reply's text
         after the generation prompt before it, the text that follows it up to the new generation prompt included,
         the whole conversation's text or "" where only a window of it was rendered); None where the later
@@ -129,7 +160,9 @@ class ChatRenderer:
         (True), all of it (False), or a window where the template is prefix-stable (None): then a turn's
         rendering does not grow with the history (docs/internals.md)."""
         if window is None and self.prefix_stable and known > 4:
-            with contextlib.suppress(RenderError):  # refused for the window (roles a template checks), not for
+            with contextlib.suppress(
+                RenderError
+            ):  # refused for the window (roles a template checks), not for
                 return self.extension(messages, tools, known, "", True)  # the conversation: render all of it
         if window:  # the first message, the reply, the one or two before it (an even number left out between,
             cut = known - 2 - (known - 3) % 2  # so that roles keep their index parity) and all after it
@@ -138,7 +171,7 @@ class ChatRenderer:
         before = self.render(messages[:known], tools, False)
         after = self.render(messages, tools, True)
         same = after.startswith(before) and before.startswith(prompt)
-        return (before[len(prompt):], after[len(before):], "" if window else after) if same else None
+        return (before[len(prompt) :], after[len(before) :], "" if window else after) if same else None
 
     @functools.cached_property
     def prefix_stable(self) -> bool:
@@ -147,9 +180,15 @@ class ChatRenderer:
         tool calls, one and several tool results) at every reply, with one, two and all the later messages."""
         for messages in (_PROBE, [{"role": "system", "content": "s"}, *_PROBE]):
             for tools, known in ((t, k) for t in (None, _PROBE_TOOLS) for k in range(5, len(messages))):
-                for end in {known + 1, known + 2, len(messages)} if messages[known - 1]["role"] == "assistant" else ():
+                for end in (
+                    {known + 1, known + 2, len(messages)}
+                    if messages[known - 1]["role"] == "assistant"
+                    else ()
+                ):
                     try:
-                        both = [self.extension(messages[:end], tools, known, "", w) or () for w in (False, True)]
+                        both = [
+                            self.extension(messages[:end], tools, known, "", w) or () for w in (False, True)
+                        ]
                     except RenderError:
                         continue  # a conversation this template refuses
                     if both[0][:2] != both[1][:2]:
@@ -158,7 +197,9 @@ class ChatRenderer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token markup in it becomes the special tokens (as templates intend)."""
-        if self._backend is not None:  # encode_batch lets other threads run meanwhile (`encode` holds the GIL)
+        if (
+            self._backend is not None
+        ):  # encode_batch lets other threads run meanwhile (`encode` holds the GIL)
             return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -188,18 +229,44 @@ class ChatRenderer:
         return text
 
 
-_PROBE_TOOLS = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
+_PROBE_TOOLS = [
+    {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+]
 
 
 # the conversation `ChatRenderer.prefix_stable` renders both ways (also after a system prompt); its replies carry
 # reasoning_content, which templates without a channel for it ignore
-_PROBE = [{"role": role, "content": text, **({"tool_call_id": "c1"} if role == "tool" else {"reasoning_content": "r"}
-                                            if role == "assistant" else {})} for role, text in (
-    ("user", "u1"), ("assistant", "<think>t</think>a1"), ("user", "u2"), ("assistant", ""), ("tool", "r1"),
-    ("assistant", "<think>t</think>"), ("tool", "r2"), ("tool", "r3"), ("assistant", "a3"), ("user", "u4"),
-    ("assistant", "a4"), ("user", "u5"), ("assistant", "a5"))]
-_PROBE[3]["tool_calls"], _PROBE[5]["tool_calls"] = ([tool_call(c, "f", {"x": 1}) for c in ids] for ids in (
-    ["c1"], ["c2", "c3"]))
+_PROBE = [
+    {
+        "role": role,
+        "content": text,
+        **(
+            {"tool_call_id": "c1"}
+            if role == "tool"
+            else {"reasoning_content": "r"}
+            if role == "assistant"
+            else {}
+        ),
+    }
+    for role, text in (
+        ("user", "u1"),
+        ("assistant", "<think>t</think>a1"),
+        ("user", "u2"),
+        ("assistant", ""),
+        ("tool", "r1"),
+        ("assistant", "<think>t</think>"),
+        ("tool", "r2"),
+        ("tool", "r3"),
+        ("assistant", "a3"),
+        ("user", "u4"),
+        ("assistant", "a4"),
+        ("user", "u5"),
+        ("assistant", "a5"),
+    )
+]
+_PROBE[3]["tool_calls"], _PROBE[5]["tool_calls"] = (
+    [tool_call(c, "f", {"x": 1}) for c in ids] for ids in (["c1"], ["c2", "c3"])
+)
 
 
 def content_parts(parts: list[dict[str, Any]], image: Any) -> str | list[dict[str, Any]]:
@@ -218,11 +285,18 @@ def content_parts(parts: list[dict[str, Any]], image: Any) -> str | list[dict[st
 
 def message_images(messages: list[dict[str, Any]]) -> list[ImageRef]:
     """The images of canonical messages, in order."""
-    return [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
+    return [
+        p["image"]
+        for m in messages
+        if isinstance(m["content"], list)
+        for p in m["content"]
+        if p["type"] == "image"
+    ]
 
 
-def canonical_messages(messages: list[dict[str, Any]], image: Callable[[str], ImageRef] | None = None,
-                       raw: Collection[str] = ()) -> list[dict[str, Any]]:
+def canonical_messages(
+    messages: list[dict[str, Any]], image: Callable[[str], ImageRef] | None = None, raw: Collection[str] = ()
+) -> list[dict[str, Any]]:
     """OpenAI-format chat messages (plain dicts) -> canonical messages; `image` loads an image_url (a
     `ChatRenderer.image`); calls to the tools in `raw` (grammar tools) keep their input as the string it is.
     Idempotent."""
@@ -234,8 +308,15 @@ def canonical_messages(messages: list[dict[str, Any]], image: Callable[[str], Im
             content = content_parts(content, image)
         msg: dict[str, Any] = {"role": role, "content": content or ""}
         if role == "assistant" and m.get("tool_calls"):
-            msg["tool_calls"] = [tool_call(c.get("id") or "", c["function"]["name"], c["function"].get("arguments") or "",
-                                           c["function"]["name"] in raw) for c in m["tool_calls"]]
+            msg["tool_calls"] = [
+                tool_call(
+                    c.get("id") or "",
+                    c["function"]["name"],
+                    c["function"].get("arguments") or "",
+                    c["function"]["name"] in raw,
+                )
+                for c in m["tool_calls"]
+            ]
         if role == "tool":
             msg["tool_call_id"] = m.get("tool_call_id") or ""
             if m.get("name"):
@@ -248,7 +329,9 @@ def merge_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
     """Leading system messages as one (instructions plus a system item, a system prompt plus a system-role
     message): templates place a system prompt only first."""
     while len(messages) > 1 and messages[0]["role"] == messages[1]["role"] == "system":
-        messages[:2] = [{"role": "system", "content": f"{messages[0]['content']}\n\n{messages[1]['content']}"}]
+        messages[:2] = [
+            {"role": "system", "content": f"{messages[0]['content']}\n\n{messages[1]['content']}"}
+        ]
     return messages
 
 
@@ -256,4 +339,7 @@ def canonical_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] 
     """OpenAI-format tool definitions; an empty list means no tools (OpenAI itself rejects `tools=[]`)."""
     if not tools:
         return None
-    return [{"type": "function", "function": {k: v for k, v in t["function"].items() if v is not None}} for t in tools]
+    return [
+        {"type": "function", "function": {k: v for k, v in t["function"].items() if v is not None}}
+        for t in tools
+    ]

@@ -39,6 +39,7 @@ reply hit the token limit. Streaming sends `response.created`, `response.in_prog
 deltas while the engine samples (`molt.capture.streaming`), the call items, and `response.completed` (or
 `response.incomplete`), as the official SDK's `responses.stream` assembles them.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -90,22 +91,38 @@ def _messages(items: list[dict[str, Any]], session: Session, raw: Any = ()) -> l
     for item in items:
         kind = item.get("type", "message")
         if kind == "reasoning":
-            reasoning += "".join(p.get("text") or "" for p in item.get("content") or item.get("summary") or [])
+            reasoning += "".join(
+                p.get("text") or "" for p in item.get("content") or item.get("summary") or []
+            )
         elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else [_part(p) for p in output or []]})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": output if isinstance(output, str) else [_part(p) for p in output or []],
+                }
+            )
         elif kind in ("message", "function_call", "custom_tool_call"):
             if kind == "message" or not (out and out[-1]["role"] == "assistant"):
                 content = item.get("content") if kind == "message" else ""
-                out.append({"role": item.get("role", "assistant"),
-                            "content": content if isinstance(content, str) else [_part(p) for p in content or []]})
+                out.append(
+                    {
+                        "role": item.get("role", "assistant"),
+                        "content": content if isinstance(content, str) else [_part(p) for p in content or []],
+                    }
+                )
             if out[-1]["role"] == "assistant" and reasoning and session.renderer.reasoning:
                 out[-1]["reasoning_content"] = reasoning
             reasoning = "" if out[-1]["role"] == "assistant" else reasoning
             if kind != "message":
-                args = (item.get("arguments") or "{}") if kind == "function_call" else item.get("input") or "" \
-                    if item["name"] in raw else {"input": item.get("input") or ""}
+                args = (
+                    (item.get("arguments") or "{}")
+                    if kind == "function_call"
+                    else item.get("input") or ""
+                    if item["name"] in raw
+                    else {"input": item.get("input") or ""}
+                )
                 call = tool_call(item.get("call_id", ""), item["name"], args, item["name"] in raw)
                 out[-1].setdefault("tool_calls", []).append(call)
         elif kind != "additional_tools":  # its tools join the request's (`request_tools`)
@@ -114,8 +131,17 @@ def _messages(items: list[dict[str, Any]], session: Session, raw: Any = ()) -> l
 
 
 # tools the provider runs itself: a model server runs none, so the model is not shown them (Codex sends web_search)
-HOSTED = {"web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
-          "image_generation", "mcp", "local_shell", "tool_search"}
+HOSTED = {
+    "web_search",
+    "web_search_preview",
+    "file_search",
+    "code_interpreter",
+    "computer_use_preview",
+    "image_generation",
+    "mcp",
+    "local_shell",
+    "tool_search",
+}
 
 
 FREE_TEXT = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
@@ -124,10 +150,14 @@ FREE_TEXT = {"type": "object", "properties": {"input": {"type": "string"}}, "req
 def request_tools(req: ResponsesRequest) -> list[dict[str, Any]]:
     """`tools` and the tools of `additional_tools` input items (Codex sends its default model its tools there)."""
     items = req.input if isinstance(req.input, list) else []
-    return (req.tools or []) + [t for i in items if i.get("type") == "additional_tools" for t in i.get("tools") or []]
+    return (req.tools or []) + [
+        t for i in items if i.get("type") == "additional_tools" for t in i.get("tools") or []
+    ]
 
 
-def _functions(tools: list[dict[str, Any]], space: str | None = None) -> list[tuple[dict[str, Any], str | None]]:
+def _functions(
+    tools: list[dict[str, Any]], space: str | None = None
+) -> list[tuple[dict[str, Any], str | None]]:
     """The function and free-text custom tools with their namespace (None at top level); hosted tools left out,
     others refused. A namespace's tools are offered by their own names; a call to one carries its `namespace`
     back. A custom tool is offered as a function of one string, `input` (module docstring)."""
@@ -136,14 +166,25 @@ def _functions(tools: list[dict[str, Any]], space: str | None = None) -> list[tu
         fmt = t.get("format") or {"type": "text"}
         if t.get("type") == "namespace":
             found += _functions(t.get("tools") or [], t.get("name"))
-        elif t.get("type") == "function" or (t.get("type") == "custom" and fmt.get("type") in ("text", "grammar")):
+        elif t.get("type") == "function" or (
+            t.get("type") == "custom" and fmt.get("type") in ("text", "grammar")
+        ):
             found.append((t, space))
         elif t.get("type") == "custom":
-            raise WireError(400, f"tools: the custom tool {t.get('name')!r} has a format of type {fmt.get('type')!r}; "
-                            "text and grammar are supported", code="unsupported_parameter", param="tools")
+            raise WireError(
+                400,
+                f"tools: the custom tool {t.get('name')!r} has a format of type {fmt.get('type')!r}; "
+                "text and grammar are supported",
+                code="unsupported_parameter",
+                param="tools",
+            )
         elif t.get("type") not in HOSTED:
-            raise WireError(400, f"tools: only function tools are supported here, not {t.get('type')!r}",
-                            code="unsupported_parameter", param="tools")
+            raise WireError(
+                400,
+                f"tools: only function tools are supported here, not {t.get('type')!r}",
+                code="unsupported_parameter",
+                param="tools",
+            )
     return found
 
 
@@ -153,19 +194,38 @@ def _grammar(tool: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-    return canonical_tools([{"type": "function", "function": {
-        "name": t.get("name"), "description": t.get("description"),
-        "parameters": t.get("parameters") if t.get("type") == "function" else FREE_TEXT if not _grammar(t) else {
-            "type": "string", "description": f"raw text in this {_grammar(t).get('syntax')} grammar, not JSON:\n"
-            f"{_grammar(t).get('definition')}"}}} for t, _ in _functions(tools)])
+    return canonical_tools(
+        [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.get("name"),
+                    "description": t.get("description"),
+                    "parameters": t.get("parameters")
+                    if t.get("type") == "function"
+                    else FREE_TEXT
+                    if not _grammar(t)
+                    else {
+                        "type": "string",
+                        "description": f"raw text in this {_grammar(t).get('syntax')} grammar, not JSON:\n"
+                        f"{_grammar(t).get('definition')}",
+                    },
+                },
+            }
+            for t, _ in _functions(tools)
+        ]
+    )
 
 
 def _formats(tools: list[dict[str, Any]], strict: bool) -> dict[str, dict[str, Any]]:
     """Tool name -> how its calls are constrained (`ChatRequest.formats`): a grammar tool by its grammar, a
     function tool by its schema where `strict` is true; left out, `strict` is true (the Responses API's default)
     where the server's tool parser has a grammar, false where it has none (docs/harnesses.md)."""
-    return {t["name"]: _grammar(t) or {"schema": t.get("parameters") or {"type": "object"}}
-            for t, _ in _functions(tools) if _grammar(t) or (t.get("type") == "function" and t.get("strict", strict))}
+    return {
+        t["name"]: _grammar(t) or {"schema": t.get("parameters") or {"type": "object"}}
+        for t, _ in _functions(tools)
+        if _grammar(t) or (t.get("type") == "function" and t.get("strict", strict))
+    }
 
 
 def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> ChatRequest:
@@ -173,8 +233,12 @@ def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> Ch
     if req.previous_response_id:
         found = session.recall(req.previous_response_id)
         if found is None:
-            raise WireError(400, f"previous_response_id: no response {req.previous_response_id!r} in this session",
-                            code="previous_response_not_found", param="previous_response_id")
+            raise WireError(
+                400,
+                f"previous_response_id: no response {req.previous_response_id!r} in this session",
+                code="previous_response_not_found",
+                param="previous_response_id",
+            )
         history, tools = found
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     if system and history and history[0]["role"] == "system":  # new instructions replace the recorded ones
@@ -182,31 +246,65 @@ def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> Ch
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else data["input"]
     formats = _formats(request_tools(req), getattr(session.parser, "grammar", None) is not None)
     raw = {name for name, f in formats.items() if "schema" not in f}
-    messages = merge_leading_system(system + history + canonical_messages(_messages(items, session, raw),
-                                                                          session.renderer.image, raw))
+    messages = merge_leading_system(
+        system + history + canonical_messages(_messages(items, session, raw), session.renderer.image, raw)
+    )
     if req.tools is not None or request_tools(req):
         tools = _tools(request_tools(req))
     choice, name = tool_choice(req.tool_choice)
     params = session.sampling(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p)
-    return ChatRequest(messages, tools, params, stop_list(req.stop), parse_tools=bool(tools) and choice != "none",
-                       tool_choice=choice, tool_name=name, formats=formats,
-                       output=output_schema((req.text or {}).get("format"), "text.format"))
+    return ChatRequest(
+        messages,
+        tools,
+        params,
+        stop_list(req.stop),
+        parse_tools=bool(tools) and choice != "none",
+        tool_choice=choice,
+        tool_name=name,
+        formats=formats,
+        output=output_schema((req.text or {}).get("format"), "text.format"),
+    )
 
 
-def _body(req: ResponsesRequest, rid: str, created: int, status: str, output: list[dict[str, Any]],
-          usage: dict[str, Any] | None) -> dict[str, Any]:
-    return {"id": f"resp_{rid}", "object": "response", "created_at": created, "status": status, "model": req.model,
-            "output": output, "instructions": req.instructions, "tools": req.tools or [],
-            "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": True, "temperature": req.temperature,
-            "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
-            "previous_response_id": req.previous_response_id, "text": {"format": {"type": "text"}},
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "error": None, "metadata": {}, "usage": usage}
+def _body(
+    req: ResponsesRequest,
+    rid: str,
+    created: int,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
+) -> dict[str, Any]:
+    return {
+        "id": f"resp_{rid}",
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "model": req.model,
+        "output": output,
+        "instructions": req.instructions,
+        "tools": req.tools or [],
+        "tool_choice": req.tool_choice or "auto",
+        "parallel_tool_calls": True,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "max_output_tokens": req.max_output_tokens,
+        "previous_response_id": req.previous_response_id,
+        "text": {"format": {"type": "text"}},
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "error": None,
+        "metadata": {},
+        "usage": usage,
+    }
 
 
 def _message(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
 
 
 def response_body(gen: Generation, req: ResponsesRequest, session: Session | None = None) -> dict[str, Any]:
@@ -216,19 +314,37 @@ def response_body(gen: Generation, req: ResponsesRequest, session: Session | Non
     for c in ch.tool_calls:
         kind, ns = known.get(c["function"]["name"], ("function", None))
         args = c["function"]["arguments"]
-        item = ({"type": "function_call", "id": f"fc_{c['id']}", "arguments": arguments_json(c)} if kind == "function"
-                else {"type": "custom_tool_call", "id": f"ctc_{c['id']}", "input": args["input"]
-                      if isinstance(args, dict) and isinstance(args.get("input"), str) else arguments_json(c)})
-        output.append(item | {"call_id": c["id"], "name": c["function"]["name"], "status": "completed"}
-                      | ({"namespace": ns} if ns else {}))
+        item = (
+            {"type": "function_call", "id": f"fc_{c['id']}", "arguments": arguments_json(c)}
+            if kind == "function"
+            else {
+                "type": "custom_tool_call",
+                "id": f"ctc_{c['id']}",
+                "input": args["input"]
+                if isinstance(args, dict) and isinstance(args.get("input"), str)
+                else arguments_json(c),
+            }
+        )
+        output.append(
+            item
+            | {"call_id": c["id"], "name": c["function"]["name"], "status": "completed"}
+            | ({"namespace": ns} if ns else {})
+        )
     prompt, completion = len(gen.prompt_ids), len(ch.action_ids)
-    usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
-             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
+    usage = {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
     status = "incomplete" if ch.finish_reason == "length" else "completed"
     return _body(req, gen.id, gen.created, status, output, usage)
 
 
-async def stream(live: LiveReply, req: ResponsesRequest, session: Session | None = None) -> AsyncIterator[bytes]:
+async def stream(
+    live: LiveReply, req: ResponsesRequest, session: Session | None = None
+) -> AsyncIterator[bytes]:
     """The event sequence of the module docstring. A failure after the first byte ends it with an error event."""
     seq = itertools.count()
 
@@ -239,15 +355,20 @@ async def stream(live: LiveReply, req: ResponsesRequest, session: Session | None
     text_at = {"item_id": msg_id, "output_index": 0, "content_index": 0}
 
     def open_text() -> list[bytes]:
-        return [event("response.output_item.added", output_index=0, item={**_message(msg_id, "", "in_progress"),
-                                                                           "content": []}),
-                event("response.content_part.added", **text_at, part=_message(msg_id, "")["content"][0])]
+        return [
+            event(
+                "response.output_item.added",
+                output_index=0,
+                item={**_message(msg_id, "", "in_progress"), "content": []},
+            ),
+            event("response.content_part.added", **text_at, part=_message(msg_id, "")["content"][0]),
+        ]
 
     head = _body(req, live.id, live.created, "in_progress", [], None)
     yield event("response.created", response=head)
     yield event("response.in_progress", response=head)
     async for piece in live.deltas():
-        for chunk in ([] if opened else open_text()):
+        for chunk in [] if opened else open_text():
             yield chunk
         opened = True
         yield event("response.output_text.delta", **text_at, delta=piece, logprobs=[])
@@ -258,11 +379,13 @@ async def stream(live: LiveReply, req: ResponsesRequest, session: Session | None
         yield event("error", code=error["code"], message=error["message"], param=error["param"])
         return
     body = response_body(gen, req)
-    if opened and not (body["output"] and body["output"][0]["type"] == "message"):  # only after a stream mismatch
+    if opened and not (
+        body["output"] and body["output"][0]["type"] == "message"
+    ):  # only after a stream mismatch
         body["output"].insert(0, _message(msg_id, live.sent))
     for i, item in enumerate(body["output"]):
         if item["type"] == "message":
-            for chunk in ([] if opened else open_text()):
+            for chunk in [] if opened else open_text():
                 yield chunk
             for piece in text_pieces(live.rest(gen.choices[0])):
                 yield event("response.output_text.delta", **text_at, delta=piece, logprobs=[])
@@ -270,11 +393,23 @@ async def stream(live: LiveReply, req: ResponsesRequest, session: Session | None
             yield event("response.output_text.done", **text_at, text=part["text"], logprobs=[])
             yield event("response.content_part.done", **text_at, part=part)
         else:
-            field, kind = ("arguments", "function_call_arguments") if "arguments" in item else (
-                "input", "custom_tool_call_input")
-            yield event("response.output_item.added", output_index=i, item={**item, field: "", "status": "in_progress"})
+            field, kind = (
+                ("arguments", "function_call_arguments")
+                if "arguments" in item
+                else ("input", "custom_tool_call_input")
+            )
+            yield event(
+                "response.output_item.added",
+                output_index=i,
+                item={**item, field: "", "status": "in_progress"},
+            )
             yield event(f"response.{kind}.delta", item_id=item["id"], output_index=i, delta=item[field])
-            yield event(f"response.{kind}.done", item_id=item["id"], output_index=i, name=item["name"],
-                        **{field: item[field]})
+            yield event(
+                f"response.{kind}.done",
+                item_id=item["id"],
+                output_index=i,
+                name=item["name"],
+                **{field: item[field]},
+            )
         yield event("response.output_item.done", output_index=i, item=item)
     yield event(f"response.{body['status']}", response=body)

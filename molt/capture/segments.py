@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/capture/segments.py`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,7 +30,9 @@ class Action:
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
-    routes: Any = None  # MoE: the completion's routed experts (prompt and action, `Completion.routed_experts`)
+    routes: Any = (
+        None  # MoE: the completion's routed experts (prompt and action, `Completion.routed_experts`)
+    )
 
 
 @dataclass
@@ -37,7 +40,9 @@ class Plan:
     """What a request will extend (or start) and the exact prompt to send to the engine."""
 
     prompt_ids: Any  # numpy [n] int32: the branch's tokens and the new context (what the engine gets)
-    context_ids: list[int]  # tokens appended to the branch before the action (mask 0); the whole prompt if new
+    context_ids: list[
+        int
+    ]  # tokens appended to the branch before the action (mask 0); the whole prompt if new
     branch: _Branch | None  # continued branch, None for a new segment
     break_reason: str
     messages: list[dict[str, Any]] | None
@@ -64,19 +69,35 @@ class SegmentTracker:
     def segments(self) -> list[Segment]:
         return [b.segment for b in self.branches]
 
-    def plan(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, temperature: float) -> Plan:
+    def plan(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, temperature: float
+    ) -> Plan:
         rewrite = False
         for branch in reversed(self._by_start.get(_start(messages), ())):
             known = branch.messages
-            if (known is None or branch.tools != tools or branch.segment.temperature != temperature
-                    or len(messages) <= len(known) or messages[: len(known)] != known):
+            if (
+                known is None
+                or branch.tools != tools
+                or branch.segment.temperature != temperature
+                or len(messages) <= len(known)
+                or messages[: len(known)] != known
+            ):
                 continue
             pieces = self.renderer.extension(messages, tools, len(known), branch.prompt_text)
             context = pieces and self._continuation(branch, *pieces[:2])
             if context is not None:
-                ids, images = self.renderer.encode_images(context, message_images(messages[len(known):]))
-                return Plan(joined_ids(branch.segment.token_ids, ids), ids, branch, "", messages, tools, temperature,
-                            pieces[2], images=join_inputs(branch.segment.images, images))
+                ids, images = self.renderer.encode_images(context, message_images(messages[len(known) :]))
+                return Plan(
+                    joined_ids(branch.segment.token_ids, ids),
+                    ids,
+                    branch,
+                    "",
+                    messages,
+                    tools,
+                    temperature,
+                    pieces[2],
+                    images=join_inputs(branch.segment.images, images),
+                )
             rewrite = True
             break
         text_c = self.renderer.render(messages, tools, add_generation_prompt=True)
@@ -89,8 +110,16 @@ class SegmentTracker:
             raise ValueError("raw-text continuation needs an earlier turn in this session")
         seg = self._last.segment
         ids = self.renderer.encode(text)
-        return Plan(joined_ids(seg.token_ids, ids), ids, self._last, "", None, self._last.tools, seg.temperature,
-                    images=seg.images)
+        return Plan(
+            joined_ids(seg.token_ids, ids),
+            ids,
+            self._last,
+            "",
+            None,
+            self._last.tools,
+            seg.temperature,
+            images=seg.images,
+        )
 
     def commit(self, plan: Plan, actions: list[Action], replies: list[dict[str, Any]] | None) -> None:
         """Record the sampled choices of a planned request (choice 0 continues or starts; others branch)."""
@@ -103,8 +132,15 @@ class SegmentTracker:
                 branch.segment.images = plan.images
                 branch.messages, branch.prompt_text, branch.ended_turn = messages, plan.prompt_text, ended
             else:
-                segment = Segment([], [], [], [], break_reason=plan.break_reason if i == 0 else "branch",
-                                  temperature=plan.temperature, images=plan.images)
+                segment = Segment(
+                    [],
+                    [],
+                    [],
+                    [],
+                    break_reason=plan.break_reason if i == 0 else "branch",
+                    temperature=plan.temperature,
+                    images=plan.images,
+                )
                 _extend(segment, plan.prompt_ids, action)
                 branch = _Branch(segment, messages, plan.tools, plan.prompt_text, ended)
                 self.branches.append(branch)
@@ -120,11 +156,16 @@ class SegmentTracker:
         end, eos = max((reply.rfind(e), e) for e in self.eos_texts) if self.eos_texts else (-1, "")
         if end < 0:
             return None  # the template does not close turns with an EOS token: no safe splice point
-        closer = reply[end + len(eos):] if branch.ended_turn else reply[end:]
+        closer = reply[end + len(eos) :] if branch.ended_turn else reply[end:]
         return closer + added
 
-    def _break_reason(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                      temperature: float, rewrite: bool) -> str:
+    def _break_reason(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        temperature: float,
+        rewrite: bool,
+    ) -> str:
         last = self._last
         if last is None:
             return "start"
@@ -153,11 +194,15 @@ def _extend(segment: Segment, context: Any, action: Action) -> None:
     n, k = len(context), len(action.token_ids)
     segment.token_ids = joined_ids(segment.token_ids, context, action.token_ids)
     segment.action_mask = np.concatenate([segment.action_mask, np.arange(n + k) >= n])
-    segment.behavior_logprobs = np.concatenate([segment.behavior_logprobs, np.asarray(action.logprobs, np.float32)])
+    segment.behavior_logprobs = np.concatenate(
+        [segment.behavior_logprobs, np.asarray(action.logprobs, np.float32)]
+    )
     segment.versions = np.concatenate([segment.versions, np.asarray(action.versions, np.int32)])
-    if action.routes is not None:  # aligned with token_ids (0 where never run); rows already there keep theirs
+    if (
+        action.routes is not None
+    ):  # aligned with token_ids (0 where never run); rows already there keep theirs
         routes = np.zeros((len(segment.token_ids), *action.routes.shape[1:]), action.routes.dtype)
-        routes[:len(action.routes)] = action.routes[:len(routes)]
+        routes[: len(action.routes)] = action.routes[: len(routes)]
         if segment.routed_experts is not None:
-            routes[:len(segment.routed_experts) - 1] = segment.routed_experts[:-1]
+            routes[: len(segment.routed_experts) - 1] = segment.routed_experts[:-1]
         segment.routed_experts = routes

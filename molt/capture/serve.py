@@ -21,6 +21,7 @@ another size is refused, as vLLM sizes it from its KV cache).
 This file and `doctor.py` are the CLI's wiring: they import `molt.models` and the engines inside the
 functions, which the capture library itself never does.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,19 +61,33 @@ def add_service_routes(server: CaptureServer) -> None:
         except (ValueError, TypeError) as e:
             raise WireError(400, f"sampling_params: {e}", param="sampling_params") from None
         session = await server.open_session(spec.rollout_id, params)
-        return JSONResponse({"session_id": session.session_id, "base_url": session.base_url,
-                             "session_url": session.session_url, "api_key": session.api_key})
+        return JSONResponse(
+            {
+                "session_id": session.session_id,
+                "base_url": session.base_url,
+                "session_url": session.session_url,
+                "api_key": session.api_key,
+            }
+        )
 
     @app.get("/s/{session_id}/trajectory")
     async def trajectory(session_id: str, request: Request) -> JSONResponse:
         session = server.session_for(session_id, request)
-        segments = [{**token_lists(s.token_ids, s.action_mask, s.behavior_logprobs, s.versions),
-                     "break_reason": s.break_reason, "temperature": s.temperature,
-                     "text": server.renderer.decode(s.token_ids.tolist()),
-                     "images": [str(ref) for ref in message_images(b.messages or [])],
-                     "routed_experts": None if s.routed_experts is None else s.routed_experts.tolist()}
-                    for b in session.tracker.branches for s in [b.segment]]
-        return JSONResponse({"rollout_id": session.rollout_id, "reward": session.reward, "segments": segments})
+        segments = [
+            {
+                **token_lists(s.token_ids, s.action_mask, s.behavior_logprobs, s.versions),
+                "break_reason": s.break_reason,
+                "temperature": s.temperature,
+                "text": server.renderer.decode(s.token_ids.tolist()),
+                "images": [str(ref) for ref in message_images(b.messages or [])],
+                "routed_experts": None if s.routed_experts is None else s.routed_experts.tolist(),
+            }
+            for b in session.tracker.branches
+            for s in [b.segment]
+        ]
+        return JSONResponse(
+            {"rollout_id": session.rollout_id, "reward": session.reward, "segments": segments}
+        )
 
     @app.post("/s/{session_id}/reward")
     async def reward(session_id: str, request: Request) -> JSONResponse:
@@ -84,8 +99,16 @@ def add_service_routes(server: CaptureServer) -> None:
 _SERVER_OPTIONS = ("strict_model", "max_request_mb", "max_chars_per_token", "tool_parser")  # CaptureServer's
 
 
-async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: Any = None,
-                engine_kind: str = "hf", ready: Any = print, allow_remote_images: bool = False, **engine_options: Any) -> None:
+async def serve(
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    engine: Any = None,
+    engine_kind: str = "hf",
+    ready: Any = print,
+    allow_remote_images: bool = False,
+    **engine_options: Any,
+) -> None:
     """Run the service until SIGINT/SIGTERM. `engine` defaults to an HFEngine on `model` (a path) in a process
     of its own (`molt.engine.process`), leaving one core to the server, or with `engine_kind="vllm"` a VLLMEngine,
     built with the `engine_options` other than the capture server's own (`_SERVER_OPTIONS`: strict_model, max_request_mb,
@@ -98,16 +121,24 @@ async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: A
         from molt.engine.vllm import VLLMEngine
 
         cache_mb = engine_options.pop("prefix_cache_mb", None)
-        if cache_mb:  # vLLM's prefix cache lives in its KV cache, sized by VLLM_CPU_KVCACHE_SPACE or GPU memory
-            raise ValueError("--prefix-cache-mb: vLLM sizes its prefix cache itself; only 0 (off) applies to it")
+        if (
+            cache_mb
+        ):  # vLLM's prefix cache lives in its KV cache, sized by VLLM_CPU_KVCACHE_SPACE or GPU memory
+            raise ValueError(
+                "--prefix-cache-mb: vLLM sizes its prefix cache itself; only 0 (off) applies to it"
+            )
         engine = VLLMEngine(model, enable_prefix_caching=cache_mb != 0, **engine_options)
     elif owned:
         import os
 
         from molt.engine.process import EngineProcess
 
-        engine = EngineProcess("molt.engine.hf:HFEngine", model, torch_threads=max(1, (os.cpu_count() or 2) - 1),
-                               **engine_options)
+        engine = EngineProcess(
+            "molt.engine.hf:HFEngine",
+            model,
+            torch_threads=max(1, (os.cpu_count() or 2) - 1),
+            **engine_options,
+        )
     renderer = ChatRenderer.from_pretrained(model, allow_remote_images=allow_remote_images)
     server = CaptureServer(engine, renderer, host=host, port=port, **server_options)
     add_service_routes(server)
@@ -115,8 +146,10 @@ async def serve(model: str, host: str = "127.0.0.1", port: int = 8000, engine: A
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, server.request_stop)
-    ready(f"molt serve: {engine.model_name} on {server.url}  (POST {server.url}/sessions to open a session)",
-          flush=True)
+    ready(
+        f"molt serve: {engine.model_name} on {server.url}  (POST {server.url}/sessions to open a session)",
+        flush=True,
+    )
     try:
         await server.wait()
         await server.stop()
@@ -131,8 +164,17 @@ def serve_main(args: Any) -> int:
     """Entry point for `molt serve` (args: model, host, port, strict_model, prefix_cache_mb)."""
     from molt.models import resolve_model
 
-    options = {k: v for k in (*_SERVER_OPTIONS, "allow_remote_images", "prefix_cache_mb")
-               if (v := getattr(args, k, None)) is not None}  # absent or None: the default
-    asyncio.run(serve(str(resolve_model(args.model)), args.host, args.port, engine_kind=getattr(args, "engine", "hf"),
-                      **options))
+    options = {
+        k: getattr(args, k, None) for k in (*_SERVER_OPTIONS, "allow_remote_images", "prefix_cache_mb")
+    }
+    options = {k: v for k, v in options.items() if v is not None}  # absent or None: the default
+    asyncio.run(
+        serve(
+            str(resolve_model(args.model)),
+            args.host,
+            args.port,
+            engine_kind=getattr(args, "engine", "hf"),
+            **options,
+        )
+    )
     return 0

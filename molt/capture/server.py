@@ -21,6 +21,7 @@ other sessions. An engine failure is a 500 in the same shape, 503 while the engi
 `CaptureServer` implements `molt.agents.SessionProvider`; the runtime opens one session per rollout and closes
 it when the rollout ends (which returns the segments).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -48,8 +49,11 @@ from molt.types import SamplingParams
 
 # FastAPI >= 0.165 records OpenTelemetry spans, metrics and logs for every request by default: work on the
 # capture hot path that nobody reads (older releases have no such argument)
-_NO_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}
-                 if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
+_NO_TELEMETRY = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    else {}
+)
 
 
 @functools.cache
@@ -74,20 +78,37 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class CaptureServer:
-    def __init__(self, engine: Engine, renderer: ChatRenderer, *, host: str = "127.0.0.1", port: int = 0,
-                 tool_parser: str = "auto", served_names: tuple[str, ...] = (), strict_model: bool = False,
-                 max_request_mb: float = 32, max_chars_per_token: float = 16):
+    def __init__(
+        self,
+        engine: Engine,
+        renderer: ChatRenderer,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tool_parser: str = "auto",
+        served_names: tuple[str, ...] = (),
+        strict_model: bool = False,
+        max_request_mb: float = 32,
+        max_chars_per_token: float = 16,
+    ):
         self.engine, self.renderer = engine, renderer
         self.host, self.port = host, port
         self.parser = choose_tool_parser(tool_parser, renderer.template, renderer.tokenizer)
         renderer.keep_special(self.parser.markers)  # type: ignore[attr-defined]
-        self.model_names = {engine.model_name, *served_names}  # names /v1/models lists (the only ones, if strict)
+        self.model_names = {
+            engine.model_name,
+            *served_names,
+        }  # names /v1/models lists (the only ones, if strict)
         self.strict_model = strict_model
         self.max_request_mb, self.max_chars_per_token = max_request_mb, max_chars_per_token
         self.sessions: dict[str, Session] = {}
-        self.app = FastAPI(title="molt capture", openapi_url=None, docs_url=None, redoc_url=None, **_NO_TELEMETRY)
+        self.app = FastAPI(
+            title="molt capture", openapi_url=None, docs_url=None, redoc_url=None, **_NO_TELEMETRY
+        )
         self.app.add_exception_handler(WireError, self._wire_error)
-        self.app.add_exception_handler(StarletteHTTPException, self._http_error)  # unknown routes, wrong methods
+        self.app.add_exception_handler(
+            StarletteHTTPException, self._http_error
+        )  # unknown routes, wrong methods
         self._routes()
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
@@ -95,14 +116,24 @@ class CaptureServer:
     # ------------------------------------------------------------------------------------- lifecycle
     @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host  # a wildcard bind is not an address
+        host = (
+            "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        )  # a wildcard bind is not an address
         return f"http://{host}:{self.port}"
 
     async def start(self) -> None:
         # agents pause between calls (tools, thinking) longer than uvicorn's 5 s default keep-alive; a
         # connection the server closes just as the client reuses it fails the request
-        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=5, timeout_keep_alive=300)
+        config = uvicorn.Config(
+            self.app,
+            host=self.host,
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=300,
+        )
         self._server = _EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve())
         while not self._server.started:
@@ -130,13 +161,22 @@ class CaptureServer:
             await self._task
 
     # ------------------------------------------------------------------------------------- sessions
-    async def open_session(self, rollout_id: str = "", sampling_params: SamplingParams | None = None) -> Session:
+    async def open_session(
+        self, rollout_id: str = "", sampling_params: SamplingParams | None = None
+    ) -> Session:
         session_id = secrets.token_hex(8)
-        session = Session(session_id=session_id, api_key=f"molt-{secrets.token_urlsafe(24)}", root_url=self.url,
-                          engine=self.engine, renderer=self.renderer, parser=self.parser,
-                          defaults=(sampling_params or SamplingParams(max_tokens=None)).copy(), rollout_id=rollout_id,
-                          max_chars_per_token=self.max_chars_per_token,
-                          on_close=lambda s: self.sessions.pop(s.session_id, None))
+        session = Session(
+            session_id=session_id,
+            api_key=f"molt-{secrets.token_urlsafe(24)}",
+            root_url=self.url,
+            engine=self.engine,
+            renderer=self.renderer,
+            parser=self.parser,
+            defaults=(sampling_params or SamplingParams(max_tokens=None)).copy(),
+            rollout_id=rollout_id,
+            max_chars_per_token=self.max_chars_per_token,
+            on_close=lambda s: self.sessions.pop(s.session_id, None),
+        )
         self.sessions[session_id] = session
         return session
 
@@ -164,9 +204,23 @@ class CaptureServer:
         @app.get("/s/{session_id}/v1/models")
         async def models(session_id: str, request: Request) -> JSONResponse:
             self.session_for(session_id, request)
-            return JSONResponse({"object": "list", "data": [
-                {"id": name, "object": "model", "created": 0, "owned_by": "molt", "type": "model",
-                 "display_name": name, "created_at": "1970-01-01T00:00:00Z"} for name in sorted(self.model_names)]})
+            return JSONResponse(
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": name,
+                            "object": "model",
+                            "created": 0,
+                            "owned_by": "molt",
+                            "type": "model",
+                            "display_name": name,
+                            "created_at": "1970-01-01T00:00:00Z",
+                        }
+                        for name in sorted(self.model_names)
+                    ],
+                }
+            )
 
         # plain Starlette routes for the two hot endpoints: no FastAPI dependency solving per request
         async def chat_completions(request: Request) -> Response:
@@ -203,8 +257,12 @@ class CaptureServer:
         raw = await self._body(request)
         req, data = parse_body(module.SCHEMA, raw)
         if self.strict_model and req.model not in self.model_names:
-            raise WireError(400, f"unknown model {req.model!r}; this server serves {sorted(self.model_names)}",
-                            code="model_not_found", param="model")
+            raise WireError(
+                400,
+                f"unknown model {req.model!r}; this server serves {sorted(self.model_names)}",
+                code="model_not_found",
+                param="model",
+            )
         key, lookup = cache_key(wire, raw, request.headers)
         try:
             chat = module.to_chat(req, data, session)  # ValueError: e.g. an image that cannot be decoded
@@ -213,8 +271,11 @@ class CaptureServer:
                 live = LiveReply(session, chat, key, lookup)
                 await live.begin()
                 # run after the stream, or once the client went away mid-stream: its engine request stops
-                return StreamingResponse(module.stream(live, req, session), media_type="text/event-stream",
-                                         background=BackgroundTask(live.cancel))
+                return StreamingResponse(
+                    module.stream(live, req, session),
+                    media_type="text/event-stream",
+                    background=BackgroundTask(live.cancel),
+                )
             gen = await session.complete(chat, key, lookup)
         except ANSWERED as e:
             raise error_reply(e) from None
@@ -224,17 +285,30 @@ class CaptureServer:
         """The request's body, refused (413) over max_request_mb: by its declared length before it is read."""
         limit = int(self.max_request_mb * 2**20)
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit or len(raw := await request.body()) > limit:
-            raise WireError(413, f"the request body is over this server's limit of {self.max_request_mb:g} MB "
-                            "(max_request_mb)", code="request_too_large")
+        too_large = WireError(
+            413,
+            f"the request body is over this server's limit of {self.max_request_mb:g} MB (max_request_mb)",
+            code="request_too_large",
+        )
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        raw = await request.body()
+        if len(raw) > limit:
+            raise too_large
         return raw
 
     @classmethod
     async def _http_error(cls, request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return await cls._wire_error(request, WireError(error.status_code, f"{request.method} {request.url.path}: "
-                                                                           f"{error.detail}", code="not_found"))
+        return await cls._wire_error(
+            request,
+            WireError(
+                error.status_code, f"{request.method} {request.url.path}: {error.detail}", code="not_found"
+            ),
+        )
 
     @staticmethod
     async def _wire_error(request: Request, error: WireError) -> JSONResponse:
         anthropic = "/v1/messages" in request.url.path
-        return JSONResponse(error.anthropic_body() if anthropic else error.openai_body(), status_code=error.status)
+        return JSONResponse(
+            error.anthropic_body() if anthropic else error.openai_body(), status_code=error.status
+        )

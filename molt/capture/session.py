@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/capture/session.py`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,10 +51,16 @@ class ChatRequest:
     parse_tools: bool = True
     tool_choice: str = "auto"  # "auto" | "none" | "required" (some tool) | "function" (the one in tool_name)
     tool_name: str | None = None
-    formats: dict[str, dict[str, Any]] = field(default_factory=dict)  # tool name -> {"schema"} (strict) or a grammar
+    formats: dict[str, dict[str, Any]] = field(
+        default_factory=dict
+    )  # tool name -> {"schema"} (strict) or a grammar
     output: dict[str, Any] | None = None  # the JSON schema of a text reply (structured outputs)
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])  # its reply's id (hex; the wires prefix it)
-    body_bytes: int | None = None  # its wire body's length, a bound on its characters (`_fits` walks it above)
+    id: str = field(
+        default_factory=lambda: uuid.uuid4().hex[:24]
+    )  # its reply's id (hex; the wires prefix it)
+    body_bytes: int | None = (
+        None  # its wire body's length, a bound on its characters (`_fits` walks it above)
+    )
 
 
 @dataclass
@@ -90,13 +97,30 @@ class Turn:
     finish_reason: str
 
 
+def _turn(gen: Generation) -> Turn:
+    choice = gen.choices[0]
+    return Turn(choice.message, gen.prompt_ids.tolist(), choice.action_ids, choice.finish_reason)
+
+
 class Session:
     """A rollout's session: URLs, key, sampling defaults, segments. Implements `molt.agents.CaptureSession`."""
 
-    def __init__(self, *, session_id: str, api_key: str, root_url: str, engine: Engine, renderer: ChatRenderer,
-                 parser: ToolParser, defaults: SamplingParams, rollout_id: str = "", cache_size: int = 16,
-                 history_size: int = 64, max_chars_per_token: float = 16,
-                 on_close: Callable[[Session], None] | None = None):
+    def __init__(
+        self,
+        *,
+        session_id: str,
+        api_key: str,
+        root_url: str,
+        engine: Engine,
+        renderer: ChatRenderer,
+        parser: ToolParser,
+        defaults: SamplingParams,
+        rollout_id: str = "",
+        cache_size: int = 16,
+        history_size: int = 64,
+        max_chars_per_token: float = 16,
+        on_close: Callable[[Session], None] | None = None,
+    ):
         self.session_id, self.api_key, self.rollout_id = session_id, api_key, rollout_id
         self.session_url = f"{root_url}/s/{session_id}"
         self.base_url = f"{self.session_url}/v1"
@@ -104,7 +128,9 @@ class Session:
         self.model_name, self.max_model_len = engine.model_name, engine.max_model_len
         self.can_stream = can_stream(engine)  # see streaming.py
         self.defaults = defaults
-        self.max_chars = max_chars_per_token * self.max_model_len  # refused before tokenizing above it (0: off)
+        self.max_chars = (
+            max_chars_per_token * self.max_model_len
+        )  # refused before tokenizing above it (0: off)
         self.tracker = SegmentTracker(renderer, engine.eos_token_ids)
         self.closed = False
         self.reward: float | None = None  # set through `molt serve`'s POST /s/{id}/reward
@@ -113,19 +139,28 @@ class Session:
         self._cache: OrderedDict[str, Generation] = OrderedDict()
         self._cache_size = cache_size
         # (messages ending with the reply, tools) of the latest replies by id, for requests that continue one
-        self._replies: OrderedDict[str, tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = OrderedDict()
+        self._replies: OrderedDict[str, tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = (
+            OrderedDict()
+        )
         self._history_size = history_size
         self._inflight: set[str] = set()
         self._count = 0
         self._on_close = on_close
 
     # ---------------------------------------------------------------------- molt.agents.CaptureSession
-    async def chat(self, messages: list[dict[str, Any]], params: SamplingParams,
-                   tools: list[dict[str, Any]] | None = None) -> Turn:
-        request = ChatRequest(canonical_messages(messages, self.renderer.image), canonical_tools(tools), params,
-                              parse_tools=bool(tools))
-        gen = await self.complete(request)
-        return Turn((c := gen.choices[0]).message, gen.prompt_ids.tolist(), c.action_ids, c.finish_reason)
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Turn:
+        request = ChatRequest(
+            canonical_messages(messages, self.renderer.image),
+            canonical_tools(tools),
+            params,
+            parse_tools=bool(tools),
+        )
+        return _turn(await self.complete(request))
 
     async def extend(self, text: str, params: SamplingParams) -> Turn:
         async with self._lock:
@@ -133,7 +168,7 @@ class Session:
             self.stats["requests"] += 1
             plan = await asyncio.to_thread(self.tracker.plan_raw, self._fits(text))
             gen = await self._generate(plan, ChatRequest([], None, params, parse_tools=False))
-        return Turn((c := gen.choices[0]).message, gen.prompt_ids.tolist(), c.action_ids, c.finish_reason)
+        return _turn(gen)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.renderer.decode(token_ids)
@@ -148,12 +183,15 @@ class Session:
         return self.tracker.segments()
 
     # ---------------------------------------------------------------------- the capture path
-    async def complete(self, request: ChatRequest, cache_key: str | None = None, lookup: bool = True,
-                       listener: Any = None) -> Generation:
+    async def complete(
+        self, request: ChatRequest, cache_key: str | None = None, lookup: bool = True, listener: Any = None
+    ) -> Generation:
         """Answer one request: from the retry cache (when `lookup`), or plan -> generate -> record (and cache
         under `cache_key`). `listener` (a `streaming.LiveReply`, n == 1 only) hears the planned prompt and
         the sampled tokens as they come."""
-        if request.body_bytes is None or request.body_bytes > self.max_chars > 0:  # within it: no O(history) walk
+        if (
+            request.body_bytes is None or request.body_bytes > self.max_chars > 0
+        ):  # within it: no O(history) walk
             self._fits(request.messages, request.tools)
         async with self._lock:
             self._check_open()
@@ -162,13 +200,18 @@ class Session:
                 self.stats["cache_hits"] += 1
                 return self._cache[cache_key]
             # rendering and tokenizing grow with the conversation: in a thread, so other sessions go on meanwhile
-            plan = await asyncio.to_thread(self.tracker.plan, request.messages, request.tools,
-                                           request.params.temperature)
+            plan = await asyncio.to_thread(
+                self.tracker.plan, request.messages, request.tools, request.params.temperature
+            )
             gen = await self._generate(plan, request, listener)
             if cache_key is not None:
                 _put(self._cache, cache_key, gen, self._cache_size)
-            _put(self._replies, gen.id, (request.messages + [gen.choices[0].message], request.tools),
-                 self._history_size)
+            _put(
+                self._replies,
+                gen.id,
+                (request.messages + [gen.choices[0].message], request.tools),
+                self._history_size,
+            )
             return gen
 
     def recall(self, reply_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None] | None:
@@ -179,43 +222,62 @@ class Session:
     def sampling(self, *, seed: int | None = None, top_logprobs: int = 0, **fields: Any) -> SamplingParams:
         """The session's defaults overridden by a request's fields that are not None; `seed` is the request's
         own (None: the session gives the call its own seed of the rollout's)."""
-        return self.defaults.copy(seed=seed, top_logprobs=top_logprobs,
-                                  **{k: v for k, v in fields.items() if v is not None})
+        return self.defaults.copy(
+            seed=seed, top_logprobs=top_logprobs, **{k: v for k, v in fields.items() if v is not None}
+        )
 
     async def _generate(self, plan: Plan, request: ChatRequest, listener: Any = None) -> Generation:
         opening, base = self._constrain(request)
         if opening:  # forced tool call: the opening is context the model continues from (mask 0)
             forced = self.renderer.encode(opening)
-            plan = dataclasses.replace(plan, prompt_ids=joined_ids(plan.prompt_ids, forced),
-                                       context_ids=plan.context_ids + forced)
+            plan = dataclasses.replace(
+                plan, prompt_ids=joined_ids(plan.prompt_ids, forced), context_ids=plan.context_ids + forced
+            )
         if len(plan.prompt_ids) >= self.max_model_len:
             raise ContextTooLong(
                 f"this conversation is {len(plan.prompt_ids)} tokens but the context window of {self.model_name} "
-                f"is {self.max_model_len} tokens (prompt and completion); shorten the messages")
-        seed = request.params.seed  # the request's own, or this call's of the rollout's (molt.types docstring)
+                f"is {self.max_model_len} tokens (prompt and completion); shorten the messages"
+            )
+        seed = (
+            request.params.seed
+        )  # the request's own, or this call's of the rollout's (molt.types docstring)
         if seed is None and self.defaults.seed is not None:
             seed = sub_seed(self.defaults.seed, self._count)
         self._count += 1
         ids = [f"{self.session_id}-{self._count}-{i}" for i in range(request.n)]
         params = [base if seed is None else base.copy(seed=seed + i) for i in range(request.n)]
         self._inflight.update(ids)
-        stream: dict[str, Any] = {"images": plan.images, "sources": [i.image for i in message_images(
-            plan.messages or [])]} if plan.images else {}  # sources: the decoded images (vLLM processes them itself)
+        stream: dict[str, Any] = (
+            {"images": plan.images, "sources": [i.image for i in message_images(plan.messages or [])]}
+            if plan.images
+            else {}
+        )  # sources: the decoded images (vLLM processes them itself)
         if listener is not None:
             listener.started(plan.prompt_ids)
             stream["on_tokens"] = listener.tokens
         try:
-            completions = await asyncio.gather(*(
-                self.engine.generate(plan.prompt_ids, p, session_id=self.session_id, request_id=rid, **stream)
-                for p, rid in zip(params, ids)))
+            completions = await asyncio.gather(
+                *(
+                    self.engine.generate(
+                        plan.prompt_ids, p, session_id=self.session_id, request_id=rid, **stream
+                    )
+                    for p, rid in zip(params, ids)
+                )
+            )
         finally:
             self._inflight.difference_update(ids)
         if self.closed or any(c.finish_reason is FinishReason.ABORT for c in completions):
             raise SessionClosed(f"session {self.session_id} was closed while generating")
         choices = [self._choice(c, request, opening) for c in completions]
-        actions = [Action(ch.action_ids, c.logprobs[: len(ch.action_ids)], c.versions[: len(ch.action_ids)],
-                          c.routed_experts)
-                   for ch, c in zip(choices, completions)]
+        actions = [
+            Action(
+                ch.action_ids,
+                c.logprobs[: len(ch.action_ids)],
+                c.versions[: len(ch.action_ids)],
+                c.routed_experts,
+            )
+            for ch, c in zip(choices, completions)
+        ]
         self.tracker.commit(plan, actions, [ch.message for ch in choices])
         return Generation(request.id, int(time.time()), plan.prompt_ids, choices)
 
@@ -224,16 +286,21 @@ class Session:
         max_chars_per_token x the window: a cheap bound that refuses an oversized request before tokenizing it. A wire
         request whose body is within the limit is not walked (every character of its text took at least a byte of
         the body, up to the few a wire adds: a tool call's type), so a turn's check does not grow with its history."""
+
         def chars(x: Any) -> int:
             if isinstance(x, str):
                 return len(x)
-            return sum(map(chars, x.values() if isinstance(x, dict) else x)) if isinstance(x, dict | list) else 0
+            return (
+                sum(map(chars, x.values() if isinstance(x, dict) else x)) if isinstance(x, dict | list) else 0
+            )
+
         n = chars(list(parts))
         if self.max_chars and n > self.max_chars:
             raise ContextTooLong(
                 f"this conversation has {n} characters, more than the context window of {self.model_name} "
                 f"({self.max_model_len} tokens) can hold at up to {self.max_chars / self.max_model_len:g} characters a "
-                "token (max_chars_per_token); shorten the messages")
+                "token (max_chars_per_token); shorten the messages"
+            )
         return parts[0]
 
     def _constrain(self, request: ChatRequest) -> tuple[str, SamplingParams]:
@@ -243,28 +310,44 @@ class Session:
         the parser's format (text or `output`, or calls; a forced call's rest). ValueError (400) for a choice that
         cannot be honoured, where the parser has no grammar or llguidance cannot compile it."""
         names = [t["function"]["name"] for t in request.tools or []]
-        name = {"function": request.tool_name, "required": ""}.get(request.tool_choice)  # None: no call forced
+        name = {"function": request.tool_name, "required": ""}.get(
+            request.tool_choice
+        )  # None: no call forced
         opening = "" if name is None else call_opening(self.parser, name or None)
         build = getattr(self.parser, "grammar", None)
-        why = None if name is None else "needs at least one tool in `tools`" if not names else \
-            f"names the function {name!r}, which is not among the tools {names}" if name and name not in names else \
-            "cannot be honoured: this server's tool parser cannot force a call" if opening is None else None
+        why = (
+            None
+            if name is None
+            else "needs at least one tool in `tools`"
+            if not names
+            else f"names the function {name!r}, which is not among the tools {names}"
+            if name and name not in names
+            else "cannot be honoured: this server's tool parser cannot force a call"
+            if opening is None
+            else None
+        )
         if why:
             raise ValueError(f"tool_choice {request.tool_choice!r} {why}")
         if not (request.parse_tools and (request.formats or request.output or opening and build)):
-            return opening, request.params if request.output is None else \
-                request.params.copy(grammar=json_grammar(request.output))
+            return opening, request.params if request.output is None else request.params.copy(
+                grammar=json_grammar(request.output)
+            )
         if build is None:
-            raise ValueError("strict or grammar tools and structured outputs beside tools need a grammar of the "
-                             "tool-call format, which this server's tool parser has none of")
+            raise ValueError(
+                "strict or grammar tools and structured outputs beside tools need a grammar of the "
+                "tool-call format, which this server's tool parser has none of"
+            )
         tools = {n: request.formats.get(n, {"schema": {"type": "object"}}) for n in names}
-        grammar = build(tools, name, request.output and json_lark(request.output), self._token, self.renderer.reasoning)
+        grammar = build(
+            tools, name, request.output and json_lark(request.output), self._token, self.renderer.reasoning
+        )
         return opening, request.params.copy(grammar=check_grammar(grammar, "tools"))
 
     def _token(self, marker: str) -> str | None:
         """A call marker as a Lark token; None where it is not one token (SmolLM2's `<tool_call>`): then the
         model writes it as text, in any tokenization, as the parser reads it."""
-        return f"<[{ids[0]}]>" if len(ids := self.renderer.encode(marker)) == 1 else None
+        ids = self.renderer.encode(marker)
+        return f"<[{ids[0]}]>" if len(ids) == 1 else None
 
     def _choice(self, completion: Completion, request: ChatRequest, opening: str = "") -> Choice:
         ids = completion.token_ids
@@ -274,19 +357,27 @@ class Session:
         text = opening + self.renderer.reply_text(ids)
         if stop is not None:  # found in the generated part (a forced opening may contain it too)
             finish, text = "stop", text[: text.find(stop, len(opening))]
-        tools = {t["function"]["name"]: {"schema": t["function"].get("parameters") or {}} for t in request.tools or []}
-        parsed = self.parser(text, tools={**tools, **request.formats}) if request.parse_tools else Parsed(text)
+        tools = {
+            t["function"]["name"]: {"schema": t["function"].get("parameters") or {}}
+            for t in request.tools or []
+        }
+        parsed = (
+            self.parser(text, tools={**tools, **request.formats}) if request.parse_tools else Parsed(text)
+        )
         self.stats["malformed_tool_calls"] += parsed.malformed
         self.stats["tool_calls"] += len(parsed.calls)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.calls:
             finish, message["tool_calls"] = "tool_calls", parsed.calls
         tops = completion.top_logprobs[:cut] if completion.top_logprobs else None
-        return Choice(ids, completion.logprobs[:cut], tops, parsed.content, parsed.calls, finish, stop, message)
+        return Choice(
+            ids, completion.logprobs[:cut], tops, parsed.content, parsed.calls, finish, stop, message
+        )
 
     def _find_stop(self, ids: list[int], stops: list[str]) -> tuple[int, str | None]:
         """(number of tokens to keep, the stop string hit first) - the shortest prefix whose text holds a stop
         string, by binary search over prefixes (text only grows with more tokens)."""
+
         def first_stop(k: int) -> str | None:
             text = self.renderer.reply_text(ids[:k])
             found = [(text.find(s), s) for s in stops if s and s in text]
@@ -305,7 +396,9 @@ class Session:
 def cache_key(wire: str, body: bytes, headers: Any) -> tuple[str, bool]:
     """(retry-cache key of a request, whether it may be answered from the cache): not when the client marks
     it as a first attempt."""
-    return hashlib.sha256(wire.encode() + b"\0" + body).hexdigest(), headers.get("x-stainless-retry-count") != "0"
+    return hashlib.sha256(wire.encode() + b"\0" + body).hexdigest(), headers.get(
+        "x-stainless-retry-count"
+    ) != "0"
 
 
 def _put(cache: OrderedDict, key: str, value: Any, size: int) -> None:

@@ -21,6 +21,7 @@ sent whole at the end, as before. If the final content ever failed to start with
 whose decode is not prefix-stable), nothing more is sent and the session counts `stream_mismatch`. A client
 that goes away mid-stream cancels the request (`cancel`): its engine requests are aborted, nothing is recorded.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,11 +46,17 @@ class LiveReply:
         # has no known opening)
         opening = (call_opening(session.parser, None) or "").strip() if request.parse_tools else ""
         self._holds = [opening, *session.parser.markers] if opening else []
-        live = (request.n == 1 and request.tool_choice in ("auto", "none") and session.can_stream
-                and (opening or not request.parse_tools))
+        live = (
+            request.n == 1
+            and request.tool_choice in ("auto", "none")
+            and session.can_stream
+            and (opening or not request.parse_tools)
+        )
         self._queue: asyncio.Queue[list[int]] = asyncio.Queue()
         self._begun = asyncio.Event()
-        self.task = asyncio.create_task(session.complete(request, cache_key, lookup, listener=self if live else None))
+        self.task = asyncio.create_task(
+            session.complete(request, cache_key, lookup, listener=self if live else None)
+        )
         # a client that disconnects never awaits the result: retrieve a failure so it is not reported as lost
         self.task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
@@ -72,7 +79,10 @@ class LiveReply:
             waiter.cancel()
         if self.task.done():
             gen = self.task.result()
-            self.prompt_tokens, self.id = len(gen.prompt_ids), gen.id  # a retry answered from the cache: its id
+            self.prompt_tokens, self.id = (
+                len(gen.prompt_ids),
+                gen.id,
+            )  # a retry answered from the cache: its id
 
     async def deltas(self) -> AsyncIterator[str]:
         ids: list[int] = []
@@ -93,7 +103,7 @@ class LiveReply:
             text, prev, read = self._extend(text, ids, prev, read)
             safe = self._safe(text)
             if len(safe) > len(self.sent):
-                piece, self.sent = safe[len(self.sent):], safe
+                piece, self.sent = safe[len(self.sent) :], safe
                 yield piece
 
     async def result(self) -> Generation:
@@ -105,7 +115,7 @@ class LiveReply:
     def rest(self, choice: Choice) -> str:
         """The part of the final content not sent yet."""
         if choice.content.startswith(self.sent):
-            return choice.content[len(self.sent):]
+            return choice.content[len(self.sent) :]
         self.session.stats["stream_mismatch"] = self.session.stats.get("stream_mismatch", 0) + 1
         return ""
 
@@ -117,7 +127,7 @@ class LiveReply:
         before, now = text_of(ids[prev:read]), text_of(ids[prev:])
         if now.endswith("\ufffd") or not now.startswith(before):
             return text, prev, read
-        return text + now[len(before):], read, len(ids)
+        return text + now[len(before) :], read, len(ids)
 
     def _safe(self, text: str) -> str:
         cut = len(text.rstrip("\ufffd"))
@@ -136,4 +146,3 @@ def _partial(text: str, s: str) -> int:
         if text.endswith(s[:k]):
             return k
     return 0
-

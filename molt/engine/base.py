@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/engine/base.py`.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -37,8 +38,10 @@ def copy_weights(params: dict[str, Any], named_tensors: Iterable[tuple[str, Any]
             if target is None:
                 raise EngineError(f"update_weights: {name!r} is not a parameter of {model_name}")
             if tuple(target.shape) != tuple(tensor.shape):
-                raise EngineError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                                  f"the model expects {tuple(target.shape)}")
+                raise EngineError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(target.shape)}"
+                )
             target.copy_(tensor)
 
 
@@ -47,22 +50,36 @@ def pack_weights(bucket: list[tuple[str, Any]]) -> list[tuple[str, Any, str, tup
     and hands them back as views of its object store, where a pickled tensor is copied on both sides."""
     import torch
 
-    return [(name, t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy(), str(t.dtype)[6:],
-             tuple(t.shape)) for name, t in bucket]
+    return [
+        (
+            name,
+            t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy(),
+            str(t.dtype)[6:],
+            tuple(t.shape),
+        )
+        for name, t in bucket
+    ]
 
 
 def unpack_weights(bucket: list[tuple]) -> list[tuple[str, Any]]:
     """`pack_weights`' inverse without a copy; (name, tensor) pairs pass unchanged."""
     import torch
 
-    with warnings.catch_warnings():  # the object store's buffers are read-only: the tensors are only read from
+    with (
+        warnings.catch_warnings()
+    ):  # the object store's buffers are read-only: the tensors are only read from
         warnings.simplefilter("ignore", UserWarning)
-        return [entry if len(entry) == 2 else (entry[0], torch.from_numpy(entry[1]).view(getattr(torch, entry[2]))
-                                               .view(entry[3])) for entry in bucket]
+        return [
+            entry
+            if len(entry) == 2
+            else (entry[0], torch.from_numpy(entry[1]).view(getattr(torch, entry[2])).view(entry[3]))
+            for entry in bucket
+        ]
 
 
-def check_request(prompt: list[int], params: SamplingParams, *, max_model_len: int, vocab_size: int,
-                  model_name: str) -> int:
+def check_request(
+    prompt: list[int], params: SamplingParams, *, max_model_len: int, vocab_size: int, model_name: str
+) -> int:
     """Validate one request the same way in every engine; returns how many new tokens it may generate
     (max_tokens capped by the room left in the context window). RequestError names the problem."""
     try:
@@ -72,8 +89,10 @@ def check_request(prompt: list[int], params: SamplingParams, *, max_model_len: i
     if not prompt:
         raise RequestError("the prompt is empty: at least one prompt token is required")
     if len(prompt) >= max_model_len:
-        raise RequestError(f"the prompt has {len(prompt)} tokens but the context window (max_model_len) of "
-                          f"{model_name} is {max_model_len}: no room left to generate")
+        raise RequestError(
+            f"the prompt has {len(prompt)} tokens but the context window (max_model_len) of "
+            f"{model_name} is {max_model_len}: no room left to generate"
+        )
     for what, ids in (("prompt", prompt), ("stop", params.stop_token_ids)):
         if ids and (min(ids) < 0 or max(ids) >= vocab_size):
             raise RequestError(f"{what} token ids must be in [0, {vocab_size}) for {model_name}")
@@ -106,7 +125,8 @@ class Engine(Protocol):
         self,
         prompt_ids: list[int],  # or an int32 numpy array (capture's): engines take `token_list(prompt_ids)`
         params: SamplingParams,
-        session_id: str | None = None,  # requests of one session may be routed to the same engine (prefix cache)
+        session_id: str
+        | None = None,  # requests of one session may be routed to the same engine (prefix cache)
         request_id: str | None = None,  # for abort(); cancelling the awaiting task aborts as well
         *,
         on_tokens: Callable[[list[int]], None] | None = None,  # new token ids as they are sampled

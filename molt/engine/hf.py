@@ -6,6 +6,7 @@ step does, has the model runner (`molt.engine.runner`) do it, and emits the samp
 
 Design notes and decisions: docs/internals.md, section `molt/engine/hf.py`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,18 +33,39 @@ from molt.types import Completion, FinishReason, SamplingParams
 class HFEngine(InProcessWeightReceiver):
     """Embedded engine on a transformers causal LM. See the module docstring for the design."""
 
-    def __init__(self, model_path: str, *, model_name: str | None = None, version: int = 0,
-                 max_batch_size: int = 64, max_prefill_tokens: int = 8192, **options: Any):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        model_name: str | None = None,
+        version: int = 0,
+        max_batch_size: int = 64,
+        max_prefill_tokens: int = 8192,
+        **options: Any,
+    ):
         """`options`: the model runner's (`ModelRunner`: dtype, device, prefix cache, CUDA graphs, LoRA)."""
         import transformers as tf
 
         self.model_name = model_name or Path(model_path).name
-        self.runner = runner = ModelRunner(model_path, name=self.model_name, max_batch_size=max_batch_size,
-                                           max_prefill_tokens=max_prefill_tokens, **options)
-        self.model, self.spec, self.device, self.prefixes = runner.model, runner.spec, runner.device, runner.prefixes
+        self.runner = runner = ModelRunner(
+            model_path,
+            name=self.model_name,
+            max_batch_size=max_batch_size,
+            max_prefill_tokens=max_prefill_tokens,
+            **options,
+        )
+        self.model, self.spec, self.device, self.prefixes = (
+            runner.model,
+            runner.spec,
+            runner.device,
+            runner.prefixes,
+        )
         self.tokenizer = tf.AutoTokenizer.from_pretrained(model_path)
-        self.max_model_len, self.vocab_size, self.eos_token_ids = \
-            self.spec.max_model_len, self.spec.vocab_size, list(self.spec.eos_token_ids)
+        self.max_model_len, self.vocab_size, self.eos_token_ids = (
+            self.spec.max_model_len,
+            self.spec.vocab_size,
+            list(self.spec.eos_token_ids),
+        )
         # with graphs a decode step is cheap and an eager prefill is not: arrivals wait up to this many steps for
         # company (or a full batch) before they prefill
         self.scheduler = Scheduler(max_batch_size, max_prefill_tokens, hold_steps=8 if runner.graphs else 0)
@@ -51,7 +73,9 @@ class HFEngine(InProcessWeightReceiver):
         self._version = version
         self._cv = threading.Condition()  # guards the scheduler's state and lists against the asyncio side
         self._active: dict[str, Request] = {}  # every request not completed yet (asyncio side)
-        self._thread = threading.Thread(target=self._run, name=f"molt-hf-engine-{self.model_name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"molt-hf-engine-{self.model_name}", daemon=True
+        )
         self._thread.start()
 
     # ---------------------------------------------------------------- public API (asyncio side)
@@ -65,9 +89,17 @@ class HFEngine(InProcessWeightReceiver):
         """Requests waiting or running (the router balances on this)."""
         return len(self._active)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None, *, on_tokens: Any = None, images: Any = None,
-                       sources: Any = None) -> Completion:  # sources: for engines that process images (vLLM)
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None = None,
+        request_id: str | None = None,
+        *,
+        on_tokens: Any = None,
+        images: Any = None,
+        sources: Any = None,
+    ) -> Completion:  # sources: for engines that process images (vLLM)
         req = self._make_request(token_list(prompt_ids), params, request_id)
         if images and not self.spec.vision:
             raise RequestError(f"{self.model_name} takes no images")
@@ -100,7 +132,9 @@ class HFEngine(InProcessWeightReceiver):
     async def pause(self) -> None:
         """Stop scheduling new tokens, keeping every request; returns once the current step has finished."""
         self._tell(Scheduler.pause)
-        await asyncio.to_thread(self._wait_for, lambda: self.scheduler.state is not State.PAUSING)  # or resumed
+        await asyncio.to_thread(
+            self._wait_for, lambda: self.scheduler.state is not State.PAUSING
+        )  # or resumed
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         """Copy (HF parameter name, tensor) pairs into the model; may be called several times (buckets)."""
@@ -138,8 +172,15 @@ class HFEngine(InProcessWeightReceiver):
         # draws on the host (a GPU step would launch a kernel per row); Random(s) seeds from abs(s): the modulus
         # keeps s and -s apart
         seed, loop = None if params.seed is None else params.seed % 2**64, asyncio.get_running_loop()
-        return Request.admit(self, prompt, params, request_id, generator=random.Random(seed), loop=loop,
-                             future=loop.create_future())
+        return Request.admit(
+            self,
+            prompt,
+            params,
+            request_id,
+            generator=random.Random(seed),
+            loop=loop,
+            future=loop.create_future(),
+        )
 
     @functools.cached_property
     def _grammar_tokenizer(self) -> Any:

@@ -4,6 +4,7 @@ turn prefills only its new tokens.
 
 Design notes and decisions: docs/internals.md, section `molt/engine/prefix_cache.py`.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -18,7 +19,9 @@ import torch.nn.functional as F
 @dataclass(slots=True, eq=False)  # entries are told apart by identity
 class Prefix:
     tokens: list[int]  # the token ids the keys/values cover
-    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [1, kv_heads, len(tokens), head_dim]
+    layers: list[
+        tuple[torch.Tensor, torch.Tensor]
+    ]  # per layer (keys, values) [1, kv_heads, len(tokens), head_dim]
     version: int  # policy version of the oldest keys/values
     nbytes: int
     routes: Any = None  # MoE: the experts each token was routed to [len(tokens), layers, k] (molt.engine.hf)
@@ -46,8 +49,10 @@ class PrefixCache:
         entries = self.entries.get(session_id) if session_id is not None else None
         if not entries:
             return None, 0
-        n, entry = max(((min(common_prefix(e.tokens, context), len(context) - 1), e) for e in entries),
-                       key=lambda pair: pair[0])
+        n, entry = max(
+            ((min(common_prefix(e.tokens, context), len(context) - 1), e) for e in entries),
+            key=lambda pair: pair[0],
+        )
         if n:
             self.entries.move_to_end(session_id)
             entries.remove(entry)
@@ -55,8 +60,14 @@ class PrefixCache:
             self.reused_tokens += n
         return entry, n
 
-    def store(self, session_id: str, tokens: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]],
-              version: int, routes: list[torch.Tensor] | None = None) -> None:
+    def store(
+        self,
+        session_id: str,
+        tokens: list[int],
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        version: int,
+        routes: list[torch.Tensor] | None = None,
+    ) -> None:
         """Keep a finished request's keys/values; the session's entries it extends (its earlier turns) go."""
         assert all(k.shape[-2] == len(tokens) for k, _ in layers), "keys/values must cover exactly `tokens`"
         nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
@@ -64,11 +75,15 @@ class PrefixCache:
             return
         entries = self.entries.pop(session_id, [])
         kept = [e for e in entries if common_prefix(e.tokens, tokens) < len(e.tokens)]
-        kept = kept[max(0, len(kept) + 1 - MAX_ENTRIES_PER_SESSION):]  # the most recent ones, with room for this
+        kept = kept[
+            max(0, len(kept) + 1 - MAX_ENTRIES_PER_SESSION) :
+        ]  # the most recent ones, with room for this
         self.nbytes += nbytes - sum(e.nbytes for e in entries if e not in kept)
         entry = Prefix(tokens, layers, version, nbytes, torch.cat(routes) if routes else None)
         self.entries[session_id] = kept + [entry]
-        while self.nbytes > self.budget:  # least recently used sessions first; never the new entry (it fits alone)
+        while (
+            self.nbytes > self.budget
+        ):  # least recently used sessions first; never the new entry (it fits alone)
             oldest = next(iter(self.entries))
             self._remove(oldest, self.entries[oldest][0])
 
@@ -86,15 +101,18 @@ class PrefixCache:
             self.nbytes = 0
 
     def stats(self) -> dict[str, int]:
-        return {"entries": sum(map(len, self.entries.values())), "bytes": self.nbytes,
-                "reused_tokens": self.reused_tokens}
+        return {
+            "entries": sum(map(len, self.entries.values())),
+            "bytes": self.nbytes,
+            "reused_tokens": self.reused_tokens,
+        }
 
 
 def common_prefix(a: list[int], b: list[int], block: int = 512) -> int:
     """Length of the longest common prefix of two token lists: list slices compare in C block by block, and
     only the first differing block is walked in Python (a 32K-token history costs microseconds, not a loop)."""
     n, i = min(len(a), len(b)), 0
-    while i < n and a[i: min(i + block, n)] == b[i: min(i + block, n)]:
+    while i < n and a[i : min(i + block, n)] == b[i : min(i + block, n)]:
         i += block
     return n if i >= n else next(j for j in range(i, n) if a[j] != b[j])
 
@@ -130,8 +148,9 @@ def left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
     return t if t.shape[-2] == length else F.pad(t, (0, 0, length - t.shape[-2], 0))
 
 
-def prefill_inputs(contexts: list[list[int]], reused: list[tuple[Prefix | None, int]], pad_id: int,
-                   cache: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def prefill_inputs(
+    contexts: list[list[int]], reused: list[tuple[Prefix | None, int]], pad_id: int, cache: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Input ids [rows, S], attention mask [rows, C + S] and positions [rows, S] of one prefill group; fills the
     empty DynamicCache `cache` with the reused keys/values [rows, kv_heads, C, head_dim] (the layout of the
     module docstring). Without reuse (C = 0) this is a plain left-padded prefill."""
@@ -141,15 +160,21 @@ def prefill_inputs(contexts: list[list[int]], reused: list[tuple[Prefix | None, 
     ids = torch.full((len(contexts), length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(contexts), width + length), dtype=torch.long)
     for i, (suffix, (_, n)) in enumerate(zip(suffixes, reused)):
-        ids[i, length - len(suffix):] = torch.tensor(suffix)
-        mask[i, width - n: width] = 1
-        mask[i, width + length - len(suffix):] = 1
+        ids[i, length - len(suffix) :] = torch.tensor(suffix)
+        mask[i, width - n : width] = 1
+        mask[i, width + length - len(suffix) :] = 1
     if width:
         template = next(entry for entry, n in reused if n)  # rows without reuse: its tensors cut to 0 columns
         for layer in range(len(template.layers)):
-            keys, values = ([left_pad((entry if n else template).layers[layer][kv][..., :n, :], width)
-                             for entry, n in reused] for kv in (0, 1))
-            cache.update(*(x[0] if len(x) == 1 else torch.cat(x) for x in (keys, values)), layer)  # (update copies)
+            keys, values = (
+                [
+                    left_pad((entry if n else template).layers[layer][kv][..., :n, :], width)
+                    for entry, n in reused
+                ]
+                for kv in (0, 1)
+            )
+            cache.update(
+                *(x[0] if len(x) == 1 else torch.cat(x) for x in (keys, values)), layer
+            )  # (update copies)
     positions = (mask.cumsum(1) - 1).clamp(min=0)[:, width:]
     return ids, mask, positions
-

@@ -30,6 +30,7 @@ then starts a new engine: `molt.runtime.worker`). `close()` closes the engine in
 leaves with `os._exit` (the interpreter's teardown of torch took 1.7 s of every close). A rollout worker starts
 the child first (`wait=False`) and waits for it (`started()`) after its own imports.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,14 +48,25 @@ from molt.types import Completion, SamplingParams
 
 
 class EngineProcess:
-    def __init__(self, factory: str, *args: Any, torch_threads: int = 0, start_timeout: float = 600.0,
-                 wait: bool = True, **kwargs: Any):
+    def __init__(
+        self,
+        factory: str,
+        *args: Any,
+        torch_threads: int = 0,
+        start_timeout: float = 600.0,
+        wait: bool = True,
+        **kwargs: Any,
+    ):
         """Spawn the child; `wait=False` returns at once and `started()` finishes the handshake later, so the
         caller's own imports and set-up overlap the child's (a rollout worker's start)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_child_main, args=(child, factory, args, kwargs, torch_threads), daemon=True,
-                                 name=f"molt-engine-{factory.rsplit(':', 1)[-1]}")
+        self._proc = ctx.Process(
+            target=_child_main,
+            args=(child, factory, args, kwargs, torch_threads),
+            daemon=True,
+            name=f"molt-engine-{factory.rsplit(':', 1)[-1]}",
+        )
         self._proc.start()
         child.close()
         self._start_timeout, self._ready = start_timeout, False
@@ -77,7 +89,9 @@ class EngineProcess:
             kind, _, info = self._conn.recv()
         except EOFError:
             self._failed()
-            raise EngineGone(f"the engine process died while starting (exit code {self._proc.exitcode})") from None
+            raise EngineGone(
+                f"the engine process died while starting (exit code {self._proc.exitcode})"
+            ) from None
         except BaseException:
             self._failed(kill=True)
             raise
@@ -116,13 +130,29 @@ class EngineProcess:
     def num_requests(self) -> int:
         return len(self._waiting)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None, *, on_tokens: Any = None, images: Any = None,
-                       sources: Any = None) -> Completion:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None = None,
+        request_id: str | None = None,
+        *,
+        on_tokens: Any = None,
+        images: Any = None,
+        sources: Any = None,
+    ) -> Completion:
         request_id = request_id or f"p{next(self._ids)}"
         try:
-            return await self._request("generate", request_id, prompt_ids, params, session_id,
-                                       on_tokens is not None, images and (images, sources), on_tokens=on_tokens)
+            return await self._request(
+                "generate",
+                request_id,
+                prompt_ids,
+                params,
+                session_id,
+                on_tokens is not None,
+                images and (images, sources),
+                on_tokens=on_tokens,
+            )
         except asyncio.CancelledError:
             self._send(("abort", None, request_id))
             raise
@@ -244,7 +274,9 @@ def _child_main(conn: Any, factory: str, args: tuple, kwargs: dict, torch_thread
     import torch
     import torch.multiprocessing
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole group: the parent decides
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # a terminal's Ctrl-C reaches the whole group: the parent decides
 
     if torch_threads:
         torch.set_num_threads(torch_threads)
@@ -267,11 +299,21 @@ async def _serve(conn: Any, factory: str, args: tuple, kwargs: dict) -> None:
     except Exception as e:  # noqa: BLE001 - the parent re-raises it
         conn.send(("error", None, e if _picklable(e) else EngineError(repr(e))))
         return
-    conn.send(("ok", None, {
-        "model_name": engine.model_name, "max_model_len": engine.max_model_len,
-        "eos_token_ids": list(engine.eos_token_ids), "vocab_size": getattr(engine, "vocab_size", 0),
-        "weight_group_size": getattr(engine, "weight_group_size", 1), "version": engine.version,
-        "shared": engine.shared_weights() if hasattr(engine, "shared_weights") else None}))
+    conn.send(
+        (
+            "ok",
+            None,
+            {
+                "model_name": engine.model_name,
+                "max_model_len": engine.max_model_len,
+                "eos_token_ids": list(engine.eos_token_ids),
+                "vocab_size": getattr(engine, "vocab_size", 0),
+                "weight_group_size": getattr(engine, "weight_group_size", 1),
+                "version": engine.version,
+                "shared": engine.shared_weights() if hasattr(engine, "shared_weights") else None,
+            },
+        )
+    )
     loop = asyncio.get_running_loop()
     requests: dict[str, asyncio.Task] = {}
 
@@ -294,9 +336,17 @@ async def _serve(conn: Any, factory: str, args: tuple, kwargs: dict) -> None:
         if kind == "generate":
             request_id, prompt, params, session_id, stream, images = payload
             on_tokens = (lambda ids, key=key: conn.send(("tokens", key, ids))) if stream else None
-            extra = dict(zip(("images", "sources"), images or ()))  # engines without images take no such argument
-            task = loop.create_task(run(key, engine.generate(prompt, params, session_id, request_id=request_id,
-                                                             on_tokens=on_tokens, **extra)))
+            extra = dict(
+                zip(("images", "sources"), images or ())
+            )  # engines without images take no such argument
+            task = loop.create_task(
+                run(
+                    key,
+                    engine.generate(
+                        prompt, params, session_id, request_id=request_id, on_tokens=on_tokens, **extra
+                    ),
+                )
+            )
             requests[request_id] = task
             task.add_done_callback(lambda _, rid=request_id: requests.pop(rid, None))
         elif kind == "abort":

@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/engine/router.py`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +38,14 @@ class Router:
     def can_stream(self) -> bool:
         return all(can_stream(e) for e in self.engines)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None, **kw: Any) -> Completion:  # on_tokens, images
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None = None,
+        request_id: str | None = None,
+        **kw: Any,
+    ) -> Completion:  # on_tokens, images
         index = self.pick(session_id)
         request_id = request_id or uuid.uuid4().hex
         self._owner[request_id] = index

@@ -3,6 +3,7 @@ and the session prefix cache; it runs the forwards the scheduler (`molt.engine.s
 
 Design notes and decisions: docs/internals.md, section `molt/engine/hf.py`.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -21,9 +22,20 @@ from molt.types import FinishReason, ModelSpec, join_inputs, rope_positions
 class ModelRunner:
     """Only the engine's worker thread calls it (the asyncio side reads `prefixes.stats()`)."""
 
-    def __init__(self, model_path: str, *, name: str, max_batch_size: int, max_prefill_tokens: int,
-                 dtype: str = "float32", device: str = "cpu", prefix_cache_mb: float = 1024,
-                 prefix_cache_stale: bool = False, cuda_graphs: bool = True, lora: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        name: str,
+        max_batch_size: int,
+        max_prefill_tokens: int,
+        dtype: str = "float32",
+        device: str = "cpu",
+        prefix_cache_mb: float = 1024,
+        prefix_cache_stale: bool = False,
+        cuda_graphs: bool = True,
+        lora: dict[str, Any] | None = None,
+    ):
         import transformers as tf
 
         if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
@@ -43,14 +55,21 @@ class ModelRunner:
         layer_types = {type(layer).__name__ for layer in self._new_cache().layers}
         if layer_types != {"DynamicLayer"}:  # sliding-window layers cannot be left-padded and merged
             raise ValueError(f"HFEngine supports full-attention caches only, got {sorted(layer_types)}")
-        self._routes: list[torch.Tensor] = []  # MoE: each router's top-k experts in this forward, in layer order
+        self._routes: list[
+            torch.Tensor
+        ] = []  # MoE: each router's top-k experts in this forward, in layer order
         routers = [m for m in self.model.modules() if type(m).__name__.endswith("TopKRouter")]
         for router in routers:
             router.register_forward_hook(lambda _m, _a, out: self._routes.append(out[2]))
         self._route_dtype = torch.uint8 if all(r.weight.shape[0] <= 256 for r in routers) else torch.int16
         # CUDA graphs for the decode step (molt.engine.slots), not where a step needs Python (route hooks, images)
-        self.graphs: GraphDecoder | bool = cuda_graphs and self.device.type == "cuda" and not routers \
-            and not spec.vision and not spec.dynamic_rope  # the decoder itself once the slots exist
+        self.graphs: GraphDecoder | bool = (
+            cuda_graphs
+            and self.device.type == "cuda"
+            and not routers
+            and not spec.vision
+            and not spec.dynamic_rope
+        )  # the decoder itself once the slots exist
         self.graph_error: str | None = None  # why graphs were given up, if they were (`_graph_decode`)
         self.prefixes = PrefixCache(prefix_cache_mb, prefix_cache_stale)
         self.slots: Slots | None = None  # row i holds the scheduler's running[i] (made at the first prefill)
@@ -66,8 +85,9 @@ class ModelRunner:
         if logits is None:
             n, columns = slots.rows, slots.width + 1
             column = torch.tensor([slots.width], device=self.device)
-            logits, routes = self._forward(ids, slots.bias(n, columns, self.model.dtype), positions,
-                                           slots.view(n, columns, column))
+            logits, routes = self._forward(
+                ids, slots.bias(n, columns, self.model.dtype), positions, slots.view(n, columns, column)
+            )
         slots.width += 1
         for i, r in enumerate(rows):
             r.route(len(r.prompt) + len(r.tokens) - 1, None if routes is None else routes[i])
@@ -76,25 +96,49 @@ class ModelRunner:
     def plan(self, new: list[Request]) -> list[Prefill]:
         """New requests as prefills: each takes the longest prefix the session's cache holds, copies of one
         context share a row (`copies_of`), groups hold at most the token budget (`prefill_groups`)."""
-        reused = {r: self.prefixes.lookup(None if r.images else r.session_id, r.prompt + r.tokens) for r in new}
+        reused = {
+            r: self.prefixes.lookup(None if r.images else r.session_id, r.prompt + r.tokens) for r in new
+        }
         copies = copies_of(new, reused)
         work = {r: len(r.prompt) + len(r.tokens) - reused[r][1] for r in copies}
         jobs = []
         for group in prefill_groups(list(copies), work, self.max_prefill_tokens):
             cache = self._new_cache()
-            ids, mask, positions = (t.to(self.device) for t in prefill_inputs(
-                [r.prompt + r.tokens for r in group], [reused[r] for r in group], self.spec.pad_token_id, cache))
+            ids, mask, positions = (
+                t.to(self.device)
+                for t in prefill_inputs(
+                    [r.prompt + r.tokens for r in group],
+                    [reused[r] for r in group],
+                    self.spec.pad_token_id,
+                    cache,
+                )
+            )
             images = join_inputs(*(r.images for r in group))
             positions, offsets = rope_positions(self.model, ids, mask, positions, images)
             for r, offset in zip(group, offsets):
                 for c in copies[r]:
                     c.rope_offset = offset
-            images = {k: v.to(self.device, self.model.dtype) if v.is_floating_point() else v.to(self.device)
-                      for k, v in (images or {}).items()}
-            state = SimpleNamespace(group=group, copies=copies, reused=reused, cache=cache, ids=ids, mask=mask,
-                                    positions=positions, images=images, logits=None, routes=[])
-            jobs.append(Prefill([c for r in group for c in copies[r]], len(group), ids.shape[1], bool(images), 0,
-                                state))
+            images = {
+                k: v.to(self.device, self.model.dtype) if v.is_floating_point() else v.to(self.device)
+                for k, v in (images or {}).items()
+            }
+            state = SimpleNamespace(
+                group=group,
+                copies=copies,
+                reused=reused,
+                cache=cache,
+                ids=ids,
+                mask=mask,
+                positions=positions,
+                images=images,
+                logits=None,
+                routes=[],
+            )
+            jobs.append(
+                Prefill(
+                    [c for r in group for c in copies[r]], len(group), ids.shape[1], bool(images), 0, state
+                )
+            )
         return jobs
 
     def prefill(self, job: Prefill, start: int, end: int) -> None:
@@ -102,9 +146,12 @@ class ModelRunner:
         chunk x context at most, never one over the whole prompt (docs/internals.md)."""
         s = job.state
         past = s.mask.shape[1] - s.ids.shape[1]
-        attend = prefill_bias(s.mask[:, :past + end], end - start, None if self.spec.vision else self.model.dtype)
-        s.logits, routes = self._forward(s.ids[:, start:end], attend, s.positions[..., start:end], s.cache,
-                                         **s.images)
+        attend = prefill_bias(
+            s.mask[:, : past + end], end - start, None if self.spec.vision else self.model.dtype
+        )
+        s.logits, routes = self._forward(
+            s.ids[:, start:end], attend, s.positions[..., start:end], s.cache, **s.images
+        )
         s.routes.append(routes)
 
     def prefilled(self, job: Prefill, version: int) -> torch.Tensor:
@@ -123,13 +170,24 @@ class ModelRunner:
             entry, n = s.reused[r]
             r.kv_version = min(entry.version, version) if n else version
             r.route(0, entry.routes[:n] if n and entry.routes is not None else None)
-            r.route(n, None if routes is None else routes[i, s.ids.shape[1] - len(r.prompt) - len(r.tokens) + n:])
+            r.route(
+                n, None if routes is None else routes[i, s.ids.shape[1] - len(r.prompt) - len(r.tokens) + n :]
+            )
         if self.slots is None:
             keys = cache.layers[0].keys
-            self.slots = Slots(len(cache.layers), keys.shape[1], keys.shape[3], keys.dtype, self.device,
-                               self.max_batch_size, self.spec.max_model_len + 1)
+            self.slots = Slots(
+                len(cache.layers),
+                keys.shape[1],
+                keys.shape[3],
+                keys.dtype,
+                self.device,
+                self.max_batch_size,
+                self.spec.max_model_len + 1,
+            )
             if self.graphs:
-                self.graphs = GraphDecoder(self.model, self.slots, self.spec.cache_kw, self.device.type == "cuda")
+                self.graphs = GraphDecoder(
+                    self.model, self.slots, self.spec.cache_kw, self.device.type == "cuda"
+                )
         self.slots.merge([(layer.keys, layer.values) for layer in cache.layers], mask)
         return logits
 
@@ -143,10 +201,15 @@ class ModelRunner:
     def store(self, rows: list[Request]) -> None:
         """Finished rows leave at the next boundary: keep their keys/values for the session's next turn."""
         for i, r in enumerate(rows):
-            if self.prefixes.budget and r.finish not in (None, FinishReason.ABORT) and r.session_id is not None \
-                    and not r.images:
-                self.prefixes.store(r.session_id, (r.prompt + r.tokens)[:-1], self.slots.row(i), r.kv_version,
-                                    r.routes)
+            if (
+                self.prefixes.budget
+                and r.finish not in (None, FinishReason.ABORT)
+                and r.session_id is not None
+                and not r.images
+            ):
+                self.prefixes.store(
+                    r.session_id, (r.prompt + r.tokens)[:-1], self.slots.row(i), r.kv_version, r.routes
+                )
 
     def _graph_decode(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The decode step's logits from a CUDA graph; None without graphs, or (and eager decode from then on)
@@ -161,11 +224,24 @@ class ModelRunner:
             self.graph_error, self.graphs = str(cause), False
             return None
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
-                 **images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
+        **images: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Last-position logits [rows, vocab] and, for MoE, the routes [rows, len, layers, k] on the CPU."""
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **{self.spec.cache_kw: cache}, **images)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.spec.cache_kw: cache},
+            **images,
+        )
         r, self._routes = self._routes, []
         routes = torch.stack(r, 1).view(*ids.shape, len(r), -1).to("cpu", self._route_dtype) if r else None
         logits = out.logits[:, -1].float()

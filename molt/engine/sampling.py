@@ -16,6 +16,7 @@ Sampling draws from a per-request `random.Random` (seeded by `SamplingParams.see
 mapped through the float64 CDF of the (truncated) distribution. A seeded request therefore reproduces no matter
 which other requests share its batch (up to float differences of the batched matmuls).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -30,7 +31,9 @@ def sample(logits: torch.Tensor, reqs: list[Any]) -> tuple[list[int], list[float
     (module docstring), top alternatives."""
     vocab = logits.shape[1]
     constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
-    if constrained:  # only the rows with a grammar pay: llguidance's bitmask (a bit per token) of each, unpacked
+    if (
+        constrained
+    ):  # only the rows with a grammar pay: llguidance's bitmask (a bit per token) of each, unpacked
         bits = allocate_token_bitmask(len(constrained), vocab)
         for row, i in enumerate(constrained):
             fill_next_token_bitmask(reqs[i].matcher, bits, row)
@@ -47,8 +50,9 @@ def sample(logits: torch.Tensor, reqs: list[Any]) -> tuple[list[int], list[float
     if suppress:  # one indexed write for all rows (a write per row was 256 launches a step on a GPU)
         rows = torch.tensor([i for i, stops in suppress for _ in stops], device=logits.device)
         columns = torch.tensor([s for _, stops in suppress for s in stops], device=logits.device)
-        scores = scores.index_put((rows, columns), torch.full((), -float("inf"), dtype=scores.dtype,
-                                                              device=scores.device))
+        scores = scores.index_put(
+            (rows, columns), torch.full((), -float("inf"), dtype=scores.dtype, device=scores.device)
+        )
         # a grammar that allows only stop tokens (a finished one) lets them through, as vLLM's min-tokens processor
         scores = torch.where(scores.isneginf().all(-1, keepdim=True), logp, scores)
     if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs):
@@ -60,15 +64,20 @@ def sample(logits: torch.Tensor, reqs: list[Any]) -> tuple[list[int], list[float
     uniform = torch.tensor([r.generator.random() for r in reqs], dtype=torch.float64, device=logits.device)
     sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=vocab - 1)
     greedy = [r.params.temperature == 0 for r in reqs]
-    picked = torch.where(torch.tensor(greedy, device=logits.device), scores.argmax(-1), sampled) if any(greedy) \
+    picked = (
+        torch.where(torch.tensor(greedy, device=logits.device), scores.argmax(-1), sampled)
+        if any(greedy)
         else sampled
+    )
     chosen = logp.gather(1, picked[:, None])[:, 0]
     n_top = max(r.params.top_logprobs for r in reqs)
     tops: list[list] = [[] for _ in reqs]
     if n_top:
         values, indices = logp.topk(n_top, dim=-1)
-        tops = [[(t, lp) for t, lp in zip(i, v) if lp > -float("inf")]  # a grammar may allow fewer than asked
-                for i, v in zip(indices.tolist(), values.tolist())]
+        tops = [
+            [(t, lp) for t, lp in zip(i, v) if lp > -float("inf")]  # a grammar may allow fewer than asked
+            for i, v in zip(indices.tolist(), values.tolist())
+        ]
     return picked.tolist(), chosen.tolist(), tops
 
 
@@ -76,7 +85,9 @@ def _truncate(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> tor
     """Top-k then top-p (on the renormalized top-k distribution), per row; removed entries become -inf."""
     vocab = scores.shape[1]
     ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=scores.device)
-    ps = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], device=scores.device, dtype=scores.dtype)
+    ps = torch.tensor(
+        [p if p < 1.0 else float("inf") for p in top_p], device=scores.device, dtype=scores.dtype
+    )
     ordered, order = scores.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=scores.device)
     ordered = ordered.masked_fill(ranks[None] >= ks[:, None], -float("inf"))

@@ -4,6 +4,7 @@ model runner (`molt.engine.runner`) does the forwards.
 
 Design notes and decisions: docs/internals.md, section `molt/engine/scheduler.py`.
 """
+
 from __future__ import annotations
 
 import enum
@@ -16,6 +17,7 @@ from molt.types import FinishReason
 
 class State(enum.Enum):
     """The engine core's state: the asyncio side changes it, the worker thread acts on it at step boundaries."""
+
     RUNNING = "running"  # steps run while there is work
     PAUSING = "pausing"  # pause() was asked: the step in flight ends first, then PAUSED
     PAUSED = "paused"  # no step runs, requests are kept (vLLM's pause mode "keep"): weights may be loaded
@@ -25,6 +27,7 @@ class State(enum.Enum):
 @dataclass(eq=False)
 class Prefill:
     """Requests prefilled together (left-padded, one forward per chunk of columns) until their first token."""
+
     requests: list[Any]  # in the order their rows join the running batch
     rows: int  # rows of the forward (copies of one context share a row)
     columns: int  # tokens each row prefills (the longest row's; the others are left-padded)
@@ -62,8 +65,11 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether the worker thread has something to do at the next boundary (its wait predicate)."""
-        return self.state in (State.CLOSED, State.PAUSING) or bool(self.aborts) or (
-            self.state is State.RUNNING and bool(self.waiting or self.running or self.jobs))
+        return (
+            self.state in (State.CLOSED, State.PAUSING)
+            or bool(self.aborts)
+            or (self.state is State.RUNNING and bool(self.waiting or self.running or self.jobs))
+        )
 
     def pause(self) -> None:
         if self.state is State.RUNNING:
@@ -97,7 +103,7 @@ class Scheduler:
             new, self._held = [], self._held + 1  # let arrivals gather (docs/internals.md)
         else:
             self._held = 0
-        self.waiting = self.waiting[len(new):]
+        self.waiting = self.waiting[len(new) :]
         if not self.recompute:
             return Step(list(self.running), new, finished, run=bool(self.running or new or self.jobs))
         kept, self.recompute = self.drop(), False  # their keys/values are of the old weights

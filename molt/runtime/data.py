@@ -3,6 +3,7 @@ reference's `--data.prompt_dataset A,B --data.prompt_probs 0.7,0.3 --data.max_sa
 
 Design notes and decisions: docs/internals.md, section `molt/runtime/data.py`.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,40 +63,65 @@ def mix(sources: list[list[dict[str, Any]]], probs: list[float] | None, seed: in
         return sources[0]
     import datasets
 
-    index = [datasets.Dataset.from_dict({"s": [k] * len(rows), "i": list(range(len(rows)))})
-             for k, rows in enumerate(sources)]
-    mixed = datasets.interleave_datasets(index, probabilities=probs, seed=seed, stopping_strategy="all_exhausted")
+    index = [
+        datasets.Dataset.from_dict({"s": [k] * len(rows), "i": list(range(len(rows)))})
+        for k, rows in enumerate(sources)
+    ]
+    mixed = datasets.interleave_datasets(
+        index, probabilities=probs, seed=seed, stopping_strategy="all_exhausted"
+    )
     return [sources[s][i] for s, i in zip(mixed["s"], mixed["i"])]
 
 
-def load_prompts(spec: str, *, input_key: str, label_key: str | None, tools_key: str | None, split: str = "train",
-                 probs: str = "", max_samples: int | None = None, seed: int = 42, what: str = "data.prompt_dataset",
-                 image_key: str | None = None, max_images: int = 0) -> list[dict[str, Any]]:
+def load_prompts(
+    spec: str,
+    *,
+    input_key: str,
+    label_key: str | None,
+    tools_key: str | None,
+    split: str = "train",
+    probs: str = "",
+    max_samples: int | None = None,
+    seed: int = 42,
+    what: str = "data.prompt_dataset",
+    image_key: str | None = None,
+    max_images: int = 0,
+) -> list[dict[str, Any]]:
     """Runner rows {"messages" | "prompt", "label", "tools", "images"?} of `spec` (comma-separated entries)."""
     entries = [e.strip() for e in spec.split(",") if e.strip()]
     weights = [float(p) for p in probs.split(",")] if probs else None
     if weights is not None and (len(weights) != len(entries) or min(weights) < 0 or sum(weights) <= 0):
-        raise ValueError(f"data.prompt_probs: {len(weights)} non-negative probabilities needed for the "
-                         f"{len(entries)} entries of {what} (got {probs!r})")
+        raise ValueError(
+            f"data.prompt_probs: {len(weights)} non-negative probabilities needed for the "
+            f"{len(entries)} entries of {what} (got {probs!r})"
+        )
     sources = [load_source(e, split, what, clean=(input_key, tools_key)) for e in entries]
     for entry, rows in zip(entries, sources):
         if not rows:
             raise ValueError(f"{what}: {entry} has no rows")
         if input_key not in rows[0]:
-            raise ValueError(f"{what}: {entry} has no {input_key!r} key (data.input_key); keys: {sorted(rows[0])}")
+            raise ValueError(
+                f"{what}: {entry} has no {input_key!r} key (data.input_key); keys: {sorted(rows[0])}"
+            )
     raw_rows = mix(sources, [w / sum(weights) for w in weights] if weights else None, seed)[:max_samples]
     out = []
     for n, raw in enumerate(raw_rows):
         prompt = raw.get(input_key)
         if prompt is None:
-            raise ValueError(f"{what}: row {n} has no {input_key!r} value (data.input_key); keys: {sorted(raw)}")
+            raise ValueError(
+                f"{what}: row {n} has no {input_key!r} value (data.input_key); keys: {sorted(raw)}"
+            )
         row = {"messages": prompt} if isinstance(prompt, list) else {"prompt": str(prompt)}
-        row.update(label=raw.get(label_key) if label_key else None, tools=raw.get(tools_key) if tools_key else None)
+        row.update(
+            label=raw.get(label_key) if label_key else None, tools=raw.get(tools_key) if tools_key else None
+        )
         images = raw.get(image_key) if image_key else None
         if images is not None:
             row["images"] = images if isinstance(images, list) else [images]
             if 0 < max_images < len(row["images"]):
-                raise ValueError(f"{what}: row {n} has {len(row['images'])} images, more than "
-                                 f"data.max_images_per_prompt={max_images}")
+                raise ValueError(
+                    f"{what}: row {n} has {len(row['images'])} images, more than "
+                    f"data.max_images_per_prompt={max_images}"
+                )
         out.append(row)
     return out

@@ -5,6 +5,7 @@ Fields for the inspector (older dumps lack them): `pieces`, each token's text (`
 with; one extra no-grad pass, on dump steps only); `is_weights`, each token's importance weight with the run's
 `algo.advantage.is_correction_*`, one segment per sequence as in training (0: rejected by the gate).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,17 +31,23 @@ def _pieces(tok, ids: list[int]) -> list[str]:
     carries the whole character."""
     out, prefix, read = [], 0, 0
     for i in range(len(ids)):
-        before, after = tok.decode(ids[prefix:read]), tok.decode(ids[prefix:i + 1])
+        before, after = tok.decode(ids[prefix:read]), tok.decode(ids[prefix : i + 1])
         done = len(after) > len(before) and not after.endswith("\ufffd")
-        out.append(after[len(before):] if done else "")
+        out.append(after[len(before) :] if done else "")
         prefix, read = (read, i + 1) if done else (prefix, read)
     if read < len(ids):  # trailing bytes that never formed a character
-        out[-1] += tok.decode(ids[prefix:])[len(tok.decode(ids[prefix:read])):]
+        out[-1] += tok.decode(ids[prefix:])[len(tok.decode(ids[prefix:read])) :]
     return out
 
 
-def dump_groups(path: Path, groups: list[Group], model_path: str, advantages: dict[str, float] | None = None,
-                trainer_logprobs: dict[tuple[str, int], Any] | None = None, gate: tuple = ("off",)) -> None:
+def dump_groups(
+    path: Path,
+    groups: list[Group],
+    model_path: str,
+    advantages: dict[str, float] | None = None,
+    trainer_logprobs: dict[tuple[str, int], Any] | None = None,
+    gate: tuple = ("off",),
+) -> None:
     """`advantages`: the per-rollout advantage of a group estimator (token-level estimators: omitted);
     `trainer_logprobs` by (rollout id, segment index); `gate`: (level, mode, low, high) of the importance gate."""
     import ray
@@ -55,19 +62,31 @@ def dump_groups(path: Path, groups: list[Group], model_path: str, advantages: di
             for o in g.outcomes:
                 for e in o.experiences:
                     p = ray.get(e.payload_ref) if e.offloaded else {k: getattr(e, k) for k in PAYLOAD_FIELDS}
-                    lists = token_lists(p["token_ids"], p["action_mask"], p["behavior_logprobs"], p["versions"])
+                    lists = token_lists(
+                        p["token_ids"], p["action_mask"], p["behavior_logprobs"], p["versions"]
+                    )
                     ids, mask = lists["token_ids"], lists["action_mask"]
                     line = {
-                        "group_id": g.group_id, "rollout_id": o.rollout_id, "segment": e.segment_index,
+                        "group_id": g.group_id,
+                        "rollout_id": o.rollout_id,
+                        "segment": e.segment_index,
                         "break_reason": o.break_reasons[e.segment_index] if o.break_reasons else "start",
-                        "reward": o.reward, "advantage": (advantages or {}).get(o.rollout_id),
-                        "text": tok.decode(ids), "pieces": _pieces(tok, ids),
-                        "action_text": tok.decode([t for t, m in zip(ids, mask) if m]), **lists,
+                        "reward": o.reward,
+                        "advantage": (advantages or {}).get(o.rollout_id),
+                        "text": tok.decode(ids),
+                        "pieces": _pieces(tok, ids),
+                        "action_text": tok.decode([t for t, m in zip(ids, mask) if m]),
+                        **lists,
                     }
                     lp = (trainer_logprobs or {}).get((o.rollout_id, e.segment_index))
                     if lp is not None:
                         line["trainer_logprobs"] = lp = [float(x) for x in lp]
-                        w, _ = importance_weights(*(torch.tensor([x], dtype=torch.float64) for x in
-                                                    (lp, lists["behavior_logprobs"], mask)), *gate)
+                        w, _ = importance_weights(
+                            *(
+                                torch.tensor([x], dtype=torch.float64)
+                                for x in (lp, lists["behavior_logprobs"], mask)
+                            ),
+                            *gate,
+                        )
                         line["is_weights"] = w[0].tolist()
                     f.write(json.dumps(line) + "\n")

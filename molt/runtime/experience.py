@@ -5,6 +5,7 @@ object store (`Experience.offload`); the `RolloutOutcome` that travels back to t
 light fields and object references. `assign_to_ranks` balances token counts over data-parallel ranks
 (longest first onto the least-loaded rank), so each rank `reload()`s only its own experiences.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -19,9 +20,17 @@ def outcome_from_trajectory(traj: Trajectory, *, offload: bool = True) -> Rollou
     if offload:
         experiences = [e.offload() for e in experiences]
     return RolloutOutcome(
-        rollout_id=traj.rollout_id, group_id=traj.group_id, status=traj.status, reward=traj.reward,
-        score=traj.score, error=traj.error, traceback=traj.traceback, info=dict(traj.info), truncated=traj.truncated,
-        experiences=experiences, break_reasons=[s.break_reason for s in traj.segments],
+        rollout_id=traj.rollout_id,
+        group_id=traj.group_id,
+        status=traj.status,
+        reward=traj.reward,
+        score=traj.score,
+        error=traj.error,
+        traceback=traj.traceback,
+        info=dict(traj.info),
+        truncated=traj.truncated,
+        experiences=experiences,
+        break_reasons=[s.break_reason for s in traj.segments],
         response_tokens=response_tokens,
     )
 
@@ -35,8 +44,10 @@ def assign_to_ranks(experiences: list[Experience], n_ranks: int) -> list[list[Ex
     for exp in experiences:
         units.setdefault(exp.rollout_id, []).append(exp)
     if len(units) < n_ranks:
-        raise ValueError(f"{len(units)} rollouts cannot feed {n_ranks} data-parallel ranks (a rollout's segments "
-                         "stay together): raise rollout.batch_size or n_samples_per_prompt, or lower train.num_ranks")
+        raise ValueError(
+            f"{len(units)} rollouts cannot feed {n_ranks} data-parallel ranks (a rollout's segments "
+            "stay together): raise rollout.batch_size or n_samples_per_prompt, or lower train.num_ranks"
+        )
     groups = list(units.values())
     heap = [(0, rank) for rank in range(n_ranks)]
     out: list[list[Experience]] = [[] for _ in range(n_ranks)]

@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/runtime/loop.py`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,10 @@ def _same_tokenizer(student: str, teacher: str) -> None:
 
     s, t = (AutoTokenizer.from_pretrained(p).get_vocab() for p in (student, teacher))
     if s != t:
-        raise ValueError(f"ref.model_name_or_path: the teacher's tokenizer ({teacher}: {len(t)} tokens) differs "
-                         f"from the student's ({len(s)} tokens); on_policy_distill needs the same one")
+        raise ValueError(
+            f"ref.model_name_or_path: the teacher's tokenizer ({teacher}: {len(t)} tokens) differs "
+            f"from the student's ({len(s)} tokens); on_policy_distill needs the same one"
+        )
 
 
 class Run:
@@ -73,17 +76,29 @@ class Run:
 
         cfg = self.cfg
         self._resume_from = resume_point(self.dir, self.ckpt_dir, cfg.ckpt.resume)
-        import_files(cfg.algo.plugins, "algo.plugins")  # as load_config did: a run built in Python may not have
+        import_files(
+            cfg.algo.plugins, "algo.plugins"
+        )  # as load_config did: a run built in Python may not have
         self.spec = estimator_spec(cfg.algo.advantage.estimator)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model_path = str(resolve_model(cfg.actor.model_name_or_path))
         d = cfg.data
-        keys = {"input_key": d.input_key, "label_key": d.label_key, "tools_key": d.tools_key, "seed": cfg.train.seed,
-                "image_key": d.image_key, "max_images": d.max_images_per_prompt}
-        self.rows = load_prompts(d.prompt_dataset, split=d.prompt_split, probs=d.prompt_probs,
-                                 max_samples=d.max_samples, **keys)
-        self.eval_rows = load_prompts(cfg.eval.dataset, split=cfg.eval.split, what="eval.dataset",
-                                      **keys) if cfg.eval.dataset else []
+        keys = {
+            "input_key": d.input_key,
+            "label_key": d.label_key,
+            "tools_key": d.tools_key,
+            "seed": cfg.train.seed,
+            "image_key": d.image_key,
+            "max_images": d.max_images_per_prompt,
+        }
+        self.rows = load_prompts(
+            d.prompt_dataset, split=d.prompt_split, probs=d.prompt_probs, max_samples=d.max_samples, **keys
+        )
+        self.eval_rows = (
+            load_prompts(cfg.eval.dataset, split=cfg.eval.split, what="eval.dataset", **keys)
+            if cfg.eval.dataset
+            else []
+        )
         self.cfg = cfg = resolve(cfg, len(self.rows))  # the run's own copy, derived values filled in
         save_config(cfg, self.dir / "config.yaml")
         # the trainer's copy names local checkpoints (an alias or hub id resolved once, here)
@@ -99,10 +114,14 @@ class Run:
             init_ray(cfg)
         worker_threads, trainer_threads = torch_threads(cfg)
         runner_options = {"timeout": cfg.rollout.timeout_s, "max_turns": cfg.rollout.max_turns}
-        engine_options: dict[str, Any] = {"process": cfg.rollout.engine_process,
-                                          "prefix_cache_mb": cfg.rollout.prefix_cache_mb,
-                                          "cuda_graphs": cfg.rollout.cuda_graphs}
-        if cfg.actor.lora_rank:  # the engine holds the policy's adapters: a refit sends them alone (docs/lora.md)
+        engine_options: dict[str, Any] = {
+            "process": cfg.rollout.engine_process,
+            "prefix_cache_mb": cfg.rollout.prefix_cache_mb,
+            "cuda_graphs": cfg.rollout.cuda_graphs,
+        }
+        if (
+            cfg.actor.lora_rank
+        ):  # the engine holds the policy's adapters: a refit sends them alone (docs/lora.md)
             engine_options["lora"] = cfg.actor.lora_options()
         n_workers, gpus = cfg.rollout.num_workers, 0
         if cfg.rollout.engine == "vllm":  # one worker per vLLM engine, holding its tensor-parallel GPUs
@@ -113,13 +132,22 @@ class Run:
         worker_cls = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=10_000)(RolloutWorker)
         agent = cfg.train.agent_path and str(Path(cfg.train.agent_path).resolve())  # "": the built-in agent
         spawn = lambda i, n: worker_cls.options(**spread(i, n, gpus)).remote(
-            self.model_path, agent, engine_kind=cfg.rollout.engine, torch_threads=worker_threads,
-            runner_options=runner_options, engine_options=engine_options, max_restarts=cfg.rollout.engine_max_restarts,
-            tool_parser=cfg.rollout.tool_parser)
+            self.model_path,
+            agent,
+            engine_kind=cfg.rollout.engine,
+            torch_threads=worker_threads,
+            runner_options=runner_options,
+            engine_options=engine_options,
+            max_restarts=cfg.rollout.engine_max_restarts,
+            tool_parser=cfg.rollout.tool_parser,
+        )
         self.workers = Workers(spawn, n_workers, cfg.rollout.worker_max_restarts)
-        self.trainer = TrainerGroup(cfg.train.num_ranks, torch_threads=trainer_threads,
-                                    num_gpus_per_rank=1 if gpus else 0)
-        await asyncio.gather(*[w.start.remote() for w in self.workers.actors], self.trainer.setup(self.trainer_cfg))
+        self.trainer = TrainerGroup(
+            cfg.train.num_ranks, torch_threads=trainer_threads, num_gpus_per_rank=1 if gpus else 0
+        )
+        await asyncio.gather(
+            *[w.start.remote() for w in self.workers.actors], self.trainer.setup(self.trainer_cfg)
+        )
         sync = cfg.train.weight_sync
         self._weight_plan = None
         if sync == "collective" or (sync == "auto" and cfg.rollout.engine == "vllm"):
@@ -132,8 +160,10 @@ class Run:
         sizes = await asyncio.gather(*[w.weight_group_size.remote() for w in workers])
         world, offsets = 1 + sum(sizes), [1 + sum(sizes[:i]) for i in range(len(sizes))]
         self.workers.max_restarts = 0  # a new worker could not join the group
-        await asyncio.gather(self.trainer.same("join_weight_group", address, world),
-                             *[w.join_weight_group.remote(address, o, world) for w, o in zip(workers, offsets)])
+        await asyncio.gather(
+            self.trainer.same("join_weight_group", address, world),
+            *[w.join_weight_group.remote(address, o, world) for w, o in zip(workers, offsets)],
+        )
         self._weight_plan = await rank0.weight_plan.remote(BUCKET_BYTES)
 
     async def _load_checkpoint(self) -> None:
@@ -160,8 +190,14 @@ class Run:
         if self.cfg.ckpt.save_hf:
             await self.trainer.same("export_hf", str(path / "hf"))
         # its size does not grow with the run: the stream's state is bounded by the groups in flight
-        state = {"step": self.step, "stream": pool.prompts.state(), "generated_tokens": self.generated_tokens,
-                 "counters": dict(pool.counters), "kl_coef": self.kl_coef, "metrics": metrics}
+        state = {
+            "step": self.step,
+            "stream": pool.prompts.state(),
+            "generated_tokens": self.generated_tokens,
+            "counters": dict(pool.counters),
+            "kl_coef": self.kl_coef,
+            "metrics": metrics,
+        }
         (path / "state.json").write_text(json.dumps(state))  # written last: marks the checkpoint complete
         rotate(self.ckpt_dir, self.cfg.ckpt.max_num, self.cfg.ckpt.best_metric_key)
         self.control.saved()
@@ -170,9 +206,15 @@ class Run:
     def _params(self, *, eval: bool = False) -> SamplingParams:
         r, e = self.cfg.rollout, self.cfg.eval
         if eval:
-            return SamplingParams(max_tokens=e.max_new_tokens or r.max_new_tokens, temperature=e.temperature,
-                                  top_p=r.top_p if e.top_p is None else e.top_p, top_k=r.top_k)
-        return SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+            return SamplingParams(
+                max_tokens=e.max_new_tokens or r.max_new_tokens,
+                temperature=e.temperature,
+                top_p=r.top_p if e.top_p is None else e.top_p,
+                top_k=r.top_k,
+            )
+        return SamplingParams(
+            max_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
+        )
 
     async def _run_on_worker(self, task: RolloutTask, train: bool = True):
         try:
@@ -186,9 +228,19 @@ class Run:
         from molt.runtime.metrics import agent_metrics, info_means, pass_at_n
 
         n = self.cfg.eval.n_samples_per_prompt
-        tasks = [RolloutTask(row, (-1, p), f"eval-p{p}", f"eval-v{self.version}-p{p}-s{s}", s, self.version,
-                             seed=self.cfg.train.seed * 1000 + p * n + s)
-                 for p, row in enumerate(self.eval_rows) for s in range(n)]
+        tasks = [
+            RolloutTask(
+                row,
+                (-1, p),
+                f"eval-p{p}",
+                f"eval-v{self.version}-p{p}-s{s}",
+                s,
+                self.version,
+                seed=self.cfg.train.seed * 1000 + p * n + s,
+            )
+            for p, row in enumerate(self.eval_rows)
+            for s in range(n)
+        ]
         t0 = time.perf_counter()
         outcomes = await asyncio.gather(*[self._run_on_worker(t, train=False) for t in tasks])
         correct: list[list[bool]] = [[] for _ in self.eval_rows]
@@ -198,24 +250,42 @@ class Run:
             failed += not o.ok
         pass_n, avg_n = pass_at_n(correct)
         name = Path(self.cfg.eval.dataset).stem
-        out = {f"eval_{name}_pass{n}": pass_n, f"eval_{name}_avg{n}": avg_n, "eval/accuracy": avg_n,
-               "eval/failed": float(failed), "timing/eval": time.perf_counter() - t0,
-               **agent_metrics(outcomes, "eval/agent/"), **info_means(outcomes, "eval/info/")}
-        self.evals.append({"step": self.step, "accuracy": avg_n, "pass": pass_n,
-                           **{k[5:]: v for k, v in out.items() if k.startswith("eval/agent/")}})
+        out = {
+            f"eval_{name}_pass{n}": pass_n,
+            f"eval_{name}_avg{n}": avg_n,
+            "eval/accuracy": avg_n,
+            "eval/failed": float(failed),
+            "timing/eval": time.perf_counter() - t0,
+            **agent_metrics(outcomes, "eval/agent/"),
+            **info_means(outcomes, "eval/info/"),
+        }
+        self.evals.append(
+            {
+                "step": self.step,
+                "accuracy": avg_n,
+                "pass": pass_n,
+                **{k[5:]: v for k, v in out.items() if k.startswith("eval/agent/")},
+            }
+        )
         return out
 
     # ------------------------------------------------------------------------------------------ training
     async def _refit(self) -> float:
-        t0, partial_rollout, workers = time.perf_counter(), self.cfg.train.partial_rollout_enable, self.workers.actors
+        t0, partial_rollout, workers = (
+            time.perf_counter(),
+            self.cfg.train.partial_rollout_enable,
+            self.workers.actors,
+        )
         if self._weight_plan is None:  # the buckets go into the object store while the workers drain
             refs = asyncio.ensure_future(self.trainer.same("weight_refs", BUCKET_BYTES))
             await self.workers.refit(partial_rollout, refs, self.version)
             return time.perf_counter() - t0
         try:  # collective: every engine is paused before rank 0 enters the broadcast (no rank waits on a drain)
             await asyncio.gather(*[w.begin_refit.remote(partial_rollout) for w in workers])
-            await asyncio.gather(self.trainer.same("broadcast_weights", BUCKET_BYTES),
-                                 *[w.receive_weights.remote(self._weight_plan, self.version) for w in workers])
+            await asyncio.gather(
+                self.trainer.same("broadcast_weights", BUCKET_BYTES),
+                *[w.receive_weights.remote(self._weight_plan, self.version) for w in workers],
+            )
         finally:
             await asyncio.gather(*[w.end_refit.remote() for w in workers])
         return time.perf_counter() - t0
@@ -224,31 +294,47 @@ class Run:
         cfg, (low, high) = self.cfg, self.cfg.reward.clip_range
         estimator = cfg.algo.advantage.estimator
         rows = [(o.rollout_id, g.group_id, min(max(o.reward, low), high)) for g in groups for o in g.outcomes]
-        group = self.spec.kind == "group"  # one advantage per rollout here, else the ranks' from terminal rewards
+        group = (
+            self.spec.kind == "group"
+        )  # one advantage per rollout here, else the ranks' from terminal rewards
         advantages = rollout_advantages(estimator, rows) if group else None
         rewards = None if group else terminal_rewards(self.spec.centred, rows)
         # optimizer windows of whole groups; each rank gets its balanced share of every window
         size = len(groups) // optimizer_windows(cfg)
-        windows = [assign_to_ranks([e for g in groups[i:i + size] for o in g.outcomes for e in o.experiences],
-                                   cfg.train.num_ranks) for i in range(0, len(groups), size)]
+        windows = [
+            assign_to_ranks(
+                [e for g in groups[i : i + size] for o in g.outcomes for e in o.experiences],
+                cfg.train.num_ranks,
+            )
+            for i in range(0, len(groups), size)
+        ]
         n = cfg.train.num_ranks
         self._trainer_logprobs = None
         if cfg.train.dump_trajectories_steps and (self.step + 1) % cfg.train.dump_trajectories_steps == 0:
             # the dump's trainer log-probs, under the policy before the update: one extra pass on dump steps
             shares = [[e for w in windows for e in w[r]] for r in range(n)]
             lps = await self.trainer.call("logprobs", shares)
-            self._trainer_logprobs = {(e.rollout_id, e.segment_index): lp
-                                      for share, rows in zip(shares, lps) for e, lp in zip(share, rows)}
+            self._trainer_logprobs = {
+                (e.rollout_id, e.segment_index): lp
+                for share, rows in zip(shares, lps)
+                for e, lp in zip(share, rows)
+            }
         results = await self.trainer.call(
-            "train_step", [[w[r] for w in windows] for r in range(n)], [advantages] * n, [rewards] * n,
-            epochs=cfg.train.max_epochs, critic_epochs=cfg.critic.max_epochs or cfg.train.max_epochs,
-            train_actor=self.step >= cfg.actor.freezing_steps)
+            "train_step",
+            [[w[r] for w in windows] for r in range(n)],
+            [advantages] * n,
+            [rewards] * n,
+            epochs=cfg.train.max_epochs,
+            critic_epochs=cfg.critic.max_epochs or cfg.train.max_epochs,
+            train_actor=self.step >= cfg.actor.freezing_steps,
+        )
         self._advantages = advantages
         if cfg.algo.kl.target is not None and "kl/mean" in results[0]:
             from molt.algo import adaptive_kl_coef
 
-            self.kl_coef = adaptive_kl_coef(self.kl_coef, results[0]["kl/mean"], cfg.algo.kl.target,
-                                            cfg.algo.kl.horizon, len(rows))
+            self.kl_coef = adaptive_kl_coef(
+                self.kl_coef, results[0]["kl/mean"], cfg.algo.kl.target, cfg.algo.kl.horizon, len(rows)
+            )
             await self.trainer.same("set_kl_coef", self.kl_coef)
             results[0]["kl_coef"] = self.kl_coef
         return results[0]
@@ -258,8 +344,14 @@ class Run:
         t_start = time.perf_counter()
         if self._resume_from is not None:
             await self._load_checkpoint()
-        logger = MetricsLogger(self.dir, cfg.train.max_steps, tensorboard_dir=cfg.logger.tensorboard_dir,
-                               wandb=to_dict(cfg.logger.wandb), config=to_dict(cfg), start_step=self.step)
+        logger = MetricsLogger(
+            self.dir,
+            cfg.train.max_steps,
+            tensorboard_dir=cfg.logger.tensorboard_dir,
+            wandb=to_dict(cfg.logger.wandb),
+            config=to_dict(cfg),
+            start_step=self.step,
+        )
         with self.control.signals(asyncio.get_running_loop()), closing(logger):  # after ray.init's handlers
             if self.eval_rows and (self.step == 0 or cfg.eval.only):
                 logger.log(self.step, await self.evaluate(), advance=False)
@@ -277,11 +369,19 @@ class Run:
         filt = None
         if cfg.algo.dynamic_filtering_enable:
             filt = _dynamic_filter(cfg.rollout.n_samples_per_prompt, tuple(cfg.algo.dynamic_filtering_range))
-        pool = RolloutPool(PromptStream(self.rows, cfg.train.seed, self.stream), self._run_on_worker,
-                           n_samples=cfg.rollout.n_samples_per_prompt, groups_per_step=cfg.rollout.batch_size,
-                           max_staleness=cfg.train.max_staleness, max_retries=cfg.rollout.max_failed_retries,
-                           group_filter=filt, seed=cfg.train.seed, stall_timeout_s=cfg.train.stall_timeout_s,
-                           failure_window=cfg.rollout.failure_window, max_failed_share=cfg.rollout.max_failed_share)
+        pool = RolloutPool(
+            PromptStream(self.rows, cfg.train.seed, self.stream),
+            self._run_on_worker,
+            n_samples=cfg.rollout.n_samples_per_prompt,
+            groups_per_step=cfg.rollout.batch_size,
+            max_staleness=cfg.train.max_staleness,
+            max_retries=cfg.rollout.max_failed_retries,
+            group_filter=filt,
+            seed=cfg.train.seed,
+            stall_timeout_s=cfg.train.stall_timeout_s,
+            failure_window=cfg.rollout.failure_window,
+            max_failed_share=cfg.rollout.max_failed_share,
+        )
         pool.counters.update(self.counters)
         pool.set_version(self.version)
         pool.start()
@@ -303,7 +403,9 @@ class Run:
                 trained_version = self.version
                 self.version += 1
                 self.step += 1
-                self._record(groups, pool.prompts)  # before the refit: a crash loop there still saves the step
+                self._record(
+                    groups, pool.prompts
+                )  # before the refit: a crash loop there still saves the step
                 try:
                     t_refit = await self._refit()
                 except RunStopped as e:
@@ -312,16 +414,28 @@ class Run:
                 pool.set_version(self.version)
                 metrics.update(rollout_metrics(groups, trained_version))
                 metrics.update({f"rollout/{k}": float(v) for k, v in pool.counters.items()})
-                metrics.update({"timing/generation": t_gen, "timing/policy_train": t_train,
-                                "timing/broadcast": t_refit, "timing/step_total": time.perf_counter() - t0,
-                                "rollout/generated_tokens": float(self.generated_tokens), "version": self.version})
+                metrics.update(
+                    {
+                        "timing/generation": t_gen,
+                        "timing/policy_train": t_train,
+                        "timing/broadcast": t_refit,
+                        "timing/step_total": time.perf_counter() - t0,
+                        "rollout/generated_tokens": float(self.generated_tokens),
+                        "version": self.version,
+                    }
+                )
                 if cfg.train.dump_trajectories_steps and self.step % cfg.train.dump_trajectories_steps == 0:
                     from molt.runtime.dump import dump_groups
 
                     a = cfg.algo.advantage
-                    dump_groups(self.dir / "dumps" / f"step_{self.step}.jsonl", groups, self.model_path,
-                                self._advantages, self._trainer_logprobs, (a.is_correction_level,
-                                a.is_correction_mode, *a.is_correction_threshold))
+                    dump_groups(
+                        self.dir / "dumps" / f"step_{self.step}.jsonl",
+                        groups,
+                        self.model_path,
+                        self._advantages,
+                        self._trainer_logprobs,
+                        (a.is_correction_level, a.is_correction_mode, *a.is_correction_threshold),
+                    )
                 if self.eval_rows and cfg.eval.steps > 0 and self.step % cfg.eval.steps == 0:
                     metrics.update(await self.evaluate())
                 # the step's line first: a checkpoint then implies its line (a resume drops later lines)
@@ -330,7 +444,9 @@ class Run:
                     await self._save_checkpoint(pool, metrics)
         finally:
             await pool.stop()
-        if not (self.ckpt_dir / f"step_{self.step}" / "state.json").is_file():  # stopped while waiting for rollouts
+        if not (
+            self.ckpt_dir / f"step_{self.step}" / "state.json"
+        ).is_file():  # stopped while waiting for rollouts
             await self._save_checkpoint(pool, metrics)
         self.control.finish(self.step)
 
@@ -339,14 +455,24 @@ class Run:
             for g in groups:
                 stream.finish(g.key)
                 self.generated_tokens += sum(o.response_tokens for o in g.outcomes)
-                f.write(json.dumps({"step": self.step, "key": list(g.key), "group_id": g.group_id,
-                                    "rollouts": [o.rollout_id for o in g.outcomes]}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": self.step,
+                            "key": list(g.key),
+                            "group_id": g.group_id,
+                            "rollouts": [o.rollout_id for o in g.outcomes],
+                        }
+                    )
+                    + "\n"
+                )
 
     def _summary(self, t_start: float) -> dict[str, Any]:
         summary = {
             "base_eval_accuracy": self.evals[0]["accuracy"] if self.evals else None,
             "final_eval_accuracy": self.evals[-1]["accuracy"] if self.evals else None,
-            "steps": self.step, "generated_tokens": self.generated_tokens,
+            "steps": self.step,
+            "generated_tokens": self.generated_tokens,
             "seconds": round(time.perf_counter() - self._created, 1),  # wall time, set-up included
             "train_seconds": round(time.perf_counter() - t_start, 1),  # evaluations and steps
             "evals": self.evals,

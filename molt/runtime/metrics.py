@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/runtime/metrics.py`.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,14 +54,17 @@ def agent_metrics(outcomes: list[Any], prefix: str) -> dict[str, float]:
     (parsed ones plus malformed attempts) and the fraction of calls that parsed and ran. "Ran" uses the agent's
     own `tool_errors` count in `Result.info` when it reports one (a call the tool refused); the capture server
     cannot know it. Env rollouts without tools report turns only."""
+
     def total(key: str) -> float:
         return sum(float(o.info.get(key, 0.0)) for o in outcomes)
 
     if not outcomes or not any("capture/requests" in o.info for o in outcomes):
         return {}
     parsed, malformed = total("capture/tool_calls"), total("capture/malformed_tool_calls")
-    out = {f"{prefix}turns": total("capture/requests") / len(outcomes),
-           f"{prefix}tool_calls": (parsed + malformed) / len(outcomes)}
+    out = {
+        f"{prefix}turns": total("capture/requests") / len(outcomes),
+        f"{prefix}tool_calls": (parsed + malformed) / len(outcomes),
+    }
     if parsed + malformed:
         out[f"{prefix}tool_call_valid"] = max(0.0, parsed - total("tool_errors")) / (parsed + malformed)
     return out
@@ -70,8 +74,10 @@ def pass_at_n(correct: list[list[bool]]) -> tuple[float, float]:
     """(pass@n, avg@n) over prompts, each with n samples judged correct or not."""
     if not correct:
         return 0.0, 0.0
-    return (statistics.fmean(float(any(c)) for c in correct),
-            statistics.fmean(statistics.fmean(map(float, c)) for c in correct))
+    return (
+        statistics.fmean(float(any(c)) for c in correct),
+        statistics.fmean(statistics.fmean(map(float, c)) for c in correct),
+    )
 
 
 def _fmt(value: float) -> str:
@@ -80,23 +86,47 @@ def _fmt(value: float) -> str:
 
 # (metric key, console label) for the one-line summary, in order; missing keys are skipped.
 _CONSOLE = [
-    ("rollout/reward_mean", "reward"), ("group_reward_std", "grp_std"), ("eval/accuracy", "eval_acc"),
-    ("train/loss", "loss"), ("eval/loss", "eval_loss"),
-    ("rollout/response_length_mean", "len"), ("policy_loss", "loss"), ("actor_grad_norm", "gnorm"),
-    ("agent/turns", "turns"), ("agent/tool_calls", "calls"), ("agent/tool_call_valid", "valid"),
-    ("rollout/segments_per_rollout", "segs"), ("is_filter_ratio", "gate"), ("rollout/staleness_mean", "stale"), ("timing/generation", "gen_s"),
-    ("timing/policy_train", "train_s"), ("timing/broadcast", "refit_s"), ("timing/step_total", "step_s"),
+    ("rollout/reward_mean", "reward"),
+    ("group_reward_std", "grp_std"),
+    ("eval/accuracy", "eval_acc"),
+    ("train/loss", "loss"),
+    ("eval/loss", "eval_loss"),
+    ("rollout/response_length_mean", "len"),
+    ("policy_loss", "loss"),
+    ("actor_grad_norm", "gnorm"),
+    ("agent/turns", "turns"),
+    ("agent/tool_calls", "calls"),
+    ("agent/tool_call_valid", "valid"),
+    ("rollout/segments_per_rollout", "segs"),
+    ("is_filter_ratio", "gate"),
+    ("rollout/staleness_mean", "stale"),
+    ("timing/generation", "gen_s"),
+    ("timing/policy_train", "train_s"),
+    ("timing/broadcast", "refit_s"),
+    ("timing/step_total", "step_s"),
 ]
 # (metric key, bound, warning): the step line ends with the warning when the metric reaches its bound
 _WARNINGS = [
     ("train/skipped_steps", 1.0, "{:.0f} optimizer step(s) skipped for a non-finite loss or gradient norm"),
-    ("is/rejected_frac", 0.999, "the importance gate rejected {:.2%} of the action tokens (trainer and engine disagree)"),
+    (
+        "is/rejected_frac",
+        0.999,
+        "the importance gate rejected {:.2%} of the action tokens (trainer and engine disagree)",
+    ),
 ]
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, total_steps: int, *, tensorboard_dir: str = "",
-                 wandb: dict[str, str] | None = None, config: dict[str, Any] | None = None, start_step: int = 0):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        total_steps: int,
+        *,
+        tensorboard_dir: str = "",
+        wandb: dict[str, str] | None = None,
+        config: dict[str, Any] | None = None,
+        start_step: int = 0,
+    ):
         from torch.utils.tensorboard import SummaryWriter
         from tqdm.auto import tqdm
 
@@ -112,10 +142,18 @@ class MetricsLogger:
 
                 if w.get("key"):
                     wb.login(key=w["key"])
-                self._wandb = wb.init(project=w["project"], entity=w.get("org") or None, name=w.get("run_name")
-                                      or None, group=w.get("group") or None, config=config, dir=str(self.run_dir))
+                self._wandb = wb.init(
+                    project=w["project"],
+                    entity=w.get("org") or None,
+                    name=w.get("run_name") or None,
+                    group=w.get("group") or None,
+                    config=config,
+                    dir=str(self.run_dir),
+                )
             except Exception as e:  # noqa: BLE001 (wandb raises its own error types, and more)
-                why = "wandb is not installed (pip install 'molt[wandb]')" if isinstance(e, ImportError) else e
+                why = (
+                    "wandb is not installed (pip install 'molt[wandb]')" if isinstance(e, ImportError) else e
+                )
                 print(f"molt: note: W&B logging is off: {why}", file=sys.stderr)
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
@@ -129,10 +167,17 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
         parts = [f"{label} {_fmt(clean[key])}" for key, label in _CONSOLE if key in clean]
-        counts = " ".join(f"{k[8:]} {v:.0f}" for k, v in clean.items()  # failures and drops by reason, so far
-                          if k.startswith(("rollout/failed/", "rollout/dropped/")))
+        counts = " ".join(
+            f"{k[8:]} {v:.0f}"
+            for k, v in clean.items()  # failures and drops by reason, so far
+            if k.startswith(("rollout/failed/", "rollout/dropped/"))
+        )
         parts += [counts] if counts else []
-        parts += [f"WARNING: {text.format(clean[key])}" for key, bound, text in _WARNINGS if clean.get(key, 0.0) >= bound]
+        parts += [
+            f"WARNING: {text.format(clean[key])}"
+            for key, bound, text in _WARNINGS
+            if clean.get(key, 0.0) >= bound
+        ]
         self._bar.write(f"step {step}: {' | '.join(parts)}")
         if advance:
             self._bar.update(1)

@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/runtime/pool.py`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -127,10 +128,21 @@ GroupFilter = Callable[[list[Group]], tuple[list[Group], dict[str, int]]]
 
 
 class RolloutPool:
-    def __init__(self, prompts: PromptStream, run: Callable[[RolloutTask], Awaitable[RolloutOutcome]], *,
-                 n_samples: int, groups_per_step: int, max_staleness: int, max_retries: int = 2,
-                 group_filter: GroupFilter | None = None, seed: int = 0, stall_timeout_s: float = 0.0,
-                 failure_window: int = 0, max_failed_share: float = 1.0):
+    def __init__(
+        self,
+        prompts: PromptStream,
+        run: Callable[[RolloutTask], Awaitable[RolloutOutcome]],
+        *,
+        n_samples: int,
+        groups_per_step: int,
+        max_staleness: int,
+        max_retries: int = 2,
+        group_filter: GroupFilter | None = None,
+        seed: int = 0,
+        stall_timeout_s: float = 0.0,
+        failure_window: int = 0,
+        max_failed_share: float = 1.0,
+    ):
         self.prompts, self._prompts = prompts, iter(prompts)
         self._run, self._filter = run, group_filter
         self.n_samples, self.groups_per_step = n_samples, groups_per_step
@@ -181,8 +193,10 @@ class RolloutPool:
             if self._failing is not None:
                 raise self._failing
             if 0 < self.stall_timeout_s <= time.monotonic() - start:
-                raise RunStopped(f"no training step formed in {self.stall_timeout_s:g} s (train.stall_timeout_s): "
-                                 f"{len(out)} of {self.groups_per_step} groups ready; {self._why()}")
+                raise RunStopped(
+                    f"no training step formed in {self.stall_timeout_s:g} s (train.stall_timeout_s): "
+                    f"{len(out)} of {self.groups_per_step} groups ready; {self._why()}"
+                )
             try:
                 group = await asyncio.wait_for(self._ready.get(), timeout=1.0)
             except asyncio.TimeoutError:
@@ -265,19 +279,33 @@ class RolloutPool:
         self.counters[f"failed/{reason}"] += 1
         if reason not in self._first:
             self._first[reason] = outcome
-            print(f"molt: first {reason} failure (rollout {outcome.rollout_id}; later ones are counted as "
-                  f"rollout/failed/{reason}):\n{outcome.traceback or outcome.error}", file=sys.stderr)
+            print(
+                f"molt: first {reason} failure (rollout {outcome.rollout_id}; later ones are counted as "
+                f"rollout/failed/{reason}):\n{outcome.traceback or outcome.error}",
+                file=sys.stderr,
+            )
         failed = sum(self._recent)
-        if (self._failing is None and self._recent.maxlen and len(self._recent) == self._recent.maxlen
-                and failed >= self.max_failed_share * len(self._recent)):
-            self._failing = RunStopped(f"{failed} of the last {len(self._recent)} rollouts failed (rollout."
-                                       f"max_failed_share {self.max_failed_share} of rollout.failure_window "
-                                       f"{len(self._recent)}); {self._why()}")
+        if (
+            self._failing is None
+            and self._recent.maxlen
+            and len(self._recent) == self._recent.maxlen
+            and failed >= self.max_failed_share * len(self._recent)
+        ):
+            self._failing = RunStopped(
+                f"{failed} of the last {len(self._recent)} rollouts failed (rollout."
+                f"max_failed_share {self.max_failed_share} of rollout.failure_window "
+                f"{len(self._recent)}); {self._why()}"
+            )
 
     def _why(self) -> str:
         """The failure and drop counts so far, and the first error of the most frequent failure."""
-        counts = ", ".join(f"{k} {n}" for k, n in sorted(self.counters.items()) if n) or "nothing failed or dropped"
-        reason = max(self._first, key=lambda r: self.counters[f"failed/{r}"], default=None)  # not a resumed count's
+        counts = (
+            ", ".join(f"{k} {n}" for k, n in sorted(self.counters.items()) if n)
+            or "nothing failed or dropped"
+        )
+        reason = max(
+            self._first, key=lambda r: self.counters[f"failed/{r}"], default=None
+        )  # not a resumed count's
         if reason is None:
             return counts
         return f"{counts}; first {reason} (rollout {self._first[reason].rollout_id}): {self._first[reason].error}"
@@ -290,6 +318,11 @@ class RolloutPool:
             return RolloutOutcome(rid, group_id, RolloutStatus.ABORTED, error="cancelled")
         exc = task.exception()
         if exc is not None:
-            return RolloutOutcome(rid, group_id, RolloutStatus.AGENT_ERROR, error=f"{type(exc).__name__}: {exc}",
-                                  traceback="".join(traceback.format_exception(exc)))
+            return RolloutOutcome(
+                rid,
+                group_id,
+                RolloutStatus.AGENT_ERROR,
+                error=f"{type(exc).__name__}: {exc}",
+                traceback="".join(traceback.format_exception(exc)),
+            )
         return task.result()

@@ -12,6 +12,7 @@ Decisions: an assistant turn spans from the end of the conversation before it, r
 prompt, to the end of the conversation up to it: its end-of-turn tokens are trained, its header is not. A
 template that rewrites earlier turns (dropping old reasoning) is refused. Chats are cut at `data.max_len`.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,9 @@ from typing import Any
 from molt.types import Experience
 
 
-def encode_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+def encode_chat(
+    tokenizer: Any, messages: list[dict], tools: list[dict] | None = None
+) -> tuple[list[int], list[int]]:
     """(token ids, 1 on the assistant's tokens) of one chat, rendered by the tokenizer's chat template."""
     from molt.capture.render import canonical_messages, canonical_tools
 
@@ -37,8 +40,10 @@ def encode_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None =
         if m["role"] == "assistant":
             head, turn = render(k, True), render(k + 1, False)
             if not (turn.startswith(head) and text.startswith(turn)):
-                raise ValueError("the chat template renders a prefix of the conversation differently from the "
-                                 f"whole (turn {k}); SFT needs templates that only append")
+                raise ValueError(
+                    "the chat template renders a prefix of the conversation differently from the "
+                    f"whole (turn {k}); SFT needs templates that only append"
+                )
             spans.append((len(head), len(turn)))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return enc["input_ids"], [int(any(a <= s < b for a, b in spans)) for s, _ in enc["offset_mapping"]]
@@ -54,8 +59,21 @@ def chat_experiences(rows: list[dict], tokenizer: Any, max_len: int | None, what
         except ValueError as e:
             raise ValueError(f"{what}: row {n}: {e}") from None
         ids, mask = ids[:max_len], mask[:max_len]
-        out.append(Experience(f"{what}-{n}", "", 0, 0.0, len(ids), sum(mask), 0, token_ids=ids, action_mask=mask,
-                              behavior_logprobs=[0.0] * sum(mask), advantages=0.0))
+        out.append(
+            Experience(
+                f"{what}-{n}",
+                "",
+                0,
+                0.0,
+                len(ids),
+                sum(mask),
+                0,
+                token_ids=ids,
+                action_mask=mask,
+                behavior_logprobs=[0.0] * sum(mask),
+                advantages=0.0,
+            )
+        )
     return out
 
 
@@ -73,11 +91,29 @@ def run_sft(cfg: Any) -> dict[str, Any]:
     model_path = str(resolve_model(cfg.actor.model_name_or_path))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     keys = {"input_key": d.input_key, "label_key": None, "tools_key": d.tools_key}
-    train = chat_experiences(load_prompts(d.prompt_dataset, split=d.prompt_split, probs=d.prompt_probs,
-                                          max_samples=d.max_samples, seed=cfg.train.seed, **keys),
-                             tokenizer, d.max_len, "data.prompt_dataset")
-    held = chat_experiences(load_prompts(cfg.eval.dataset, split=cfg.eval.split, what="eval.dataset", **keys),
-                            tokenizer, d.max_len, "eval.dataset") if cfg.eval.dataset else []
+    train = chat_experiences(
+        load_prompts(
+            d.prompt_dataset,
+            split=d.prompt_split,
+            probs=d.prompt_probs,
+            max_samples=d.max_samples,
+            seed=cfg.train.seed,
+            **keys,
+        ),
+        tokenizer,
+        d.max_len,
+        "data.prompt_dataset",
+    )
+    held = (
+        chat_experiences(
+            load_prompts(cfg.eval.dataset, split=cfg.eval.split, what="eval.dataset", **keys),
+            tokenizer,
+            d.max_len,
+            "eval.dataset",
+        )
+        if cfg.eval.dataset
+        else []
+    )
     cfg = resolve(cfg, len(train), sft=True)  # the schedule's length, policy loss sft (molt.config.resolve)
     size, steps = cfg.train.batch_size, cfg.train.max_steps
     actor = Actor(override(cfg, {"actor.model_name_or_path": model_path}))
@@ -85,20 +121,33 @@ def run_sft(cfg: Any) -> dict[str, Any]:
     rng, order = random.Random(cfg.train.seed), []
     while len(order) < steps * size:  # one seeded shuffle per epoch: a resume finds the same order
         order += rng.sample(range(len(train)), len(train))
-    if (resume := resume_point(out, ckpt_dir, cfg.ckpt.resume)) is not None:
+    resume = resume_point(out, ckpt_dir, cfg.ckpt.resume)
+    if resume is not None:
         actor.load(str(resume / "trainer"))
     step = actor.step
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
         truncate_after(out / "metrics.jsonl", step)
-    log = MetricsLogger(out, steps, tensorboard_dir=cfg.logger.tensorboard_dir, wandb=to_dict(cfg.logger.wandb),
-                        config=to_dict(cfg), start_step=step) if rank0 else None
-    shard = lambda exps: exps[actor.rank::actor.world]  # this rank's share
+    log = (
+        MetricsLogger(
+            out,
+            steps,
+            tensorboard_dir=cfg.logger.tensorboard_dir,
+            wandb=to_dict(cfg.logger.wandb),
+            config=to_dict(cfg),
+            start_step=step,
+        )
+        if rank0
+        else None
+    )
+    shard = lambda exps: exps[actor.rank :: actor.world]  # this rank's share
 
     def eval_loss() -> float:
         part = shard(held)
-        nll = -sum(float(row[e.action_mask].sum(dtype=float)) for e, row in zip(part, actor.compute_logprobs(part)))
+        nll = -sum(
+            float(row[e.action_mask].sum(dtype=float)) for e, row in zip(part, actor.compute_logprobs(part))
+        )
         t = actor.reduce_metrics({}, 0.0, {"nll": nll, "n": float(sum(e.num_actions for e in part))})
         return t["nll"] / t["n"]
 
@@ -109,25 +158,38 @@ def run_sft(cfg: Any) -> dict[str, Any]:
     with control.signals():
         while step < steps and control.stopping is None:
             t = time.perf_counter()
-            m = actor.train_step(shard([train[i] for i in order[step * size:(step + 1) * size]]))
+            m = actor.train_step(shard([train[i] for i in order[step * size : (step + 1) * size]]))
             step += 1
-            metrics = {"train/loss": m["policy_loss"], "actor_grad_norm": m["actor_grad_norm"],
-                       "actor_lr": m["actor_lr"], "train/tokens": m["actor_window_tokens"],
-                       "train/skipped_steps": m["train/skipped_steps"], "timing/step_total": time.perf_counter() - t}
+            metrics = {
+                "train/loss": m["policy_loss"],
+                "actor_grad_norm": m["actor_grad_norm"],
+                "actor_lr": m["actor_lr"],
+                "train/tokens": m["actor_window_tokens"],
+                "train/skipped_steps": m["train/skipped_steps"],
+                "timing/step_total": time.perf_counter() - t,
+            }
             control.skipped(actor.skipped_in_a_row, cfg.train.max_skipped_steps)  # every rank skips alike
             if held and (step == steps or cfg.eval.steps > 0 and step % cfg.eval.steps == 0):
                 evals.append(eval_loss())
                 metrics["eval/loss"] = evals[-1]
             log and log.log(step, metrics)
             # every rank decides alike: a signal may reach one rank only, clocks differ
-            agreed = actor.reduce_metrics({}, 0.0, {"due": float(control.due(step, last=step == steps)),
-                                                    "stop": float(control.stopping is not None)})
+            agreed = actor.reduce_metrics(
+                {},
+                0.0,
+                {
+                    "due": float(control.due(step, last=step == steps)),
+                    "stop": float(control.stopping is not None),
+                },
+            )
             if agreed["stop"] and control.stopping is None:
                 control.stop(RuntimeError("another rank was stopped"))
             if agreed["due"] or agreed["stop"]:
                 actor.save(str(ckpt_dir / f"step_{step}" / "trainer"))
                 if rank0:
-                    (ckpt_dir / f"step_{step}" / "state.json").write_text(json.dumps({"step": step, "metrics": metrics}))
+                    (ckpt_dir / f"step_{step}" / "state.json").write_text(
+                        json.dumps({"step": step, "metrics": metrics})
+                    )
                     rotate(ckpt_dir, cfg.ckpt.max_num, cfg.ckpt.best_metric_key)
                 control.saved()
     if log:
@@ -135,8 +197,13 @@ def run_sft(cfg: Any) -> dict[str, Any]:
     control.finish(step)
     if cfg.ckpt.export_hf:
         actor.export_hf(str(out / "policy"))
-    summary = {"base_eval_loss": evals[0] if evals else None, "final_eval_loss": evals[-1] if evals else None,
-               "steps": step, "train_chats": len(train), "seconds": round(time.perf_counter() - t0, 1)}
+    summary = {
+        "base_eval_loss": evals[0] if evals else None,
+        "final_eval_loss": evals[-1] if evals else None,
+        "steps": step,
+        "train_chats": len(train),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     if rank0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

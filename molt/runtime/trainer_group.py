@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/runtime/trainer_group.py`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,9 @@ import numpy as np
 from molt.types import Experience, expand_actions
 
 
-def rollout_advantages(estimator: str, rollouts: list[tuple[str, str, float]], params: Any = None) -> dict[str, float]:
+def rollout_advantages(
+    estimator: str, rollouts: list[tuple[str, str, float]], params: Any = None
+) -> dict[str, float]:
     """{rollout_id: advantage} for a group estimator, from (rollout_id, group_id, reward) rows."""
     import torch
 
@@ -57,9 +60,15 @@ class TrainerRank:
         import ray
 
         addr, port = master.rsplit(":", 1)
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0", MASTER_ADDR=addr,
-                          MASTER_PORT=port)
-        if "GLOO_SOCKET_IFNAME" not in os.environ and (ifname := _interface_of(ray.util.get_node_ip_address())):
+        os.environ.update(
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world),
+            LOCAL_RANK="0",
+            MASTER_ADDR=addr,
+            MASTER_PORT=port,
+        )
+        ifname = _interface_of(ray.util.get_node_ip_address())
+        if "GLOO_SOCKET_IFNAME" not in os.environ and ifname:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname  # else gloo takes the hostname's address, or loopback
         import torch
 
@@ -68,7 +77,9 @@ class TrainerRank:
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
-        import_files(cfg.algo.plugins, "algo.plugins")  # the user's estimators and losses, registered here too
+        import_files(
+            cfg.algo.plugins, "algo.plugins"
+        )  # the user's estimators and losses, registered here too
         self.cfg, self.spec = cfg, estimator_spec(cfg.algo.advantage.estimator)
         self.actor = Actor(cfg)
         # the KL as a token reward (token-level estimators, `algo.kl.use_loss` false): its coefficient, adapted
@@ -78,9 +89,16 @@ class TrainerRank:
         if self.spec.critic:
             self.critic = Critic(cfg)
 
-    def train_step(self, windows: list[list[Experience]], advantages: dict[str, float] | None,
-                   rewards: dict[str, float] | None = None, *, epochs: int = 1, critic_epochs: int = 1,
-                   train_actor: bool = True) -> dict[str, float]:
+    def train_step(
+        self,
+        windows: list[list[Experience]],
+        advantages: dict[str, float] | None,
+        rewards: dict[str, float] | None = None,
+        *,
+        epochs: int = 1,
+        critic_epochs: int = 1,
+        train_actor: bool = True,
+    ) -> dict[str, float]:
         """windows: this rank's share of each optimizer window of the step (the same number on every rank);
         advantages: per rollout (group estimators); else rewards: terminal reward per rollout (rank-level)."""
         exps = _reload([e for w in windows for e in w])
@@ -104,7 +122,9 @@ class TrainerRank:
             else:
                 metrics = model.train_step(w, [targets[id(e)][0] for e in w], [targets[id(e)][1] for e in w])
             for key, value in metrics.items():  # means over the steps; times and skipped steps add up
-                sums[key] += value if key.startswith(("timing/", "train/skipped_steps")) else value / count[model]
+                sums[key] += (
+                    value if key.startswith(("timing/", "train/skipped_steps")) else value / count[model]
+                )
         streak = max(m.skipped_in_a_row for m in (self.actor, self.critic) if m is not None)
         return {**sums, **self.kl_metrics, "train/skipped_in_a_row": float(streak)}
 
@@ -124,8 +144,7 @@ class TrainerRank:
         """The policy's per-token log-probs (collective; the trainer column of trajectory dumps)."""
         return self.actor.compute_logprobs(_reload(experiences))
 
-    def _rank_advantages(self, experiences: list[Experience], rewards: dict[str, float]
-                         ) -> tuple[list, list]:
+    def _rank_advantages(self, experiences: list[Experience], rewards: dict[str, float]) -> tuple[list, list]:
         """Token-level estimator on this rank's rollouts, unwhitened, then whitened over the whole window.
         Returns the critic's (values, returns) for gae."""
         import torch
@@ -137,8 +156,14 @@ class TrainerRank:
         # KL reward: behavior (sampling-time) log-probs against the reference's, per action token (collective)
         ref = self.actor.compute_logprobs(experiences, reference=True) if self.kl_reward_coef > 0 else []
         a = self.cfg.algo.advantage
-        params = AdvantageParams(gamma=a.gamma, lam=a.lam, kl_coef=self.kl_reward_coef, whiten=False,
-                                 reward_coef=a.reward_coef, centred=self.spec.centred)  # centred by the controller
+        params = AdvantageParams(
+            gamma=a.gamma,
+            lam=a.lam,
+            kl_coef=self.kl_reward_coef,
+            whiten=False,
+            reward_coef=a.reward_coef,
+            centred=self.spec.centred,
+        )  # centred by the controller
         adv = mask = None
         returns: list = []
         if experiences:
@@ -149,14 +174,22 @@ class TrainerRank:
                 from molt.algo import kl_divergence
 
                 behavior = [expand_actions(e.behavior_logprobs, e.action_mask, 0.0) for e in experiences]
-                batch.kl, kl_metrics = kl_divergence(*(pad_rows(x, 0.0, np.float32, length) for x in (behavior, ref)),
-                                                     batch.action_mask, self.cfg.algo.kl.estimator, placement="reward")
-                self.kl_metrics = {k: float(v) for k, v in kl_metrics.items()} | {"kl_coef": self.kl_reward_coef}
+                batch.kl, kl_metrics = kl_divergence(
+                    *(pad_rows(x, 0.0, np.float32, length) for x in (behavior, ref)),
+                    batch.action_mask,
+                    self.cfg.algo.kl.estimator,
+                    placement="reward",
+                )
+                self.kl_metrics = {k: float(v) for k, v in kl_metrics.items()} | {
+                    "kl_coef": self.kl_reward_coef
+                }
             batch.rewards = torch.tensor([rewards.get(e.rollout_id, float(e.reward)) for e in experiences])
             result = compute_advantages(a.estimator, batch, params)
             adv, mask = result.advantages.double(), batch.action_mask
             if result.returns is not None:
-                returns = [result.returns[i, : e.num_tokens].float().numpy() for i, e in enumerate(experiences)]
+                returns = [
+                    result.returns[i, : e.num_tokens].float().numpy() for i, e in enumerate(experiences)
+                ]
         if not a.no_whiten:
             adv = self._whiten(adv, mask)
         for i, exp in enumerate(experiences):
@@ -173,7 +206,7 @@ class TrainerRank:
         stats = torch.zeros(3, dtype=torch.float64)
         if adv is not None:
             picked = adv[mask]
-            stats = torch.stack([picked.sum(), (picked ** 2).sum(), torch.tensor(float(picked.numel()))])
+            stats = torch.stack([picked.sum(), (picked**2).sum(), torch.tensor(float(picked.numel()))])
         # over the data-parallel ranks only (tensor-parallel peers hold the same rollouts)
         stats = parallel.all_reduce_sum(stats.to(self.actor.device), self.actor.mesh).cpu()
         if adv is None:
@@ -190,7 +223,11 @@ class TrainerRank:
 
         from molt.engine.base import pack_weights
 
-        return [ray.put(pack_weights(bucket)) for bucket in self.actor.iter_weights(bucket_bytes) if self.rank == 0]
+        return [
+            ray.put(pack_weights(bucket))
+            for bucket in self.actor.iter_weights(bucket_bytes)
+            if self.rank == 0
+        ]
 
     def weight_plan(self, bucket_bytes: int) -> list[list[tuple]]:
         return self.actor.weight_plan(bucket_bytes)
@@ -244,7 +281,9 @@ def _interface_of(ip: str) -> str | None:
     the address this host's name resolves to (none, in a network namespace; 127.0.1.1 on Debian)."""
     import psutil
 
-    return next((name for name, addrs in psutil.net_if_addrs().items() if any(a.address == ip for a in addrs)), None)
+    return next(
+        (name for name, addrs in psutil.net_if_addrs().items() if any(a.address == ip for a in addrs)), None
+    )
 
 
 def thread_options(threads: int) -> dict[str, Any]:
@@ -278,7 +317,9 @@ class TrainerGroup:
         import ray
 
         cls = ray.remote(num_cpus=0, num_gpus=num_gpus_per_rank)(TrainerRank)
-        options = [{**thread_options(torch_threads), **spread(r, world, num_gpus_per_rank)} for r in range(world)]
+        options = [
+            {**thread_options(torch_threads), **spread(r, world, num_gpus_per_rank)} for r in range(world)
+        ]
         self.ranks = [cls.options(**options[r]).remote(r, world, torch_threads) for r in range(world)]
 
     async def setup(self, cfg: Any) -> None:
@@ -288,14 +329,19 @@ class TrainerGroup:
     async def call(self, method: str, *per_rank_args: list[Any], **kwargs: Any) -> list[Any]:
         """Every rank's result; the first rank to fail (an exception, a dead actor) raises at once, naming itself:
         the other ranks may wait in a collective for it forever."""
-        futures = [asyncio.ensure_future(getattr(rank, method).remote(*(a[i] for a in per_rank_args), **kwargs))
-                   for i, rank in enumerate(self.ranks)]
+        futures = [
+            asyncio.ensure_future(getattr(rank, method).remote(*(a[i] for a in per_rank_args), **kwargs))
+            for i, rank in enumerate(self.ranks)
+        ]
         await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
         for rank, f in enumerate(futures):
-            if f.done() and (error := f.exception()) is not None:
+            error = f.exception() if f.done() else None
+            if error is not None:
                 cause = error.cause if isinstance(getattr(error, "cause", None), BaseException) else error
                 reason = (str(cause).strip().splitlines() or [""])[0]  # a Ray error's first line
-                raise RuntimeError(f"trainer rank {rank} failed in {method}: {type(cause).__name__}: {reason}") from error
+                raise RuntimeError(
+                    f"trainer rank {rank} failed in {method}: {type(cause).__name__}: {reason}"
+                ) from error
         return [f.result() for f in futures]
 
     async def same(self, method: str, *args: Any) -> list[Any]:

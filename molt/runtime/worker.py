@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/runtime/worker.py`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,11 @@ class RefitGate:
 
     def __init__(self, engine: Engine):
         self.engine = engine  # a revived one has the same model: the names below stay true
-        self.model_name, self.max_model_len, self.eos_token_ids = engine.model_name, engine.max_model_len, \
-            engine.eos_token_ids
+        self.model_name, self.max_model_len, self.eos_token_ids = (
+            engine.model_name,
+            engine.max_model_len,
+            engine.eos_token_ids,
+        )
         self._open = asyncio.Event()
         self._open.set()
         self._inflight = 0
@@ -43,8 +47,14 @@ class RefitGate:
     def can_stream(self) -> bool:
         return can_stream(self.engine)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None, **kw: Any) -> Completion:  # on_tokens, images
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None = None,
+        request_id: str | None = None,
+        **kw: Any,
+    ) -> Completion:  # on_tokens, images
         await self._open.wait()
         self._inflight += 1
         self._idle.clear()
@@ -64,9 +74,18 @@ class RefitGate:
 
 
 class RolloutWorker:
-    def __init__(self, model_path: str, agent_path: str, *, engine_kind: str = "hf", torch_threads: int = 0,
-                 runner_options: dict[str, Any] | None = None, engine_options: dict[str, Any] | None = None,
-                 max_restarts: int = 3, tool_parser: str = "auto"):
+    def __init__(
+        self,
+        model_path: str,
+        agent_path: str,
+        *,
+        engine_kind: str = "hf",
+        torch_threads: int = 0,
+        runner_options: dict[str, Any] | None = None,
+        engine_options: dict[str, Any] | None = None,
+        max_restarts: int = 3,
+        tool_parser: str = "auto",
+    ):
         self.model_path, self.agent_path, self.engine_kind = model_path, agent_path, engine_kind
         self.torch_threads, self.max_restarts, self.tool_parser = torch_threads, max_restarts, tool_parser
         self.runner_options = runner_options or {}
@@ -109,11 +128,18 @@ class RolloutWorker:
         if self.engine_kind == "hf" and options.pop("process", True):  # the default: see molt.engine.process
             from molt.engine.process import EngineProcess
 
-            spawned = EngineProcess("molt.engine.hf:HFEngine", self.model_path, torch_threads=self.torch_threads,
-                                    wait=wait, **options)  # first: its start-up overlaps this process's imports
+            spawned = EngineProcess(
+                "molt.engine.hf:HFEngine",
+                self.model_path,
+                torch_threads=self.torch_threads,
+                wait=wait,
+                **options,
+            )  # first: its start-up overlaps this process's imports
         import torch
 
-        if self.torch_threads:  # this process's pool: an in-process engine decodes in it, a refit copies in it
+        if (
+            self.torch_threads
+        ):  # this process's pool: an in-process engine decodes in it, a refit copies in it
             torch.set_num_threads(self.torch_threads)
         if spawned is not None:
             return spawned
@@ -133,12 +159,19 @@ class RolloutWorker:
     async def _revive(self) -> bool:
         code = getattr(self.engine.engine, "exitcode", None)
         while code is not None:
-            self._deaths = [t for t in self._deaths if time.monotonic() - t < RESTART_WINDOW_S] + [time.monotonic()]
+            self._deaths = [t for t in self._deaths if time.monotonic() - t < RESTART_WINDOW_S] + [
+                time.monotonic()
+            ]
             if len(self._deaths) > self.max_restarts or self._joined:
-                raise RunStopped(f"the engine process died (exit code {code}), {len(self._deaths)} time(s) within "
-                                 f"{RESTART_WINDOW_S:.0f} s; rollout.engine_max_restarts is {self.max_restarts}")
-            print(f"molt: the engine process died (exit code {code}){' in a refit' if self._refitting else ''}; "
-                  "starting a new one", file=sys.stderr)
+                raise RunStopped(
+                    f"the engine process died (exit code {code}), {len(self._deaths)} time(s) within "
+                    f"{RESTART_WINDOW_S:.0f} s; rollout.engine_max_restarts is {self.max_restarts}"
+                )
+            print(
+                f"molt: the engine process died (exit code {code}){' in a refit' if self._refitting else ''}; "
+                "starting a new one",
+                file=sys.stderr,
+            )
             new = await asyncio.to_thread(self._new_engine, False)
             try:
                 await asyncio.to_thread(getattr(new, "started", lambda: None))
@@ -174,8 +207,13 @@ class RolloutWorker:
         then each experience's payload: objects the caller owns, which outlive this actor (docs/internals.md)."""
         await self.revive()  # a request sent now would fail on a dead engine; wait for its successor
         restarts = self.restarts
-        traj = await self.runner.run(task.row, sessions=self.server, rollout_id=task.rollout_id,
-                                     group_id=task.group_id, sampling_params=params.copy(seed=task.seed))
+        traj = await self.runner.run(
+            task.row,
+            sessions=self.server,
+            rollout_id=task.rollout_id,
+            group_id=task.group_id,
+            sampling_params=params.copy(seed=task.seed),
+        )
         if not traj.ok and (await self.revive() or self.restarts != restarts):
             traj.status = RolloutStatus.ENGINE_RESTART
         outcome = outcome_from_trajectory(traj, offload=False)
@@ -246,7 +284,9 @@ class Workers:
         """spawn(i, n): a new actor for worker i of n."""
         self.spawn, self.max_restarts = spawn, max_restarts  # max_restarts 0 with the collective refit group
         self.actors, self.inflight = [spawn(i, n) for i in range(n)], [0] * n
-        self.weights: tuple[asyncio.Future, int] | None = None  # the last refit's (trainer ranks' refs, version)
+        self.weights: tuple[asyncio.Future, int] | None = (
+            None  # the last refit's (trainer ranks' refs, version)
+        )
         self._deaths: list[float] = []
         self._lock = asyncio.Lock()  # held by refits and replacements; a dispatch waits for them
 
@@ -264,12 +304,16 @@ class Workers:
             for e in outcome.experiences:
                 e.payload_ref = await stream.__anext__()
             return outcome
-        except asyncio.CancelledError:  # a dropped rollout: end it on the worker too (its agent, its engine requests)
+        except (
+            asyncio.CancelledError
+        ):  # a dropped rollout: end it on the worker too (its agent, its engine requests)
             ray.cancel(stream)
             raise
         except RayActorError as e:
             await self._replace(i, actor, e)
-            return RolloutOutcome(task.rollout_id, task.group_id, RolloutStatus.WORKER_RESTART, error=repr(e)[:500])
+            return RolloutOutcome(
+                task.rollout_id, task.group_id, RolloutStatus.WORKER_RESTART, error=repr(e)[:500]
+            )
         finally:
             self.inflight[i] -= 1
 
@@ -279,8 +323,9 @@ class Workers:
 
         async with self._lock:
             actors, self.weights = list(self.actors), (refs, version)
-            done = await asyncio.gather(*[self._refit(a, partial, refs, version) for a in actors],
-                                        return_exceptions=True)
+            done = await asyncio.gather(
+                *[self._refit(a, partial, refs, version) for a in actors], return_exceptions=True
+            )
         for i, (actor, result) in enumerate(zip(actors, done)):
             if isinstance(result, RayActorError):
                 await self._replace(i, actor, result)
@@ -301,12 +346,18 @@ class Workers:
         async with self._lock:
             if self.actors[i] is not dead:
                 return  # another of its rollouts found out first
-            self._deaths = [t for t in self._deaths if time.monotonic() - t < RESTART_WINDOW_S] + [time.monotonic()]
+            self._deaths = [t for t in self._deaths if time.monotonic() - t < RESTART_WINDOW_S] + [
+                time.monotonic()
+            ]
             if len(self._deaths) > self.max_restarts:
-                raise RunStopped(f"rollout worker {i} died ({type(error).__name__}), {len(self._deaths)} time(s) within "
-                                 f"{RESTART_WINDOW_S:.0f} s; the run survives {self.max_restarts} (rollout."
-                                 "worker_max_restarts; none with the collective refit group)")
-            print(f"molt: rollout worker {i} died ({type(error).__name__}); starting a new one", file=sys.stderr)
+                raise RunStopped(
+                    f"rollout worker {i} died ({type(error).__name__}), {len(self._deaths)} time(s) within "
+                    f"{RESTART_WINDOW_S:.0f} s; the run survives {self.max_restarts} (rollout."
+                    "worker_max_restarts; none with the collective refit group)"
+                )
+            print(
+                f"molt: rollout worker {i} died ({type(error).__name__}); starting a new one", file=sys.stderr
+            )
             ray.kill(dead)  # in case it was only unreachable
             self.actors[i] = new = self.spawn(i, len(self.actors))
             await new.start.remote()

@@ -9,6 +9,7 @@ function is given, tokenized by a real tokenizer and followed by the first EOS i
 streamed one token at a time, `token_delay` seconds apart. Tests only: the real
 demonstrations use `molt.engine.hf.HFEngine`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,9 +22,19 @@ from molt.types import Completion, FinishReason, SamplingParams
 
 
 class ScriptedEngine:
-    def __init__(self, tokenizer: Any, replies: Sequence[str] | Callable[[list[int], SamplingParams], str] = ("ok",),
-                 *, model_name: str = "scripted", max_model_len: int = 512, delay: float = 0.0,
-                 no_eos: bool = False, version: int = 0, token_delay: float = 0.0, hold: Any = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        replies: Sequence[str] | Callable[[list[int], SamplingParams], str] = ("ok",),
+        *,
+        model_name: str = "scripted",
+        max_model_len: int = 512,
+        delay: float = 0.0,
+        no_eos: bool = False,
+        version: int = 0,
+        token_delay: float = 0.0,
+        hold: Any = None,
+    ):
         self.tokenizer, self.replies, self.model_name, self.no_eos = tokenizer, replies, model_name, no_eos
         self.max_model_len, self.eos_token_ids = max_model_len, [tokenizer.eos_token_id]
         self.delay = delay  # seconds each generate takes (to test timeouts and retries)
@@ -44,10 +55,19 @@ class ScriptedEngine:
             return self.replies(prompt_ids, params)
         return self.replies[(len(self.calls) - 1) % len(self.replies)]
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None, *, on_tokens: Any = None) -> Completion:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None = None,
+        request_id: str | None = None,
+        *,
+        on_tokens: Any = None,
+    ) -> Completion:
         if len(prompt_ids) >= self.max_model_len:
-            raise RequestError(f"prompt of {len(prompt_ids)} tokens does not fit the window of {self.max_model_len}")
+            raise RequestError(
+                f"prompt of {len(prompt_ids)} tokens does not fit the window of {self.max_model_len}"
+            )
         prompt_ids = token_list(prompt_ids)
         self.calls.append({"prompt_ids": prompt_ids, "params": params, "session_id": session_id})
         text = self._text(prompt_ids, params)
@@ -74,9 +94,17 @@ class ScriptedEngine:
         if request_id is not None and request_id in self._aborted:
             finish = FinishReason.ABORT
         logprobs = [-0.01 * (i + 1) for i in range(len(ids))]
-        tops = [[(t, lp)] * params.top_logprobs for t, lp in zip(ids, logprobs)] if params.top_logprobs else None
-        return Completion(ids, logprobs, [self._version] * len(ids), finish, top_logprobs=tops,
-                          prompt_tokens=len(prompt_ids))
+        tops = (
+            [[(t, lp)] * params.top_logprobs for t, lp in zip(ids, logprobs)] if params.top_logprobs else None
+        )
+        return Completion(
+            ids,
+            logprobs,
+            [self._version] * len(ids),
+            finish,
+            top_logprobs=tops,
+            prompt_tokens=len(prompt_ids),
+        )
 
     async def abort(self, request_id: str) -> None:
         self._aborted.add(request_id)
@@ -111,9 +139,17 @@ class RecordingEngine:
     def can_stream(self) -> bool:
         return can_stream(self.inner)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str | None = None,
-                       request_id: str | None = None, **kw: Any) -> Completion:  # on_tokens, images
-        completion = await self.inner.generate(prompt_ids, params, session_id=session_id, request_id=request_id, **kw)
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None = None,
+        request_id: str | None = None,
+        **kw: Any,
+    ) -> Completion:  # on_tokens, images
+        completion = await self.inner.generate(
+            prompt_ids, params, session_id=session_id, request_id=request_id, **kw
+        )
         self.records.append((session_id, token_list(prompt_ids), completion))
         return completion
 

@@ -12,6 +12,7 @@ Public API (what the runtime calls; every call is collective over the trainer ra
 Imports only molt.types, molt.algo and the records of molt.config (plus torch/transformers); torch loads when this
 package is imported.
 """
+
 from molt.trainer.actor import Actor
 from molt.trainer.critic import Critic
 from molt.trainer.weights import export_hf, iter_weight_buckets

@@ -3,6 +3,7 @@ the weights out (refit stream, Hugging Face export).
 
 Design notes and decisions: docs/internals.md, section `molt/trainer/actor.py`.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,20 +44,30 @@ class Actor(ShardedModelTrainer):
         self.lm = self.load_lm(a.model_name_or_path)
         self.routing = Routing(self.lm, cfg)
         self.routing = self.routing if self.routing.routers else None  # a dense model
-        blocks = parallel.decoder_layers(self.lm) if a.optim == "muon" else ()  # before FSDP2 renames their classes
-        self.model = self.wrap(CausalLMLogProbs(self.lm, a.logprob_chunk_size, self.routing), self.lm,
-                               trainable=True)
-        self.optimizers, self.schedulers = build_optimizer(self.model.parameters(), a, tp_size=cfg.fsdp.tp_size,
-                                                           blocks=blocks)
+        blocks = (
+            parallel.decoder_layers(self.lm) if a.optim == "muon" else ()
+        )  # before FSDP2 renames their classes
+        self.model = self.wrap(
+            CausalLMLogProbs(self.lm, a.logprob_chunk_size, self.routing), self.lm, trainable=True
+        )
+        self.optimizers, self.schedulers = build_optimizer(
+            self.model.parameters(), a, tp_size=cfg.fsdp.tp_size, blocks=blocks
+        )
         self.loss_params = PolicyLossParams(
-            eps_low=a.eps_clip_low_high[0], eps_high=a.eps_clip_low_high[1], dual_clip=a.dual_clip,
-            entropy_coef=a.entropy_coef, kl_coef=kl.init_coef if kl.use_loss else 0.0).validate()
+            eps_low=a.eps_clip_low_high[0],
+            eps_high=a.eps_clip_low_high[1],
+            dual_clip=a.dual_clip,
+            entropy_coef=a.entropy_coef,
+            kl_coef=kl.init_coef if kl.use_loss else 0.0,
+        ).validate()
         # test-only fault injection (tests/*/test_nonfinite.py): these optimizer windows of this process, counted
         # from 1 with skipped ones, get a NaN added to their loss on this rank (the gradients stay finite)
         self.nan_windows = {int(w) for w in os.environ.get("MOLT_FAULT_NAN_LOSS", "").split(",") if w}
         if kl.init_coef > 0 and a.lora_rank and cfg.ref.model_name_or_path in (None, a.model_name_or_path):
             self.ref = self.model  # the base model is this one with the adapters off (`_reference`): no copy
-        elif kl.init_coef > 0:  # a reference model: the KL's, in the loss or (the runtime's) in the token rewards
+        elif (
+            kl.init_coef > 0
+        ):  # a reference model: the KL's, in the loss or (the runtime's) in the token rewards
             ref_lm = self.load_lm(cfg.ref.model_name_or_path or a.model_name_or_path)
             self.ref = self.wrap(CausalLMLogProbs(ref_lm, a.logprob_chunk_size), ref_lm, trainable=False)
 
@@ -66,9 +77,13 @@ class Actor(ShardedModelTrainer):
         number of experiences, possibly none). Experiences need `advantages`. Returns window metrics."""
         t0 = time.perf_counter()
         routing = self.routing
-        out, step_metrics = self.train_window(experiences, self._loss, "policy_loss",
-                                              extra={"old_logprobs": old_logprobs},
-                                              totals=routing.totals if routing is not None else dict)
+        out, step_metrics = self.train_window(
+            experiences,
+            self._loss,
+            "policy_loss",
+            extra={"old_logprobs": old_logprobs},
+            totals=routing.totals if routing is not None else dict,
+        )
         if routing is not None:
             routing.finish(out)
         out.update({dst: out[src] for src, dst in ALIASES.items() if src in out})
@@ -76,10 +91,17 @@ class Actor(ShardedModelTrainer):
             out["is_filter_ratio"] = 1.0 - out["is/retained_frac"]
         elapsed = time.perf_counter() - t0
         local_tokens = float(sum(len(e.token_ids) for e in experiences))
-        out.update({"actor_grad_norm": step_metrics["grad_norm"], "actor_lr": step_metrics["lr"],
-                    "actor_grad_clip_coef": step_metrics["clip_coef"], "actor_tokens_per_s": local_tokens / elapsed,
-                    "actor_window_tokens": self.window_tokens, "timing/policy_train": elapsed,
-                    "train/skipped_steps": step_metrics["train/skipped_steps"]})
+        out.update(
+            {
+                "actor_grad_norm": step_metrics["grad_norm"],
+                "actor_lr": step_metrics["lr"],
+                "actor_grad_clip_coef": step_metrics["clip_coef"],
+                "actor_tokens_per_s": local_tokens / elapsed,
+                "actor_window_tokens": self.window_tokens,
+                "timing/policy_train": elapsed,
+                "train/skipped_steps": step_metrics["train/skipped_steps"],
+            }
+        )
         return out
 
     def _loss(self, mb, global_count: torch.Tensor, dp: int) -> tuple[torch.Tensor, dict]:
@@ -92,17 +114,32 @@ class Actor(ShardedModelTrainer):
         old = mb.extra.get("old_logprobs", lp.detach())
         mask = mb.action_mask
         weights, metrics = importance_weights(
-            old, mb.behavior_logprobs, mask, adv.is_correction_level, adv.is_correction_mode,
-            *adv.is_correction_threshold, seq_ids=mb.seq_ids)
+            old,
+            mb.behavior_logprobs,
+            mask,
+            adv.is_correction_level,
+            adv.is_correction_mode,
+            *adv.is_correction_threshold,
+            seq_ids=mb.seq_ids,
+        )
         kl = None
         if self.ref is not None and self.cfg.algo.kl.use_loss:
             with torch.no_grad(), self._reference():
                 ref_lp, _ = self.ref(mb)
             kl, kl_metrics = kl_divergence(lp, ref_lp, mask, self.cfg.algo.kl.estimator, placement="loss")
             metrics.update(kl_metrics)
-        tok_loss, pl_metrics = policy_loss(self.cfg.actor.policy_loss, lp, old, mb.advantages, mask,
-                                           params=self.loss_params, is_weights=weights, entropy=ent, kl=kl,
-                                           seq_ids=mb.seq_ids)
+        tok_loss, pl_metrics = policy_loss(
+            self.cfg.actor.policy_loss,
+            lp,
+            old,
+            mb.advantages,
+            mask,
+            params=self.loss_params,
+            is_weights=weights,
+            entropy=ent,
+            kl=kl,
+            seq_ids=mb.seq_ids,
+        )
         loss, _ = window_normalize(tok_loss, mask, global_count, dp_size=dp)
         if coef > 0:  # token-weighted over the window's micro-batches, as the policy loss
             loss = loss + coef * aux * mb.num_actions * dp / global_count.clamp(min=1)
@@ -129,8 +166,12 @@ class Actor(ShardedModelTrainer):
         return adapters_off(self.lm) if self.ref is self.model else nullcontext()
 
     # ---- weights out -------------------------------------------------------------------------------------
-    def iter_weights(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None,
-                     device: str | torch.device = "cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def iter_weights(
+        self,
+        bucket_bytes: int = 256 << 20,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full parameters in Hugging Face names, bucket by bucket (collective: all ranks iterate); with LoRA only
         what a refit changes: the adapter factors for the embedded engine, which holds the same adapters, and the
         targeted modules' merged weights for vLLM. See `molt.trainer.weights.iter_weight_buckets` (tied
@@ -143,7 +184,9 @@ class Actor(ShardedModelTrainer):
     def _refit(self) -> str:
         return "adapters" if self.cfg.rollout.engine == "hf" else "merged"
 
-    def weight_plan(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None) -> list[list[tuple]]:
+    def weight_plan(
+        self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None
+    ) -> list[list[tuple]]:
         """The buckets of `iter_weights` as (HF name, shape, dtype name), for receivers of a collective refit."""
         from molt.trainer.weights import plan_weight_buckets
 
@@ -157,6 +200,8 @@ class Actor(ShardedModelTrainer):
         from molt.trainer.weights import export_hf
 
         base = self.cfg.actor.model_name_or_path
-        export_hf(self.lm, path, tokenizer_from=base, dtype=dtype, bucket_bytes=bucket_bytes, write=self.rank == 0)
+        export_hf(
+            self.lm, path, tokenizer_from=base, dtype=dtype, bucket_bytes=bucket_bytes, write=self.rank == 0
+        )
         if lora_layers(self.lm):
             export_adapter(self.lm, os.path.join(path, "adapter"), base, write=self.rank == 0)

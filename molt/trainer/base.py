@@ -3,6 +3,7 @@ per-window micro-batch schedule (with its single all-reduce), and optimizer-step
 
 Design notes and decisions: docs/internals.md, section `molt/trainer/base.py`.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,10 @@ class ShardedModelTrainer:
         self.cfg, self.optim_cfg, fsdp = cfg, optim, cfg.fsdp
         self.device = parallel.resolve_device(fsdp.device)
         if fsdp.offload and self.device.type != "cuda":
-            raise ValueError("fsdp.offload: optimizer-state CPU offload is a CUDA option (the CPU path has nothing "
-                             "to offload)")
+            raise ValueError(
+                "fsdp.offload: optimizer-state CPU offload is a CUDA option (the CPU path has nothing "
+                "to offload)"
+            )
         auto = "bfloat16" if self.device.type == "cuda" else "float32"
         self.param_dtype = getattr(torch, auto if cfg.actor.dtype == "auto" else cfg.actor.dtype)
         one_rank_mesh = self.device.type == "cuda" or self.param_dtype != torch.float32 or fsdp.offload
@@ -44,13 +47,19 @@ class ShardedModelTrainer:
         if fsdp.packing_samples:
             self.share_prefix = cfg.train.share_prefix and self.device.type == "cpu"
         else:
-            self.share_prefix = cfg.train.share_prefix and self.mesh is None and not cfg.actor.gradient_checkpoint
+            self.share_prefix = (
+                cfg.train.share_prefix and self.mesh is None and not cfg.actor.gradient_checkpoint
+            )
         self.step = 0  # optimizer steps taken
-        self.skipped = self.skipped_in_a_row = 0  # optimizer steps skipped (non-finite): in all, and the last run
+        self.skipped = self.skipped_in_a_row = (
+            0  # optimizer steps skipped (non-finite): in all, and the last run
+        )
         self.window_tokens = 0.0  # action tokens of the last scheduled window (all ranks), on the host
         self.pad_id = 0
         self.blank = None  # see `molt.trainer.batching.blank_image`
-        self.ref: nn.Module | None = None  # a frozen model the window runs besides `model` (the actor's reference)
+        self.ref: nn.Module | None = (
+            None  # a frozen model the window runs besides `model` (the actor's reference)
+        )
 
     @classmethod
     def from_pretrained(cls, model_name_or_path: str, **overrides: Any):
@@ -70,11 +79,16 @@ class ShardedModelTrainer:
             attn = register()
         if spec.vision and self.world > 1:  # FSDP2 collectives of the vision tower (molt.trainer.batching)
             self.blank = blank_image(path, self.device)
-        lm = (auto_class or spec.auto_class).from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+        lm = (auto_class or spec.auto_class).from_pretrained(
+            path, dtype=torch.float32, attn_implementation=attn
+        )
         lm.config.use_cache = False
         freeze = self.cfg.actor.freeze_visual_encoder
-        frozen = [p.requires_grad_(False) for n, p in lm.named_parameters() if freeze
-                  and re.search(r"\.(vision_tower|visual|vision_model)\.", n)]  # LLaVA, Qwen2-VL, Idefics3
+        frozen = [
+            p.requires_grad_(False)
+            for n, p in lm.named_parameters()
+            if freeze and re.search(r"\.(vision_tower|visual|vision_model)\.", n)
+        ]  # LLaVA, Qwen2-VL, Idefics3
         if freeze and not frozen:
             raise ValueError(f"actor.freeze_visual_encoder: {path} has no vision encoder")
         self.pad_id = spec.pad_token_id  # the engine's too
@@ -98,8 +112,14 @@ class ShardedModelTrainer:
             return module.to(self.device)
         if self.cfg.fsdp.tp_size > 1:
             parallel.apply_tensor_parallel(lm, self.mesh["tp"])
-        parallel.shard(module, parallel.decoder_layers(lm), self.mesh, param_dtype=self.param_dtype,
-                       offload=self.cfg.fsdp.offload and trainable, keep_unsharded=self.world == 1)
+        parallel.shard(
+            module,
+            parallel.decoder_layers(lm),
+            self.mesh,
+            param_dtype=self.param_dtype,
+            offload=self.cfg.fsdp.offload and trainable,
+            keep_unsharded=self.world == 1,
+        )
         return module
 
     def end_pass(self, module: nn.Module) -> None:
@@ -113,9 +133,15 @@ class ShardedModelTrainer:
         """(micro-batch plan, number of passes every rank runs, global action-token count) via ONE all-reduce."""
         for e in experiences:
             if e.token_ids is None:
-                raise ValueError(f"experience {e.rollout_id}/{e.segment_index} is offloaded: reload() it first")
-        plan = plan_micro_batches([len(e.token_ids) for e in experiences], self.cfg.train.micro_batch_size or None,
-                                  self.cfg.train.max_tokens_per_gpu or None, packed=self.cfg.fsdp.packing_samples)
+                raise ValueError(
+                    f"experience {e.rollout_id}/{e.segment_index} is offloaded: reload() it first"
+                )
+        plan = plan_micro_batches(
+            [len(e.token_ids) for e in experiences],
+            self.cfg.train.micro_batch_size or None,
+            self.cfg.train.max_tokens_per_gpu or None,
+            packed=self.cfg.fsdp.packing_samples,
+        )
         count = sum(int(np.count_nonzero(e.action_mask)) for e in experiences)
         if self.world == 1:  # nothing to agree on: count on the host, one copy to the device
             if not plan:
@@ -128,15 +154,23 @@ class ShardedModelTrainer:
         stats[1 + (self.mesh["dp"].get_local_rank() if self.mesh is not None else 0)] = len(plan)
         # gloo reduces CPU tensors, NCCL device tensors: the compute device fits both
         stats = parallel.all_reduce_sum(stats.to(self.device), self.mesh)
-        host = stats.tolist()  # the one read-back of the step's start: the window's count, every schedule's length
+        host = (
+            stats.tolist()
+        )  # the one read-back of the step's start: the window's count, every schedule's length
         n_passes, self.window_tokens = int(max(host[1:])), host[0]
         if n_passes == 0:
             raise ValueError("experiences: the window is empty on every rank")
         return plan, n_passes, stats[0].to(torch.int64)
 
-    def micro_batches(self, experiences: list[Experience], plan: list[list[int]], n_passes: int, *,
-                      extra: dict[str, list | None] | None = None,
-                      need_advantages: bool = True) -> Iterator[tuple[list[int], MicroBatch]]:
+    def micro_batches(
+        self,
+        experiences: list[Experience],
+        plan: list[list[int]],
+        n_passes: int,
+        *,
+        extra: dict[str, list | None] | None = None,
+        need_advantages: bool = True,
+    ) -> Iterator[tuple[list[int], MicroBatch]]:
         """Collate the planned micro-batches one at a time, then ghosts until `n_passes`. `extra`: named
         per-token arrays (or lists) aligned with `experiences` (None values are dropped)."""
         extra = {k: v for k, v in (extra or {}).items() if v is not None}
@@ -146,10 +180,19 @@ class ShardedModelTrainer:
         pack = self.cfg.fsdp.packing_samples
         for k in range(n_passes):
             idx = plan[k] if k < len(plan) else []
-            mb = collate([experiences[i] for i in idx], self.pad_id, self.device,
-                         extra={n: [v[i] for i in idx] for n, v in extra.items()}, need_advantages=need_advantages,
-                         share_prefix=self.share_prefix, pack=pack) if idx else ghost_batch(
-                self.pad_id, self.device, extra, pack=pack)
+            mb = (
+                collate(
+                    [experiences[i] for i in idx],
+                    self.pad_id,
+                    self.device,
+                    extra={n: [v[i] for i in idx] for n, v in extra.items()},
+                    need_advantages=need_advantages,
+                    share_prefix=self.share_prefix,
+                    pack=pack,
+                )
+                if idx
+                else ghost_batch(self.pad_id, self.device, extra, pack=pack)
+            )
             mb.blank = None if mb.images else self.blank
             yield idx, mb
 
@@ -160,14 +203,16 @@ class ShardedModelTrainer:
         pass was queued."""
         model.eval()
         plan, n_passes, _ = self.schedule(experiences)
-        passes = [(idx, mb.spans, forward(mb)) for idx, mb in self.micro_batches(
-            experiences, plan, n_passes, need_advantages=False)]
+        passes = [
+            (idx, mb.spans, forward(mb))
+            for idx, mb in self.micro_batches(experiences, plan, n_passes, need_advantages=False)
+        ]
         self.end_pass(model)
         out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(experiences)
         for idx, spans, x in passes:
             x = x.float().cpu().numpy()
             for i, (row, start, n, skip) in zip(idx, spans):
-                out[i] = np.concatenate([np.zeros(skip, np.float32), x[row, start:start + n - skip]])
+                out[i] = np.concatenate([np.zeros(skip, np.float32), x[row, start : start + n - skip]])
         return out
 
     def accumulate(self, sums: dict[str, torch.Tensor], metrics: dict, weight: float) -> None:
@@ -176,20 +221,31 @@ class ShardedModelTrainer:
             v = torch.as_tensor(v, device=self.device).detach().to(torch.float64) * weight
             sums[k] = sums[k] + v if k in sums else v
 
-    def reduce_metrics(self, sums: dict[str, torch.Tensor], weight: float,
-                       totals: dict[str, torch.Tensor]) -> dict[str, float]:
+    def reduce_metrics(
+        self, sums: dict[str, torch.Tensor], weight: float, totals: dict[str, torch.Tensor]
+    ) -> dict[str, float]:
         """One all-reduce and one read-back for all window metrics: `sums[k]` (metric * tokens summed over
         micro-batches) become token-weighted means over all ranks; `totals[k]` become plain sums over ranks."""
         keys = sorted(sums) + sorted(totals)
         vals = [sums[k] for k in sorted(sums)] + [totals[k] for k in sorted(totals)]
-        vec = torch.stack([torch.as_tensor(v, device=self.device).to(torch.float64).reshape(()) for v in vals]
-                          + [torch.tensor(float(weight), dtype=torch.float64, device=self.device)])
+        vec = torch.stack(
+            [torch.as_tensor(v, device=self.device).to(torch.float64).reshape(()) for v in vals]
+            + [torch.tensor(float(weight), dtype=torch.float64, device=self.device)]
+        )
         vec = parallel.all_reduce_sum(vec.to(self.device), self.mesh).tolist()
         denom = max(vec[-1], 1.0)
         return {k: v / denom if k in sums else v for k, v in zip(keys, vec[:-1])}
 
-    def train_window(self, experiences: list[Experience], loss_of, loss_key: str, *, extra: dict | None = None,
-                     need_advantages: bool = True, totals=dict) -> tuple[dict[str, float], dict[str, float]]:
+    def train_window(
+        self,
+        experiences: list[Experience],
+        loss_of,
+        loss_key: str,
+        *,
+        extra: dict | None = None,
+        need_advantages: bool = True,
+        totals=dict,
+    ) -> tuple[dict[str, float], dict[str, float]]:
         """One optimizer step on this rank's share of a window (collective). `loss_of(mb, global_count, dp)`: a
         micro-batch's window-normalized loss and metrics (a ghost's loss is zeroed here); `totals()`: more sums to
         reduce after the last micro-batch. Returns (the window's metrics, `loss_key` its loss; `optimizer_step`'s)."""
@@ -198,7 +254,9 @@ class ShardedModelTrainer:
         dp = parallel.dp_size(self.mesh)
         sums: dict[str, torch.Tensor] = {}
         tokens, window_loss = 0, torch.zeros((), device=self.device)
-        for _, mb in self.micro_batches(experiences, plan, n_passes, extra=extra, need_advantages=need_advantages):
+        for _, mb in self.micro_batches(
+            experiences, plan, n_passes, extra=extra, need_advantages=need_advantages
+        ):
             loss, metrics = loss_of(mb, global_count, dp)
             if mb.ghost:
                 loss = loss * 0.0
@@ -231,8 +289,12 @@ class ShardedModelTrainer:
         self.step += not skip
         self.skipped += skip
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skip else 0
-        return {"grad_norm": norm, "lr": lr, "clip_coef": min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0,
-                "train/skipped_steps": float(skip)}
+        return {
+            "grad_norm": norm,
+            "lr": lr,
+            "clip_coef": min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0,
+            "train/skipped_steps": float(skip),
+        }
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     def save(self, path: str) -> None:

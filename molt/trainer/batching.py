@@ -50,6 +50,7 @@ Decisions:
   features meet the embeddings in both cases), and every vision parameter gets a gradient (0), as FSDP2's
   reduce-scatters need. A single process skips it (nothing to match).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -62,8 +63,12 @@ from torch import Tensor
 from molt.types import Experience, expand_actions, join_inputs
 
 
-def plan_micro_batches(lengths: list[int], micro_batch_size: int | None = None,
-                       max_tokens_per_gpu: int | None = None, packed: bool = False) -> list[list[int]]:
+def plan_micro_batches(
+    lengths: list[int],
+    micro_batch_size: int | None = None,
+    max_tokens_per_gpu: int | None = None,
+    packed: bool = False,
+) -> list[list[int]]:
     """Indices into `lengths`, grouped into micro-batches (each non-empty, together a permutation)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     if max_tokens_per_gpu is not None and packed:  # first-fit decreasing on real tokens
@@ -87,13 +92,14 @@ def plan_micro_batches(lengths: list[int], micro_batch_size: int | None = None,
                 batches.append([i])
         return batches
     size = micro_batch_size or max(len(order), 1)
-    return [order[s:s + size] for s in range(0, len(order), size)]
+    return [order[s : s + size] for s in range(0, len(order), size)]
 
 
 @dataclass
 class SharedPrefix:
     """Rows of a micro-batch that begin with the same `length` tokens: `rows` [U] holds one representative row
     per distinct prefix, `index` [B] the position in `rows` of each row's prefix."""
+
     length: int
     rows: Tensor
     index: Tensor
@@ -120,6 +126,7 @@ def shared_prefix(token_ids: list, action_masks: list) -> SharedPrefix | None:
 @dataclass
 class MicroBatch:
     """Tensors of one forward/backward pass, on the device. [R, L] is [B, L] padded or [1, T] packed."""
+
     input_ids: Tensor  # [R, L] int64, right-padded with pad_id (padded layout)
     attention_mask: Tensor | None  # [R, L] int64, 1 on real tokens (not for the decoder); None when packed
     action_mask: Tensor  # [R, L] bool, 1 on tokens the policy sampled
@@ -128,14 +135,18 @@ class MicroBatch:
     act_index: Tensor  # [A] int64 flat positions (into R * L) of the action tokens
     act_temperature: Tensor  # [A] fp32 sampling temperature of each action token
     num_actions: int  # A, known on the host (0 for a ghost)
-    spans: list[tuple[int, int, int, int]]  # per experience (row, start, length, skip): its tokens from `skip`
+    spans: list[
+        tuple[int, int, int, int]
+    ]  # per experience (row, start, length, skip): its tokens from `skip`
     # on lie at row[start : start + length - skip]; the first `skip` are a prefix shared with other rows
     extra: dict[str, Tensor] | None = None  # more [R, L] fp32 per-token inputs (old_logprobs, returns, ...)
     ghost: bool = False  # a stand-in that keeps collectives in step; its loss is multiplied by 0
     prefix: SharedPrefix | None = None  # rows that share their first tokens (share_prefix=True)
     seq_ids: Tensor | None = None  # [1, T] int64 sequence index of each token (packed)
     packing: dict | None = None  # packed: position_ids and the attention's arguments (`_pack`)
-    routes: Tensor | None = None  # [R, L, layers, k] int64 experts the engine routed to (`Segment.routed_experts`)
+    routes: Tensor | None = (
+        None  # [R, L, layers, k] int64 experts the engine routed to (`Segment.routed_experts`)
+    )
     images: dict | None = None  # processor inputs of the rows' images in row order (module docstring)
     blank: dict | None = None  # a VLM's micro-batch without images on several ranks: `blank_image`'s inputs
 
@@ -150,7 +161,7 @@ def pad_rows(rows: list, value, dtype: type, length: int) -> Tensor:
     # rows may be read-only views of the object store)
     out = np.full((len(rows), length, *np.shape(rows[0])[1:]), value, dtype)
     for i, row in enumerate(rows):
-        out[i, :len(row)] = row
+        out[i, : len(row)] = row
     return torch.from_numpy(out)
 
 
@@ -158,9 +169,16 @@ def _cat(rows: list, dtype: type) -> Tensor:
     return torch.from_numpy(np.concatenate([np.asarray(r, dtype) for r in rows])[None])
 
 
-def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
-            extra: dict[str, list] | None = None, need_advantages: bool = True,
-            share_prefix: bool = False, pack: bool = False) -> MicroBatch:
+def collate(
+    exps: list[Experience],
+    pad_id: int,
+    device: torch.device,
+    *,
+    extra: dict[str, list] | None = None,
+    need_advantages: bool = True,
+    share_prefix: bool = False,
+    pack: bool = False,
+) -> MicroBatch:
     """Pad (or `pack`) a list of (reloaded) experiences into a MicroBatch on `device`; `extra` holds more
     per-token arrays (or lists) aligned with `exps` (laid out the same way); `share_prefix` looks for rows with a common
     prefix (padded: `mb.prefix` for the KV-cache path; packed: the prefix is laid out once, see `_pack`)."""
@@ -173,20 +191,27 @@ def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
             raise ValueError("action_mask[0] must be 0: the first token of a sequence has no prediction")
     images = join_inputs(*(e.images for e in exps))
     if images and pack:
-        raise ValueError("packing_samples: experiences with images cannot be packed yet; set --fsdp.packing_samples false")
+        raise ValueError(
+            "packing_samples: experiences with images cannot be packed yet; set --fsdp.packing_samples false"
+        )
     lens = [len(e.token_ids) for e in exps]
     for k, v in (extra or {}).items():  # a short list would shift every later sequence of a packed row
         if [len(row) for row in v] != lens:
             raise ValueError(f"{k}: per-token lists must be as long as the experiences' token_ids")
     behavior = [expand_actions(e.behavior_logprobs, e.action_mask, 0.0) for e in exps]
-    per_token = {"input_ids": ([e.token_ids for e in exps], pad_id, np.int64),
-                 "action_mask": ([e.action_mask for e in exps], False, bool),
-                 "behavior_logprobs": (behavior, 0.0, np.float32),
-                 # a rollout's advantage (a number) or one per token, 0 off action tokens either way
-                 "advantages": ([np.where(e.action_mask, 0.0 if e.advantages is None else e.advantages, 0.0)
-                                 for e in exps], 0.0, np.float32),
-                 "temperature": ([np.full(n, e.temperature) for e, n in zip(exps, lens)], 1.0, np.float32),
-                 **{k: (v, 0.0, np.float32) for k, v in (extra or {}).items()}}
+    per_token = {
+        "input_ids": ([e.token_ids for e in exps], pad_id, np.int64),
+        "action_mask": ([e.action_mask for e in exps], False, bool),
+        "behavior_logprobs": (behavior, 0.0, np.float32),
+        # a rollout's advantage (a number) or one per token, 0 off action tokens either way
+        "advantages": (
+            [np.where(e.action_mask, 0.0 if e.advantages is None else e.advantages, 0.0) for e in exps],
+            0.0,
+            np.float32,
+        ),
+        "temperature": ([np.full(n, e.temperature) for e, n in zip(exps, lens)], 1.0, np.float32),
+        **{k: (v, 0.0, np.float32) for k, v in (extra or {}).items()},
+    }
     if exps and all(e.routed_experts is not None for e in exps):
         per_token["routes"] = ([e.routed_experts for e in exps], 0, np.int64)
     if pack:
@@ -203,13 +228,26 @@ def collate(exps: list[Experience], pad_id: int, device: torch.device, *,
         # backward, as FSDP2 expects the same parameters to receive gradients on every rank; the loss is zeroed
         t["action_mask"][0, 1] = True
     act_index = torch.from_numpy(np.flatnonzero(t["action_mask"].numpy()))  # host arrays: no device sync
-    mb = MicroBatch(t["input_ids"], t.get("attention_mask"), t["action_mask"], t["behavior_logprobs"],
-                    t["advantages"], act_index, t["temperature"].flatten()[act_index],
-                    0 if ghost else len(act_index), spans, extra={k: t[k] for k in extra or {}}, ghost=ghost,
-                    routes=t.get("routes"), images=images)
+    mb = MicroBatch(
+        t["input_ids"],
+        t.get("attention_mask"),
+        t["action_mask"],
+        t["behavior_logprobs"],
+        t["advantages"],
+        act_index,
+        t["temperature"].flatten()[act_index],
+        0 if ghost else len(act_index),
+        spans,
+        extra={k: t[k] for k in extra or {}},
+        ghost=ghost,
+        routes=t.get("routes"),
+        images=images,
+    )
     if pack:
         mb.seq_ids, mb.packing = t["seq_ids"], packing
-    elif share_prefix and not ghost and mb.routes is None and not images:  # one decoder call: the routes' layout
+    elif (
+        share_prefix and not ghost and mb.routes is None and not images
+    ):  # one decoder call: the routes' layout
         mb.prefix = shared_prefix([e.token_ids for e in exps], [e.action_mask for e in exps])
     return to_device(mb, device)
 
@@ -220,7 +258,9 @@ def _pack(per_token: dict, exps: list[Experience], share_prefix: bool) -> tuple[
     and the attention's keyword arguments (`molt.trainer.packing`): piece bounds, and for every piece the
     range of keys it attends to besides itself (its prefix piece), as ranges and as a key index."""
     lens = [len(e.token_ids) for e in exps]
-    prefix = shared_prefix([e.token_ids for e in exps], [e.action_mask for e in exps]) if share_prefix else None
+    prefix = (
+        shared_prefix([e.token_ids for e in exps], [e.action_mask for e in exps]) if share_prefix else None
+    )
     pieces: list[tuple[int, int, int, int | None]] = []  # (experience, first token, end, prefix piece)
     if prefix is None:
         pieces = [(i, 0, n, None) for i, n in enumerate(lens)]
@@ -232,7 +272,10 @@ def _pack(per_token: dict, exps: list[Experience], share_prefix: bool) -> tuple[
             pieces += [(i, prefix.length, lens[i], head) for i, owner in enumerate(owners) if owner == u]
     sizes = [hi - lo for _, lo, hi, _ in pieces]
     bounds = list(itertools.accumulate(sizes, initial=0))
-    t = {k: _cat([rows[i][lo:hi] for i, lo, hi, _ in pieces], dtype) for k, (rows, _, dtype) in per_token.items()}
+    t = {
+        k: _cat([rows[i][lo:hi] for i, lo, hi, _ in pieces], dtype)
+        for k, (rows, _, dtype) in per_token.items()
+    }
     t["seq_ids"] = _cat([np.full(hi - lo, i) for i, lo, hi, _ in pieces], np.int64)
     t["position_ids"] = _cat([np.arange(lo, hi) for _, lo, hi, _ in pieces], np.int64)
     spans = [None] * len(exps)
@@ -242,10 +285,15 @@ def _pack(per_token: dict, exps: list[Experience], share_prefix: bool) -> tuple[
     heads = [None if h is None else (bounds[h], bounds[h + 1]) for *_, h in pieces]
     # each piece attends to its prefix piece's keys (if any), then its own
     kv = [np.r_[np.arange(*h or (0, 0)), a:b] for h, (a, b) in zip(heads, itertools.pairwise(bounds))]
-    packing = {"position_ids": t["position_ids"], "molt_bounds": bounds, "molt_prefixes": heads,
-               "cu_seq_lens_q": torch.tensor(bounds, dtype=torch.int32), "max_length_q": max(sizes),
-               "cu_seq_lens_k": torch.tensor(list(itertools.accumulate(map(len, kv), initial=0)), dtype=torch.int32),
-               "max_length_k": max(map(len, kv))}
+    packing = {
+        "position_ids": t["position_ids"],
+        "molt_bounds": bounds,
+        "molt_prefixes": heads,
+        "cu_seq_lens_q": torch.tensor(bounds, dtype=torch.int32),
+        "max_length_q": max(sizes),
+        "cu_seq_lens_k": torch.tensor(list(itertools.accumulate(map(len, kv), initial=0)), dtype=torch.int32),
+        "max_length_k": max(map(len, kv)),
+    }
     if prefix is not None:
         packing["molt_kv_index"] = torch.from_numpy(np.concatenate(kv))
     return t, spans, packing
@@ -253,9 +301,21 @@ def _pack(per_token: dict, exps: list[Experience], share_prefix: bool) -> tuple[
 
 def ghost_batch(pad_id: int, device: torch.device, extra_keys=(), pack: bool = False) -> MicroBatch:
     """A two-token micro-batch for a rank that has run out of work while others still have micro-batches."""
-    e = Experience(rollout_id="ghost", group_id="ghost", segment_index=0, reward=0.0, num_tokens=2, num_actions=0,
-                   min_version=0, temperature=1.0, token_ids=[pad_id, pad_id], action_mask=[0, 0],
-                   behavior_logprobs=[], versions=[], advantages=0.0)
+    e = Experience(
+        rollout_id="ghost",
+        group_id="ghost",
+        segment_index=0,
+        reward=0.0,
+        num_tokens=2,
+        num_actions=0,
+        min_version=0,
+        temperature=1.0,
+        token_ids=[pad_id, pad_id],
+        action_mask=[0, 0],
+        behavior_logprobs=[],
+        versions=[],
+        advantages=0.0,
+    )
     return collate([e], pad_id, device, extra={k: [[0.0, 0.0]] for k in extra_keys}, pack=pack)
 
 
@@ -264,19 +324,31 @@ def blank_image(path: str, device: torch.device) -> dict:
     from PIL import Image
     from transformers import AutoImageProcessor
 
-    inputs = AutoImageProcessor.from_pretrained(path)(images=[Image.new("RGB", (64, 64))], return_tensors="pt")
+    inputs = AutoImageProcessor.from_pretrained(path)(
+        images=[Image.new("RGB", (64, 64))], return_tensors="pt"
+    )
     return {k: v.to(device) for k, v in inputs.items()}
 
 
 def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
     """Copy the tensors over (pinned and asynchronous on CUDA: the host does not wait for the copies)."""
+
     def move(x):
         if not isinstance(x, Tensor):
             return x
         return (x.pin_memory() if device.type == "cuda" else x).to(device, non_blocking=True)
 
-    for name in ("input_ids", "attention_mask", "action_mask", "behavior_logprobs", "advantages", "act_index",
-                 "act_temperature", "seq_ids", "routes"):
+    for name in (
+        "input_ids",
+        "attention_mask",
+        "action_mask",
+        "behavior_logprobs",
+        "advantages",
+        "act_index",
+        "act_temperature",
+        "seq_ids",
+        "routes",
+    ):
         setattr(mb, name, move(getattr(mb, name)))
     mb.extra = {k: move(v) for k, v in (mb.extra or {}).items()}
     mb.images = mb.images and {k: move(v) for k, v in mb.images.items()}

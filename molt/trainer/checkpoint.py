@@ -11,6 +11,7 @@ Decisions:
   so it restores only when resuming with the same world size (a different world size keeps fresh RNG, with a
   warning). Ray-side and data-order state belong to the runtime.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -31,13 +32,24 @@ class _TrainState(Stateful):
         return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
     def state_dict(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.t.model, self.t.optimizers, options=self.options())  # AdamW, Muon
-        return {"model": model_sd, "optim": optim_sd, "scheduler": [s.state_dict() for s in self.t.schedulers],
-                "step": self.t.step}
+        model_sd, optim_sd = get_state_dict(
+            self.t.model, self.t.optimizers, options=self.options()
+        )  # AdamW, Muon
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "scheduler": [s.state_dict() for s in self.t.schedulers],
+            "step": self.t.step,
+        }
 
     def load_state_dict(self, sd: dict) -> None:
-        set_state_dict(self.t.model, self.t.optimizers, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                       options=self.options())
+        set_state_dict(
+            self.t.model,
+            self.t.optimizers,
+            model_state_dict=sd["model"],
+            optim_state_dict=sd["optim"],
+            options=self.options(),
+        )
         for schedule, state in zip(self.t.schedulers, sd["scheduler"], strict=True):
             schedule.load_state_dict(state)
         self.t.step = int(sd["step"])
@@ -52,8 +64,10 @@ def _rng_state(device: torch.device) -> dict:
 
 def save_checkpoint(path: str, trainer) -> None:
     """Write a DCP checkpoint directory at `path` (collective)."""
-    dcp.save({"train": _TrainState(trainer), "rng": {f"rank{trainer.rank}": _rng_state(trainer.device)}},
-             checkpoint_id=str(path))
+    dcp.save(
+        {"train": _TrainState(trainer), "rng": {f"rank{trainer.rank}": _rng_state(trainer.device)}},
+        checkpoint_id=str(path),
+    )
 
 
 def load_checkpoint(path: str, trainer) -> None:

@@ -7,6 +7,7 @@ hidden state at t-1 (the same shift as the log-probs), 0 off action tokens (`mol
 Decision: the value head starts at zero (weight and bias), so the first advantages are plain discounted
 returns rather than the noise of a random projection.
 """
+
 from __future__ import annotations
 
 import time
@@ -47,13 +48,16 @@ class Critic(ShardedModelTrainer):
 
         c = cfg.critic
         super().__init__(cfg, c)
-        self.share_prefix = False  # the value model runs whole rows: finding shared prefixes would be wasted work
+        self.share_prefix = (
+            False  # the value model runs whole rows: finding shared prefixes would be wasted work
+        )
         self.value_clip = c.value_clip or None
         backbone = self.load_lm(c.model_name_or_path or cfg.actor.model_name_or_path, AutoModel)
         blocks = parallel.decoder_layers(backbone) if c.optim == "muon" else ()  # before FSDP2 renames them
         self.model = self.wrap(ValueModel(backbone), backbone, trainable=True)
-        self.optimizers, self.schedulers = build_optimizer(self.model.parameters(), c, tp_size=cfg.fsdp.tp_size,
-                                                           blocks=blocks)
+        self.optimizers, self.schedulers = build_optimizer(
+            self.model.parameters(), c, tp_size=cfg.fsdp.tp_size, blocks=blocks
+        )
 
     @torch.no_grad()
     def compute_values(self, experiences: list[Experience]) -> list:
@@ -65,12 +69,24 @@ class Critic(ShardedModelTrainer):
         t0 = time.perf_counter()
 
         def loss_of(mb, global_count: torch.Tensor, dp: int) -> tuple[torch.Tensor, dict]:
-            tok, metrics = value_loss(self.model(mb), mb.extra["old_values"], mb.extra["returns"], mb.action_mask,
-                                      self.value_clip)
+            tok, metrics = value_loss(
+                self.model(mb), mb.extra["old_values"], mb.extra["returns"], mb.action_mask, self.value_clip
+            )
             return window_normalize(tok, mb.action_mask, global_count, dp_size=dp)[0], metrics
 
-        out, step = self.train_window(experiences, loss_of, "critic_loss", need_advantages=False,
-                                      extra={"returns": returns, "old_values": old_values})
-        out.update({"critic_grad_norm": step["grad_norm"], "critic_lr": step["lr"],
-                    "train/skipped_steps": step["train/skipped_steps"], "timing/critic_train": time.perf_counter() - t0})
+        out, step = self.train_window(
+            experiences,
+            loss_of,
+            "critic_loss",
+            need_advantages=False,
+            extra={"returns": returns, "old_values": old_values},
+        )
+        out.update(
+            {
+                "critic_grad_norm": step["grad_norm"],
+                "critic_lr": step["lr"],
+                "train/skipped_steps": step["train/skipped_steps"],
+                "timing/critic_train": time.perf_counter() - t0,
+            }
+        )
         return out

@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/trainer/logprobs.py`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,10 @@ def check_supported(config) -> None:
     """ValueError when the model's logits are not `lm_head(hidden)` (we would then differ from the engine)."""
     for name in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
         if getattr(config, name, None) not in (None, 1.0):
-            raise ValueError(f"model config sets {name}={getattr(config, name)}; the chunked log-prob path "
-                             "supports plain `lm_head(hidden)` logits only")
+            raise ValueError(
+                f"model config sets {name}={getattr(config, name)}; the chunked log-prob path "
+                "supports plain `lm_head(hidden)` logits only"
+            )
 
 
 def compute_dtype(t: Tensor) -> torch.dtype:
@@ -60,7 +63,11 @@ class _ChunkedLogProbs(torch.autograd.Function):
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse, ent = torch.empty_like(lp), torch.empty_like(lp)
         # only for a backward to come: reference and teacher passes run without gradients
-        keep = any(ctx.needs_input_grad[:3]) and hidden.device.type == "cpu" and n * weight.shape[0] * 4 <= KEEP_BYTES
+        keep = (
+            any(ctx.needs_input_grad[:3])
+            and hidden.device.type == "cpu"
+            and n * weight.shape[0] * 4 <= KEEP_BYTES
+        )
         ctx.kept = [] if keep else None
         for s in range(0, n, chunk_size):
             sl = slice(s, s + chunk_size)
@@ -72,8 +79,15 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if keep:
                 ctx.kept.append(z.sub_(lse[sl, None]))
         ctx.save_for_backward(scaled, weight, bias, targets, inv_temp, lse, ent)
-        ctx.chunk_size, ctx.with_entropy, ctx.cdtype, ctx.hidden_dtype = chunk_size, with_entropy, cdtype, hidden.dtype
-        ctx.set_materialize_grads(False)  # an unused output (entropy as a mere metric) then costs no backward work
+        ctx.chunk_size, ctx.with_entropy, ctx.cdtype, ctx.hidden_dtype = (
+            chunk_size,
+            with_entropy,
+            cdtype,
+            hidden.dtype,
+        )
+        ctx.set_materialize_grads(
+            False
+        )  # an unused output (entropy as a mere metric) then costs no backward work
         return lp, (ent if with_entropy else lp.new_empty(0))
 
     @staticmethod
@@ -110,12 +124,27 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 grad_w += mm_f32(dz.T, scaled[sl])
         if need_h:  # d(hidden / T)/d hidden = 1 / T
             grad_h = grad_h.mul_(inv_temp[:, None]).to(ctx.hidden_dtype)
-        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(weight.dtype), None, None, None, None)
+        return (
+            grad_h,
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(weight.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def gathered_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: Tensor,
-                      *, chunk_size: int = 512, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+def gathered_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    temperature: Tensor,
+    *,
+    chunk_size: int = 512,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """Log-prob (and entropy) of `targets` [A] given the rows `hidden` [A, H] that predict them.
 
     temperature: [A] per-row temperature (0 means 1). Returns ([A] fp32, [A] fp32 or None)."""
@@ -134,9 +163,17 @@ def action_index(action_mask: Tensor) -> Tensor:
     return mask.flatten().nonzero()[:, 0]
 
 
-def action_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, input_ids: Tensor, act_index: Tensor,
-                    act_temperature: Tensor, *, chunk_size: int = 512,
-                    with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+def action_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    input_ids: Tensor,
+    act_index: Tensor,
+    act_temperature: Tensor,
+    *,
+    chunk_size: int = 512,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs (and entropy) of the action tokens of a batch.
 
     hidden: [B, L, H] final hidden states; input_ids: [B, L]; act_index: [A] flat positions of the action
@@ -144,11 +181,18 @@ def action_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, input_i
     Index tensors instead of boolean masks: gathers and scatters whose backward needs no device sync.
     Returns [B, L] fp32 tensors, zero off the action tokens."""
     flat_h = hidden.flatten(0, 1)
-    lp, ent = gathered_logprobs(flat_h.index_select(0, act_index - 1), weight, bias,
-                                input_ids.flatten().index_select(0, act_index), act_temperature,
-                                chunk_size=chunk_size, with_entropy=with_entropy)
+    lp, ent = gathered_logprobs(
+        flat_h.index_select(0, act_index - 1),
+        weight,
+        bias,
+        input_ids.flatten().index_select(0, act_index),
+        act_temperature,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+    )
     return scatter_actions(lp, act_index, input_ids.shape), (
-        scatter_actions(ent, act_index, input_ids.shape) if ent is not None else None)
+        scatter_actions(ent, act_index, input_ids.shape) if ent is not None else None
+    )
 
 
 def scatter_actions(values: Tensor, act_index: Tensor, shape: torch.Size) -> Tensor:
@@ -165,9 +209,13 @@ def hidden_states(base: nn.Module, decoder: nn.Module, mb) -> Tensor:
     on embeddings plus 0 times the features of `mb.blank` when set (`molt.trainer.batching.blank_image`)."""
     inputs = mb.decoder_inputs()
     dtype = base.get_input_embeddings().weight.dtype  # FSDP2's param_dtype here (its root casts no inputs)
-    images, blank = ({k: v.to(dtype) if isinstance(v, Tensor) and v.is_floating_point() else v
-                      for k, v in (x or {}).items()}
-                     for x in (mb.images, mb.blank))
+    images, blank = (
+        {
+            k: v.to(dtype) if isinstance(v, Tensor) and v.is_floating_point() else v
+            for k, v in (x or {}).items()
+        }
+        for x in (mb.images, mb.blank)
+    )
     if images:
         positions = rope_positions(base, mb.input_ids, mb.attention_mask, None, images)[0]
         return base(**inputs, position_ids=positions, **images).last_hidden_state
@@ -204,13 +252,24 @@ class CausalLMLogProbs(nn.Module):
             hidden = self._hidden_with_shared_prefix(decoder, mb.input_ids, mb.prefix)
         head = self.lm.get_output_embeddings()
         bias = head.bias
-        if self.banned:  # -1e9 (not -inf: no inf * 0 in the backward) puts exactly 0 mass on them in fp32 and bf16
+        if (
+            self.banned
+        ):  # -1e9 (not -inf: no inf * 0 in the backward) puts exactly 0 mass on them in fp32 and bf16
             if self._ban is None or self._ban.device != head.weight.device:
                 self._ban = torch.zeros(head.weight.shape[0], device=head.weight.device).index_fill_(
-                    0, torch.tensor(self.banned, device=head.weight.device), -1e9)
+                    0, torch.tensor(self.banned, device=head.weight.device), -1e9
+                )
             bias = self._ban if bias is None else bias + self._ban
-        return action_logprobs(hidden, head.weight, bias, mb.input_ids, mb.act_index, mb.act_temperature,
-                               chunk_size=self.chunk_size, with_entropy=with_entropy)
+        return action_logprobs(
+            hidden,
+            head.weight,
+            bias,
+            mb.input_ids,
+            mb.act_index,
+            mb.act_temperature,
+            chunk_size=self.chunk_size,
+            with_entropy=with_entropy,
+        )
 
     def _hidden_with_shared_prefix(self, decoder: nn.Module, input_ids: Tensor, prefix) -> Tensor:
         """[B, L, H] hidden states, zero over the first `prefix.length` positions (they predict no action)."""
@@ -221,8 +280,12 @@ class CausalLMLogProbs(nn.Module):
         kw = self._cache_kw
         decoder(input_ids=input_ids[prefix.rows, :p], use_cache=True, **{kw: cache})
         if cache.get_seq_length() != p:
-            raise ValueError(f"{type(decoder).__name__} did not fill its KV cache; set --train.share_prefix false")
+            raise ValueError(
+                f"{type(decoder).__name__} did not fill its KV cache; set --train.share_prefix false"
+            )
         cache.batch_select_indices(prefix.index)
-        rest = decoder(input_ids=input_ids[:, p:], use_cache=True, **{kw: cache})  # no mask: as `decoder_inputs`
+        rest = decoder(
+            input_ids=input_ids[:, p:], use_cache=True, **{kw: cache}
+        )  # no mask: as `decoder_inputs`
         hidden = rest.last_hidden_state
         return torch.cat([hidden.new_zeros(hidden.shape[0], p, hidden.shape[2]), hidden], dim=1)

@@ -7,6 +7,7 @@ Decisions (docs/lora.md): one adapter ("default") per model; the merged weight W
 the base layer's Hugging Face name, so vLLM loads it by name like any refit; routed experts stored as fused
 3-D parameters (Qwen2-MoE, Mixtral in transformers 5) are not nn.Linear and get no adapters.
 """
+
 from __future__ import annotations
 
 import copy
@@ -70,13 +71,18 @@ def export_adapter(lm: nn.Module, path: str | Path, base: str, *, write: bool) -
 
     from molt.trainer.weights import gathered
 
-    tensors = {n: gathered(t).detach().cpu() for n, t in lm.state_dict(keep_vars=True).items() if ".lora_" in n}
+    tensors = {
+        n: gathered(t).detach().cpu() for n, t in lm.state_dict(keep_vars=True).items() if ".lora_" in n
+    }
     if not write:
         return
     state = get_peft_model_state_dict(lm, state_dict=tensors, adapter_name=ADAPTER)
     Path(path).mkdir(parents=True, exist_ok=True)
-    save_file({f"base_model.model.{k}": v.contiguous() for k, v in state.items()},
-              str(Path(path) / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {f"base_model.model.{k}": v.contiguous() for k, v in state.items()},
+        str(Path(path) / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
     config = copy.copy(lm.peft_config[ADAPTER])
     config.base_model_name_or_path, config.inference_mode = base, True
     config.save_pretrained(str(path))

@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/trainer/moe.py`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,8 +22,10 @@ class Routing:
         a = cfg.actor
         self.routers = [m for m in lm.modules() if type(m).__name__ in FAMILIES]
         if not self.routers and (cfg.train.routing_replay or a.freeze_moe_router or a.aux_loss_coef):
-            raise ValueError("train.routing_replay, actor.freeze_moe_router, actor.aux_loss_coef: the model has no "
-                             f"MoE router of a supported family ({', '.join(FAMILIES)})")
+            raise ValueError(
+                "train.routing_replay, actor.freeze_moe_router, actor.aux_loss_coef: the model has no "
+                f"MoE router of a supported family ({', '.join(FAMILIES)})"
+            )
         self.replay, self.aux = cfg.train.routing_replay, a.aux_loss_coef > 0
         self.record = self.mask = None
         # per layer of the last forward: [N] bool (own top-k set == recorded set); (logits, experts) for the aux loss
@@ -34,7 +37,9 @@ class Routing:
 
     def set(self, mb) -> None:
         if self.replay and mb.routes is None and not mb.ghost:
-            raise ValueError("train.routing_replay: an experience has no routed_experts (vLLM: see docs/moe.md)")
+            raise ValueError(
+                "train.routing_replay: an experience has no routed_experts (vLLM: see docs/moe.md)"
+            )
         self.match, self.used, self.mask = [], [], mb.attention_mask
         self.record = None if mb.routes is None else mb.routes.flatten(0, 1)  # [N, layers, k]
 
@@ -45,7 +50,9 @@ class Routing:
             self.match.append((experts.sort(-1).values == rec.sort(-1).values).all(-1))
             if self.replay:
                 experts, p = rec, F.softmax(logits.float(), -1).gather(-1, rec)  # the family's normalisation:
-                weights = (p / p.sum(-1, keepdim=True) if getattr(router, "norm_topk_prob", True) else p).to(weights.dtype)
+                weights = (p / p.sum(-1, keepdim=True) if getattr(router, "norm_topk_prob", True) else p).to(
+                    weights.dtype
+                )
         if self.aux and torch.is_grad_enabled():
             self.used.append((logits, experts))
         return logits, weights, experts
@@ -59,11 +66,13 @@ class Routing:
                 lp = model(mb)[0]
             self.replay = True
         if self.record is not None:
-            agree = torch.stack(self.match[:len(self.routers)])[:, mb.act_index - 1].float().mean(0).sum()
+            agree = torch.stack(self.match[: len(self.routers)])[:, mb.act_index - 1].float().mean(0).sum()
             gap = (lp.detach() - mb.behavior_logprobs).abs().flatten()[mb.act_index].sum()
             self.sums = self.sums.to(lp.device) + torch.stack([agree, gap, agree.new_tensor(mb.num_actions)])
 
-    def totals(self) -> dict[str, Tensor]:  # the window's sums for `reduce_metrics` (then reset), see `finish`
+    def totals(
+        self,
+    ) -> dict[str, Tensor]:  # the window's sums for `reduce_metrics` (then reset), see `finish`
         sums, self.sums = self.sums, torch.zeros(3)
         return dict(zip(("moe/route_agreement", "moe/logprob_gap", "moe/tokens"), sums))
 
@@ -78,7 +87,7 @@ class Routing:
     def aux_loss(self) -> Tensor:
         """Switch load-balancing loss of the last forward (a 0-d tensor with gradient to the routers)."""
         total = 0.0
-        for logits, experts in self.used[:len(self.routers)]:  # more: recomputed by checkpointing
+        for logits, experts in self.used[: len(self.routers)]:  # more: recomputed by checkpointing
             e = logits.shape[-1]
             m = torch.ones(len(logits), 1) if self.mask is None else self.mask.reshape(-1, 1).float()
             m = m.to(logits.device) / m.sum()

@@ -8,6 +8,7 @@ AdamW. Both follow the schedule; Muon's weight decay None means AdamW's. Muon ru
 With LoRA (molt.trainer.lora) the only trainable weights are the adapter factors A [r, in] and B [out, r], 2-D
 weights of the blocks: Muon takes them all (each factor orthogonalized on its own) and there is no AdamW.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,10 @@ def lr_multiplier(cfg: OptimConfig):
     total_steps (both resolved: `molt.config.resolve`)."""
     warm, total, floor = cfg.lr_warmup_steps, cfg.total_steps, cfg.min_lr_ratio
     if cfg.lr_scheduler == "cosine" and total <= warm:
-        raise ValueError(f"total_steps ({total}) must exceed lr_warmup_steps ({warm}) for the cosine schedule: "
-                         "set train.max_steps (or actor.total_steps, critic.total_steps)")
+        raise ValueError(
+            f"total_steps ({total}) must exceed lr_warmup_steps ({warm}) for the cosine schedule: "
+            "set train.max_steps (or actor.total_steps, critic.total_steps)"
+        )
 
     def f(step: int) -> float:
         if step < warm:
@@ -47,13 +50,38 @@ def build_optimizer(params, cfg: OptimConfig, *, tp_size: int = 1, blocks=()):
     adam = [p for p in params if id(p) not in hidden]
     # the fused kernel: on GPUs one launch for all parameters, step counts on the device (no host reads); on a
     # CPU one pass over memory instead of foreach's several (SmolLM2-135M: 0.08 s a step against 0.53 s, 1 thread)
-    fused = foreach is None and bool(adam) and len({p.device.type for p in adam}) == 1 and \
-        adam[0].device.type in ("cuda", "cpu") and all(p.dtype in (torch.float32, torch.bfloat16) for p in adam)
+    fused = (
+        foreach is None
+        and bool(adam)
+        and len({p.device.type for p in adam}) == 1
+        and adam[0].device.type in ("cuda", "cpu")
+        and all(p.dtype in (torch.float32, torch.bfloat16) for p in adam)
+    )
     a, m = cfg.adam, cfg.muon
-    opts = [torch.optim.AdamW(adam, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay,
-                              foreach=foreach, fused=fused or None)] if adam else []  # LoRA + Muon: all 2-D
+    opts = (
+        [
+            torch.optim.AdamW(
+                adam,
+                lr=a.lr,
+                betas=tuple(a.betas),
+                eps=a.eps,
+                weight_decay=a.weight_decay,
+                foreach=foreach,
+                fused=fused or None,
+            )
+        ]
+        if adam
+        else []
+    )  # LoRA + Muon: all 2-D
     if hidden:
-        opts.append(torch.optim.Muon([p for p in params if id(p) in hidden], lr=m.lr, momentum=m.momentum,
-                                     nesterov=m.nesterov, ns_steps=m.ns_steps,
-                                     weight_decay=a.weight_decay if m.weight_decay is None else m.weight_decay))
+        opts.append(
+            torch.optim.Muon(
+                [p for p in params if id(p) in hidden],
+                lr=m.lr,
+                momentum=m.momentum,
+                nesterov=m.nesterov,
+                ns_steps=m.ns_steps,
+                weight_decay=a.weight_decay if m.weight_decay is None else m.weight_decay,
+            )
+        )
     return opts, [torch.optim.lr_scheduler.LambdaLR(o, lr_multiplier(cfg)) for o in opts]

@@ -27,6 +27,7 @@ packed piece after its prefix); a non-causal layer (a vision tower's) gets its o
 Decision: sliding-window layers are refused (the varlen window would have to match the model's); so are
 attention dropout in training and logit soft-capping (refused for the whole trainer in `logprobs.py`).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -41,6 +42,7 @@ NAME = "molt_varlen"
 
 try:
     from torch.nn.attention.varlen import varlen_attn
+
     _VARLEN_ARGS = set(inspect.signature(varlen_attn).parameters)
 except ImportError:  # older torch: the per-sequence path everywhere
     varlen_attn, _VARLEN_ARGS = None, set()
@@ -51,14 +53,26 @@ def _flash(query: Tensor) -> bool:
     return query.is_cuda and varlen_attn is not None and query.dtype in (torch.float16, torch.bfloat16)
 
 
-def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None,
-                     dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+def varlen_attention(
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask,
+    scaling=None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, None]:
     """query [1, Hq, T, D], key/value [1, Hkv, T, D] of one packed row -> ([1, T, Hq, D], None); a padded
     micro-batch (no `molt_bounds`) goes to transformers' SDPA (module docstring)."""
     if "molt_bounds" not in kwargs:
-        p = key.shape[2] - query.shape[2]  # > 0 after a shared prefix's cached keys: queries padded in front so
+        p = (
+            key.shape[2] - query.shape[2]
+        )  # > 0 after a shared prefix's cached keys: queries padded in front so
         # that SDPA's causal flag (top-left aligned) lines them up with their keys, no [q, k] mask; outputs dropped
-        query = torch.cat([query.new_zeros(*query.shape[:2], p, query.shape[3]), query], 2) if p > 0 else query
+        query = (
+            torch.cat([query.new_zeros(*query.shape[:2], p, query.shape[3]), query], 2) if p > 0 else query
+        )
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         return out[:, p:], None
     if getattr(module, "sliding_window", None):
@@ -77,20 +91,37 @@ def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
         # causal with fewer queries than keys aligns to the bottom right (flash attention's convention): a
         # piece's queries see all of its prefix and their own past
         extra.update({"is_causal": True} if "is_causal" in _VARLEN_ARGS else {"window_size": (-1, 0)})
-        out = varlen_attn(q, k, v, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], kwargs["max_length_q"],
-                          kwargs["max_length_k"], scale=scaling, **extra)
+        out = varlen_attn(
+            q,
+            k,
+            v,
+            kwargs["cu_seq_lens_q"],
+            kwargs["cu_seq_lens_k"],
+            kwargs["max_length_q"],
+            kwargs["max_length_k"],
+            scale=scaling,
+            **extra,
+        )
         return out.unsqueeze(0), None
     outs = []
     for (a, b), head in zip(itertools.pairwise(kwargs["molt_bounds"]), prefixes):
         if head is None:
-            outs.append(F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
-                                                       is_causal=True, scale=scaling, enable_gqa=gqa))
+            outs.append(
+                F.scaled_dot_product_attention(
+                    query[:, :, a:b],
+                    key[:, :, a:b],
+                    value[:, :, a:b],
+                    is_causal=True,
+                    scale=scaling,
+                    enable_gqa=gqa,
+                )
+            )
             continue
         # the piece after its prefix as one causal sequence, the prefix's own queries run again and dropped: no
         # [n, p + n] mask, which would make SDPA on the CPU keep [H, n, p + n] scores (gigabytes at 30K tokens)
-        q, k, v = (torch.cat([x[:, :, head[0]:head[1]], x[:, :, a:b]], dim=2) for x in (query, key, value))
+        q, k, v = (torch.cat([x[:, :, head[0] : head[1]], x[:, :, a:b]], dim=2) for x in (query, key, value))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
-        outs.append(out[:, :, head[1] - head[0]:])
+        outs.append(out[:, :, head[1] - head[0] :])
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 

@@ -2,6 +2,7 @@
 
 Design notes and decisions: docs/internals.md, section `molt/trainer/parallel.py`.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -76,16 +77,25 @@ def apply_tensor_parallel(lm: nn.Module, tp_mesh) -> None:
         for pattern, style in plan.items():
             if name and fnmatch.fnmatchcase(name, pattern):
                 if style not in styles:
-                    raise ValueError(f"tp_size > 1: style {style!r} of {pattern!r} is not supported on this "
-                                     "path (dense colwise/rowwise only; experts need expert parallelism)")
+                    raise ValueError(
+                        f"tp_size > 1: style {style!r} of {pattern!r} is not supported on this "
+                        "path (dense colwise/rowwise only; experts need expert parallelism)"
+                    )
                 resolved[name] = styles[style]()
     if not resolved:
         raise ValueError(f"tp_size > 1: {type(lm).__name__} has no tensor-parallel plan")
     parallelize_module(decoder, tp_mesh, resolved)
 
 
-def shard(model: nn.Module, layers: list[nn.Module], mesh, *, param_dtype: torch.dtype, offload: bool,
-          keep_unsharded: bool = False) -> None:
+def shard(
+    model: nn.Module,
+    layers: list[nn.Module],
+    mesh,
+    *,
+    param_dtype: torch.dtype,
+    offload: bool,
+    keep_unsharded: bool = False,
+) -> None:
     """FSDP2: `fully_shard` each decoder block, then the root `model`, over the mesh's "dp" dimension.
     `keep_unsharded` (one rank, where "unsharded" costs only the cast copy): blocks stay unsharded between
     forward, backward and the next micro-batch until `reshard(model)`."""
@@ -93,14 +103,20 @@ def shard(model: nn.Module, layers: list[nn.Module], mesh, *, param_dtype: torch
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
-    kwargs = {"mesh": mesh["dp"], "mp_policy": mp, "offload_policy": offload_policy,
-              "reshard_after_forward": not keep_unsharded}
+    kwargs = {
+        "mesh": mesh["dp"],
+        "mp_policy": mp,
+        "offload_policy": offload_policy,
+        "reshard_after_forward": not keep_unsharded,
+    }
     for layer in layers:
         fully_shard(layer, **kwargs)
     # The root's input is the whole micro-batch: cast to param_dtype it rounded the sampling temperature to
     # bf16 (0.7 -> 0.69921875) and copied every fp32 per-token tensor. The blocks cast their own inputs; the
     # images are cast where the model takes them (`molt.trainer.logprobs.hidden_states`).
-    root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    root_mp = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
     fully_shard(model, **{**kwargs, "mp_policy": root_mp})
     if keep_unsharded:
         model.set_reshard_after_backward(False)  # recurses into the blocks
@@ -138,7 +154,9 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     groups: dict = {}  # (mesh, copies) -> local shards; a mesh's shards are reduced over that mesh only
     for g in grads:
         if isinstance(g, DTensor):  # what is replicated on some mesh dimension is divided by its copies
-            copies = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if isinstance(pl, Replicate))
+            copies = math.prod(
+                g.device_mesh.size(i) for i, pl in enumerate(g.placements) if isinstance(pl, Replicate)
+            )
             groups.setdefault((g.device_mesh, copies), []).append(g.to_local())
         else:
             groups.setdefault((None, 1), []).append(g)
@@ -150,7 +168,9 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     total = 0.0
     for mesh, sq in per_mesh.items():
         if mesh is not None:
-            if dist.get_backend() == "nccl":  # offloaded gradients sit on CPU; NCCL reduces device tensors only
+            if (
+                dist.get_backend() == "nccl"
+            ):  # offloaded gradients sit on CPU; NCCL reduces device tensors only
                 sq = sq.cuda()
             for dim in range(mesh.ndim):  # a sum over every dimension is the sum over the whole mesh
                 dist.all_reduce(sq, group=mesh.get_group(dim))

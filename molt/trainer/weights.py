@@ -3,6 +3,7 @@ checkpoint export written from that same stream.
 
 Design notes and decisions: docs/internals.md, section `molt/trainer/weights.py`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -22,8 +23,9 @@ def gathered(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _unique_weights(lm: nn.Module, refit: str = ""
-                    ) -> Iterator[tuple[str, torch.Tensor, Callable[[], torch.Tensor]]]:
+def _unique_weights(
+    lm: nn.Module, refit: str = ""
+) -> Iterator[tuple[str, torch.Tensor, Callable[[], torch.Tensor]]]:
     """(HF name, stored tensor, its full value) in state-dict order, a tied parameter once (under its first name).
     With LoRA adapters (`molt.trainer.lora`) a targeted layer appears as its merged weight under the base name and
     the factors not at all; refit="merged": then nothing else (the base weights never change); refit="adapters":
@@ -42,8 +44,9 @@ def _unique_weights(lm: nn.Module, refit: str = ""
             yield hf, t, partial(gathered, t)
 
 
-def plan_weight_buckets(lm: nn.Module, bucket_bytes: int = 256 << 20, *, dtype: torch.dtype | None = None,
-                        refit: str = "") -> list[list[tuple[str, tuple[int, ...], str]]]:
+def plan_weight_buckets(
+    lm: nn.Module, bucket_bytes: int = 256 << 20, *, dtype: torch.dtype | None = None, refit: str = ""
+) -> list[list[tuple[str, tuple[int, ...], str]]]:
     """The buckets `iter_weight_buckets` yields, as (HF name, full shape, dtype name) without gathering anything:
     what a receiver needs to allocate before a collective refit. Local, not collective."""
     if bucket_bytes < 1:
@@ -61,9 +64,14 @@ def plan_weight_buckets(lm: nn.Module, bucket_bytes: int = 256 << 20, *, dtype: 
     return plan
 
 
-def iter_weight_buckets(lm: nn.Module, bucket_bytes: int = 256 << 20, *, dtype: torch.dtype | None = None,
-                        device: str | torch.device = "cpu", refit: str = ""
-                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_weight_buckets(
+    lm: nn.Module,
+    bucket_bytes: int = 256 << 20,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    refit: str = "",
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of (HF name, full tensor) whose sizes sum to at most `bucket_bytes` (a larger tensor gets a
     bucket of its own), bucketed as `plan_weight_buckets` says. dtype: cast floating-point tensors (None keeps
     the stored dtype)."""
@@ -79,8 +87,15 @@ def iter_weight_buckets(lm: nn.Module, bucket_bytes: int = 256 << 20, *, dtype: 
             yield bucket
 
 
-def export_hf(lm: nn.Module, path: str | Path, *, tokenizer_from: str | None = None,
-              dtype: torch.dtype | None = None, bucket_bytes: int = 1 << 30, write: bool = True) -> Path:
+def export_hf(
+    lm: nn.Module,
+    path: str | Path,
+    *,
+    tokenizer_from: str | None = None,
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int = 1 << 30,
+    write: bool = True,
+) -> Path:
     """Save `lm` as a Hugging Face checkpoint directory (LoRA adapters merged). Collective over ranks; only
     `write=True` writes."""
     from safetensors.torch import save_file
@@ -102,7 +117,8 @@ def export_hf(lm: nn.Module, path: str | Path, *, tokenizer_from: str | None = N
     if not write:
         return path
     (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
     config = copy.deepcopy(lm.config)  # the live model keeps its own dtype
     if dtype is not None:
         config.dtype = dtype

@@ -24,6 +24,7 @@ measured: each reply is sampled under the Hermes reply grammar (text, or calls w
 `multiply`'s schema; docs/harnesses.md), so schema failures no longer occur and the recorded log-probs are of the
 masked distribution (docs/algo.md); the figures in docs/ predate that.
 """
+
 import json
 import re
 
@@ -34,8 +35,10 @@ from molt.agents import ChatAgent, ChatAgentRunner, Result
 
 agents.set_tracing_disabled(True)  # the SDK would otherwise send traces to OpenAI's servers
 
-INSTRUCTIONS = ('You can use a multiply tool. To use it, reply <tool_call>{"name": "multiply", "arguments": '
-                '{"a": ..., "b": ...}}</tool_call> and read the result. Answer with just the number.')
+INSTRUCTIONS = (
+    'You can use a multiply tool. To use it, reply <tool_call>{"name": "multiply", "arguments": '
+    '{"a": ..., "b": ...}}</tool_call> and read the result. Answer with just the number.'
+)
 EXAMPLE = (23, 41)  # the worked example's operands; make_data.py leaves this product out of the data
 NUMBER = re.compile(r"-?\d+")
 
@@ -50,10 +53,12 @@ def example_items() -> list[dict]:
     """The worked example as Responses input items: question, the call in Hermes form, its result, the answer."""
     a, b = EXAMPLE
     call = json.dumps({"name": "multiply", "arguments": {"a": a, "b": b}})
-    return [{"role": "user", "content": f"What is {a} * {b}?"},
-            {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
-            {"type": "function_call_output", "call_id": "call_example", "output": str(a * b)},
-            {"role": "assistant", "content": str(a * b)}]
+    return [
+        {"role": "user", "content": f"What is {a} * {b}?"},
+        {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+        {"type": "function_call_output", "call_id": "call_example", "output": str(a * b)},
+        {"role": "assistant", "content": str(a * b)},
+    ]
 
 
 def grade(text: str | None, value: int) -> float:
@@ -70,18 +75,38 @@ class MultiplyAgent(ChatAgent):
         params = ctx.sampling_params
         async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
             agent = agents.Agent(
-                name="multiplier", instructions=INSTRUCTIONS, tools=[multiply],
+                name="multiplier",
+                instructions=INSTRUCTIONS,
+                tools=[multiply],
                 model=self.model_class(model=ctx.model_name, openai_client=client),
-                model_settings=agents.ModelSettings(temperature=params.temperature, max_tokens=params.max_tokens))
+                model_settings=agents.ModelSettings(
+                    temperature=params.temperature, max_tokens=params.max_tokens
+                ),
+            )
             try:
-                result = await agents.Runner.run(agent, example_items() + ctx.messages, max_turns=self.max_turns)
+                result = await agents.Runner.run(
+                    agent, example_items() + ctx.messages, max_turns=self.max_turns
+                )
             except (agents.MaxTurnsExceeded, agents.ModelBehaviorError) as e:
-                return Result(reward=0.0, info={"tool_calls": 0.0, "tool_errors": 0.0, "model_errors": 1.0,
-                                                "max_turns_exceeded": float(isinstance(e, agents.MaxTurnsExceeded))})
+                return Result(
+                    reward=0.0,
+                    info={
+                        "tool_calls": 0.0,
+                        "tool_errors": 0.0,
+                        "model_errors": 1.0,
+                        "max_turns_exceeded": float(isinstance(e, agents.MaxTurnsExceeded)),
+                    },
+                )
         outputs = [i.output for i in result.new_items if isinstance(i, agents.ToolCallOutputItem)]
-        return Result(reward=grade(result.final_output, int(ctx.label)),
-                      info={"tool_calls": float(len(outputs)), "model_errors": 0.0, "max_turns_exceeded": 0.0,
-                            "tool_errors": float(sum(not isinstance(o, int) for o in outputs))})
+        return Result(
+            reward=grade(result.final_output, int(ctx.label)),
+            info={
+                "tool_calls": float(len(outputs)),
+                "model_errors": 0.0,
+                "max_turns_exceeded": 0.0,
+                "tool_errors": float(sum(not isinstance(o, int) for o in outputs)),
+            },
+        )
 
 
 class AgentRunner(ChatAgentRunner):

@@ -4,6 +4,7 @@ Each row asks for the product of two two-digit numbers (12 to 99), beyond a 135M
 easy with the tool: {"prompt": [{"role": "user", "content": "What is 61 * 65?"}], "label": 3965}. 200 to train,
 30 held out, all distinct, none the worked example's (agent.EXAMPLE).
 """
+
 import argparse
 import json
 import random

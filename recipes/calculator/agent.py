@@ -17,6 +17,7 @@ switches that parsing on (and what a template with tool support renders).
 Task, tool, grading, compaction and the episode loop live in `calculator_task.py`, shared with
 `anthropic_agent.py` (the same agent on `AsyncAnthropic`).
 """
+
 from calculator_task import OPENAI_TOOLS, CalculatorChatAgent, Reply
 from openai import AsyncOpenAI
 
@@ -29,16 +30,27 @@ class CalculatorAgent(CalculatorChatAgent):
 
         async def ask(history):
             response = await client.chat.completions.create(
-                model=ctx.model_name, messages=history, tools=OPENAI_TOOLS,
-                max_tokens=ctx.sampling_params.max_tokens, temperature=ctx.sampling_params.temperature)
+                model=ctx.model_name,
+                messages=history,
+                tools=OPENAI_TOOLS,
+                max_tokens=ctx.sampling_params.max_tokens,
+                temperature=ctx.sampling_params.temperature,
+            )
             msg = response.choices[0].message
             calls = msg.tool_calls or []
             message = {"role": "assistant", "content": msg.content or ""}
             if calls:  # echoed back as received, so the next request extends the recorded conversation
-                message["tool_calls"] = [{"id": c.id, "type": "function",
-                                          "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                                         for c in calls]
-            return Reply(msg.content or "", [(c.id, c.function.name, c.function.arguments) for c in calls], message)
+                message["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": c.function.arguments},
+                    }
+                    for c in calls
+                ]
+            return Reply(
+                msg.content or "", [(c.id, c.function.name, c.function.arguments) for c in calls], message
+            )
 
         return ask
 

@@ -3,6 +3,7 @@ reward (all in `calculator_task.py`); only the wire differs. The system prompt g
 Anthropic tool schemas, calls arrive as `tool_use` blocks and results go back as `tool_result` blocks in a user
 turn. The capture server converts both wires to one conversation, so the segments are the same as with OpenAI.
 """
+
 from anthropic import AsyncAnthropic
 from calculator_task import ANTHROPIC_TOOLS, CalculatorChatAgent, Reply
 
@@ -26,8 +27,12 @@ class AnthropicCalculatorAgent(CalculatorChatAgent):
             # takes one, and the session samples at the rollout's temperature when a request names none.
             system = "\n".join(m["content"] for m in history if m["role"] == "system")
             response = await client.messages.create(
-                model=ctx.model_name, system=system, messages=[m for m in history if m["role"] != "system"],
-                tools=ANTHROPIC_TOOLS, max_tokens=ctx.sampling_params.max_tokens)
+                model=ctx.model_name,
+                system=system,
+                messages=[m for m in history if m["role"] != "system"],
+                tools=ANTHROPIC_TOOLS,
+                max_tokens=ctx.sampling_params.max_tokens,
+            )
             text = "".join(b.text for b in response.content if b.type == "text")
             calls = [(b.id, b.name, b.input) for b in response.content if b.type == "tool_use"]
             return Reply(text, calls, {"role": "assistant", "content": [_block(b) for b in response.content]})
@@ -36,8 +41,15 @@ class AnthropicCalculatorAgent(CalculatorChatAgent):
 
     @staticmethod
     def tool_results(results):
-        return [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "content": text}
-                                             for call_id, text in results]}]
+        return [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": call_id, "content": text}
+                    for call_id, text in results
+                ],
+            }
+        ]
 
 
 class AgentRunner(ChatAgentRunner):

@@ -19,6 +19,7 @@ keeps the system prompt and the example, so later segments still show it.
 The helper has a distinctive module name because agent folders go on `sys.path`: a plain `helpers.py` could
 shadow another recipe's.
 """
+
 from __future__ import annotations
 
 import ast
@@ -35,9 +36,17 @@ from molt.agents import ChatAgent, Result
 # ----------------------------------------------------------------------------------------------- the tool
 TOOL_NAME = "calculator"
 TOOL_DESCRIPTION = "Evaluate an arithmetic expression such as 12 + 7."
-TOOL_PARAMETERS = {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}
-OPENAI_TOOLS = [{"type": "function",
-                 "function": {"name": TOOL_NAME, "description": TOOL_DESCRIPTION, "parameters": TOOL_PARAMETERS}}]
+TOOL_PARAMETERS = {
+    "type": "object",
+    "properties": {"expression": {"type": "string"}},
+    "required": ["expression"],
+}
+OPENAI_TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": TOOL_NAME, "description": TOOL_DESCRIPTION, "parameters": TOOL_PARAMETERS},
+    }
+]
 ANTHROPIC_TOOLS = [{"name": TOOL_NAME, "description": TOOL_DESCRIPTION, "input_schema": TOOL_PARAMETERS}]
 
 # Many small models' chat templates (SmolLM2-135M-Instruct's among them) ignore `tools`, so the model would never
@@ -51,8 +60,13 @@ SYSTEM_PROMPT = (
 )
 
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
 }
 _UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPRESSION_CHARS = 200
@@ -202,8 +216,9 @@ def compact(history: list[dict[str, Any]], keep: int, text: str) -> list[dict[st
     return history[:keep] + [{"role": "user", "content": text}]
 
 
-def next_turn(history: list[dict[str, Any]], keep: int, terms: list[str], step: int,
-              max_history_messages: int) -> tuple[list[dict[str, Any]], bool]:
+def next_turn(
+    history: list[dict[str, Any]], keep: int, terms: list[str], step: int, max_history_messages: int
+) -> tuple[list[dict[str, Any]], bool]:
     """(history with the user turn of `step` (>= 1) added, whether it was compacted first). A compacted history
     is the kept preamble and one user turn: the summary of the steps done, then the new question (one turn, so
     roles keep alternating for templates and APIs that require it)."""
@@ -239,17 +254,31 @@ class Outcome:
 
     def info(self) -> dict[str, float]:
         steps = max(1, len(self.correct))
-        return {"step_accuracy": self.reward, "steps_correct": float(sum(self.correct)), "tool_calls": float(self.tool_calls),
-                "tool_errors": float(self.tool_errors), "valid_call_rate": self.valid_call_steps / steps,
-                "compactions": float(self.compactions), "model_calls": float(self.model_calls)}
+        return {
+            "step_accuracy": self.reward,
+            "steps_correct": float(sum(self.correct)),
+            "tool_calls": float(self.tool_calls),
+            "tool_errors": float(self.tool_errors),
+            "valid_call_rate": self.valid_call_steps / steps,
+            "compactions": float(self.compactions),
+            "model_calls": float(self.model_calls),
+        }
 
 
 Ask = Callable[[list[dict[str, Any]]], Awaitable[Reply]]  # history -> the model's reply
 ToolResults = Callable[[list[tuple[str, str]]], list[dict[str, Any]]]  # [(call id, result)] -> messages
 
 
-async def play(ask: Ask, tool_results: ToolResults, history: list[dict[str, Any]], terms: list[str], *,
-               keep: int = 1, max_history_messages: int = 4, max_tool_rounds: int = 2) -> Outcome:
+async def play(
+    ask: Ask,
+    tool_results: ToolResults,
+    history: list[dict[str, Any]],
+    terms: list[str],
+    *,
+    keep: int = 1,
+    max_history_messages: int = 4,
+    max_tool_rounds: int = 2,
+) -> Outcome:
     """Run every step of the chain. `history` holds the first question already (the dataset prompt) after a
     preamble of `keep` messages that compaction keeps. Within a step the model may call the calculator up to
     `max_tool_rounds` times before it must answer; the step is graded on its last reply. Before each later step
@@ -307,14 +336,27 @@ class CalculatorChatAgent(ChatAgent):
         out = [{"role": "system", "content": SYSTEM_PROMPT}]
         if self.worked_example:
             question, expression, result = EXAMPLE
-            out += [{"role": "user", "content": question}, {"role": "assistant", "content": example_call(expression)},
-                    *self.tool_results([("call_example", result)]), {"role": "assistant", "content": result}]
+            out += [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": example_call(expression)},
+                *self.tool_results([("call_example", result)]),
+                {"role": "assistant", "content": result},
+            ]
         return out
 
     async def run(self, ctx) -> Result:
         terms = parse_chain(ctx.label)
-        task = [dict(m) for m in ctx.messages if m.get("role") != "system"]  # the first question, from the row
+        task = [
+            dict(m) for m in ctx.messages if m.get("role") != "system"
+        ]  # the first question, from the row
         history = self.preamble() + task
-        out = await play(self.asker(ctx), self.tool_results, history, terms, keep=len(history) - len(task),
-                         max_history_messages=self.max_history_messages, max_tool_rounds=self.max_tool_rounds)
+        out = await play(
+            self.asker(ctx),
+            self.tool_results,
+            history,
+            terms,
+            keep=len(history) - len(task),
+            max_history_messages=self.max_history_messages,
+            max_tool_rounds=self.max_tool_rounds,
+        )
         return Result(reward=out.reward, info=out.info())

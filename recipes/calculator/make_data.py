@@ -6,6 +6,7 @@ calculator. 200 chains to train, 30 held out, all distinct. Rows: {"prompt": [{"
 "What is 23 * 41?"}], "label": "[23, \"* 41\", \"* 7\", \"+ 386\"]"}: the label is the chain as JSON text; the
 agent asks the later steps itself.
 """
+
 import argparse
 import json
 import random
@@ -21,15 +22,19 @@ def chain(rng: random.Random, steps: int) -> list:
     return items
 
 
-def rows(n_train: int = 200, n_test: int = 30, steps: int = 3, seed: int = 0) -> tuple[list[dict], list[dict]]:
+def rows(
+    n_train: int = 200, n_test: int = 30, steps: int = 3, seed: int = 0
+) -> tuple[list[dict], list[dict]]:
     rng = random.Random(seed)
     chains: dict[str, list] = {}  # insertion-ordered: distinct chains, reproducible order
     while len(chains) < n_train + n_test:
         c = chain(rng, steps)
         chains.setdefault(json.dumps(c), c)
     # the first question comes from the agent's own helper, so the data and the agent cannot disagree
-    out = [{"prompt": [{"role": "user", "content": questions([str(c[0]), *c[1:]])[0]}], "label": label}
-           for label, c in chains.items()]
+    out = [
+        {"prompt": [{"role": "user", "content": questions([str(c[0]), *c[1:]])[0]}], "label": label}
+        for label, c in chains.items()
+    ]
     return out[:n_train], out[n_train:]
 
 

@@ -2,6 +2,7 @@
 
 Written against the public agent contract only (`molt.agents`), so it runs unchanged on any Molt.
 """
+
 import re
 
 from molt.agents import Env, Result, StepEnvRunner

@@ -5,6 +5,7 @@
 - `mixed`: one- and two-digit addition and subtraction, 400 to train, 50 held out.
 Rows: {"prompt": [{"role": "user", "content": "What is a + b?"}], "label": "<answer>"}.
 """
+
 import argparse
 import json
 import random
@@ -22,8 +23,13 @@ def problems(kind: str, seed: int = 0) -> tuple[list[dict], list[dict]]:
     else:
         raise ValueError(f"kind must be single or mixed (got {kind!r})")
     rng.shuffle(pairs)
-    rows = [{"prompt": [{"role": "user", "content": f"What is {a} {op} {b}?"}],
-             "label": str(a + b if op == "+" else a - b)} for a, op, b in pairs]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"What is {a} {op} {b}?"}],
+            "label": str(a + b if op == "+" else a - b),
+        }
+        for a, op, b in pairs
+    ]
     return rows[:n_train], rows[n_train:]
 
 

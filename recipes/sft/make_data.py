@@ -6,13 +6,24 @@ answer goes through an `add` tool call and its result (an assistant turn with `t
 for chat templates that render tool calls (SmolLM2's does not, so the recipe uses plain chats).
 Rows: {"messages": [...OpenAI chat messages], "tools": [...] (with --tools)}; 1/6 of them held out.
 """
+
 import argparse
 import json
 import random
 from pathlib import Path
 
-ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 FOLLOW_UPS = [("And twice that?", "2 * {c} = {d}."), ("And that plus 10?", "{c} + 10 = {e}.")]
 
 
@@ -21,11 +32,20 @@ def chat(a: int, b: int, rng: random.Random, tools: bool) -> dict:
     question, answer = rng.choice(FOLLOW_UPS)
     messages = [{"role": "user", "content": f"What is {a} + {b}?"}]
     if tools:
-        call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})}}
-        messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
-                     {"role": "tool", "tool_call_id": "call_0", "content": str(c)}]
-    messages += [{"role": "assistant", "content": f"{a} + {b} = {c}."}, {"role": "user", "content": question},
-                 {"role": "assistant", "content": answer.format(c=c, d=2 * c, e=c + 10)}]
+        call = {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})},
+        }
+        messages += [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": str(c)},
+        ]
+    messages += [
+        {"role": "assistant", "content": f"{a} + {b} = {c}."},
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": answer.format(c=c, d=2 * c, e=c + 10)},
+    ]
     return {"messages": messages, **({"tools": [ADD]} if tools else {})}
 
 

@@ -3,6 +3,7 @@
 The row's images reach the model through the first user message (the runner inlines them) and `reset` gets
 them too, as the public contract's `images`.
 """
+
 from shapes_task import SHAPES, grade
 
 from molt.agents import Env, Result, StepEnvRunner

@@ -1,7 +1,8 @@
 """Write the shapes recipe's prompts (images inline as data URLs) and, with --model DIR, the tiny LLaVA it runs on.
 
-    python recipes/shapes/make_data.py --model runs/shapes/tiny-vlm
+python recipes/shapes/make_data.py --model runs/shapes/tiny-vlm
 """
+
 import argparse
 import json
 import random

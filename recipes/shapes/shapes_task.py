@@ -4,6 +4,7 @@ Each prompt shows one shape (circle, square or triangle) in a colour on a white 
 shape it is; the ChatAgents then draw a second image themselves (a "screenshot" of the next step: a square in
 a random colour) and ask its colour. Rewards are checked here, never by a model.
 """
+
 from __future__ import annotations
 
 import base64
@@ -15,7 +16,9 @@ from PIL import Image, ImageDraw
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220)}
 SHAPE_QUESTION = "Which shape is in the image: circle, square or triangle? Answer with one word."
-COLOUR_QUESTION = "Here is the next screen. What colour is the square: red, green or blue? Answer with one word."
+COLOUR_QUESTION = (
+    "Here is the next screen. What colour is the square: red, green or blue? Answer with one word."
+)
 
 
 def draw(shape: str, colour: str, size: int = 28) -> bytes:

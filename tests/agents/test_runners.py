@@ -1,5 +1,6 @@
 """The runners through a live capture server: reference-shaped agent files unchanged, failures as statuses,
 multi-turn Envs with chat-template observations, limits."""
+
 import asyncio
 import sys
 from pathlib import Path
@@ -16,8 +17,13 @@ ROW = {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "label": "7"
 
 async def run(runner, engine, tokenizer, row=ROW, params=None):
     async with live_capture_server(engine, tokenizer) as server:
-        traj = await runner.run(row, sessions=server, rollout_id="r", group_id="g",
-                                sampling_params=params or SamplingParams(max_tokens=8))
+        traj = await runner.run(
+            row,
+            sessions=server,
+            rollout_id="r",
+            group_id="g",
+            sampling_params=params or SamplingParams(max_tokens=8),
+        )
         assert not server.sessions  # the runner always closes its session
     return traj
 
@@ -41,14 +47,18 @@ async def test_reference_env_file_runs_unchanged(hf_engine, tokenizer):
     runner = load_agent(EXAMPLES / "env_agent.py")
     seen = sys.modules[type(runner).__module__].SEEN
     seen.clear()
-    traj = await run(runner, RecordingEngine(hf_engine), tokenizer, {"prompt": "What is 3 + 4?", "label": "7"})
+    traj = await run(
+        runner, RecordingEngine(hf_engine), tokenizer, {"prompt": "What is 3 + 4?", "label": "7"}
+    )
     assert traj.ok and traj.reward in (0.0, 1.0)
     ((state),) = seen
     assert set(state) == {"observation_text", "action_text", "label", "sampling_params"}
     (segment,) = traj.segments
     n = int(segment.action_mask.argmax())  # the first action token
     assert state["observation_text"] == tokenizer.decode(segment.token_ids[:n])  # the chat-rendered context
-    assert state["observation_text"].endswith("<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n")
+    assert state["observation_text"].endswith(
+        "<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert state["action_text"] == tokenizer.decode(segment.token_ids[n:])  # special tokens kept
     assert state["label"] == "7" and state["sampling_params"].max_tokens == 8
 
@@ -86,14 +96,17 @@ class SlowRequest(ChatAgent):
         await api.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
 
 
-@pytest.mark.parametrize("agent,status,reason", [
-    (Raising, RolloutStatus.AGENT_ERROR, "RuntimeError: tool crashed"),
-    (Sleeping, RolloutStatus.TIMEOUT, "timeout of 0.3s"),
-    (NoReward, RolloutStatus.INVALID_REWARD, "got None"),
-    (NaNReward, RolloutStatus.INVALID_REWARD, "must be finite, got nan"),
-    (WrongReturn, RolloutStatus.INVALID_REWARD, "must return molt.agents.Result, got float"),
-    (SlowRequest, RolloutStatus.TIMEOUT, "timeout"),
-])
+@pytest.mark.parametrize(
+    "agent,status,reason",
+    [
+        (Raising, RolloutStatus.AGENT_ERROR, "RuntimeError: tool crashed"),
+        (Sleeping, RolloutStatus.TIMEOUT, "timeout of 0.3s"),
+        (NoReward, RolloutStatus.INVALID_REWARD, "got None"),
+        (NaNReward, RolloutStatus.INVALID_REWARD, "must be finite, got nan"),
+        (WrongReturn, RolloutStatus.INVALID_REWARD, "must return molt.agents.Result, got float"),
+        (SlowRequest, RolloutStatus.TIMEOUT, "timeout"),
+    ],
+)
 async def test_failures_become_statuses(tokenizer, agent, status, reason):
     engine = ScriptedEngine(tokenizer, ["late"], delay=5.0)
     loop = asyncio.get_running_loop()
@@ -116,8 +129,13 @@ class Guessing(Env):
     async def step(self, state):
         self.turn += 1
         done = self.turn == 3
-        return Result(reward=1.0 if done else -0.25, terminated=done, observation=f"Wrong, try again ({self.turn})",
-                      sampling_params={"temperature": 0.5} if self.turn == 1 else None, info={"turn": self.turn})
+        return Result(
+            reward=1.0 if done else -0.25,
+            terminated=done,
+            observation=f"Wrong, try again ({self.turn})",
+            sampling_params={"temperature": 0.5} if self.turn == 1 else None,
+            info={"turn": self.turn},
+        )
 
 
 async def test_multi_turn_env_with_chat_observations(tokenizer):
@@ -130,7 +148,10 @@ async def test_multi_turn_env_with_chat_observations(tokenizer):
     assert [c["params"].temperature for c in engine.calls] == [1.0, 0.5, 0.5]
     # the temperature change seals the first segment; the later turns continue one segment exactly
     assert [s.break_reason for s in traj.segments] == ["start", "sampling_changed"]
-    assert engine.calls[2]["prompt_ids"] == traj.segments[1].token_ids[:len(engine.calls[2]["prompt_ids"])].tolist()
+    assert (
+        engine.calls[2]["prompt_ids"]
+        == traj.segments[1].token_ids[: len(engine.calls[2]["prompt_ids"])].tolist()
+    )
 
 
 class Endless(Env):
@@ -171,8 +192,12 @@ class Reseeding(Env):
 
     async def step(self, state):
         self.turn += 1
-        return Result(reward=0.0, terminated=self.turn == 4, observation="again",
-                      sampling_params={"seed": 123} if self.turn == 2 else None)
+        return Result(
+            reward=0.0,
+            terminated=self.turn == 4,
+            observation="again",
+            sampling_params={"seed": 123} if self.turn == 2 else None,
+        )
 
 
 async def test_env_turns_sample_with_their_own_seeds(tokenizer):
@@ -181,7 +206,11 @@ async def test_env_turns_sample_with_their_own_seeds(tokenizer):
     seeds = []
     for _ in range(2):
         engine = ScriptedEngine(tokenizer, ["x"])
-        assert (await run(StepEnvRunner(Reseeding), engine, tokenizer, params=SamplingParams(max_tokens=8, seed=7))).ok
+        assert (
+            await run(
+                StepEnvRunner(Reseeding), engine, tokenizer, params=SamplingParams(max_tokens=8, seed=7)
+            )
+        ).ok
         seeds.append([c["params"].seed for c in engine.calls])
     first, rerun = seeds
     assert first == rerun and first[2:] == [123, 123]

@@ -268,7 +268,9 @@ def test_on_policy_distill_is_the_teachers_log_ratio_per_token():
     # two segments of rollout 0 (reward 0.5) and rollout 1 (reward -1); kl = log pi - log pi_teacher per token:
     # A_t = -kl_coef * kl_t + reward_coef * reward, on action tokens only, no discount, no whitening
     batch = AdvantageBatch(
-        rewards=T([0.5, 0.5, -1.0]), group_ids=T([0, 0, 0]), rollout_ids=T([0, 0, 1]),
+        rewards=T([0.5, 0.5, -1.0]),
+        group_ids=T([0, 0, 0]),
+        rollout_ids=T([0, 0, 1]),
         action_mask=T([[0, 1, 1], [0, 0, 1], [1, 1, 0]]),
         kl=T([[9.0, 0.4, -0.2], [9.0, 9.0, 1.0], [0.0, 2.0, 9.0]]),
     )

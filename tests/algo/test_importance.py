@@ -136,10 +136,12 @@ def test_user_mistakes_raise_value_error():
 def test_a_gate_reports_its_rejection_rate():
     """The step line warns from "is/rejected_frac" (molt.runtime.metrics): gates only, not clip or trunc."""
     trainer, behavior, mask = token_case()
-    assert float(importance_weights(trainer, behavior, mask, "token", "mask")[1]["is/rejected_frac"]) == \
-        pytest.approx(2 / 3)  # ratios 0.4 and 3.0 fall outside [0.5, 2]
+    assert float(
+        importance_weights(trainer, behavior, mask, "token", "mask")[1]["is/rejected_frac"]
+    ) == pytest.approx(2 / 3)  # ratios 0.4 and 3.0 fall outside [0.5, 2]
     trainer, behavior, mask = seq_case()
-    assert float(importance_weights(trainer, behavior, mask, "seq", "mis")[1]["is/rejected_frac"]) == \
-        pytest.approx(1 / 3)  # row 1's sequence ratio 0.25 is out: its one token of three
+    assert float(
+        importance_weights(trainer, behavior, mask, "seq", "mis")[1]["is/rejected_frac"]
+    ) == pytest.approx(1 / 3)  # row 1's sequence ratio 0.25 is out: its one token of three
     for level, mode in [("token", "clip"), ("token", "trunc"), ("off", "mask")]:
         assert "is/rejected_frac" not in importance_weights(trainer, behavior, mask, level, mode)[1]

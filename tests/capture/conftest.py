@@ -1,4 +1,5 @@
 """Fixtures for capture tests (the tiny model's tokenizer and engine come from tests/conftest.py)."""
+
 import pytest
 
 

@@ -1,4 +1,5 @@
 """Many concurrent sessions on one server and one real engine (batched): no cross-talk, every segment exact."""
+
 import asyncio
 import itertools
 
@@ -22,7 +23,10 @@ async def test_sessions_no_cross_talk(hf_engine, tokenizer, sessions, turns):
         for turn in range(turns):
             reply = await api.chat.completions.create(model=session.model_name, messages=messages, seed=i)
             replies.append(reply.choices[0].message.content)
-            messages += [{"role": "assistant", "content": replies[-1]}, {"role": "user", "content": f"{i}:{turn}"}]
+            messages += [
+                {"role": "assistant", "content": replies[-1]},
+                {"role": "user", "content": f"{i}:{turn}"},
+            ]
         await api.close()
         return session, replies, await session.close()
 
@@ -36,8 +40,8 @@ async def test_sessions_no_cross_talk(hf_engine, tokenizer, sessions, turns):
         assert f"agent {i} says hello" in tokenizer.decode(calls[0][0])
         assert replies == [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in calls]
         for (p1, c1), (p2, _) in itertools.pairwise(calls):  # each turn continues the one before exactly
-            assert p2[:len(p1) + len(c1.token_ids)] == p1 + c1.token_ids
+            assert p2[: len(p1) + len(c1.token_ids)] == p1 + c1.token_ids
         prompt, last = calls[-1]
         assert segment.token_ids.tolist() == prompt + last.token_ids
         assert segment.num_actions == sum(len(c.token_ids) for _, c in calls)
-        assert segment.behavior_logprobs[-len(last.logprobs):].tolist() == np.float32(last.logprobs).tolist()
+        assert segment.behavior_logprobs[-len(last.logprobs) :].tolist() == np.float32(last.logprobs).tolist()

@@ -1,5 +1,6 @@
 """Client mistakes: a 4xx in the caller's wire shape, never a 5xx, and the session keeps working; an engine
 failure: a 5xx in the same shape."""
+
 import httpx
 import openai
 import pytest
@@ -29,17 +30,27 @@ CASES = [  # (name, body, expected status, expected OpenAI code)
     ("wrong type", {**GOOD, "temperature": "hot"}, 400, "invalid_request"),
     ("out of range", {**GOOD, "top_p": 0}, 400, "invalid_request"),
     ("bad role", {**GOOD, "messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_request"),
-    ("image part", {**GOOD, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     400, "invalid_request"),
+    (
+        "image part",
+        {**GOOD, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "invalid_request",
+    ),
     ("unknown model (strict)", {**GOOD, "model": "gpt-9"}, 400, "model_not_found"),
-    ("context too long", {**GOOD, "messages": [{"role": "user", "content": "word " * 600}]}, 400,
-     "context_length_exceeded"),
+    (
+        "context too long",
+        {**GOOD, "messages": [{"role": "user", "content": "word " * 600}]},
+        400,
+        "context_length_exceeded",
+    ),
 ]
 
 
 @pytest.fixture
 async def served(tokenizer):
-    async with live_capture_server(ScriptedEngine(tokenizer, ["fine"]), tokenizer, strict_model=True) as server:
+    async with live_capture_server(
+        ScriptedEngine(tokenizer, ["fine"]), tokenizer, strict_model=True
+    ) as server:
         session = await server.open_session()
         async with httpx.AsyncClient(base_url=server.url) as http:
             yield server, session, http
@@ -52,11 +63,17 @@ def content(body):
 @pytest.mark.parametrize("name,body,status,code", CASES, ids=[c[0] for c in CASES])
 async def test_openai_errors(served, name, body, status, code):
     _, session, http = served
-    r = await http.post(f"/s/{session.session_id}/v1/chat/completions", content=content(body),
-                        headers={"Authorization": f"Bearer {session.api_key}", "content-type": "application/json"})
+    r = await http.post(
+        f"/s/{session.session_id}/v1/chat/completions",
+        content=content(body),
+        headers={"Authorization": f"Bearer {session.api_key}", "content-type": "application/json"},
+    )
     assert r.status_code == status and openai_shaped(r.json()) and r.json()["error"]["code"] == code
-    ok = await http.post(f"/s/{session.session_id}/v1/chat/completions", json=GOOD,
-                         headers={"Authorization": f"Bearer {session.api_key}"})
+    ok = await http.post(
+        f"/s/{session.session_id}/v1/chat/completions",
+        json=GOOD,
+        headers={"Authorization": f"Bearer {session.api_key}"},
+    )
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "fine"
 
 
@@ -66,9 +83,15 @@ async def test_anthropic_errors(served, name, body, status, code):
     if isinstance(body, dict) and "messages" in body and name != "image part":
         body = {**body, "max_tokens": 8}
     if name == "image part":
-        body = {**GOOD_ANTHROPIC, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}
-    r = await http.post(f"/s/{session.session_id}/v1/messages", content=content(body),
-                        headers={"x-api-key": session.api_key, "content-type": "application/json"})
+        body = {
+            **GOOD_ANTHROPIC,
+            "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+        }
+    r = await http.post(
+        f"/s/{session.session_id}/v1/messages",
+        content=content(body),
+        headers={"x-api-key": session.api_key, "content-type": "application/json"},
+    )
     assert r.status_code == status and anthropic_shaped(r.json())
     assert r.json()["error"]["type"] == "invalid_request_error"
 
@@ -80,9 +103,13 @@ async def test_auth_and_unknown_session(served):
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Bearer {other.api_key}"}):
         r = await http.post(path, json=GOOD, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    r = await http.post(f"/s/{session.session_id}/v1/messages", json=GOOD_ANTHROPIC, headers={"x-api-key": "nope"})
+    r = await http.post(
+        f"/s/{session.session_id}/v1/messages", json=GOOD_ANTHROPIC, headers={"x-api-key": "nope"}
+    )
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    r = await http.post("/s/doesnotexist/v1/messages", json=GOOD_ANTHROPIC, headers={"x-api-key": session.api_key})
+    r = await http.post(
+        "/s/doesnotexist/v1/messages", json=GOOD_ANTHROPIC, headers={"x-api-key": session.api_key}
+    )
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     await session.close()
     r = await http.post(path, json=GOOD, headers={"Authorization": f"Bearer {session.api_key}"})
@@ -106,8 +133,11 @@ async def test_sdks_raise_their_own_errors(served):
     import anthropic
 
     with pytest.raises(anthropic.BadRequestError) as e:
-        await AsyncAnthropic(base_url=session.session_url, api_key=session.api_key, max_retries=0).messages.create(
-            model="scripted", max_tokens=8, messages=[{"role": "user", "content": "word " * 600}])
+        await AsyncAnthropic(
+            base_url=session.session_url, api_key=session.api_key, max_retries=0
+        ).messages.create(
+            model="scripted", max_tokens=8, messages=[{"role": "user", "content": "word " * 600}]
+        )
     assert "context window" in e.value.message
 
 
@@ -122,18 +152,25 @@ async def test_an_engine_failure_is_a_5xx_that_the_sdks_raise(tokenizer):
         if failures:
             raise failures.pop()
         return "fine"
+
     async with live_capture_server(ScriptedEngine(tokenizer, reply), tokenizer) as server:
         session = await server.open_session()
         oa = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
         an = AsyncAnthropic(base_url=session.session_url, api_key=session.api_key, max_retries=0)
-        calls = {"openai": lambda stream: oa.chat.completions.create(model="m", messages=GOOD["messages"],
-                                                                     stream=stream),
-                 "anthropic": lambda stream: an.messages.create(model="m", max_tokens=8, messages=GOOD["messages"],
-                                                                stream=stream)}
+        calls = {
+            "openai": lambda stream: oa.chat.completions.create(
+                model="m", messages=GOOD["messages"], stream=stream
+            ),
+            "anthropic": lambda stream: an.messages.create(
+                model="m", max_tokens=8, messages=GOOD["messages"], stream=stream
+            ),
+        }
         for wire, call in calls.items():
             for stream in (False, True):
-                for error, status in ((EngineGone("the engine process exited (exit code -9)"), 503),
-                                      (EngineError("the engine failed: RuntimeError('CUDA error')"), 500)):
+                for error, status in (
+                    (EngineGone("the engine process exited (exit code -9)"), 503),
+                    (EngineError("the engine failed: RuntimeError('CUDA error')"), 500),
+                ):
                     failures.append(error)
                     with pytest.raises((openai.InternalServerError, anthropic.InternalServerError)) as e:
                         await call(stream)

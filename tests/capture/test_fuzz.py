@@ -6,6 +6,7 @@ SDK's types accept (or a well-formed event stream); and afterwards no session an
 The engine's model has a 128-token window, so that a body asking for any number of tokens stays cheap. The
 default run draws FUZZ_EXAMPLES (40) bodies per wire with a fixed seed; `-m slow` draws FUZZ_LONG_EXAMPLES (400)
 at random."""
+
 import asyncio
 import collections
 import json
@@ -22,9 +23,11 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from molt.capture import anthropic_wire, openai_wire
 from molt.types import SamplingParams
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-                    max_leaves=8)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
 WIRES = {"openai": (openai_wire, "/v1/chat/completions"), "anthropic": (anthropic_wire, "/v1/messages")}
 
 
@@ -44,8 +47,10 @@ def from_schema(node: dict, defs: dict) -> st.SearchStrategy:
     if kind == "object" and "properties" in node:
         fields = {k: from_schema(v, defs) for k, v in node["properties"].items()}
         required = set(node.get("required", ()))
-        return st.fixed_dictionaries({k: v for k, v in fields.items() if k in required},
-                                     optional={k: v for k, v in fields.items() if k not in required})
+        return st.fixed_dictionaries(
+            {k: v for k, v in fields.items() if k in required},
+            optional={k: v for k, v in fields.items() if k not in required},
+        )
     if kind == "array":
         low = node.get("minItems", 0)
         return st.lists(from_schema(node.get("items", {}), defs), min_size=low, max_size=low + 3)
@@ -54,18 +59,29 @@ def from_schema(node: dict, defs: dict) -> st.SearchStrategy:
     if kind == "number":
         low = node.get("minimum", node.get("exclusiveMinimum"))
         return st.floats(low, node.get("maximum"), exclude_min="exclusiveMinimum" in node, allow_nan=False)
-    return {"string": st.text(max_size=24), "boolean": st.booleans(), "null": st.none(),
-            "object": st.dictionaries(st.text(max_size=6), JSON, max_size=3)}.get(kind, JSON)
+    return {
+        "string": st.text(max_size=24),
+        "boolean": st.booleans(),
+        "null": st.none(),
+        "object": st.dictionaries(st.text(max_size=6), JSON, max_size=3),
+    }.get(kind, JSON)
 
 
 def bodies(model) -> st.SearchStrategy[bytes]:
     """Valid bodies, valid ones with one field replaced by any JSON, dicts of junk, and bytes that are no JSON."""
     schema = model.model_json_schema()
     valid = from_schema(schema, schema.get("$defs", {}))
-    mutated = valid.flatmap(lambda body: st.sampled_from(sorted(body)).flatmap(
-        lambda key: JSON.map(lambda value: {**body, key: value})))
-    junk = st.dictionaries(st.sampled_from(sorted(model.model_fields)) | st.text(max_size=6), JSON, max_size=6)
-    return st.one_of(valid, valid, mutated, junk, JSON).map(lambda b: json.dumps(b).encode()) | st.binary(max_size=40)
+    mutated = valid.flatmap(
+        lambda body: st.sampled_from(sorted(body)).flatmap(
+            lambda key: JSON.map(lambda value: {**body, key: value})
+        )
+    )
+    junk = st.dictionaries(
+        st.sampled_from(sorted(model.model_fields)) | st.text(max_size=6), JSON, max_size=6
+    )
+    return st.one_of(valid, valid, mutated, junk, JSON).map(lambda b: json.dumps(b).encode()) | st.binary(
+        max_size=40
+    )
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +115,17 @@ def check_reply(wire: str, response: httpx.Response, body: bytes) -> None:
     if response.status_code >= 400:
         error = response.json()
         if wire == "openai":
-            assert set(error) == {"error"} and isinstance(error["error"]["message"], str) and error["error"]["type"]
+            assert (
+                set(error) == {"error"}
+                and isinstance(error["error"]["message"], str)
+                and error["error"]["type"]
+            )
         else:
-            assert error["type"] == "error" and isinstance(error["error"]["message"], str) and error["error"]["type"]
+            assert (
+                error["type"] == "error"
+                and isinstance(error["error"]["message"], str)
+                and error["error"]["type"]
+            )
         return
     assert response.status_code == 200
     if not response.headers["content-type"].startswith("text/event-stream"):
@@ -120,17 +144,28 @@ def fuzz(live, wire: str, examples: int, derandomize: bool) -> None:
     module, path = WIRES[wire]
     seen = collections.Counter()
 
-    @settings(max_examples=examples, deadline=None, derandomize=derandomize, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=derandomize,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(body=bodies(module.SCHEMA))
-    @example(body=b'{"model": "", "messages": [{"role": "user"}], "temperature": 1e-308, "logprobs": true}')  # found
+    @example(
+        body=b'{"model": "", "messages": [{"role": "user"}], "temperature": 1e-308, "logprobs": true}'
+    )  # found
     def check(body: bytes) -> None:
         session = call(server.open_session("fuzz", SamplingParams(max_tokens=4)))
         try:
-            headers = {"authorization": f"Bearer {session.api_key}", "x-api-key": session.api_key,
-                       "content-type": "application/json"}
-            response = httpx.post(session.base_url + path.removeprefix("/v1"), content=body, headers=headers,
-                                  timeout=300)
+            headers = {
+                "authorization": f"Bearer {session.api_key}",
+                "x-api-key": session.api_key,
+                "content-type": "application/json",
+            }
+            response = httpx.post(
+                session.base_url + path.removeprefix("/v1"), content=body, headers=headers, timeout=300
+            )
             check_reply(wire, response, body)
             seen[response.status_code] += 1
         finally:

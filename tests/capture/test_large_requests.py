@@ -1,5 +1,6 @@
 """Oversized requests are refused cheaply (a body limit, a character count against the window, before any
 tokenizing), and one session's large request does not hold up another session's small one."""
+
 import asyncio
 import time
 
@@ -15,9 +16,15 @@ def chat(text):
 
 
 async def post(http, session, body, path="chat/completions"):
-    return await http.post(f"/s/{session.session_id}/v1/{path}", json=body,
-                           headers={"Authorization": f"Bearer {session.api_key}", "x-api-key": session.api_key,
-                                    "anthropic-version": "2023-06-01"})
+    return await http.post(
+        f"/s/{session.session_id}/v1/{path}",
+        json=body,
+        headers={
+            "Authorization": f"Bearer {session.api_key}",
+            "x-api-key": session.api_key,
+            "anthropic-version": "2023-06-01",
+        },
+    )
 
 
 async def test_oversized_requests_are_refused_before_tokenizing(hf_engine, tokenizer, monkeypatch):
@@ -28,7 +35,9 @@ async def test_oversized_requests_are_refused_before_tokenizing(hf_engine, token
         session = await server.open_session("r", SamplingParams(max_tokens=4))
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
             over_window = await post(http, session, chat("word " * 100_000))  # 0.5 MB, a 512-token window
-            too_big = await post(http, session, {**chat("x " * 600_000), "max_tokens": 4}, "messages")  # 1.2 MB
+            too_big = await post(
+                http, session, {**chat("x " * 600_000), "max_tokens": 4}, "messages"
+            )  # 1.2 MB
     assert over_window.status_code == 400, over_window.text
     assert over_window.json()["error"]["code"] == "context_length_exceeded"
     assert "characters" in over_window.json()["error"]["message"]
@@ -44,10 +53,12 @@ async def test_a_large_request_does_not_hold_up_another_session(hf_engine, token
     async with live_capture_server(hf_engine, tokenizer, max_chars_per_token=0) as server:
         a, b = [await server.open_session(r, SamplingParams(max_tokens=4)) for r in "ab"]
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+
             async def small():
                 start = time.perf_counter()
                 assert (await post(http, b, chat("hi"))).status_code == 200
                 return time.perf_counter() - start
+
             usual = min([await small() for _ in range(5)])
             start = time.perf_counter()
             large = asyncio.create_task(post(http, a, chat("hello world, many words. " * 100_000)))  # 2.5 MB
@@ -60,8 +71,9 @@ async def test_a_large_request_does_not_hold_up_another_session(hf_engine, token
     assert took > 1.0, f"the large request took only {took:.2f} s: too small to show anything"
     # Blocked behind A's tokenizing, a small request would wait most of `took`; a tenth of it leaves a wide margin
     # on a loaded machine, where a small request's latency swings well past twice its quiet value.
-    assert max(during) <= max(2 * usual + 0.05, took / 10), \
+    assert max(during) <= max(2 * usual + 0.05, took / 10), (
         f"small requests took {during} s during the large one ({took:.2f} s), {usual:.3f} s alone"
+    )
 
 
 async def test_the_character_bound_walks_only_bodies_over_it(tokenizer, monkeypatch):

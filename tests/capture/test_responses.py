@@ -1,5 +1,6 @@
 """The OpenAI Responses wire, end to end: the real AsyncOpenAI client (`responses.create`, `responses.stream`)
 against a live capture server on 127.0.0.1."""
+
 import openai
 import pytest
 from openai import AsyncOpenAI
@@ -8,8 +9,14 @@ from test_openai import assert_exact
 from molt.testing.scripted import RecordingEngine, ScriptedEngine, live_capture_server
 from molt.types import SamplingParams
 
-TOOLS = [{"type": "function", "name": "calculator", "description": "Evaluate arithmetic.",
-          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "name": "calculator",
+        "description": "Evaluate arithmetic.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+    }
+]
 CALL_TEXT = 'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n</tool_call>'
 
 
@@ -23,7 +30,9 @@ async def respond(api, stream, **kwargs):
     async with api.responses.stream(**kwargs) as events:
         seen = [e async for e in events]
         # the SDK assembles a completed response; one cut by max_output_tokens ends with response.incomplete
-        final = await events.get_final_response() if seen[-1].type == "response.completed" else seen[-1].response
+        final = (
+            await events.get_final_response() if seen[-1].type == "response.completed" else seen[-1].response
+        )
     assert seen[-1].type == f"response.{final.status}"
     assert "".join(e.delta for e in seen if e.type == "response.output_text.delta") == final.output_text
     return final
@@ -37,13 +46,33 @@ async def test_multi_turn_is_one_exact_segment(hf_engine, tokenizer, stream):
         session = await server.open_session("r1", SamplingParams(max_tokens=8, temperature=0.8))
         api = client(session)
         items = [{"role": "user", "content": "What is 3 + 4?"}]
-        first = await respond(api, stream, model="m", instructions="Be brief.", input=items, store=False,
-                              max_output_tokens=8, reasoning={"effort": "low"}, include=[],
-                              prompt_cache_key="k", parallel_tool_calls=False, temperature=0.8)
-        items += [o.model_dump() for o in first.output] + [{"role": "user", "content": [
-            {"type": "input_text", "text": "Sure?"}]}]
-        second = await respond(api, stream, model="m", instructions="Be brief.", input=items, store=False,
-                               max_output_tokens=8, temperature=0.8)
+        first = await respond(
+            api,
+            stream,
+            model="m",
+            instructions="Be brief.",
+            input=items,
+            store=False,
+            max_output_tokens=8,
+            reasoning={"effort": "low"},
+            include=[],
+            prompt_cache_key="k",
+            parallel_tool_calls=False,
+            temperature=0.8,
+        )
+        items += [o.model_dump() for o in first.output] + [
+            {"role": "user", "content": [{"type": "input_text", "text": "Sure?"}]}
+        ]
+        second = await respond(
+            api,
+            stream,
+            model="m",
+            instructions="Be brief.",
+            input=items,
+            store=False,
+            max_output_tokens=8,
+            temperature=0.8,
+        )
         (segment,) = await session.close()
     records = engine.of_session(session.session_id)
     assert_exact(segment, records)
@@ -51,9 +80,14 @@ async def test_multi_turn_is_one_exact_segment(hf_engine, tokenizer, stream):
     assert first.output_text == tokenizer.decode(c1.token_ids, skip_special_tokens=True)
     assert (second.usage.input_tokens, second.usage.output_tokens) == (len(p2), len(c2.token_ids))
     assert second.status in ("completed", "incomplete") and second.id.startswith("resp_")
-    assert p1 == tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
-                                                {"role": "user", "content": "What is 3 + 4?"}],
-                                               add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert (
+        p1
+        == tokenizer.apply_chat_template(
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3 + 4?"}],
+            add_generation_prompt=True,
+            tokenize=True,
+        )["input_ids"]
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -72,10 +106,17 @@ async def test_function_call_loop(tokenizer, stream, stateful):
         assert (call.name, call.arguments) == ("calculator", '{"expression": "12 * 7"}')
         result = {"type": "function_call_output", "call_id": call.call_id, "output": "84"}
         if stateful:
-            final = await respond(api, stream, model="m", input=[result], tools=TOOLS, previous_response_id=first.id)
+            final = await respond(
+                api, stream, model="m", input=[result], tools=TOOLS, previous_response_id=first.id
+            )
         else:
-            final = await respond(api, stream, model="m", tools=TOOLS,
-                                  input=items + [o.model_dump() for o in first.output] + [result])
+            final = await respond(
+                api,
+                stream,
+                model="m",
+                tools=TOOLS,
+                input=items + [o.model_dump() for o in first.output] + [result],
+            )
         assert final.output_text == "It is 84." and final.status == "completed"
         (segment,) = await session.close()
     assert segment.break_reason == "start"
@@ -89,9 +130,14 @@ async def test_rewritten_history_breaks_the_segment(tokenizer):
         session = await server.open_session()
         api = client(session)
         first = await api.responses.create(model="m", input="What is 3 + 4?")
-        await api.responses.create(model="m", input=[{"role": "user", "content": "What is 3 + 5?"},
-                                                     *[o.model_dump() for o in first.output],
-                                                     {"role": "user", "content": "Sure?"}])
+        await api.responses.create(
+            model="m",
+            input=[
+                {"role": "user", "content": "What is 3 + 5?"},
+                *[o.model_dump() for o in first.output],
+                {"role": "user", "content": "Sure?"},
+            ],
+        )
         await api.responses.create(model="m", input="Hi", tools=TOOLS)
         segments = await session.close()
     assert [s.break_reason for s in segments] == ["start", "compaction", "tools_changed"]
@@ -121,10 +167,21 @@ async def test_refusals_are_400s_naming_the_field(tokenizer):
     assert len(engine.calls) == 1
 
 
-CODEX_TOOLS = {"type": "additional_tools", "role": "developer", "tools": [  # as Codex sends its default model tools
-    {"type": "namespace", "name": "functions", "description": "", "tools": [
-        {"type": "custom", "name": "exec", "description": "Run a script."},
-        {"type": "function", "name": "wait", "parameters": {"type": "object", "properties": {}}}]}]}
+CODEX_TOOLS = {
+    "type": "additional_tools",
+    "role": "developer",
+    "tools": [  # as Codex sends its default model tools
+        {
+            "type": "namespace",
+            "name": "functions",
+            "description": "",
+            "tools": [
+                {"type": "custom", "name": "exec", "description": "Run a script."},
+                {"type": "function", "name": "wait", "parameters": {"type": "object", "properties": {}}},
+            ],
+        }
+    ],
+}
 EXEC_CALL = '<tool_call>\n{"name": "exec", "arguments": {"input": "print(6 * 7)"}}\n</tool_call>'
 
 
@@ -140,10 +197,16 @@ async def test_custom_tools_in_an_additional_tools_item(tokenizer, stream):
         items = [CODEX_TOOLS, {"role": "user", "content": "What is 6 * 7?"}]
         first = await respond(api, stream, model="m", input=items)
         (call,) = first.output
-        assert (call.type, call.name, call.input, call.namespace) == ("custom_tool_call", "exec", "print(6 * 7)",
-                                                                      "functions")
+        assert (call.type, call.name, call.input, call.namespace) == (
+            "custom_tool_call",
+            "exec",
+            "print(6 * 7)",
+            "functions",
+        )
         result = {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "42"}
-        final = await respond(api, stream, model="m", input=items + [call.model_dump(exclude_none=True), result])
+        final = await respond(
+            api, stream, model="m", input=items + [call.model_dump(exclude_none=True), result]
+        )
         assert final.output_text == "It is 42."
         (segment,) = await session.close()
     prompt = tokenizer.decode(engine.calls[0]["prompt_ids"])
@@ -158,10 +221,14 @@ async def test_custom_tools_the_reply_grammar_cannot_hold_are_refused(tokenizer)
     recursive = {"type": "grammar", "syntax": "lark", "definition": 'start: "(" start ")" | "x"'}
     async with live_capture_server(engine, tokenizer) as server:
         api = client(await server.open_session())
-        with pytest.raises(openai.BadRequestError, match=r"tools\[exec\]: .*circular reference .*T0R_START") as e:
-            await api.responses.create(model="m", input="Hi", tools=[{"type": "custom", "name": "exec",
-                                                                      "format": recursive}])
+        with pytest.raises(
+            openai.BadRequestError, match=r"tools\[exec\]: .*circular reference .*T0R_START"
+        ) as e:
+            await api.responses.create(
+                model="m", input="Hi", tools=[{"type": "custom", "name": "exec", "format": recursive}]
+            )
         with pytest.raises(openai.BadRequestError, match="'exec' has a format of type 'xml'") as e2:
-            await api.responses.create(model="m", input="Hi", tools=[{"type": "custom", "name": "exec",
-                                                                      "format": {"type": "xml"}}])
+            await api.responses.create(
+                model="m", input="Hi", tools=[{"type": "custom", "name": "exec", "format": {"type": "xml"}}]
+            )
     assert e2.value.body["param"] == "tools" and e.value.status_code == 400 and not engine.calls

@@ -1,6 +1,7 @@
 """Seeds of a rollout's model calls, with the real SDKs against the embedded engine on the tiny model: each call
 of a seeded session samples from its own stream (`molt.types.call_seed`), a rerun of the seeded session
 reproduces every call, and a seed the request sets itself is honoured."""
+
 import pytest
 from anthropic import AsyncAnthropic
 from openai import AsyncOpenAI
@@ -14,10 +15,14 @@ USER = [{"role": "user", "content": "Tell me a story."}]
 async def _ask(session, wire: str, stream: bool, **kwargs) -> None:
     if wire == "openai":
         api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key)
-        reply = await api.chat.completions.create(model=session.model_name, messages=USER, stream=stream, **kwargs)
+        reply = await api.chat.completions.create(
+            model=session.model_name, messages=USER, stream=stream, **kwargs
+        )
     else:
         api = AsyncAnthropic(base_url=session.session_url, api_key=session.api_key)
-        reply = await api.messages.create(model=session.model_name, max_tokens=12, messages=USER, stream=stream)
+        reply = await api.messages.create(
+            model=session.model_name, max_tokens=12, messages=USER, stream=stream
+        )
     if stream:
         async for _ in reply:
             pass
@@ -33,7 +38,9 @@ async def _rollout(server, engine, seed: int, asks) -> list[list[int]]:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("wire", ["openai", "anthropic"])
-async def test_identical_calls_of_a_seeded_rollout_differ_and_a_rerun_repeats_them(hf_engine, tokenizer, wire, stream):
+async def test_identical_calls_of_a_seeded_rollout_differ_and_a_rerun_repeats_them(
+    hf_engine, tokenizer, wire, stream
+):
     async def twice(session):
         for _ in range(2):
             await _ask(session, wire, stream)
@@ -50,6 +57,7 @@ async def test_identical_calls_of_a_seeded_rollout_differ_and_a_rerun_repeats_th
 
 async def test_a_request_seed_is_honoured(hf_engine, tokenizer):
     """OpenAI semantics: the same request seed gives the same sample, whatever the rollout's seed."""
+
     async def seeded(session):
         for _ in range(2):
             await _ask(session, "openai", False, max_tokens=12, seed=5)

@@ -1,4 +1,5 @@
 """Segment transitions and retries through a live server (scripted engine: exact, instant replies)."""
+
 import asyncio
 
 import numpy as np
@@ -34,8 +35,10 @@ class CompactingAgent(ChatAgent):
         messages = list(ctx.messages)
         for question in ("And 5 + 5?", "And 6 + 6?"):
             messages += [await ask(api, messages), {"role": "user", "content": question}]
-        summary = [{"role": "system", "content": "Summary of the conversation so far: three sums."},
-                   {"role": "user", "content": "Go on."}]
+        summary = [
+            {"role": "system", "content": "Summary of the conversation so far: three sums."},
+            {"role": "user", "content": "Go on."},
+        ]
         last = await ask(api, summary)
         await ask(api, summary + [last, {"role": "user", "content": "Done?"}])
         return Result(reward=1.0)
@@ -44,15 +47,16 @@ class CompactingAgent(ChatAgent):
 async def test_compaction_two_segments_one_reward(tokenizer):
     engine = ScriptedEngine(tokenizer, ["7", "10", "12", "ok"])
     async with live_capture_server(engine, tokenizer) as server:
-        traj = await ChatAgentRunner(CompactingAgent).run({"messages": [USER], "label": "7"}, sessions=server,
-                                                          rollout_id="roll-1", group_id="g")
+        traj = await ChatAgentRunner(CompactingAgent).run(
+            {"messages": [USER], "label": "7"}, sessions=server, rollout_id="roll-1", group_id="g"
+        )
     assert traj.ok and traj.reward == 1.0 and traj.rollout_id == "roll-1"
     assert [s.break_reason for s in traj.segments] == ["start", "compaction"]
     first, second = traj.segments
     actions = [len(tokenizer.encode(t, add_special_tokens=False)) + 1 for t in engine.replies]  # reply + EOS
     assert first.num_actions == sum(actions[:2]) and second.num_actions == sum(actions[2:])
     assert "Summary of the conversation" in tokenizer.decode(second.token_ids)
-    assert engine.calls[3]["prompt_ids"] == second.token_ids[:len(engine.calls[3]["prompt_ids"])].tolist()
+    assert engine.calls[3]["prompt_ids"] == second.token_ids[: len(engine.calls[3]["prompt_ids"])].tolist()
 
 
 async def test_think_stripping_is_a_template_rewrite(think_tokenizer):
@@ -76,7 +80,12 @@ async def test_tools_and_temperature_changes_seal_the_segment(tokenizer):
         session = await server.open_session(sampling_params=SamplingParams(temperature=1.0))
         api = client(session)
         messages = [USER]
-        for kwargs in ({}, {"tools": tools}, {"tools": tools, "temperature": 0.5}, {"tools": tools, "temperature": 0.5}):
+        for kwargs in (
+            {},
+            {"tools": tools},
+            {"tools": tools, "temperature": 0.5},
+            {"tools": tools, "temperature": 0.5},
+        ):
             messages += [await ask(api, messages, **kwargs), {"role": "user", "content": "next"}]
         segments = await session.close()
     assert [s.break_reason for s in segments] == ["start", "tools_changed", "sampling_changed"]
@@ -144,5 +153,5 @@ async def test_the_engine_gets_each_prompt_as_the_segments_int32_tokens(tokenize
         [segment] = await session.close()
     assert len(prompts) == 3 and all(isinstance(p, np.ndarray) and p.dtype == np.int32 for p in prompts)
     for prompt in prompts:
-        assert segment.token_ids[:len(prompt)].tolist() == prompt.tolist()
+        assert segment.token_ids[: len(prompt)].tolist() == prompt.tolist()
         assert not segment.action_mask[len(prompt) - 1] and segment.action_mask[len(prompt)]

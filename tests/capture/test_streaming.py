@@ -1,4 +1,5 @@
 """Incremental streaming: deltas leave while the engine samples, and assemble to the recorded reply."""
+
 import asyncio
 
 import pytest
@@ -7,8 +8,15 @@ from openai import AsyncOpenAI
 
 from molt.testing.scripted import ScriptedEngine, live_capture_server
 
-TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {
-    "expression": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
 
 
 class HoldingEngine(ScriptedEngine):
@@ -22,16 +30,19 @@ class HoldingEngine(ScriptedEngine):
         def count(ids):
             self.streamed += len(ids)
             on_tokens(ids)
-        return await super().generate(prompt_ids, params, session_id, request_id,
-                                      on_tokens=count if on_tokens is not None else None)
+
+        return await super().generate(
+            prompt_ids, params, session_id, request_id, on_tokens=count if on_tokens is not None else None
+        )
 
 
 async def _openai_stream(session, engine=None, **kwargs):
     """Stream a reply; with a holding engine, release its second half at the first delta received."""
     api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key)
     pieces = []
-    stream = await api.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "go"}],
-                                               stream=True, **kwargs)
+    stream = await api.chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": "go"}], stream=True, **kwargs
+    )
     calls = {}
     async for chunk in stream:
         for choice in chunk.choices:
@@ -61,21 +72,29 @@ async def test_openai_deltas_arrive_while_generating(tokenizer):
     assert segment.num_actions == len(ids) + 1  # EOS included, recorded once
 
 
-@pytest.mark.parametrize("reply, kwargs, content, call", [
-    ("Hello world. STOP and more", {"stop": ["STOP"]}, "Hello world. ", None),
-    ("Sure, the words: ab ST ab STOP x", {"stop": ["STOP"]}, "Sure, the words: ab ST ab ", None),
-    ('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>',
-     {"tools": TOOLS}, "Let me compute.", ("calculator", '{"expression": "1+2"}')),
-    ("  spaced , reply", {}, "  spaced , reply", None),
-])
+@pytest.mark.parametrize(
+    "reply, kwargs, content, call",
+    [
+        ("Hello world. STOP and more", {"stop": ["STOP"]}, "Hello world. ", None),
+        ("Sure, the words: ab ST ab STOP x", {"stop": ["STOP"]}, "Sure, the words: ab ST ab ", None),
+        (
+            'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>',
+            {"tools": TOOLS},
+            "Let me compute.",
+            ("calculator", '{"expression": "1+2"}'),
+        ),
+        ("  spaced , reply", {}, "  spaced , reply", None),
+    ],
+)
 async def test_openai_streamed_reply_equals_the_recorded_one(tokenizer, reply, kwargs, content, call):
     engine = ScriptedEngine(tokenizer, [reply], token_delay=0.002)
     async with live_capture_server(engine, tokenizer) as server:
         session = await server.open_session()
         pieces, calls = await _openai_stream(session, **kwargs)
         api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key)
-        plain = await api.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "again"}],
-                                                  **kwargs)
+        plain = await api.chat.completions.create(
+            model="scripted", messages=[{"role": "user", "content": "again"}], **kwargs
+        )
         assert session.stats.get("stream_mismatch", 0) == 0
     streamed = "".join(p for _, p in pieces)
     assert streamed == content == (plain.choices[0].message.content or "")
@@ -84,20 +103,24 @@ async def test_openai_streamed_reply_equals_the_recorded_one(tokenizer, reply, k
 
 
 async def test_anthropic_text_block_streams_then_tool_use(tokenizer):
-    reply = ('I will use the calculator for this one.\n<tool_call>\n{"name": "calculator", "arguments": '
-             '{"expression": "12 * 7"}}\n</tool_call>')
+    reply = (
+        'I will use the calculator for this one.\n<tool_call>\n{"name": "calculator", "arguments": '
+        '{"expression": "12 * 7"}}\n</tool_call>'
+    )
     engine = HoldingEngine(tokenizer, [reply])
     tools = [{"name": "calculator", "input_schema": {"type": "object", "properties": {}}}]
     first = []
 
     async def stream_it():  # the engine holds the reply's second half until the client has text
-        async with api.messages.stream(model="scripted", max_tokens=200, tools=tools,
-                                       messages=[{"role": "user", "content": "12 * 7?"}]) as stream:
+        async with api.messages.stream(
+            model="scripted", max_tokens=200, tools=tools, messages=[{"role": "user", "content": "12 * 7?"}]
+        ) as stream:
             async for event in stream:
                 if event.type == "text" and not first:
                     first.append(engine.streamed)
                     engine.hold.set()
             return await stream.get_final_message()
+
     async with live_capture_server(engine, tokenizer) as server:
         session = await server.open_session()
         api = AsyncAnthropic(base_url=session.session_url, api_key=session.api_key)
@@ -118,8 +141,9 @@ async def test_a_client_error_is_answered_before_the_stream_starts(tokenizer):
         session = await server.open_session()
         api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
         with pytest.raises(openai.BadRequestError, match="context window"):
-            await api.chat.completions.create(model="scripted", stream=True,
-                                              messages=[{"role": "user", "content": "word " * 200}])
+            await api.chat.completions.create(
+                model="scripted", stream=True, messages=[{"role": "user", "content": "word " * 200}]
+            )
 
 
 async def test_streamed_logprobs_assemble_in_the_sdk(tokenizer):
@@ -127,8 +151,9 @@ async def test_streamed_logprobs_assemble_in_the_sdk(tokenizer):
     async with live_capture_server(engine, tokenizer) as server:
         session = await server.open_session()
         api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key)
-        async with api.chat.completions.stream(model="scripted", messages=[{"role": "user", "content": "go"}],
-                                               logprobs=True, top_logprobs=1) as stream:
+        async with api.chat.completions.stream(
+            model="scripted", messages=[{"role": "user", "content": "go"}], logprobs=True, top_logprobs=1
+        ) as stream:
             final = await stream.get_final_completion()
     entries = final.choices[0].logprobs.content
     n = len(tokenizer.encode("a few words here", add_special_tokens=False)) + 1  # + EOS
@@ -136,7 +161,9 @@ async def test_streamed_logprobs_assemble_in_the_sdk(tokenizer):
     assert final.choices[0].message.content == "a few words here"
 
 
-@pytest.mark.parametrize("text", ["plain words, then more words", "naïve café 🙂 emoji ☃ split across byte tokens"])
+@pytest.mark.parametrize(
+    "text", ["plain words, then more words", "naïve café 🙂 emoji ☃ split across byte tokens"]
+)
 def test_incremental_decode_equals_decoding_everything(tokenizer, text):
     """`LiveReply._extend` decodes a window per batch of tokens; fed one token at a time it never shows an
     unfinished character and ends equal to decoding all the tokens at once."""

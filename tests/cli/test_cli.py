@@ -1,4 +1,5 @@
 """The `molt` command: fast help, generate/smoke on a tiny model, and one-line errors with exit status 2."""
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,9 @@ def test_help_is_fast_and_imports_nothing_heavy():
     assert out.returncode == 0 and all(c in out.stdout for c in ("model", "generate", "demo"))
     # "fast", checked without a clock (~0.1 s when idle): parsing the command line loads no heavy library
     code = f"import sys, molt.cli; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
-    probe = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
-                           timeout=60)
+    probe = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60
+    )
     assert probe.stdout.strip() == "[]", probe.stdout + probe.stderr
 
 
@@ -47,8 +49,22 @@ def test_generate_prints_text_and_logprobs(tiny_llama_dir, capsys):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", "What is 3 + 4?",
-                 "--max-tokens", "6", "--temperature", "0"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_llama_dir),
+                "--prompt",
+                "What is 3 + 4?",
+                "--max-tokens",
+                "6",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     rows = _table_rows(out)
     assert len(rows) >= 1 and "logprob" in out
@@ -59,17 +75,30 @@ def test_generate_prints_text_and_logprobs(tiny_llama_dir, capsys):
     # greedy through the chat template: the same tokens plain `generate` picks for the rendered user turn
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
-    text = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 3 + 4?"}], tokenize=False, add_generation_prompt=True
+    )
     prompt = torch.tensor([tok.encode(text, add_special_tokens=False)])
-    ref = model.generate(prompt, max_new_tokens=6, do_sample=False)[0, prompt.shape[1]:].tolist()
-    assert ids == ref[:len(ids)]
+    ref = model.generate(prompt, max_new_tokens=6, do_sample=False)[0, prompt.shape[1] :].tolist()
+    assert ids == ref[: len(ids)]
     assert out.splitlines()[0] == tok.decode(ids, skip_special_tokens=True).splitlines()[0]
 
 
 def test_generate_raw_prompt_seeded(tiny_llama_dir, capsys):
-    argv = ["generate", "--model", str(tiny_llama_dir), "--prompt", "The quick brown", "--no-chat",
-            "--max-tokens", "4", "--seed", "7", "--top-p", "0.9"]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny_llama_dir),
+        "--prompt",
+        "The quick brown",
+        "--no-chat",
+        "--max-tokens",
+        "4",
+        "--seed",
+        "7",
+        "--top-p",
+        "0.9",
+    ]
     assert main(argv) == 0
     first = _table_rows(capsys.readouterr().out)
     assert main(argv) == 0
@@ -99,11 +128,14 @@ def _error(capsys, argv) -> str:
     return err.splitlines()[-1]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--max-tokens", "0"], "--max-tokens: must be >= 1 (got 0)"),
-    (["--temperature", "-1"], "--temperature: must be >= 0 (got -1)"),
-    (["--top-p", "0"], "top_p must be in (0, 1]"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--max-tokens", "0"], "--max-tokens: must be >= 1 (got 0)"),
+        (["--temperature", "-1"], "--temperature: must be >= 0 (got -1)"),
+        (["--top-p", "0"], "top_p must be in (0, 1]"),
+    ],
+)
 def test_bad_sampling_arguments(tiny_llama_dir, capsys, extra, message):
     assert message in _error(capsys, ["generate", "--model", str(tiny_llama_dir), "--prompt", "hi", *extra])
 
@@ -127,22 +159,35 @@ def test_an_engine_failure_is_no_user_error(tiny_llama_dir, monkeypatch):
 
     async def gone(self, *args, **kwargs):
         raise EngineGone("the engine process exited (exit code -9)")
+
     monkeypatch.setattr(HFEngine, "generate", gone)
     with pytest.raises(EngineGone, match="exit code -9"):
         main(["generate", "--model", str(tiny_llama_dir), "--prompt", "hi"])
 
 
 def test_errors_from_the_console_script_are_one_line():
-    out = subprocess.run([str(MOLT), "generate", "--model", "no-such-model", "--prompt", "hi"],
-                         check=False, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [str(MOLT), "generate", "--model", "no-such-model", "--prompt", "hi"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "unknown model reference" in out.stderr
 
 
 def test_train_help_lists_reference_flags():
-    out = subprocess.run([sys.executable, "-m", "molt.cli", "train", "--help"], capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "molt.cli", "train", "--help"], capture_output=True, text=True, check=False
+    )
     assert out.returncode == 0
-    for flag in ("--actor.model_name_or_path", "--rollout.n_samples_per_prompt", "--algo.advantage.estimator",
-                 "--train.max_staleness", "--algo.advantage.is_correction_threshold"):
+    for flag in (
+        "--actor.model_name_or_path",
+        "--rollout.n_samples_per_prompt",
+        "--algo.advantage.estimator",
+        "--train.max_staleness",
+        "--algo.advantage.is_correction_threshold",
+    ):
         assert flag in out.stdout, flag
 
 

@@ -1,5 +1,6 @@
 """Every flag of the reference's `train_rl_ray` parses under its name: honoured as a Molt field, mapped onto one,
 or dropped with one line saying why (tests/data holds the reference's flag list and its quick-start flag set)."""
+
 import re
 from pathlib import Path
 
@@ -51,7 +52,9 @@ def test_every_reference_flag_parses(tmp_path, capsys):
     assert cfg.critic.value_clip == 0.5 and cfg.data.max_samples == 1 and cfg.reward.clip_range == (0.5, 1.5)
     assert cfg.algo.kl.target == 0.5 and cfg.algo.advantage.no_whiten and cfg.actor.adam.eps == 0.5
     # vLLM knobs pass through to the engine's arguments, and say they do nothing on the embedded engine
-    assert cfg.vllm.engine_args["enable_prefix_caching"] == "true" and cfg.vllm.engine_args["block_size"] == "1"
+    assert (
+        cfg.vllm.engine_args["enable_prefix_caching"] == "true" and cfg.vllm.engine_args["block_size"] == "1"
+    )
     assert '"num_speculative_tokens": 1' in cfg.vllm.engine_args["speculative_config"]
     lines = err.splitlines()
     assert all(line.startswith("molt: note: --") for line in lines), lines
@@ -65,21 +68,39 @@ def test_every_reference_flag_parses(tmp_path, capsys):
 
 
 def test_quickstart_flag_set_parses_unchanged(tmp_path, capsys, quickstart_argv):
-    cfg = load_config(quickstart_argv(MODEL_PATH="m", PROMPT_DATASET="d", ACTOR_GPUS="1", VLLM_TP="1",
-                                      AGENT_FILE="a.py", EVAL_DATASET="e", SAVE_ROOT=str(tmp_path)), check_files=False)
+    cfg = load_config(
+        quickstart_argv(
+            MODEL_PATH="m",
+            PROMPT_DATASET="d",
+            ACTOR_GPUS="1",
+            VLLM_TP="1",
+            AGENT_FILE="a.py",
+            EVAL_DATASET="e",
+            SAVE_ROOT=str(tmp_path),
+        ),
+        check_files=False,
+    )
     assert (cfg.data.input_key, cfg.data.label_key, cfg.data.max_samples) == ("prompt", "reward_model", 4800)
-    assert cfg.algo.advantage.is_correction_level == "geo" and cfg.algo.advantage.is_correction_threshold == (0.99, 1.01)
+    assert cfg.algo.advantage.is_correction_level == "geo" and cfg.algo.advantage.is_correction_threshold == (
+        0.99,
+        1.01,
+    )
     assert cfg.algo.advantage.is_correction_mode == "mask"  # the reference's default mode: a sequence gate
     assert cfg.algo.kl.estimator == "k2" and cfg.algo.kl.use_loss and cfg.algo.kl.init_coef == 0.001
     assert cfg.actor.eps_clip_low_high == (0.2, 0.27) and cfg.actor.dual_clip == 10.0
-    assert cfg.reward.clip_range == (-10, 10) and cfg.train.max_epochs == 1 and cfg.ckpt.path.endswith("/state")
+    assert (
+        cfg.reward.clip_range == (-10, 10) and cfg.train.max_epochs == 1 and cfg.ckpt.path.endswith("/state")
+    )
     assert "--vllm.gpu_memory_utilization: no effect with the embedded engine" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--fsdp.param_dtype", "fp16"], "fsdp.param_dtype fp16"),
-    (["--data.prompt_dataset", "missing.parquet"], "no such file: missing.parquet"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--fsdp.param_dtype", "fp16"], "fsdp.param_dtype fp16"),
+        (["--data.prompt_dataset", "missing.parquet"], "no such file: missing.parquet"),
+    ],
+)
 def test_mistakes_name_the_flag(tmp_path, argv, message):
     agent = tmp_path / "agent.py"
     agent.write_text("")
@@ -88,11 +109,16 @@ def test_mistakes_name_the_flag(tmp_path, argv, message):
 
 
 def test_gradient_checkpoint_and_offload_take_the_reference_values():
-    for argv, on in ((["--actor.gradient_checkpoint", "full"], True), (["--actor.gradient_checkpoint", "none"], False),
-                     (["--actor.gradient_checkpoint"], True)):
+    for argv, on in (
+        (["--actor.gradient_checkpoint", "full"], True),
+        (["--actor.gradient_checkpoint", "none"], False),
+        (["--actor.gradient_checkpoint"], True),
+    ):
         assert load_config(argv, check_files=False).actor.gradient_checkpoint is on
     assert load_config(["--fsdp.offload", "optimizer"], check_files=False).fsdp.offload
     assert not load_config(["--fsdp.offload", "none"], check_files=False).fsdp.offload
-    cfg = load_config(["--actor.num_nodes", "2", "--actor.num_gpus_per_node", "4", "--rollout.batch_size", "8"],
-                      check_files=False)
+    cfg = load_config(
+        ["--actor.num_nodes", "2", "--actor.num_gpus_per_node", "4", "--rollout.batch_size", "8"],
+        check_files=False,
+    )
     assert cfg.train.num_ranks == 8

@@ -1,5 +1,6 @@
 """A stand-in for vLLM's `AsyncLLM` (vLLM has no CPU build) for the engine tests of `molt.engine.vllm`, as unkind
 as the real one where Molt relies on it; both pause paths (before and after vLLM's keep mode)."""
+
 import asyncio
 from types import SimpleNamespace
 

@@ -1,4 +1,5 @@
 """The embedded engine against independent recomputations on tiny real checkpoints."""
+
 import asyncio
 
 import pytest
@@ -27,16 +28,21 @@ def load(path):
 def recompute(model, prompt, completion, temperature):
     """Behavior log-probs by a plain forward pass over prompt + completion (molt.engine.base definition)."""
     ids = torch.tensor([prompt + completion.token_ids])
-    logits = model(ids).logits[0, len(prompt) - 1: -1].float()
+    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
     logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
     return logp, logp.gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0]
 
 
 @torch.no_grad()
 def hf_greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         do_sample=False, max_new_tokens=n, min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=n,
+        min_new_tokens=n,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 async def progress(engine, request_id, tokens, timeout=60.0):
@@ -44,7 +50,9 @@ async def progress(engine, request_id, tokens, timeout=60.0):
     when the request ended first)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while request_id not in engine._active or len(engine._active[request_id].tokens) < tokens:
-        assert asyncio.get_running_loop().time() < deadline, f"request {request_id} never reached {tokens} tokens"
+        assert asyncio.get_running_loop().time() < deadline, (
+            f"request {request_id} never reached {tokens} tokens"
+        )
         await asyncio.sleep(0.001)
 
 
@@ -60,7 +68,9 @@ def test_implements_protocol(tiny_llama_dir):
 async def test_logprobs_equal_forward_pass(request, model_dir, temperature):
     path = request.getfixturevalue(model_dir)
     eng = HFEngine(str(path))
-    params = [SamplingParams(max_tokens=12 + i, temperature=temperature, seed=i, top_logprobs=3) for i in range(5)]
+    params = [
+        SamplingParams(max_tokens=12 + i, temperature=temperature, seed=i, top_logprobs=3) for i in range(5)
+    ]
     params[1] = params[1].copy(top_k=20, top_p=0.9)  # truncation changes the sampling set, not the record
     outs = await asyncio.gather(*[eng.generate(PROMPTS[3 * i], p) for i, p in enumerate(params)])
     await eng.close()
@@ -127,17 +137,22 @@ async def test_seed_reproduces_solo_and_in_a_batch(engine):
 async def test_stop_tokens_and_min_tokens(engine, tiny_llama_dir):
     greedy = await engine.generate(PROMPTS[2], SamplingParams(max_tokens=20, temperature=0))
     stop = greedy.token_ids[6]
-    out = await engine.generate(PROMPTS[2], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop]))
+    out = await engine.generate(
+        PROMPTS[2], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop])
+    )
     first = greedy.token_ids.index(stop)
     assert out.token_ids == greedy.token_ids[: first + 1] and out.finish_reason is FinishReason.STOP
     # every token but two is a stop token: without min_tokens the first token stops, with min_tokens=5 the
     # first 5 are non-stop tokens and the first stop token after them ends the completion
     allowed = sorted(a for a in range(30, 40) if a != greedy.token_ids[0])[:2]
     stops = [t for t in range(engine.vocab_size) if t not in allowed]
-    short = await engine.generate(PROMPTS[2], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=stops))
+    short = await engine.generate(
+        PROMPTS[2], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=stops)
+    )
     assert len(short.token_ids) == 1 and short.finish_reason is FinishReason.STOP
-    forced = await engine.generate(PROMPTS[2], SamplingParams(max_tokens=20, temperature=1.0, min_tokens=5,
-                                                               stop_token_ids=stops, seed=0))
+    forced = await engine.generate(
+        PROMPTS[2], SamplingParams(max_tokens=20, temperature=1.0, min_tokens=5, stop_token_ids=stops, seed=0)
+    )
     assert len(forced.token_ids) >= 5 and set(forced.token_ids[:-1]) <= set(allowed)
     assert forced.finish_reason is FinishReason.STOP and forced.token_ids[-1] in stops
     # suppression is a truncation: the record is the unmasked log_softmax, as in molt.engine.base
@@ -189,21 +204,27 @@ async def test_refit_changes_versions_and_weights_of_later_tokens_only(engine, t
 
 
 async def test_abort_and_cancel(engine):
-    task = asyncio.create_task(engine.generate(PROMPTS[3], SamplingParams(max_tokens=400, min_tokens=400), request_id="a"))
+    task = asyncio.create_task(
+        engine.generate(PROMPTS[3], SamplingParams(max_tokens=400, min_tokens=400), request_id="a")
+    )
     await progress(engine, "a", 3)
     await engine.abort("a")
     out = await task
     assert out.finish_reason is FinishReason.ABORT and 3 <= len(out.token_ids) < 400
     assert len(out.logprobs) == len(out.versions) == len(out.token_ids)
     # cancelling the awaiting task ends the request too, and the engine keeps serving
-    task = asyncio.create_task(engine.generate(PROMPTS[3], SamplingParams(max_tokens=400, min_tokens=400), request_id="c"))
+    task = asyncio.create_task(
+        engine.generate(PROMPTS[3], SamplingParams(max_tokens=400, min_tokens=400), request_id="c")
+    )
     await progress(engine, "c", 2)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     # abort while paused returns at once with what was generated
     await engine.pause()
-    task = asyncio.create_task(engine.generate(PROMPTS[3], SamplingParams(max_tokens=400, min_tokens=400), request_id="p"))
+    task = asyncio.create_task(
+        engine.generate(PROMPTS[3], SamplingParams(max_tokens=400, min_tokens=400), request_id="p")
+    )
     await asyncio.sleep(0.01)
     await engine.abort("p")
     out = await asyncio.wait_for(task, 5)
@@ -213,15 +234,18 @@ async def test_abort_and_cancel(engine):
     assert len((await engine.generate(PROMPTS[3], SamplingParams(max_tokens=4, min_tokens=4))).token_ids) == 4
 
 
-@pytest.mark.parametrize("prompt, params, message", [
-    ([], SamplingParams(), "prompt is empty"),
-    ([5] * 512, SamplingParams(), "context window"),
-    ([5], SamplingParams(max_tokens=0), "max_tokens"),
-    ([5], SamplingParams(temperature=-1.0), "temperature"),
-    ([5], SamplingParams(top_p=0.0), "top_p"),
-    ([10**6], SamplingParams(), "prompt token ids"),
-    ([5], SamplingParams(stop_token_ids=[-1]), "stop token ids"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([], SamplingParams(), "prompt is empty"),
+        ([5] * 512, SamplingParams(), "context window"),
+        ([5], SamplingParams(max_tokens=0), "max_tokens"),
+        ([5], SamplingParams(temperature=-1.0), "temperature"),
+        ([5], SamplingParams(top_p=0.0), "top_p"),
+        ([10**6], SamplingParams(), "prompt token ids"),
+        ([5], SamplingParams(stop_token_ids=[-1]), "stop token ids"),
+    ],
+)
 async def test_bad_input_errors(engine, prompt, params, message):
     with pytest.raises(RequestError, match=message):
         await engine.generate(prompt, params)
@@ -240,6 +264,7 @@ async def test_a_failing_step_ends_every_request_with_an_error(engine):
 
     def boom(*args, **kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
     engine.runner._forward = boom
     await engine.resume()
     for task in kept:
@@ -252,7 +277,9 @@ async def test_a_failing_step_ends_every_request_with_an_error(engine):
     waiting = asyncio.create_task(engine.generate(PROMPTS[1], params, request_id="w"))
     while "w" not in engine._active:
         await asyncio.sleep(0.001)
-    engine.scheduler.schedule = boom  # a failure outside a step (at the boundary the abort wakes) ends the thread
+    engine.scheduler.schedule = (
+        boom  # a failure outside a step (at the boundary the abort wakes) ends the thread
+    )
     await engine.abort("w")
     with pytest.raises(EngineError, match="illegal memory access"):
         await asyncio.wait_for(waiting, 10)
@@ -271,11 +298,20 @@ def test_min_tokens_masks_each_row_its_own_stops_in_one_batch():
     logits = torch.tensor([[0.0, 5.0, 4.0, 1.0, 3.0]] * 3)
 
     def row(stops, sampled, min_tokens):
-        return SimpleNamespace(params=SamplingParams(max_tokens=9, temperature=0, min_tokens=min_tokens),
-                               tokens=[7] * sampled, stops=stops, generator=random.Random(0), matcher=None)
+        return SimpleNamespace(
+            params=SamplingParams(max_tokens=9, temperature=0, min_tokens=min_tokens),
+            tokens=[7] * sampled,
+            stops=stops,
+            generator=random.Random(0),
+            matcher=None,
+        )
 
     reqs = [row([1, 2], 0, 2), row([1], 2, 2), row([2, 4], 1, 3)]
     tokens, logprobs, _ = sample(logits, reqs)
-    assert tokens == [4, 1, 1]  # row 0: 1 and 2 masked; row 1: past min_tokens; row 2: 2 and 4 masked, 1 is best
+    assert tokens == [
+        4,
+        1,
+        1,
+    ]  # row 0: 1 and 2 masked; row 1: past min_tokens; row 2: 2 and 4 masked, 1 is best
     expected = torch.log_softmax(logits[0], -1)
     assert logprobs == pytest.approx([float(expected[4]), float(expected[1]), float(expected[1])], abs=1e-6)

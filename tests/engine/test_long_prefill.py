@@ -1,5 +1,6 @@
 """Long prompts in the embedded engine: prefill runs in chunks of a fixed token budget, attention never sees a
 mask over the whole prompt (memory linear in its length), and the log-probs equal a plain unchunked forward."""
+
 import asyncio
 
 import pytest
@@ -25,6 +26,7 @@ def attention_queries(monkeypatch):
         if attn_mask is not None:
             seen.append(query.shape[-2])
         return sdpa(query, key, value, attn_mask, *args, **kwargs)
+
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     return seen
 
@@ -38,9 +40,12 @@ async def test_long_prompts_prefill_in_chunks_and_match_an_unchunked_forward(tmp
     params = SamplingParams(max_tokens=4, min_tokens=4, temperature=1.0, seed=3)
     prompt = long_prompt(3000)
     await engine.generate(prompt[:40] + [3, 4], params, "s")  # the session's cache diverges after 40 tokens
-    outs = [await engine.generate(prompt, params, "s"),
-            *await asyncio.gather(engine.generate(long_prompt(2000, 1), params),
-                                  engine.generate(long_prompt(1200, 2), params))]
+    outs = [
+        await engine.generate(prompt, params, "s"),
+        *await asyncio.gather(
+            engine.generate(long_prompt(2000, 1), params), engine.generate(long_prompt(1200, 2), params)
+        ),
+    ]
     await engine.close()
     assert (await engine.prefix_stats())["reused_tokens"] == 40
     assert attention_queries and max(attention_queries) <= 256
@@ -77,13 +82,21 @@ async def test_a_running_request_keeps_decoding_while_a_long_prompt_prefills_in_
     engine = HFEngine(str(tiny_llama_dir), max_prefill_tokens=64)
     seen: list[str] = []
     try:
-        running = asyncio.create_task(engine.generate(long_prompt(20), SamplingParams(max_tokens=60, min_tokens=60),
-                                                      on_tokens=lambda ids: seen.append("a")))
+        running = asyncio.create_task(
+            engine.generate(
+                long_prompt(20),
+                SamplingParams(max_tokens=60, min_tokens=60),
+                on_tokens=lambda ids: seen.append("a"),
+            )
+        )
         while len(seen) < 3:
             await asyncio.sleep(0.001)
         before = len(seen)
-        out = await engine.generate(long_prompt(448, 5), SamplingParams(max_tokens=2, min_tokens=2, seed=1),
-                                    on_tokens=lambda ids: seen.append("b"))
+        out = await engine.generate(
+            long_prompt(448, 5),
+            SamplingParams(max_tokens=2, min_tokens=2, seed=1),
+            on_tokens=lambda ids: seen.append("b"),
+        )
         assert seen.index("b") - before >= 6, seen
         await running
     finally:

@@ -1,5 +1,6 @@
 """The session prefix cache: multi-turn requests reuse the previous turn's keys/values and give the same tokens
 and log-probs as a cold prefill (fp32), through rewrites, refits, eviction and aborts."""
+
 import asyncio
 
 import pytest
@@ -43,8 +44,10 @@ async def test_multi_turn_sessions_reuse_the_cache_and_stay_exact(engine):
     prompts, expected = [list(h) for h in HISTORIES], 0
     for k in range(3):
         before = await reused(engine)
-        outs = await asyncio.gather(*[engine.generate(p, turn(k), f"s{i}") for i, p in enumerate(prompts)],
-                                    engine.generate(HISTORIES[0], turn(9)))
+        outs = await asyncio.gather(
+            *[engine.generate(p, turn(k), f"s{i}") for i, p in enumerate(prompts)],
+            engine.generate(HISTORIES[0], turn(9)),
+        )
         cached = outs[:-1]
         assert await reused(engine) - before == expected
         cold = await asyncio.gather(*[engine.generate(p, turn(k)) for p in prompts])
@@ -57,11 +60,15 @@ async def test_multi_turn_sessions_reuse_the_cache_and_stay_exact(engine):
 async def test_rewritten_history_reuses_the_common_prefix(engine):
     first = await engine.generate(HISTORIES[3], turn(0), "s")
     history = HISTORIES[3] + first.token_ids
-    cases = [(history[:40] + [7, 8, 9], 40),  # the history rewritten after token 40
-             (history + USER, len(history) - 1),  # the plain next turn: all but the unsampled last token
-             (HISTORIES[3], len(HISTORIES[3]) - 1)]  # the same prompt again: all but its last token
+    cases = [
+        (history[:40] + [7, 8, 9], 40),  # the history rewritten after token 40
+        (history + USER, len(history) - 1),  # the plain next turn: all but the unsampled last token
+        (HISTORIES[3], len(HISTORIES[3]) - 1),
+    ]  # the same prompt again: all but its last token
     for prompt, expected in cases:
-        assert (await engine.generate(HISTORIES[3], turn(0), "s")).token_ids == first.token_ids  # reset the entry
+        assert (
+            await engine.generate(HISTORIES[3], turn(0), "s")
+        ).token_ids == first.token_ids  # reset the entry
         before = await reused(engine)
         cached = await engine.generate(prompt, turn(1), "s")
         assert await reused(engine) - before == expected
@@ -109,14 +116,17 @@ async def test_lru_eviction_under_a_byte_budget(tiny_llama_dir):
     before = await reused(engine)
     await engine.generate(HISTORIES[3][:60] + outs["b"].token_ids, turn(1), "b")
     assert await reused(engine) == before  # b was evicted
-    await engine.generate([20 + i % 300 for i in range(200)], turn(0), "big")  # larger than the whole budget: not kept
+    await engine.generate(
+        [20 + i % 300 for i in range(200)], turn(0), "big"
+    )  # larger than the whole budget: not kept
     assert "big" not in engine.prefixes.entries and engine.prefixes.nbytes <= 80 * 1024
     await engine.close()
 
 
 async def test_aborted_requests_store_nothing_and_the_cache_can_be_off(tiny_llama_dir, engine):
-    task = asyncio.create_task(engine.generate(HISTORIES[1], SamplingParams(max_tokens=400, min_tokens=400), "s",
-                                               request_id="a"))
+    task = asyncio.create_task(
+        engine.generate(HISTORIES[1], SamplingParams(max_tokens=400, min_tokens=400), "s", request_id="a")
+    )
     while "a" not in engine._active or not engine._active["a"].tokens:
         await asyncio.sleep(0.001)
     await engine.abort("a")
@@ -172,7 +182,9 @@ def test_entries_per_session_are_bounded_and_a_longer_turn_replaces_its_prefix()
     assert cache.stats()["entries"] == MAX_ENTRIES_PER_SESSION
     assert cache.lookup("s", [1, 2, 3, 4, 5, 6])[1] == 0  # the oldest went first
     assert cache.lookup("s", [13, 2, 3, 7])[1] == 3
-    cache.store("t", list(range(990)), kv(990), version=0)  # the byte budget: the least recent session's oldest
+    cache.store(
+        "t", list(range(990)), kv(990), version=0
+    )  # the byte budget: the least recent session's oldest
     assert cache.nbytes <= 1000 * 64 and cache.stats()["entries"] == MAX_ENTRIES_PER_SESSION
     assert cache.lookup("s", [13, 2, 3, 7])[1] == 3 and cache.lookup("s", [10, 2, 3, 7])[1] == 0
     assert common_prefix(list(range(2000)), list(range(1500)) + [0]) == 1500 and common_prefix([], [1]) == 0
@@ -185,7 +197,8 @@ async def test_requests_with_one_prompt_prefill_it_once(engine):
     rows = []
     hook = engine.model.register_forward_pre_hook(
         lambda _m, _a, kw: rows.append(kw["input_ids"].shape[0]) if kw["input_ids"].shape[1] > 1 else None,
-        with_kwargs=True)
+        with_kwargs=True,
+    )
     await engine.pause()
     batch = [asyncio.ensure_future(engine.generate(p, turn(i))) for i, p in enumerate(prompts)]
     await asyncio.sleep(0.1)

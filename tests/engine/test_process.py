@@ -1,4 +1,5 @@
 """`EngineProcess`: the HF engine in a child process behaves like the in-process one."""
+
 import asyncio
 import json
 
@@ -24,12 +25,20 @@ def test_same_tokens_and_logprobs_as_in_process(proc_engine, hf_engine):
 
     async def both(params):
         return await proc_engine.generate(prompt, params), await hf_engine.generate(prompt, params)
+
     remote, local = asyncio.run(both(params))
     assert remote.token_ids == local.token_ids and remote.versions == local.versions
     assert remote.logprobs == pytest.approx(local.logprobs, abs=1e-5)
     assert remote.top_logprobs is not None and len(remote.top_logprobs) == len(remote.token_ids)
-    assert proc_engine.model_name == hf_engine.model_name and proc_engine.eos_token_ids == hf_engine.eos_token_ids
-    schema = {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}  # crosses the pipe, constrains there
+    assert (
+        proc_engine.model_name == hf_engine.model_name
+        and proc_engine.eos_token_ids == hf_engine.eos_token_ids
+    )
+    schema = {
+        "type": "array",
+        "items": {"type": "boolean"},
+        "maxItems": 3,
+    }  # crosses the pipe, constrains there
     remote, local = asyncio.run(both(params.copy(max_tokens=60, grammar=json_grammar(schema))))
     assert remote.token_ids == local.token_ids and remote.logprobs == pytest.approx(local.logprobs, abs=1e-5)
     assert remote.finish_reason is FinishReason.STOP
@@ -40,13 +49,16 @@ def test_errors_cancel_and_refit_cross_the_process(proc_engine, tiny_llama_dir):
     async def main():
         with pytest.raises(RequestError, match="context window"):
             await proc_engine.generate([1] * (proc_engine.max_model_len + 1), SamplingParams(max_tokens=4))
-        long = asyncio.create_task(proc_engine.generate([3, 4], SamplingParams(max_tokens=400, min_tokens=400)))
+        long = asyncio.create_task(
+            proc_engine.generate([3, 4], SamplingParams(max_tokens=400, min_tokens=400))
+        )
         await asyncio.sleep(0.3)
         long.cancel()  # aborts in the child; the engine keeps serving
         with pytest.raises(asyncio.CancelledError):
             await long
-        many = await asyncio.gather(*[proc_engine.generate([7, i + 1], SamplingParams(max_tokens=5, min_tokens=5))
-                                      for i in range(8)])
+        many = await asyncio.gather(
+            *[proc_engine.generate([7, i + 1], SamplingParams(max_tokens=5, min_tokens=5)) for i in range(8)]
+        )
         assert all(len(c.token_ids) == 5 and c.finish_reason is FinishReason.LENGTH for c in many)
         before = await proc_engine.weight_sums()
         name = "model.layers.0.mlp.up_proj.weight"
@@ -61,13 +73,16 @@ def test_errors_cancel_and_refit_cross_the_process(proc_engine, tiny_llama_dir):
         after = await proc_engine.weight_sums()
         done = await proc_engine.generate([7, 8], SamplingParams(max_tokens=3))
         return before[name], after[name], float(new.double().sum()), done
+
     before, after, expected, done = asyncio.run(main())
     assert after == expected != before
     assert proc_engine.version == 3 and set(done.versions) == {3}
 
 
 def test_a_failing_start_raises_in_the_parent(tmp_path):
-    with pytest.raises(Exception, match="not-a-model|does not appear|Can't load|Incorrect path|not found|No such"):
+    with pytest.raises(
+        Exception, match="not-a-model|does not appear|Can't load|Incorrect path|not found|No such"
+    ):
         EngineProcess("molt.engine.hf:HFEngine", str(tmp_path / "not-a-model"))
 
 
@@ -83,8 +98,10 @@ def test_on_tokens_streams_every_token_in_order(proc_engine, hf_engine, which):
     seen = []
 
     async def main():
-        return await engine.generate([4, 8, 15], SamplingParams(max_tokens=12, min_tokens=12, seed=1),
-                                     on_tokens=seen.append)
+        return await engine.generate(
+            [4, 8, 15], SamplingParams(max_tokens=12, min_tokens=12, seed=1), on_tokens=seen.append
+        )
+
     completion = asyncio.run(main())
     assert [t for batch in seen for t in batch] == completion.token_ids and len(seen) == 12
 
@@ -100,6 +117,7 @@ def test_sessions_reach_the_prefix_cache_in_the_child(proc_engine):
         cached = await proc_engine.generate(second, params, "session-1")
         after = (await proc_engine.prefix_stats())["reused_tokens"]
         return after - before, len(second) - 3, cached, await proc_engine.generate(second, params)  # cold
+
     reused, expected, cached, cold = asyncio.run(main())
     assert reused == expected and cached.token_ids == cold.token_ids
     assert cached.logprobs == pytest.approx(cold.logprobs, abs=1e-5)
@@ -113,10 +131,16 @@ def test_one_client_interface_in_process_or_not():
     from molt.engine.hf import HFEngine
 
     def interface(cls):
-        return {name: list(inspect.signature(f).parameters) for name, f in inspect.getmembers(cls)
-                if inspect.iscoroutinefunction(f) and not name.startswith("_")}
+        return {
+            name: list(inspect.signature(f).parameters)
+            for name, f in inspect.getmembers(cls)
+            if inspect.iscoroutinefunction(f) and not name.startswith("_")
+        }
+
     assert interface(EngineProcess) == interface(HFEngine)
-    assert {"pause", "resume", "prefix_stats", "weight_sums", "join_weight_group"} <= set(interface(EngineProcess))
+    assert {"pause", "resume", "prefix_stats", "weight_sums", "join_weight_group"} <= set(
+        interface(EngineProcess)
+    )
 
 
 def test_an_int32_array_prompt_gives_what_its_list_gives(proc_engine, hf_engine):
@@ -127,6 +151,7 @@ def test_an_int32_array_prompt_gives_what_its_list_gives(proc_engine, hf_engine)
 
     async def run(engine):
         return [await engine.generate(p, params) for p in (prompt, np.asarray(prompt, np.int32))]
+
     for engine in (proc_engine, hf_engine):
         listed, array = asyncio.run(run(engine))
         assert array.token_ids == listed.token_ids and len(listed.token_ids) == 8

@@ -1,4 +1,5 @@
 """Session-sticky routing: stickiness, least-loaded placement, abort routing and fan-out of control calls."""
+
 import asyncio
 
 import pytest
@@ -48,8 +49,12 @@ async def test_sessions_stick_and_sessionless_requests_balance():
     assert isinstance(router, Engine)
     for e in engines:
         e.release.set()
-    first = [(await router.generate([1], SamplingParams(), session_id=f"s{i}")).token_ids[0] for i in range(12)]
-    again = [(await router.generate([1], SamplingParams(), session_id=f"s{i}")).token_ids[0] for i in range(12)]
+    first = [
+        (await router.generate([1], SamplingParams(), session_id=f"s{i}")).token_ids[0] for i in range(12)
+    ]
+    again = [
+        (await router.generate([1], SamplingParams(), session_id=f"s{i}")).token_ids[0] for i in range(12)
+    ]
     assert first == again and len(set(first)) > 1
     for e in engines:
         e.release.clear()

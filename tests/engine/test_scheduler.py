@@ -1,6 +1,7 @@
 """The embedded engine's scheduler on plain records (ints and lists): admissions, chunked prefill across steps,
 pause and resume with the requests kept, departures. The module itself imports no torch (checked in a fresh
 interpreter: in this one another test may have imported it)."""
+
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -92,7 +93,9 @@ def test_a_prefill_gets_at_least_one_column_and_a_whole_one_runs_alone():
     assert [(start, end) for _, start, end in s.plan([wide])] == [(0, 1)]
     image = job(Req("img"), columns=9, whole=True)
     chunks = s.plan([image])  # the wide one goes on first; the image waits for a step of its own
-    assert [(x is wide, start, end) for x, start, end in chunks] == [(True, 1, 2)] and s.running == wide.requests
+    assert [(x is wide, start, end) for x, start, end in chunks] == [
+        (True, 1, 2)
+    ] and s.running == wide.requests
     assert [(x is image, start, end) for x, start, end in s.plan([])] == [(True, 0, 9)]
 
 
@@ -107,6 +110,7 @@ def test_departures_leave_at_the_boundary_and_the_slots_say_where_the_rows_went(
     def keep(rows):  # the slots move the last kept row into the hole
         moved.append(rows)
         return [0, 2]
+
     step = s.schedule(keep)
     assert moved == [[0, 2]] and s.running == [a, c] == step.decode
     assert step.finished == [b, d] and d.finish is FinishReason.ABORT and b.finish is FinishReason.STOP
@@ -123,7 +127,10 @@ def test_an_abort_of_a_waiting_request_or_one_in_a_prefill():
     s.aborts += [c, a]
     step = s.schedule(compact)
     assert step.finished == [c] and not s.waiting and not step.run  # the waiting one completes at once
-    assert a.finish is FinishReason.ABORT and s.jobs[0].requests == [a, b]  # a leaves once its rows are merged
+    assert a.finish is FinishReason.ABORT and s.jobs[0].requests == [
+        a,
+        b,
+    ]  # a leaves once its rows are merged
 
 
 def test_pause_keeps_every_request_and_resume_continues_them():

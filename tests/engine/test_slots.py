@@ -1,5 +1,6 @@
 """The running batch's key/value slots (molt.engine.slots): bookkeeping checked value by value, and the padded
 fixed-shape decode that CUDA captures, run eagerly on the CPU against the plain decode."""
+
 import asyncio
 import inspect
 
@@ -22,7 +23,7 @@ def group(mask: list[list[int]], base: int):
 
 
 def tokens(slots: Slots, i: int) -> list[int]:
-    (k, v), = slots.row(i)
+    ((k, v),) = slots.row(i)
     assert torch.equal(v, -k)
     return k.flatten().int().tolist()
 
@@ -51,7 +52,9 @@ def test_slots_merge_shift_keep_by_hand():
     assert (slots.rows, slots.width) == (2, 8)
     assert tokens(slots, 0) == [1, 2, 4, 1000] and tokens(slots, 1) == list(range(100, 107)) + [1002]
     moved = slots.moved
-    slots.merge(*group([[1] * 100], 200))  # beyond the 64 columns reserved so far: storage grows, content kept
+    slots.merge(
+        *group([[1] * 100], 200)
+    )  # beyond the 64 columns reserved so far: storage grows, content kept
     assert slots.moved == moved + 1 and slots.mask.shape[1] == 128 and (slots.rows, slots.width) == (3, 100)
     assert slots.keep([2, 0]) == [0, 2]  # the 100-token row's slot stays
     assert tokens(slots, 1) == list(range(200, 300)) and tokens(slots, 0) == [1, 2, 4, 1000]
@@ -71,6 +74,7 @@ PROMPTS = [[3 + i] + list(range(20, 20 + 12 * i)) for i in range(7)]  # up to 73
 async def run(engine: HFEngine, prompts: list[list[int]]) -> list:
     """Seeded requests of different lengths arriving while others decode and leaving at different steps, then a
     second turn of two sessions (prefix reuse into the running batch)."""
+
     async def one(i: int, prompt: list[int], delay: float, session: str | None = None):
         await asyncio.sleep(delay)
         params = SamplingParams(max_tokens=4 + 3 * (i % 4), temperature=1.0, seed=i)
@@ -85,7 +89,10 @@ async def run(engine: HFEngine, prompts: list[list[int]]) -> list:
 def test_padded_decode_equals_plain_decode(tiny_llama_dir):
     """Synchronous (asyncio.run): the GPU image runs these tests without pytest-asyncio."""
     plain, padded = HFEngine(str(tiny_llama_dir)), HFEngine(str(tiny_llama_dir))
-    padded.runner.graphs, padded.scheduler.hold_steps = True, 8  # the CUDA path without capture (molt.engine.slots)
+    padded.runner.graphs, padded.scheduler.hold_steps = (
+        True,
+        8,
+    )  # the CUDA path without capture (molt.engine.slots)
     try:
         want, got = asyncio.run(run(plain, PROMPTS)), asyncio.run(run(padded, PROMPTS))
         stats = asyncio.run(padded.prefix_stats())
@@ -96,7 +103,6 @@ def test_padded_decode_equals_plain_decode(tiny_llama_dir):
     assert not isinstance(plain.runner.graphs, GraphDecoder)
     assert stats["reused_tokens"] > 0
     same(want, got)
-
 
 
 def test_a_failed_capture_falls_back_to_eager_decode(tiny_llama_dir, monkeypatch):
@@ -119,7 +125,9 @@ def test_a_failed_capture_falls_back_to_eager_decode(tiny_llama_dir, monkeypatch
 
 def same(want: list, got: list, version: int = 0) -> None:
     for a, b in zip(want, got):
-        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and set(b.versions) == {version}
+        assert (
+            a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and set(b.versions) == {version}
+        )
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
@@ -146,8 +154,10 @@ def test_a_bf16_engine_head_returns_unrounded_fp32_logits(tiny_llama_dir):
 async def _graphs_equal_eager_decode_and_survive_a_refit(tiny_llama_dir):
     """fp32 on CUDA: graph replays give the eager engine's tokens and log-probs, before and after a refit, and
     the refit keeps every captured graph (capture is paid once per shape, not per refit)."""
-    graphs, eager = HFEngine(str(tiny_llama_dir), device="cuda"), HFEngine(str(tiny_llama_dir), device="cuda",
-                                                                           cuda_graphs=False)
+    graphs, eager = (
+        HFEngine(str(tiny_llama_dir), device="cuda"),
+        HFEngine(str(tiny_llama_dir), device="cuda", cuda_graphs=False),
+    )
     try:
         same(await run(eager, PROMPTS), await run(graphs, PROMPTS))
         # the most this workload can need (7 rows, under 128 columns): the storage cannot grow (and drop its
@@ -163,8 +173,12 @@ async def _graphs_equal_eager_decode_and_survive_a_refit(tiny_llama_dir):
             await engine.update_weights(new.items(), 1)
             await engine.resume()
         same(await run(eager, PROMPTS), await run(graphs, PROMPTS), version=1)
-        assert graphs.runner.slots.moved == moved and all(decoder.graphs.get(key) is graph for key, graph in before.items())
-        assert decoder.captures - captures == len(decoder.graphs) - len(before)  # only new shapes were captured
+        assert graphs.runner.slots.moved == moved and all(
+            decoder.graphs.get(key) is graph for key, graph in before.items()
+        )
+        assert decoder.captures - captures == len(decoder.graphs) - len(
+            before
+        )  # only new shapes were captured
     finally:
         await graphs.close()
         await eager.close()
@@ -192,12 +206,22 @@ def meta_decode(config) -> tuple[torch.Tensor, list]:
         model = AutoModelForCausalLM.from_config(config).eval()
     use_grouped_attention(model)  # as the engine does
     dim = config.hidden_size // config.num_attention_heads
-    slots = Slots(config.num_hidden_layers, config.num_key_value_heads, dim, torch.float32, torch.device("meta"),
-                  64, 4096)
+    slots = Slots(
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        dim,
+        torch.float32,
+        torch.device("meta"),
+        64,
+        4096,
+    )
     slots.reserve(4, 128)
     slots.rows, slots.width = 3, 70  # 3 running rows; the step attends 128 columns
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    decoder, ids = GraphDecoder(model, slots, cache_kw, capture=False), torch.zeros(3, 1, dtype=torch.long, device="meta")
+    decoder, ids = (
+        GraphDecoder(model, slots, cache_kw, capture=False),
+        torch.zeros(3, 1, dtype=torch.long, device="meta"),
+    )
     with torch.no_grad(), HostTensors() as probe:
         logits = decoder(ids, ids)
     return logits, probe.host
@@ -210,12 +234,19 @@ def test_the_decode_step_reads_no_device_value_and_takes_no_host_tensor(family):
     the largest position, does not run through (the probe can fail)."""
     from transformers import AutoConfig
 
-    small = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "intermediate_size": 128, "vocab_size": 300}
+    small = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 300,
+    }
     logits, host = meta_decode(AutoConfig.for_model(family, **small))
     assert logits.shape == (3, 300) and host == []
-    dynamic = AutoConfig.for_model(family, **small, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
-                                                                     "rope_theta": 1e4})
+    dynamic = AutoConfig.for_model(
+        family, **small, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    )
     with pytest.raises(RuntimeError, match="item.. cannot be called on meta tensors"):
         meta_decode(dynamic)
 
@@ -233,7 +264,11 @@ def test_grouped_decode_attention_equals_transformers_sdpa(tiny_llama_dir, monke
 
     torch.manual_seed(0)
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
-    query, key, value = torch.randn(4, 1, 6, 8).transpose(1, 2), torch.randn(4, 2, 9, 8), torch.randn(4, 2, 9, 8)
+    query, key, value = (
+        torch.randn(4, 1, 6, 8).transpose(1, 2),
+        torch.randn(4, 2, 9, 8),
+        torch.randn(4, 2, 9, 8),
+    )
     mask = torch.zeros(4, 1, 1, 9).masked_fill_(torch.rand(4, 1, 1, 9) < 0.3, -1e30)
     mask[..., -1] = 0  # every query sees its own position
     want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
@@ -242,20 +277,29 @@ def test_grouped_decode_attention_equals_transformers_sdpa(tiny_llama_dir, monke
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
     calls = []
-    spy = SimpleNamespace(scaled_dot_product_attention=lambda q, *a, **kw: calls.append(q.shape) or
-                          torch.nn.functional.scaled_dot_product_attention(q, *a, **kw))
+    spy = SimpleNamespace(
+        scaled_dot_product_attention=lambda q, *a, **kw: (
+            calls.append(q.shape) or torch.nn.functional.scaled_dot_product_attention(q, *a, **kw)
+        )
+    )
     monkeypatch.setattr(slots, "F", spy)
     engine = HFEngine(str(tiny_llama_dir))
     try:
         assert engine.model.config._attn_implementation == "molt_sdpa"
-        out = asyncio.run(engine.generate([5, 6, 7], SamplingParams(max_tokens=4, min_tokens=4, temperature=0)))
+        out = asyncio.run(
+            engine.generate([5, 6, 7], SamplingParams(max_tokens=4, min_tokens=4, temperature=0))
+        )
     finally:
         asyncio.run(engine.close())
     layers, heads = engine.model.config.num_hidden_layers, engine.model.config.num_key_value_heads
     assert len(out.token_ids) == 4 and len(calls) == 3 * layers  # every decode step after the prefill's token
     assert all(shape[1:3] == (heads, 2) for shape in calls)  # 4 query heads as 2 queries of each of 2 heads
-    falcon = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        "falcon", hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=64), attn_implementation="sdpa")
+    falcon = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(
+            "falcon", hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=64
+        ),
+        attn_implementation="sdpa",
+    )
     assert not use_grouped_attention(falcon) and falcon.config._attn_implementation == "sdpa"
 
 
@@ -265,11 +309,21 @@ def test_dynamic_rope_models_decode_without_graphs(tiny_llama_dir):
 
     from molt.types import ModelSpec
 
-    config = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
-              "vocab_size": 64}
-    dynamic = LlamaConfig(**config, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    config = {
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "vocab_size": 64,
+    }
+    dynamic = LlamaConfig(
+        **config, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    )
     assert LlamaForCausalLM(dynamic).model.rotary_emb.rope_type == "dynamic"  # what the description reads
-    assert ModelSpec.from_config(dynamic).dynamic_rope and not ModelSpec.from_config(LlamaConfig(**config)).dynamic_rope
+    assert (
+        ModelSpec.from_config(dynamic).dynamic_rope
+        and not ModelSpec.from_config(LlamaConfig(**config)).dynamic_rope
+    )
     engine = HFEngine(str(tiny_llama_dir))
     assert not engine.spec.dynamic_rope
     asyncio.run(engine.close())

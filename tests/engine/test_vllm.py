@@ -1,5 +1,6 @@
 """The vLLM engine's pure helpers with hand-computed values, and its pause / refit / abort logic against a
 stand-in for `AsyncLLM` (fast, in the default suite). On real vLLM: tests/engine/test_vllm_real.py."""
+
 import asyncio
 import importlib.util
 import json
@@ -21,6 +22,7 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 # ------------------------------------------------------------------------------ pure helpers
 
+
 def test_import_is_light_and_construction_says_what_to_install():
     code = "import sys, molt.engine.vllm; assert 'vllm' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -30,11 +32,27 @@ def test_import_is_light_and_construction_says_what_to_install():
 
 
 def test_sampling_kwargs_first_request_and_continuation():
-    p = SamplingParams(max_tokens=10, temperature=0.7, top_p=0.9, top_k=0, min_tokens=5, stop_token_ids=[7],
-                       seed=3, top_logprobs=2)
+    p = SamplingParams(
+        max_tokens=10,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=0,
+        min_tokens=5,
+        stop_token_ids=[7],
+        seed=3,
+        top_logprobs=2,
+    )
     assert mv.sampling_kwargs(p, 10, [2, 7]) == {
-        "temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_tokens": 10, "min_tokens": 5,
-        "stop_token_ids": [2, 7], "seed": 3, "logprobs": 2, "detokenize": False}
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "max_tokens": 10,
+        "min_tokens": 5,
+        "stop_token_ids": [2, 7],
+        "seed": 3,
+        "logprobs": 2,
+        "detokenize": False,
+    }
     after4 = mv.sampling_kwargs(p, 10, [2, 7], generated=4)  # continuation after a refit at token 4
     assert (after4["max_tokens"], after4["min_tokens"], after4["seed"]) == (6, 1, 7)
     after6 = mv.sampling_kwargs(p, 10, [2, 7], generated=6)
@@ -48,8 +66,11 @@ def test_sampling_kwargs_first_request_and_continuation():
         mv.sampling_kwargs(p, 10, [2], generated=10)
     schema = {"type": "object"}
     assert mv.sampling_kwargs(p.copy(grammar=json_grammar(schema)), 10, [2])["structured_outputs"] == {
-        "grammar": json_grammar(schema)}
-    with pytest.raises(EngineError, match="constrained request cannot be continued"):  # vLLM's grammar restarts
+        "grammar": json_grammar(schema)
+    }
+    with pytest.raises(
+        EngineError, match="constrained request cannot be continued"
+    ):  # vLLM's grammar restarts
         mv.sampling_kwargs(p.copy(grammar=json_grammar(schema)), 10, [2], generated=4)
 
 
@@ -65,10 +86,13 @@ def test_finish_reason_mapping():
 
 def test_read_output_sampled_logprobs_and_top_alternatives():
     # token 5 was sampled with rank 3 (outside the top 2, so vLLM sent 3 entries); token 9 was the best
-    out = SimpleNamespace(token_ids=[5, 9], logprobs=[
-        {5: lp(-1.5, 3), 9: lp(-0.2, 1), 4: lp(-0.9, 2)},
-        {9: lp(-0.1, 1), 4: lp(-2.5, 2)},
-    ])
+    out = SimpleNamespace(
+        token_ids=[5, 9],
+        logprobs=[
+            {5: lp(-1.5, 3), 9: lp(-0.2, 1), 4: lp(-0.9, 2)},
+            {9: lp(-0.1, 1), 4: lp(-2.5, 2)},
+        ],
+    )
     tokens, logprobs, tops = mv.read_output(out, 2)
     assert tokens == [5, 9] and logprobs == [-1.5, -0.1]
     assert tops == [[(9, -0.2), (4, -0.9)], [(9, -0.1), (4, -2.5)]]
@@ -79,16 +103,29 @@ def test_read_output_sampled_logprobs_and_top_alternatives():
 
 
 def test_receive_versions_across_a_refit():
-    req = mv._Request(id="r", prompt=[1, 2], params=SamplingParams(max_tokens=8, top_logprobs=1), max_new=8,
-                      stops=[0])
+    req = mv._Request(
+        id="r", prompt=[1, 2], params=SamplingParams(max_tokens=8, top_logprobs=1), max_new=8, stops=[0]
+    )
     # first vLLM request: two DELTA outputs under version 4, then pause() cancels it
-    assert req.receive(SimpleNamespace(token_ids=[11], finish_reason=None, logprobs=[{11: lp(-0.5, 1)}]), 4) == [11]
-    req.receive(SimpleNamespace(token_ids=[12, 13], finish_reason=None,
-                                logprobs=[{12: lp(-0.25, 1)}, {13: lp(-1.0, 1)}]), 4)
+    assert req.receive(
+        SimpleNamespace(token_ids=[11], finish_reason=None, logprobs=[{11: lp(-0.5, 1)}]), 4
+    ) == [11]
+    req.receive(
+        SimpleNamespace(
+            token_ids=[12, 13], finish_reason=None, logprobs=[{12: lp(-0.25, 1)}, {13: lp(-1.0, 1)}]
+        ),
+        4,
+    )
     assert req.finish is None and req.versions == [4, 4, 4]
     # its continuation under version 5 ends with the stop token, which stays in the output
-    req.receive(SimpleNamespace(token_ids=[14, 0], finish_reason="stop",
-                                logprobs=[{14: lp(-2.0, 1)}, {0: lp(-3.0, 2), 7: lp(-0.1, 1)}]), 5)
+    req.receive(
+        SimpleNamespace(
+            token_ids=[14, 0],
+            finish_reason="stop",
+            logprobs=[{14: lp(-2.0, 1)}, {0: lp(-3.0, 2), 7: lp(-0.1, 1)}],
+        ),
+        5,
+    )
     out = req.completion()
     assert out.token_ids == [11, 12, 13, 14, 0] and out.versions == [4, 4, 4, 5, 5]
     assert out.logprobs == [-0.5, -0.25, -1.0, -2.0, -3.0] and out.finish_reason is FinishReason.STOP
@@ -97,8 +134,13 @@ def test_receive_versions_across_a_refit():
 
 
 def test_pack_unpack_and_worker_extension_roundtrip():
-    tensors = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)), ("c", torch.tensor(7)),
-               ("d", torch.zeros(0, 2, dtype=torch.float16)), ("e", torch.arange(6).reshape(2, 3).t())]
+    tensors = [
+        ("a", torch.randn(3, 4)),
+        ("b", torch.randn(5).to(torch.bfloat16)),
+        ("c", torch.tensor(7)),
+        ("d", torch.zeros(0, 2, dtype=torch.float16)),
+        ("e", torch.arange(6).reshape(2, 3).t()),
+    ]
     packed = vw.pack(tensors)
     assert all(type(x) is tuple and [type(v) for v in x] == [str, str, list, bytes] for x in packed)
     loaded = {}
@@ -108,10 +150,13 @@ def test_pack_unpack_and_worker_extension_roundtrip():
     worker.molt_load_weights(packed)
     assert list(loaded) == ["a", "b", "c", "d", "e"]
     for name, t in tensors:
-        assert loaded[name].dtype == t.dtype and loaded[name].shape == t.shape and torch.equal(loaded[name], t)
+        assert (
+            loaded[name].dtype == t.dtype and loaded[name].shape == t.shape and torch.equal(loaded[name], t)
+        )
 
 
 # ------------------------------------------------------------------------------ engine logic, stand-in AsyncLLM
+
 
 @pytest.fixture(params=[FakeAsyncLLM, FakeKeepAsyncLLM], ids=["resubmit", "keep"])
 def fake(request, monkeypatch, tmp_path):
@@ -122,11 +167,16 @@ def fake(request, monkeypatch, tmp_path):
 
 
 def _fake_vllm(cpu: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(AsyncEngineArgs=lambda **kw: kw, SamplingParams=lambda **kw: kw,
-                           config=SimpleNamespace(StructuredOutputsConfig=lambda **kw: ("config", kw)),
-                           sampling_params=SimpleNamespace(RequestOutputKind=SimpleNamespace(DELTA="delta"),
-                                                           StructuredOutputsParams=lambda **kw: ("params", kw)),
-                           platforms=SimpleNamespace(current_platform=SimpleNamespace(is_cpu=lambda: cpu)))
+    return SimpleNamespace(
+        AsyncEngineArgs=lambda **kw: kw,
+        SamplingParams=lambda **kw: kw,
+        config=SimpleNamespace(StructuredOutputsConfig=lambda **kw: ("config", kw)),
+        sampling_params=SimpleNamespace(
+            RequestOutputKind=SimpleNamespace(DELTA="delta"),
+            StructuredOutputsParams=lambda **kw: ("params", kw),
+        ),
+        platforms=SimpleNamespace(current_platform=SimpleNamespace(is_cpu=lambda: cpu)),
+    )
 
 
 @pytest.mark.parametrize("cpu", [False, True])
@@ -141,16 +191,20 @@ def test_cpu_build_defaults(cpu, monkeypatch, tmp_path):
     assert args["dtype"] == ("float32" if cpu else "auto")
     assert args.get("kv_cache_memory_bytes") == (mv.CPU_KV_CACHE_GIB << 30 if cpu else None)
     # unchunked prefill on the CPU build, with a token budget that holds the longest prompt (llama's 2048 here)
-    assert (args.get("enable_chunked_prefill"), args.get("max_num_batched_tokens")) == ((False, 4096) if cpu
-                                                                                         else (None, None))
+    assert (args.get("enable_chunked_prefill"), args.get("max_num_batched_tokens")) == (
+        (False, 4096) if cpu else (None, None)
+    )
     assert mv.VLLMEngine(str(tmp_path), max_model_len=9000)._llm.args.get("max_num_batched_tokens") == (
-        9000 if cpu else None)
+        9000 if cpu else None
+    )
     assert mv.VLLMEngine(str(tmp_path), dtype="bfloat16")._llm.args["dtype"] == "bfloat16"
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     assert "kv_cache_memory_bytes" not in mv.VLLMEngine(str(tmp_path))._llm.args
 
 
-def test_cpu_overrides_are_said_and_speculation_refused_where_it_breaks_logprobs(monkeypatch, tmp_path, caplog):
+def test_cpu_overrides_are_said_and_speculation_refused_where_it_breaks_logprobs(
+    monkeypatch, tmp_path, caplog
+):
     """Engine args vLLM's CPU build replaces without an error (the reference's --vllm.attention_backend,
     --vllm.async_scheduling, --vllm.distributed_executor_backend uni) are one start-up warning each, values it
     keeps none. Speculative decoding is a ValueError naming the field: on the CPU build (wrong log-probs at
@@ -161,12 +215,27 @@ def test_cpu_overrides_are_said_and_speculation_refused_where_it_breaks_logprobs
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 2}))
     monkeypatch.setattr(mv, "_import_vllm", lambda: (_fake_vllm(True), FakeAsyncLLM))
     with caplog.at_level("WARNING", logger=mv.__name__):
-        mv.VLLMEngine(str(tmp_path), attention_backend="FLASH_ATTN", async_scheduling=True,
-                      distributed_executor_backend="uni")
-        mv.VLLMEngine(str(tmp_path), attention_backend="CPU_ATTN", async_scheduling=False,
-                      distributed_executor_backend="ray")
-    said = [r.getMessage().split(" and uses ")[0].removeprefix("vLLM's CPU build ignores ") for r in caplog.records]
-    assert said == ["attention_backend='FLASH_ATTN'", "async_scheduling=True", "distributed_executor_backend='uni'"]
+        mv.VLLMEngine(
+            str(tmp_path),
+            attention_backend="FLASH_ATTN",
+            async_scheduling=True,
+            distributed_executor_backend="uni",
+        )
+        mv.VLLMEngine(
+            str(tmp_path),
+            attention_backend="CPU_ATTN",
+            async_scheduling=False,
+            distributed_executor_backend="ray",
+        )
+    said = [
+        r.getMessage().split(" and uses ")[0].removeprefix("vLLM's CPU build ignores ")
+        for r in caplog.records
+    ]
+    assert said == [
+        "attention_backend='FLASH_ATTN'",
+        "async_scheduling=True",
+        "distributed_executor_backend='uni'",
+    ]
     ngram = {"method": "ngram", "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="speculative_config: vLLM 0.32's CPU build returns wrong log-probs"):
         mv.VLLMEngine(str(tmp_path), speculative_config=ngram)
@@ -179,7 +248,9 @@ def test_cpu_overrides_are_said_and_speculation_refused_where_it_breaks_logprobs
     monkeypatch.setattr(mv, "_import_vllm", lambda: (_fake_vllm(False), NoMTP))  # a GPU build
     with pytest.raises(ValueError, match="speculative_config: vLLM refuses logit_bias"):
         mv.VLLMEngine(str(build_tiny_vlm(tmp_path / "vlm")), speculative_config=ngram)
-    with pytest.raises(ValueError, match="refused the engine arguments: Unsupported speculative method: 'mtp'"):
+    with pytest.raises(
+        ValueError, match="refused the engine arguments: Unsupported speculative method: 'mtp'"
+    ):
         mv.VLLMEngine(str(tmp_path), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
 
 
@@ -264,8 +335,9 @@ async def test_grammar_goes_to_vllms_structured_outputs(fake):
     assert fake._llm.args["structured_outputs_config"] == ("config", {"backend": "guidance"})
     llm, schema = fake._llm, {"type": "object"}
     llm.hold["j-1"] = 4
-    task = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=30, grammar=json_grammar(schema)),
-                                             request_id="j"))
+    task = asyncio.create_task(
+        fake.generate([10], SamplingParams(max_tokens=30, grammar=json_grammar(schema)), request_id="j")
+    )
     await until(lambda: llm.produced.get("j-1") == 4)
     assert llm.requests[0][2]["structured_outputs"] == ("params", {"grammar": json_grammar(schema)})
     await refit(fake, 1.0)
@@ -277,15 +349,18 @@ async def test_grammar_goes_to_vllms_structured_outputs(fake):
             await task
 
 
-@pytest.mark.parametrize("max_tokens, stop, finish", [(30, [15], FinishReason.STOP), (5, [], FinishReason.LENGTH)])
+@pytest.mark.parametrize(
+    "max_tokens, stop, finish", [(30, [15], FinishReason.STOP), (5, [], FinishReason.LENGTH)]
+)
 async def test_a_pause_racing_the_last_token_keeps_the_true_finish(fake, max_tokens, stop, finish):
     """Token 15 ends the request (EOS, or the 5th of max_tokens=5) and vLLM samples it as pause() comes in: only
     what was received is kept, so the request ends there once, with its true finish reason; it neither
     generates past EOS nor is continued past max_tokens."""
     llm = fake._llm
     llm.hold["r-1"] = 4
-    task = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=max_tokens, stop_token_ids=stop),
-                                             request_id="r"))
+    task = asyncio.create_task(
+        fake.generate([10], SamplingParams(max_tokens=max_tokens, stop_token_ids=stop), request_id="r")
+    )
     await until(lambda: llm.produced.get("r-1") == 4)
     await fake.pause()
     llm.hold.clear()
@@ -300,8 +375,9 @@ async def test_a_pause_racing_the_last_token_keeps_the_true_finish(fake, max_tok
 
 async def test_on_tokens_streams_across_a_refit(fake):
     seen = []
-    task = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=12), request_id="s",
-                                             on_tokens=seen.append))
+    task = asyncio.create_task(
+        fake.generate([10], SamplingParams(max_tokens=12), request_id="s", on_tokens=seen.append)
+    )
     await until(lambda: len([t for b in seen for t in b]) >= 3)
     await refit(fake, 1.0)
     out = await task
@@ -316,8 +392,11 @@ async def test_weights_load_through_vllms_layerwise_reload(fake, monkeypatch):
     await refit(fake, 1.0, 2.0)
     assert llm.loads == ["load", "load"] and llm.weight == 2.0
     llm.loads.clear()
-    monkeypatch.setattr(vw, "layerwise_reload", lambda: (lambda model: llm.loads.append("start"),
-                                                          lambda model, config: llm.loads.append(config)))
+    monkeypatch.setattr(
+        vw,
+        "layerwise_reload",
+        lambda: (lambda model: llm.loads.append("start"), lambda model, config: llm.loads.append(config)),
+    )
     await refit(fake, 3.0, 4.0, version=2)
     assert llm.loads == ["start", "load", "load", "model config"] and len(llm.resets) == 2
     await refit(fake, 5.0, version=3)  # the next refit opens a new reload

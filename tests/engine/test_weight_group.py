@@ -1,4 +1,5 @@
 """The collective refit group (`molt.engine.weight_group`) on CPU/gloo: members in threads of this process."""
+
 import asyncio
 import socket
 import threading
@@ -22,7 +23,11 @@ def _plan(bucket):
 def test_buckets_of_mixed_dtypes_arrive_bit_exact_at_every_member():
     g = torch.Generator().manual_seed(0)
     buckets = [
-        [("a", torch.randn(3, 5, generator=g)), ("b", torch.arange(7)), ("c", torch.randn(5, generator=g).bfloat16())],
+        [
+            ("a", torch.randn(3, 5, generator=g)),
+            ("b", torch.arange(7)),
+            ("c", torch.randn(5, generator=g).bfloat16()),
+        ],
         [("d", torch.randn(2, 3, 4, generator=g)), ("e", torch.tensor([True, False, True]))],
         [("f", torch.randn(1, generator=g).half()), ("g", torch.randn(9, generator=g))],  # odd byte offsets
     ]
@@ -74,8 +79,10 @@ def test_hf_engine_receives_a_trained_actor_over_the_group(tiny_llama_dir):
     async def engine_side():
         engine = HFEngine(tiny_llama_dir)
         try:
-            await asyncio.gather(engine.join_weight_group(address, 1, 2),
-                                 asyncio.to_thread(lambda: sender.setdefault("group", WeightGroup(address, 0, 2))))
+            await asyncio.gather(
+                engine.join_weight_group(address, 1, 2),
+                asyncio.to_thread(lambda: sender.setdefault("group", WeightGroup(address, 0, 2))),
+            )
             await engine.pause()
             await asyncio.gather(engine.receive_weights(plan, version=7), asyncio.to_thread(send))
             await engine.resume()
@@ -91,7 +98,9 @@ def test_hf_engine_receives_a_trained_actor_over_the_group(tiny_llama_dir):
         assert torch.equal(weights[name], t), name
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)"
+)
 def test_nccl_group_between_two_gpus():
     """The GPU path: the same wire over ProcessGroupNCCL (NCCL wants one device per rank)."""
     bucket = [("w", torch.randn(64, 32, device="cuda:0")), ("b", torch.arange(5, device="cuda:0"))]

@@ -1,5 +1,6 @@
 """The conformance matrix: each test of this folder adds a row (harness, version, turns, status codes, segments);
 the rows are printed at the end of the run and written to $MOLT_HARNESS_MATRIX when set."""
+
 import os
 
 from matrix import ROWS

@@ -1,5 +1,6 @@
 """`molt inspect`: the JSON routes on a real run directory (one tiny-model run for the module), the 4xx cases,
 older dumps and live files on hand-written run directories, per-token pieces, and the page in headless Chromium."""
+
 import asyncio
 import json
 import math
@@ -30,11 +31,23 @@ def run_dir(tiny_llama_dir, tmp_path_factory):
     from molt.runtime.loop import run_training
 
     if not ray.is_initialized():
-        ray.init("local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        ray.init(
+            "local",
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+        )
     out = tmp_path_factory.mktemp("inspect") / "run"
-    cfg = _cfg(tiny_llama_dir, out, str(AGENT), train__max_staleness=1, train__partial_rollout_enable=True,
-               data__max_samples=2)  # an absolute agent path replaces _cfg's folder
+    cfg = _cfg(
+        tiny_llama_dir,
+        out,
+        str(AGENT),
+        train__max_staleness=1,
+        train__partial_rollout_enable=True,
+        data__max_samples=2,
+    )  # an absolute agent path replaces _cfg's folder
     cfg.algo.advantage.is_correction_threshold = GATE
     asyncio.run(run_training(cfg))
     return out
@@ -64,7 +77,9 @@ def test_run_and_steps(client, run_dir):
                 mine = [x for x in rows if x["rollout_id"] == r["rollout_id"]]
                 assert r["reward"] == mine[0]["reward"] and r["segments"] == len(mine)
                 assert r["action_tokens"] == sum(sum(x["action_mask"]) for x in mine)
-                assert r["rejected"] == sum(m and w == 0 for x in mine for m, w in zip(x["action_mask"], x["is_weights"]))
+                assert r["rejected"] == sum(
+                    m and w == 0 for x in mine for m, w in zip(x["action_mask"], x["is_weights"])
+                )
 
 
 def test_rollout_carries_pieces_trainer_logprobs_and_the_gate(client, run_dir):
@@ -74,9 +89,13 @@ def test_rollout_carries_pieces_trainer_logprobs_and_the_gate(client, run_dir):
             r = client.get(f"/api/steps/{step}/rollouts/{row['rollout_id']}").json()
             seg = r["segments"][row["segment"]]
             assert seg["segment"] == row["segment"] and "".join(seg["pieces"]) == seg["text"]
-            assert "<|im_start|>tool\nAgain, with more e.<|im_end|>" in seg["text"]  # the tool turn, as the template renders it
+            assert (
+                "<|im_start|>tool\nAgain, with more e.<|im_end|>" in seg["text"]
+            )  # the tool turn, as the template renders it
             lo, hi = GATE
-            for m, b, t, w in zip(seg["action_mask"], seg["behavior_logprobs"], seg["trainer_logprobs"], seg["is_weights"]):
+            for m, b, t, w in zip(
+                seg["action_mask"], seg["behavior_logprobs"], seg["trainer_logprobs"], seg["is_weights"]
+            ):
                 ratio = math.exp(t - b)  # the gate by hand: token level, mask mode
                 assert w == pytest.approx((ratio if lo <= ratio <= hi else 0.0) if m else 1.0, rel=1e-6)
                 rejected += bool(m and w == 0)
@@ -101,9 +120,16 @@ def test_bad_requests_are_4xx_and_reads_stay_inside(client, run_dir, tmp_path):
     (tmp_path / "secret.txt").write_text("SECRET-CONTENT")
     (run_dir / "link").symlink_to(tmp_path / "secret.txt")
     assert client.get("/api/file", params={"path": "config.yaml"}).status_code == 200
-    for path, code in [("../secret.txt", 403), (str(tmp_path / "secret.txt"), 403), ("/etc/passwd", 403),
-                       ("link", 403), ("dumps/../../secret.txt", 403), ("nope.txt", 404), ("dumps", 404),
-                       ("a\x00b", 400)]:
+    for path, code in [
+        ("../secret.txt", 403),
+        (str(tmp_path / "secret.txt"), 403),
+        ("/etc/passwd", 403),
+        ("link", 403),
+        ("dumps/../../secret.txt", 403),
+        ("nope.txt", 404),
+        ("dumps", 404),
+        ("a\x00b", 400),
+    ]:
         r = client.get("/api/file", params={"path": path})
         assert r.status_code == code, (path, r.status_code)
         assert "SECRET-CONTENT" not in r.text
@@ -119,9 +145,19 @@ def test_older_dumps_and_files_being_written(tmp_path):
     """A dump from before the inspector (no pieces, trainer log-probs, gate weights or advantage) opens; an
     unfinished last line is skipped and shows up once written."""
     (tmp_path / "dumps").mkdir()
-    old = {"group_id": "e0-p3", "rollout_id": "r0", "segment": 0, "break_reason": "start", "reward": 1.0,
-           "text": "ab", "action_text": "b", "token_ids": [5, 6], "action_mask": [0, 1],
-           "behavior_logprobs": [0.0, -0.5], "versions": [-1, 0]}
+    old = {
+        "group_id": "e0-p3",
+        "rollout_id": "r0",
+        "segment": 0,
+        "break_reason": "start",
+        "reward": 1.0,
+        "text": "ab",
+        "action_text": "b",
+        "token_ids": [5, 6],
+        "action_mask": [0, 1],
+        "behavior_logprobs": [0.0, -0.5],
+        "versions": [-1, 0],
+    }
     (tmp_path / "dumps" / "step_2.jsonl").write_text(json.dumps(old) + "\n")
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "rollout/reward_mean": 0.5}\n{"step": 2, "rollo')
     client = TestClient(create_app(tmp_path))
@@ -129,12 +165,18 @@ def test_older_dumps_and_files_being_written(tmp_path):
     assert run["dumped"] == [2] and run["steps"] == [{"step": 1, "rollout/reward_mean": 0.5}]
     step = client.get("/api/steps/2").json()
     assert step["groups"][0]["prompt"] is None  # no ledger
-    assert step["groups"][0]["rollouts"][0] | {"response": "b", "rejected": None, "advantage": None} == \
-        step["groups"][0]["rollouts"][0]
+    assert (
+        step["groups"][0]["rollouts"][0] | {"response": "b", "rejected": None, "advantage": None}
+        == step["groups"][0]["rollouts"][0]
+    )
     assert client.get("/api/steps/2/rollouts/r0").json()["segments"][0]["token_ids"] == [5, 6]
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('ut/reward_mean": 0.75}\n{"step": 2, "eval/accuracy": 0.25}\n')
-    assert client.get("/api/run").json()["steps"][1] == {"step": 2, "rollout/reward_mean": 0.75, "eval/accuracy": 0.25}
+    assert client.get("/api/run").json()["steps"][1] == {
+        "step": 2,
+        "rollout/reward_mean": 0.75,
+        "eval/accuracy": 0.25,
+    }
     with pytest.raises(ValueError, match="not a directory"):
         create_app(tmp_path / "missing")
 
@@ -168,10 +210,14 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (Debian: apt-get install -y chromium)")
 def test_page_in_headless_chromium(run_dir):
-    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+    playwright = pytest.importorskip(
+        "playwright.sync_api", reason="playwright is not installed (pip install playwright)"
+    )
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(create_app(run_dir), host="127.0.0.1", port=0, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(run_dir), host="127.0.0.1", port=0, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -187,8 +233,10 @@ def test_page_in_headless_chromium(run_dir):
             page.click("tr.dumped >> nth=2")  # step 3
             page.click(".card >> nth=0")
             page.wait_for_selector(".tok.act")
-            backgrounds = page.eval_on_selector_all(".tok", "els => els.map(e => [e.classList.contains('act'), "
-                                                    "getComputedStyle(e).backgroundColor])")
+            backgrounds = page.eval_on_selector_all(
+                ".tok",
+                "els => els.map(e => [e.classList.contains('act'), getComputedStyle(e).backgroundColor])",
+            )
             assert all(bg != "rgba(0, 0, 0, 0)" for act, bg in backgrounds if act)  # coloured by advantage
             assert all(bg == "rgba(0, 0, 0, 0)" for act, bg in backgrounds if not act)  # context: plain
             assert page.locator(".tok.result").count() > 0 and page.locator(".tag.result").count() > 0
@@ -198,8 +246,10 @@ def test_page_in_headless_chromium(run_dir):
             rollout = page.url.split("rollout=")[1].split("&")[0]
             seg = [x for x in _dump(run_dir, 3) if x["rollout_id"] == rollout]
             expected = sum(m and w == 0 for x in seg for m, w in zip(x["action_mask"], x["is_weights"]))
-            count_red = ("() => [...document.querySelectorAll('.tok.act')].filter(e => "
-                         "getComputedStyle(e).backgroundColor === 'rgba(230, 60, 60, 0.8)').length")
+            count_red = (
+                "() => [...document.querySelectorAll('.tok.act')].filter(e => "
+                "getComputedStyle(e).backgroundColor === 'rgba(230, 60, 60, 0.8)').length"
+            )
             # the page redraws after the URL changes: wait for the redraw (an event), not a fixed time. The arrow
             # function is parenthesised: `() => x.length` followed by `()` would call `.length` (the old flake)
             page.wait_for_function(f"({count_red})() === {expected}", timeout=20_000)
@@ -208,7 +258,9 @@ def test_page_in_headless_chromium(run_dir):
             assert "id " in page.inner_text("#tip") and "gate weight" in page.inner_text("#tip")
             page.select_option("select >> nth=1", index=1)  # compare with another rollout of the same prompt
             page.wait_for_selector("#diff .diff")
-            page.screenshot(path=os.environ.get("MOLT_INSPECTOR_SCREENSHOT") or str(run_dir / "inspector.png"))
+            page.screenshot(
+                path=os.environ.get("MOLT_INSPECTOR_SCREENSHOT") or str(run_dir / "inspector.png")
+            )
             assert not errors
             browser.close()
     finally:

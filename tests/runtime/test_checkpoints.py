@@ -1,4 +1,5 @@
 """Checkpoint rotation: ckpt.max_num keeps the newest ones, and never the best by ckpt.best_metric_key."""
+
 import json
 
 from molt.runtime.checkpoints import complete, rotate

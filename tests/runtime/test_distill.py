@@ -1,6 +1,7 @@
 """On-policy distillation (`--algo.advantage.estimator on_policy_distill`): the configuration it forces, the
 tokenizer check, and a real run (Ray workers with the built-in agent, FSDP2 trainer, the teacher as the reference
 model) in which the student's reverse KL to a different teacher on held-out prompts falls step by step."""
+
 import asyncio
 import json
 import shutil
@@ -25,12 +26,18 @@ def tuned(base_dir, path, steps: int) -> Path:
     tok = AutoTokenizer.from_pretrained(base_dir)
     lm = AutoModelForCausalLM.from_pretrained(base_dir)
     rows = [json.loads(line) for line in (DATA / "single_train.jsonl").open()]
-    chats = [tok.apply_chat_template([*r["prompt"], {"role": "assistant", "content": f"The sum is {r['label']}."}],
-                                     tokenize=False) for r in rows]
+    chats = [
+        tok.apply_chat_template(
+            [*r["prompt"], {"role": "assistant", "content": f"The sum is {r['label']}."}], tokenize=False
+        )
+        for r in rows
+    ]
     opt = torch.optim.AdamW(lm.parameters(), lr=3e-3)
     torch.manual_seed(0)
     for step in range(steps):
-        batch = [tok.encode(chats[i], add_special_tokens=False) for i in torch.randint(len(chats), (8,)).tolist()]
+        batch = [
+            tok.encode(chats[i], add_special_tokens=False) for i in torch.randint(len(chats), (8,)).tolist()
+        ]
         width = max(map(len, batch))
         ids = torch.tensor([b + [tok.pad_token_id] * (width - len(b)) for b in batch])
         labels = torch.tensor([b + [-100] * (width - len(b)) for b in batch])
@@ -43,7 +50,9 @@ def tuned(base_dir, path, steps: int) -> Path:
 
 
 @torch.no_grad()
-def heldout_reverse_kl(student_dir, teacher_dir, prompts: list[str], samples: int = 16, max_new: int = 12) -> float:
+def heldout_reverse_kl(
+    student_dir, teacher_dir, prompts: list[str], samples: int = 16, max_new: int = 12
+) -> float:
     """Mean over generated tokens of the exact KL(student || teacher) of the next-token distributions, along
     completions the student samples (temperature 1, fixed seed) for each held-out prompt: the reverse KL the
     distillation minimizes, measured independently of the trainer (plain transformers forwards)."""
@@ -54,14 +63,23 @@ def heldout_reverse_kl(student_dir, teacher_dir, prompts: list[str], samples: in
     torch.manual_seed(0)
     total, count = 0.0, 0
     for prompt in prompts:
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                       add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
-        out = student.generate(ids, do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=max_new,
-                               num_return_sequences=samples, pad_token_id=tok.pad_token_id)
+        out = student.generate(
+            ids,
+            do_sample=True,
+            top_k=0,
+            top_p=1.0,
+            temperature=1.0,
+            max_new_tokens=max_new,
+            num_return_sequences=samples,
+            pad_token_id=tok.pad_token_id,
+        )
         n = ids.shape[1]
-        logp_s = torch.log_softmax(student(out).logits[:, n - 1:-1].float(), -1)
-        logp_t = torch.log_softmax(teacher(out).logits[:, n - 1:-1].float(), -1)
+        logp_s = torch.log_softmax(student(out).logits[:, n - 1 : -1].float(), -1)
+        logp_t = torch.log_softmax(teacher(out).logits[:, n - 1 : -1].float(), -1)
         kl = (logp_s.exp() * (logp_s - logp_t)).sum(-1)  # [samples, generated]
         gen = out[:, n:]
         ended = (gen == tok.eos_token_id).long().cumsum(1)
@@ -75,8 +93,16 @@ def test_distill_config_is_forced_and_checked(tmp_path):
     data = str(DATA / "single_train.jsonl")
     with pytest.raises(ValueError, match="ref.model_name_or_path"):
         load_config(["--algo.advantage.estimator", "on_policy_distill", "--data.prompt_dataset", data])
-    cfg = load_config(["--algo.advantage.estimator", "on_policy_distill", "--ref.model_name_or_path", "t",
-                       "--data.prompt_dataset", data])  # no agent file: the built-in agent
+    cfg = load_config(
+        [
+            "--algo.advantage.estimator",
+            "on_policy_distill",
+            "--ref.model_name_or_path",
+            "t",
+            "--data.prompt_dataset",
+            data,
+        ]
+    )  # no agent file: the built-in agent
     run = resolve(cfg)  # the settings distillation implies are derived ones
     kl = run.algo.kl
     assert (kl.use_loss, kl.estimator, kl.init_coef, run.algo.advantage.no_whiten) == (False, "k1", 1.0, True)
@@ -106,7 +132,9 @@ def test_builtin_agent_generates_one_turn(tiny_llama_dir):
 def test_distillation_lowers_heldout_reverse_kl(tiny_llama_dir, tmp_path, ray_local):
     from molt.runtime.loop import run_training
 
-    student, teacher = (tuned(tiny_llama_dir, tmp_path / name, steps) for name, steps in (("s", 10), ("t", 40)))
+    student, teacher = (
+        tuned(tiny_llama_dir, tmp_path / name, steps) for name, steps in (("s", 10), ("t", 40))
+    )
     out = tmp_path / "run"
     cfg = MoltConfig()
     cfg.actor.model_name_or_path, cfg.ref.model_name_or_path = str(student), str(teacher)
@@ -120,8 +148,10 @@ def test_distillation_lowers_heldout_reverse_kl(tiny_llama_dir, tmp_path, ray_lo
 
     prompts = [json.loads(line)["prompt"][0]["content"] for line in (DATA / "single_test.jsonl").open()]
     steps = (0, 8, 16, 24, 32)
-    kls = [heldout_reverse_kl(out / "checkpoints" / f"step_{s}" / "hf" if s else student, teacher, prompts)
-           for s in steps]
+    kls = [
+        heldout_reverse_kl(out / "checkpoints" / f"step_{s}" / "hf" if s else student, teacher, prompts)
+        for s in steps
+    ]
     train_kl = [m["kl/mean"] for m in map(json.loads, (out / "metrics.jsonl").open())]
     print("held-out reverse KL per token at steps", steps, [round(k, 3) for k in kls])
     print("training KL (k1 of the sampled tokens) per step:", [round(k, 3) for k in train_kl])

@@ -1,4 +1,5 @@
 """Experiences: segment -> offloaded payload in Ray's object store -> reload; balanced rank assignment."""
+
 import pickle
 
 import numpy as np
@@ -10,15 +11,21 @@ from molt.types import Experience, RolloutStatus, SamplingParams, Segment, Traje
 
 
 def _traj():
-    segs = [Segment([1, 2, 3, 4], [0, 0, 1, 1], [-0.5, -0.25], [3, 4]),  # log-probs and versions: action tokens
-            Segment([1, 9, 8], [0, 1, 1], [0.0, -1.0, -2.0], [-1, 4, 4], break_reason="compaction")]  # or per token
+    segs = [
+        Segment([1, 2, 3, 4], [0, 0, 1, 1], [-0.5, -0.25], [3, 4]),  # log-probs and versions: action tokens
+        Segment([1, 9, 8], [0, 1, 1], [0.0, -1.0, -2.0], [-1, 4, 4], break_reason="compaction"),
+    ]  # or per token
     return Trajectory("r1", "g1", segs, reward=1.5, info={"turns": 2})
 
 
 def test_segment_fields_become_arrays_of_the_action_tokens():
     seg = _traj().segments[1]
     assert (seg.token_ids.dtype, seg.action_mask.dtype, seg.behavior_logprobs.dtype, seg.versions.dtype) == (
-        np.int32, np.bool_, np.float32, np.int32)
+        np.int32,
+        np.bool_,
+        np.float32,
+        np.int32,
+    )
     assert seg.behavior_logprobs.tolist() == [-1.0, -2.0] and seg.versions.tolist() == [4, 4]
     with pytest.raises(ValueError, match="behavior_logprobs has 2 entries for 3 tokens, 1 of them actions"):
         Segment([1, 2, 3], [0, 0, 1], [-0.5, -0.25], [3])

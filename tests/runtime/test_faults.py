@@ -1,5 +1,6 @@
 """Runs that survive their parts failing (docs/reliability.md), each fault on a tiny real model: what was counted,
 what was lost, the exit codes, and that a rerun of the same command resumes with an exactly-once ledger."""
+
 import asyncio
 import json
 import math
@@ -30,10 +31,29 @@ IN_WORKER = "--rollout.no_engine_process"
 
 
 def args(model_dir, out, steps=6, *extra):
-    return ["--actor.model_name_or_path", str(model_dir), "--train.agent_path", str(AGENT), "--data.prompt_dataset",
-            str(ROOT / "recipes/math/data/single_train.jsonl"), "--rollout.batch_size", "2",
-            "--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "8", "--train.max_steps", str(steps),
-            "--train.max_staleness", "0", "--ckpt.output_dir", str(out), "--ray.num_cpus", "4", *extra]
+    return [
+        "--actor.model_name_or_path",
+        str(model_dir),
+        "--train.agent_path",
+        str(AGENT),
+        "--data.prompt_dataset",
+        str(ROOT / "recipes/math/data/single_train.jsonl"),
+        "--rollout.batch_size",
+        "2",
+        "--rollout.n_samples_per_prompt",
+        "2",
+        "--rollout.max_new_tokens",
+        "8",
+        "--train.max_steps",
+        str(steps),
+        "--train.max_staleness",
+        "0",
+        "--ckpt.output_dir",
+        str(out),
+        "--ray.num_cpus",
+        "4",
+        *extra,
+    ]
 
 
 def engine_pids(root: int, marker: str = "spawn_main") -> list[int]:
@@ -59,7 +79,9 @@ def check_exactly_once(out, steps, groups_per_step=2):
     keys = [tuple(r["key"]) for r in rows]
     assert len(keys) == steps * groups_per_step and len(set(keys)) == len(keys)  # none twice, none missing
     assert sorted(r["step"] for r in rows) == sorted(list(range(1, steps + 1)) * groups_per_step)
-    metric_steps = [json.loads(line)["step"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    metric_steps = [
+        json.loads(line)["step"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()
+    ]
     assert sorted(s for s in metric_steps if s > 0) == list(range(1, steps + 1))
     rollouts = [rid for r in rows for rid in r["rollouts"]]
     assert len(rollouts) == len(set(rollouts))  # no rollout trained twice
@@ -74,6 +96,7 @@ def when(predicate, then, *, poll=0.2):
             if predicate():
                 then()
                 return
+
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return stop
@@ -107,8 +130,9 @@ async def test_worker_restarts_a_dead_engine_with_its_weights_and_version(tiny_l
         assert "the engine process exited (exit code -9)" in outcome.error
         assert worker.engine.engine is not first and first.exitcode == -signal.SIGKILL
         assert await worker.version() == 3 and await worker.weight_sums() == sums  # the weights it had
-        again, payloads = await rollout(worker, RolloutTask(ROW, (0, 0), "g", "g-s0-a1", 0, 3, seed=1),
-                                        SamplingParams(max_tokens=4))
+        again, payloads = await rollout(
+            worker, RolloutTask(ROW, (0, 0), "g", "g-s0-a1", 0, 3, seed=1), SamplingParams(max_tokens=4)
+        )
         assert again.ok and len(payloads) == len(again.experiences) >= 1
         assert {v for p in payloads for v in p["versions"] if v >= 0} == {3}
         # a second death within the window is one more than max_restarts=1: the worker gives up
@@ -116,7 +140,9 @@ async def test_worker_restarts_a_dead_engine_with_its_weights_and_version(tiny_l
         while worker.engine.engine.exitcode is None:  # the worker learns of it from the engine's pipe
             await asyncio.sleep(0.01)
         with pytest.raises(RunStopped, match=r"died \(exit code -9\), 2 time\(s\)"):
-            await rollout(worker, RolloutTask(ROW, (0, 1), "h", "h-s0-a0", 0, 3), SamplingParams(max_tokens=4))
+            await rollout(
+                worker, RolloutTask(ROW, (0, 1), "h", "h-s0-a0", 0, 3), SamplingParams(max_tokens=4)
+            )
     finally:
         await worker.stop()
 
@@ -131,11 +157,19 @@ async def test_an_engine_dead_at_any_call_of_a_refit_is_revived_with_the_refit(t
 
     def kill():
         os.kill(worker.engine.engine._proc.pid, signal.SIGKILL)
+
     try:
         names = ["model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"]
-        buckets = [[(n, torch.full(tuple(_shape(tiny_llama_dir, n)), 0.25 * (i + 1)))] for i, n in enumerate(names)]
-        running = asyncio.create_task(rollout(worker, RolloutTask(ROW, (0, 0), "g", "g-s0-a0", 0, 0, seed=1),
-                                              SamplingParams(max_tokens=200, min_tokens=200)))
+        buckets = [
+            [(n, torch.full(tuple(_shape(tiny_llama_dir, n)), 0.25 * (i + 1)))] for i, n in enumerate(names)
+        ]
+        running = asyncio.create_task(
+            rollout(
+                worker,
+                RolloutTask(ROW, (0, 0), "g", "g-s0-a0", 0, 0, seed=1),
+                SamplingParams(max_tokens=200, min_tokens=200),
+            )
+        )
         while worker.engine.engine.num_requests == 0:
             assert not running.done(), running.result()
             await asyncio.sleep(0.01)
@@ -144,9 +178,18 @@ async def test_an_engine_dead_at_any_call_of_a_refit_is_revived_with_the_refit(t
         while not worker._restart_lock.locked():  # the failed rollout's revival starts a new engine
             assert not running.done(), running.result()
             await asyncio.sleep(0.01)
-        refit = asyncio.create_task(worker.begin_refit(False))  # meanwhile the refit begins: it must pause the new one
-        while not (new := [p for p in psutil.Process().children() if p.pid != first and p.status() !=
-                           psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline())]):
+        refit = asyncio.create_task(
+            worker.begin_refit(False)
+        )  # meanwhile the refit begins: it must pause the new one
+        while not (
+            new := [
+                p
+                for p in psutil.Process().children()
+                if p.pid != first
+                and p.status() != psutil.STATUS_ZOMBIE
+                and "spawn_main" in " ".join(p.cmdline())
+            ]
+        ):
             await asyncio.sleep(0.01)
         new[0].kill()  # which dies as it starts: the revival starts another
         await refit
@@ -157,6 +200,7 @@ async def test_an_engine_dead_at_any_call_of_a_refit_is_revived_with_the_refit(t
                 yield bucket
                 if not killed:
                     killed.append(kill())
+
         worker._buckets = killing_after_the_first
         await worker.update_weights(buckets, 4)  # the engine dies between its two buckets
         kill()
@@ -165,10 +209,12 @@ async def test_an_engine_dead_at_any_call_of_a_refit_is_revived_with_the_refit(t
         assert outcome.status is RolloutStatus.ENGINE_RESTART and worker.restarts == 3, outcome.error
         assert len(worker._deaths) == 4
         sums = await worker.weight_sums()
-        assert await worker.version() == 4 and [sums[n] for n in names] == [float(b[0][1].double().sum())
-                                                                             for b in buckets]
-        again, payloads = await rollout(worker, RolloutTask(ROW, (0, 0), "g", "g-s0-a1", 0, 4, seed=1),
-                                        SamplingParams(max_tokens=4))
+        assert await worker.version() == 4 and [sums[n] for n in names] == [
+            float(b[0][1].double().sum()) for b in buckets
+        ]
+        again, payloads = await rollout(
+            worker, RolloutTask(ROW, (0, 0), "g", "g-s0-a1", 0, 4, seed=1), SamplingParams(max_tokens=4)
+        )
         assert again.ok and {v for p in payloads for v in p["versions"] if v >= 0} == {4}
     finally:
         await worker.stop()
@@ -226,20 +272,29 @@ def test_engine_killed_mid_rollout_is_restarted_and_the_run_goes_on(tiny_llama_d
     # step 3's first env step (4 rollouts of 2 turns a step) kills the engine: that rollout's next model call
     # fails, and so does whatever else was in flight on the engine
     out = tmp_path / "run"
-    summary = asyncio.run(run_training(load_config(killer_args(tiny_llama_dir, tmp_path, [17], 5,
-                                                               "--rollout.max_failed_retries", "4"))))
+    summary = asyncio.run(
+        run_training(
+            load_config(killer_args(tiny_llama_dir, tmp_path, [17], 5, "--rollout.max_failed_retries", "4"))
+        )
+    )
     assert summary["steps"] == 5
     check_exactly_once(out, 5)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert "rollout/failed/engine_restart" not in metrics[1]  # step 2: nothing had failed yet
     counted = metrics[-1]["rollout/failed/engine_restart"]  # the pool's counters are cumulative
-    assert 1 <= counted <= 4 and not any(k.startswith(("rollout/failed/agent", "rollout/dropped")) for k in metrics[-1])
+    assert 1 <= counted <= 4 and not any(
+        k.startswith(("rollout/failed/agent", "rollout/dropped")) for k in metrics[-1]
+    )
     retried = [rid for r in ledger(out) for rid in r["rollouts"] if not rid.endswith("-a0")]
-    assert len(retried) == counted and all(r["step"] >= 3 for r in ledger(out) if set(r["rollouts"]) & set(retried))
+    assert len(retried) == counted and all(
+        r["step"] >= 3 for r in ledger(out) if set(r["rollouts"]) & set(retried)
+    )
     assert (out / "checkpoints" / "step_5" / "state.json").is_file()  # the final checkpoint
 
 
-def test_engine_killed_at_each_call_of_a_refit_the_run_goes_on(tiny_llama_dir, tmp_path, ray_local, monkeypatch):
+def test_engine_killed_at_each_call_of_a_refit_the_run_goes_on(
+    tiny_llama_dir, tmp_path, ray_local, monkeypatch
+):
     """A run whose engine process is SIGKILLed before a refit's pause, between its pause and its weights, and
     between its weights and its resume (the refits after steps 1, 2, 3): it trains every step, exactly once."""
     from molt.runtime.worker import Workers
@@ -263,6 +318,7 @@ def test_engine_killed_at_each_call_of_a_refit_the_run_goes_on(tiny_llama_dir, t
             kill(3)
         finally:
             await actor.end_refit.remote()
+
     monkeypatch.setattr(Workers, "_refit", staticmethod(refit))
     out = tmp_path / "run"
     cfg = load_config(args(tiny_llama_dir, out, 5, "--rollout.engine_max_restarts", "3"))
@@ -274,6 +330,7 @@ def test_engine_killed_at_each_call_of_a_refit_the_run_goes_on(tiny_llama_dir, t
             return await run.train(), await run.workers.actors[0].version.remote()
         finally:
             await run.close()
+
     summary, version = asyncio.run(main())
     assert summary["steps"] == 5 and version == 5 and len(calls) >= 4 and len(killed) == 3
     check_exactly_once(out, 5)
@@ -282,8 +339,12 @@ def test_engine_killed_at_each_call_of_a_refit_the_run_goes_on(tiny_llama_dir, t
 def test_an_engine_crash_loop_stops_the_run_with_a_checkpoint(tiny_llama_dir, tmp_path, ray_local):
     out = tmp_path / "run"
     # from step 2 on every env step kills the engine: no rollout of step 2 can finish
-    cfg = load_config(killer_args(tiny_llama_dir, tmp_path, range(9, 999), 6, "--rollout.engine_max_restarts", "1"))
-    with pytest.raises(RunStopped, match=r"died \(exit code -9\), 2 time\(s\) within 600 s.*step 1 is checkpointed"):
+    cfg = load_config(
+        killer_args(tiny_llama_dir, tmp_path, range(9, 999), 6, "--rollout.engine_max_restarts", "1")
+    )
+    with pytest.raises(
+        RunStopped, match=r"died \(exit code -9\), 2 time\(s\) within 600 s.*step 1 is checkpointed"
+    ):
         asyncio.run(run_training(cfg))
     # 8 env steps a step: step 2's wait for rollouts is abandoned, step 1 is the checkpoint
     assert len(ledger(out)) == 2 and [p.name for p in (out / "checkpoints").iterdir()] == ["step_1"]
@@ -343,8 +404,12 @@ def test_workers_replace_a_dead_actor_with_the_last_weights_and_keep_its_payload
         async def run(self, task, params, train):
             if task.row.get("hang"):
                 await asyncio.sleep(3600)
-            yield RolloutOutcome(task.rollout_id, task.group_id, RolloutStatus.OK,
-                                 experiences=[Experience(task.rollout_id, task.group_id, 0, 1.0, 1, 1, 0)])
+            yield RolloutOutcome(
+                task.rollout_id,
+                task.group_id,
+                RolloutStatus.OK,
+                experiences=[Experience(task.rollout_id, task.group_id, 0, 1.0, 1, 1, 0)],
+            )
             yield {"token_ids": [len(task.rollout_id)]}
 
         async def begin_refit(self, partial):
@@ -370,21 +435,31 @@ def test_workers_replace_a_dead_actor_with_the_last_weights_and_keep_its_payload
         return await running
 
     async def main():
-        workers = Workers(lambda i, n: ray_local.remote(max_concurrency=100)(ToyWorker).remote(), 1, max_restarts=1)
+        workers = Workers(
+            lambda i, n: ray_local.remote(max_concurrency=100)(ToyWorker).remote(), 1, max_restarts=1
+        )
         await workers.actors[0].start.remote()
-        refs = asyncio.ensure_future(asyncio.sleep(0, [[ray_local.put("bucket-7")]]))  # the trainer ranks' refs
+        refs = asyncio.ensure_future(
+            asyncio.sleep(0, [[ray_local.put("bucket-7")]])
+        )  # the trainer ranks' refs
         await workers.refit(False, refs, 7)
         done = await workers.run(task("done"), SamplingParams(), True)
         first = workers.actors[0]
         failed = await hung(workers)
         assert failed.status is RolloutStatus.WORKER_RESTART and failed.rollout_id == "hung"
         assert workers.actors[0] is not first
-        assert await workers.actors[0].state.remote() == (True, (["bucket-7"], 7))  # started, with the last weights
+        assert await workers.actors[0].state.remote() == (
+            True,
+            (["bucket-7"], 7),
+        )  # started, with the last weights
         assert await done.experiences[0].payload_ref == {"token_ids": [4]}  # outlived the worker that made it
         assert (await workers.run(task("next"), SamplingParams(), True)).ok
-        with pytest.raises(RunStopped, match=r"rollout worker 0 died \(ActorDiedError\), 2 time\(s\) within 600 s"):
+        with pytest.raises(
+            RunStopped, match=r"rollout worker 0 died \(ActorDiedError\), 2 time\(s\) within 600 s"
+        ):
             await hung(workers)  # a second death within the window: one more than max_restarts
         ray_local.kill(workers.actors[0])
+
     asyncio.run(main())
 
 
@@ -418,14 +493,23 @@ def test_a_rollout_cancelled_on_the_controller_ends_on_its_worker(tiny_llama_dir
         return worker.engine.engine.num_requests, len(worker.server.sessions)
 
     async def main():
-        spawn = partial(ray_local.remote(num_cpus=0, max_concurrency=100)(RolloutWorker).remote, str(tiny_llama_dir),
-                        str(agent), engine_options={"process": False})
+        spawn = partial(
+            ray_local.remote(num_cpus=0, max_concurrency=100)(RolloutWorker).remote,
+            str(tiny_llama_dir),
+            str(agent),
+            engine_options={"process": False},
+        )
         workers = Workers(lambda i, n: spawn(), 1, max_restarts=0)
         actor = workers.actors[0]
         await actor.start.remote()
         try:
-            running = asyncio.create_task(workers.run(RolloutTask(ROW, (0, 0), "g", "g-s0-a0", 0, 0),
-                                                      SamplingParams(max_tokens=400, min_tokens=400), True))
+            running = asyncio.create_task(
+                workers.run(
+                    RolloutTask(ROW, (0, 0), "g", "g-s0-a0", 0, 0),
+                    SamplingParams(max_tokens=400, min_tokens=400),
+                    True,
+                )
+            )
             while await actor.__ray_call__.remote(probe) != (1, 1):  # mid-generation
                 assert not running.done(), running.result()
                 await asyncio.sleep(0.05)
@@ -441,6 +525,7 @@ def test_a_rollout_cancelled_on_the_controller_ends_on_its_worker(tiny_llama_dir
         finally:
             await actor.stop.remote()
             ray_local.kill(actor)
+
     asyncio.run(main())
 
 
@@ -462,6 +547,7 @@ def run_killing_a_worker(model_dir, tmp_path, steps, *extra):
             return summary, run.workers.actors[0] is not dead, await run.workers.actors[0].version.remote()
         finally:
             await run.close()
+
     import ray
 
     return asyncio.run(main()), [int(pid) for pid in mark.read_text().split()]
@@ -475,8 +561,9 @@ def test_a_killed_worker_actor_is_replaced_and_the_run_goes_on(tiny_llama_dir, t
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert not any("worker_restart" in k for k in metrics[1])  # step 2: nothing had failed yet
     # nothing else failed or was dropped: no `stale` group, so the new worker had the current weights' version
-    assert [(k, v) for k, v in metrics[-1].items() if k.startswith(("rollout/failed", "rollout/dropped"))] == [
-        ("rollout/failed/worker_restart", 1)]
+    assert [
+        (k, v) for k, v in metrics[-1].items() if k.startswith(("rollout/failed", "rollout/dropped"))
+    ] == [("rollout/failed/worker_restart", 1)]
     # the hung rollout was re-run on the new worker; the 3 done before the kill were trained from their payloads
     (retried,) = [(r["step"], rid) for r in ledger(out) for rid in r["rollouts"] if not rid.endswith("-a0")]
     assert retried[0] == 3 and retried[1].endswith("-a1")
@@ -488,8 +575,11 @@ def test_a_killed_worker_actor_is_replaced_and_the_run_goes_on(tiny_llama_dir, t
 
 def test_a_worker_death_past_the_limit_stops_the_run_with_a_checkpoint(tiny_llama_dir, tmp_path, ray_local):
     out = tmp_path / "run"
-    with pytest.raises(RunStopped, match=r"rollout worker 0 died \(ActorDiedError\), 1 time\(s\) within 600 s; "
-                                         r"the run survives 0 .*step 2 is checkpointed"):
+    with pytest.raises(
+        RunStopped,
+        match=r"rollout worker 0 died \(ActorDiedError\), 1 time\(s\) within 600 s; "
+        r"the run survives 0 .*step 2 is checkpointed",
+    ):
         run_killing_a_worker(tiny_llama_dir, tmp_path, 6, "--rollout.worker_max_restarts", "0", IN_WORKER)
     assert len(ledger(out)) == 4 and [p.name for p in (out / "checkpoints").iterdir()] == ["step_2"]
 
@@ -517,7 +607,9 @@ def test_a_failing_trainer_rank_is_named_at_once(ray_local):
         ray_local.kill(r)
 
 
-def test_a_dead_trainer_rank_stops_the_run_and_a_rerun_resumes_exactly_once(tiny_llama_dir, tmp_path, ray_local):
+def test_a_dead_trainer_rank_stops_the_run_and_a_rerun_resumes_exactly_once(
+    tiny_llama_dir, tmp_path, ray_local
+):
     out = tmp_path / "run"
     cfg = load_config(args(tiny_llama_dir, out, 5, "--ckpt.save_steps", "2", IN_WORKER))
 
@@ -529,10 +621,13 @@ def test_a_dead_trainer_rank_stops_the_run_and_a_rerun_resumes_exactly_once(tiny
             await run.train()
         finally:
             await run.close()
+
     with pytest.raises(RuntimeError, match="trainer rank 0 failed in"):
         asyncio.run(first())
     assert 3 <= len(ledger(out)) // 2 <= 4
-    summary = asyncio.run(run_training(load_config(args(tiny_llama_dir, out, 5, "--ckpt.save_steps", "2", IN_WORKER))))
+    summary = asyncio.run(
+        run_training(load_config(args(tiny_llama_dir, out, 5, "--ckpt.save_steps", "2", IN_WORKER)))
+    )
     assert summary["steps"] == 5
     check_exactly_once(out, 5)
 
@@ -557,24 +652,50 @@ def test_an_agent_that_always_raises_stops_the_run_with_its_traceback(tiny_llama
     """With the defaults (all of the last 64 rollouts failed) and a stall limit as a backstop."""
     agent, out = tmp_path / "broken.py", tmp_path / "run"
     agent.write_text(RAISER)
-    proc = subprocess.run([sys.executable, "-m", "molt.cli", "train", *args(tiny_llama_dir, out, 4, IN_WORKER,
-                           "--train.agent_path", str(agent), "--rollout.timeout_s", "60",
-                           "--train.stall_timeout_s", "120")],
-                          check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "molt.cli",
+            "train",
+            *args(
+                tiny_llama_dir,
+                out,
+                4,
+                IN_WORKER,
+                "--train.agent_path",
+                str(agent),
+                "--rollout.timeout_s",
+                "60",
+                "--train.stall_timeout_s",
+                "120",
+            ),
+        ],
+        check=False,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr
     # the first error, once, with the agent's traceback; the reason and the checkpoint in the last line
     assert proc.stderr.count("molt: first agent_error failure") == 1, proc.stderr
     assert 'broken.py", line 7, in run\n    raise KeyError' in proc.stderr, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert "64 of the last 64 rollouts failed" in last and "KeyError: \"the agent's own bug\"" in last, last
+    assert "64 of the last 64 rollouts failed" in last and 'KeyError: "the agent\'s own bug"' in last, last
     assert "step 0 is checkpointed" in last and (out / "checkpoints" / "step_0" / "state.json").is_file()
 
 
 # ------------------------------------------------------------------------------------------- signals, run directory
 def test_sigint_checkpoints_exits_130_and_the_same_command_resumes(tiny_llama_dir, tmp_path, ray_local):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "molt.cli", "train", *args(tiny_llama_dir, out)],
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "molt.cli", "train", *args(tiny_llama_dir, out)],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     when(lambda: len(ledger(out)) >= 4, lambda: os.killpg(proc.pid, signal.SIGINT))  # Ctrl-C: the whole group
     err = proc.communicate(timeout=300)[1]
     assert proc.returncode == 130, err
@@ -588,8 +709,13 @@ def test_sigint_checkpoints_exits_130_and_the_same_command_resumes(tiny_llama_di
 
 def test_a_second_signal_exits_at_once(tiny_llama_dir, tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "molt.cli", "train", *args(tiny_llama_dir, out, 400, IN_WORKER)],
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "molt.cli", "train", *args(tiny_llama_dir, out, 400, IN_WORKER)],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     when(lambda: len(ledger(out)) >= 2, lambda: proc.send_signal(signal.SIGTERM))
     for line in proc.stderr:  # the first signal is acknowledged; the second one ends the process
         if "stopping after the step in progress" in line:
@@ -635,16 +761,33 @@ def test_nan_losses_are_skipped_counted_and_three_in_a_row_stop_the_run(tiny_lla
     with a checkpoint of the last finite weights (step 3's) and exit 1. A process of its own: the hook's variable
     reaches the trainer actors through a Ray instance started with it."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "molt.cli", "train", *args(tiny_llama_dir, out, 8, IN_WORKER, "--ckpt.save_steps",
-                                                            "1", "--ckpt.max_num", "0")]
-    proc = subprocess.run(cmd, check=False, env={**os.environ, "MOLT_FAULT_NAN_LOSS": "2,4,5,6"},
-                          capture_output=True, text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "molt.cli",
+        "train",
+        *args(tiny_llama_dir, out, 8, IN_WORKER, "--ckpt.save_steps", "1", "--ckpt.max_num", "0"),
+    ]
+    proc = subprocess.run(
+        cmd,
+        check=False,
+        env={**os.environ, "MOLT_FAULT_NAN_LOSS": "2,4,5,6"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert ("3 optimizer steps in a row were skipped for a non-finite loss or gradient norm (train.max_skipped_steps "
-            "3); the weights are those of the last finite step; step 6 is checkpointed") in proc.stderr
+    assert (
+        "3 optimizer steps in a row were skipped for a non-finite loss or gradient norm (train.max_skipped_steps "
+        "3); the weights are those of the last finite step; step 6 is checkpointed"
+    ) in proc.stderr
     metrics = {m["step"]: m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
-    assert [metrics[s]["train/skipped_steps"] for s in range(1, 7)] == [0, 1, 0, 1, 1, 1] and max(metrics) == 6
-    assert math.isnan(metrics[2]["policy_loss"]) and math.isfinite(metrics[3]["policy_loss"])  # kept as values
+    assert [metrics[s]["train/skipped_steps"] for s in range(1, 7)] == [0, 1, 0, 1, 1, 1] and max(
+        metrics
+    ) == 6
+    assert math.isnan(metrics[2]["policy_loss"]) and math.isfinite(
+        metrics[3]["policy_loss"]
+    )  # kept as values
     line = next(x for x in proc.stdout.splitlines() if x.startswith("step 2:"))
     assert "loss nan" in line and "WARNING: 1 optimizer step(s) skipped for a non-finite loss" in line
     check_exactly_once(out, 6)  # the skipped steps' groups are consumed, as any trained group

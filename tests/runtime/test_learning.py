@@ -2,6 +2,7 @@
 holding that letter) raises the policy's probability of that token within a few steps. The probability is
 measured independently of the run: a plain forward of the base checkpoint and of the exported policy at the
 first reply position of the held-out math prompts."""
+
 import asyncio
 import json
 from pathlib import Path
@@ -45,6 +46,9 @@ def test_a_reward_for_one_token_is_learned(tiny_llama_dir, tokenizer, tmp_path, 
     cfg.ckpt.output_dir = str(tmp_path / "run")
     cfg.rollout.engine_process = False  # in the worker: 5 s less start-up (tests/runtime/test_train_e2e.py)
     asyncio.run(run_training(validate(cfg)))
-    before, after = _p_token(tiny_llama_dir, tokenizer, "Q"), _p_token(tmp_path / "run" / "policy", tokenizer, "Q")
+    before, after = (
+        _p_token(tiny_llama_dir, tokenizer, "Q"),
+        _p_token(tmp_path / "run" / "policy", tokenizer, "Q"),
+    )
     print(f"seed {seed}: p('Q') {before:.4f} -> {after:.4f}")
     assert after > 3 * before, (before, after)

@@ -1,4 +1,5 @@
 """Per-step metrics reach every configured sink: JSONL, TensorBoard, and W&B offline (in the dev extra)."""
+
 import math
 
 from molt.runtime.metrics import MetricsLogger, read_metrics
@@ -8,36 +9,63 @@ def test_jsonl_and_tensorboard_hold_each_step(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logger = MetricsLogger(tmp_path, 2, tensorboard_dir=str(tmp_path / "tb"))
-    logger.log(1, {"rollout/reward_mean": 0.25, "timing/step_total": 3.0, "policy_loss": math.nan,
-                   "actor_grad_norm": math.inf, "text": "x"})
+    logger.log(
+        1,
+        {
+            "rollout/reward_mean": 0.25,
+            "timing/step_total": 3.0,
+            "policy_loss": math.nan,
+            "actor_grad_norm": math.inf,
+            "text": "x",
+        },
+    )
     logger.log(2, {"rollout/reward_mean": 0.5, "timing/step_total": 2.5})
     logger.close()
     rows = read_metrics(tmp_path)
     assert math.isnan(rows[0].pop("policy_loss"))  # a non-finite value is a value: kept, as everywhere below
-    assert rows == [{"step": 1, "rollout/reward_mean": 0.25, "timing/step_total": 3.0, "actor_grad_norm": math.inf},
-                    {"step": 2, "rollout/reward_mean": 0.5, "timing/step_total": 2.5}]
+    assert rows == [
+        {"step": 1, "rollout/reward_mean": 0.25, "timing/step_total": 3.0, "actor_grad_norm": math.inf},
+        {"step": 2, "rollout/reward_mean": 0.5, "timing/step_total": 2.5},
+    ]
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("rollout/reward_mean")] == [(1, 0.25), (2, 0.5)]
-    assert math.isnan(events.Scalars("policy_loss")[0].value) and events.Scalars("actor_grad_norm")[0].value == math.inf
+    assert (
+        math.isnan(events.Scalars("policy_loss")[0].value)
+        and events.Scalars("actor_grad_norm")[0].value == math.inf
+    )
 
 
 def test_the_step_line_warns_of_skipped_steps_and_a_closed_gate(tmp_path, capsys):
     logger = MetricsLogger(tmp_path, 2)
     logger.log(1, {"policy_loss": 0.5, "train/skipped_steps": 0.0, "is/rejected_frac": 0.998})
-    logger.log(2, {"policy_loss": math.nan, "actor_grad_norm": math.inf, "train/skipped_steps": 1.0,
-                   "is/rejected_frac": 0.9995})
+    logger.log(
+        2,
+        {
+            "policy_loss": math.nan,
+            "actor_grad_norm": math.inf,
+            "train/skipped_steps": 1.0,
+            "is/rejected_frac": 0.9995,
+        },
+    )
     logger.close()
     first, second = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert first == "step 1: loss 0.5"
-    assert second.startswith("step 2: loss nan | gnorm inf | WARNING: 1 optimizer step(s) skipped for a non-finite")
-    assert second.count("WARNING") == 2 and "WARNING: the importance gate rejected 99.95% of the action tokens" in second
+    assert second.startswith(
+        "step 2: loss nan | gnorm inf | WARNING: 1 optimizer step(s) skipped for a non-finite"
+    )
+    assert (
+        second.count("WARNING") == 2
+        and "WARNING: the importance gate rejected 99.95% of the action tokens" in second
+    )
 
 
 def test_wandb_offline_run_gets_the_config_and_the_steps(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    logger = MetricsLogger(tmp_path, 2, wandb={"project": "molt-test", "run_name": "r1"}, config={"actor": {"lr": 1e-5}})
+    logger = MetricsLogger(
+        tmp_path, 2, wandb={"project": "molt-test", "run_name": "r1"}, config={"actor": {"lr": 1e-5}}
+    )
     run = logger._wandb
     logger.log(1, {"rollout/reward_mean": 0.25})
     logger.log(2, {"rollout/reward_mean": 0.75})
@@ -69,15 +97,26 @@ def test_agent_metrics_by_hand():
 
     from molt.runtime.metrics import agent_metrics, info_means
 
-    a = SimpleNamespace(info={"capture/requests": 4.0, "capture/tool_calls": 2.0, "capture/malformed_tool_calls": 1.0,
-                              "tool_errors": 1.0})
-    b = SimpleNamespace(info={"capture/requests": 2.0, "capture/tool_calls": 1.0, "capture/malformed_tool_calls": 0.0})
+    a = SimpleNamespace(
+        info={
+            "capture/requests": 4.0,
+            "capture/tool_calls": 2.0,
+            "capture/malformed_tool_calls": 1.0,
+            "tool_errors": 1.0,
+        }
+    )
+    b = SimpleNamespace(
+        info={"capture/requests": 2.0, "capture/tool_calls": 1.0, "capture/malformed_tool_calls": 0.0}
+    )
     m = agent_metrics([a, b], "agent/")
     # turns (4 + 2) / 2; attempts (2 + 1 + 1) / 2; valid = (3 parsed - 1 refused) / 4 attempts
     assert m == {"agent/turns": 3.0, "agent/tool_calls": 2.0, "agent/tool_call_valid": 0.5}
     assert info_means([a, b], "x/")["x/tool_errors"] == 1.0  # the mean over the rollouts that report it
     env = SimpleNamespace(info={"capture/requests": 1.0})
-    assert agent_metrics([env], "agent/") == {"agent/turns": 1.0, "agent/tool_calls": 0.0}  # no calls: no rate
+    assert agent_metrics([env], "agent/") == {
+        "agent/turns": 1.0,
+        "agent/tool_calls": 0.0,
+    }  # no calls: no rate
     assert agent_metrics([SimpleNamespace(info={})], "agent/") == {}  # not through the capture server
 
 
@@ -113,8 +152,15 @@ def test_wandb_that_cannot_start_leaves_the_run_logging(tmp_path, monkeypatch, c
 
 def test_the_step_line_counts_failures_and_drops_by_reason(tmp_path, capsys):
     logger = MetricsLogger(tmp_path, 1)
-    logger.log(1, {"rollout/reward_mean": 0.5, "rollout/failed/agent_error": 3.0, "rollout/failed/timeout": 1.0,
-                   "rollout/dropped/group_failed": 1.0})
+    logger.log(
+        1,
+        {
+            "rollout/reward_mean": 0.5,
+            "rollout/failed/agent_error": 3.0,
+            "rollout/failed/timeout": 1.0,
+            "rollout/dropped/group_failed": 1.0,
+        },
+    )
     logger.close()
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("step 1:"))
     assert line.endswith("reward 0.5 | failed/agent_error 3 failed/timeout 1 dropped/group_failed 1"), line

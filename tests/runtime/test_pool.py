@@ -1,4 +1,5 @@
 """The rollout pool's scheduling policy, driven by an instant fake `run` (the real path is tested end to end)."""
+
 import asyncio
 
 import pytest
@@ -10,8 +11,9 @@ ROWS = [{"prompt": f"q{i}", "label": i} for i in range(10)]
 
 
 def ok(task, version=None, reward=1.0):
-    exp = Experience(task.rollout_id, task.group_id, 0, reward, 4, 2,
-                     task.dispatch_version if version is None else version)
+    exp = Experience(
+        task.rollout_id, task.group_id, 0, reward, 4, 2, task.dispatch_version if version is None else version
+    )
     return RolloutOutcome(task.rollout_id, task.group_id, RolloutStatus.OK, reward=reward, experiences=[exp])
 
 
@@ -27,7 +29,9 @@ def test_prompt_stream_is_seeded_and_resumes_from_its_state():
     first = keys(PromptStream(ROWS, seed=1), 25)
     assert first == keys(PromptStream(ROWS, seed=1), 25)
     assert sorted(i for e, i in first[:10]) == list(range(10)) and first[10][0] == 1  # epoch after epoch
-    assert [PromptStream(ROWS, seed=1).position(k) for k in first] == list(range(25))  # old checkpoints' ledgers
+    assert [PromptStream(ROWS, seed=1).position(k) for k in first] == list(
+        range(25)
+    )  # old checkpoints' ledgers
     stream = PromptStream(ROWS, seed=1)
     yielded = keys(stream, 9)
     for key in yielded[:3] + yielded[4:6] + yielded[7:8]:  # trained out of order; 3 and 6 still in flight
@@ -41,9 +45,13 @@ def test_prompt_stream_is_seeded_and_resumes_from_its_state():
 async def test_the_checkpoint_state_does_not_grow_with_the_run():
     """A long run's stream state is bounded by the groups in flight (issue 32, item 13: before, every trained key
     went into each checkpoint and into the resumed stream's set)."""
+
     async def run(task):
-        return ok(task) if task.row["label"] % 3 else RolloutOutcome(task.rollout_id, task.group_id,
-                                                                      RolloutStatus.TIMEOUT, error="slow")
+        return (
+            ok(task)
+            if task.row["label"] % 3
+            else RolloutOutcome(task.rollout_id, task.group_id, RolloutStatus.TIMEOUT, error="slow")
+        )
 
     stream = PromptStream(ROWS, 0)
     pool = RolloutPool(stream, run, n_samples=2, groups_per_step=2, max_staleness=2, max_retries=0)
@@ -55,7 +63,9 @@ async def test_the_checkpoint_state_does_not_grow_with_the_run():
         pool.set_version(version)
         sizes.append(len(stream.state()["done"]) + len(stream._open))
     await pool.stop()
-    assert stream.state()["next"] > 100 and max(sizes) <= 2 * (2 + 1) * 2  # a few steps' groups, any run length
+    assert (
+        stream.state()["next"] > 100 and max(sizes) <= 2 * (2 + 1) * 2
+    )  # a few steps' groups, any run length
 
 
 @pytest.mark.parametrize("staleness", [0, 2])
@@ -92,8 +102,9 @@ async def test_failures_are_retried_within_the_group_then_the_group_is_dropped()
             raise RuntimeError("worker died")  # odd prompts fail once, then succeed on retry
         return ok(task)
 
-    pool = RolloutPool(PromptStream(ROWS, 0), run, n_samples=2, groups_per_step=3, max_staleness=0,
-                       max_retries=1)
+    pool = RolloutPool(
+        PromptStream(ROWS, 0), run, n_samples=2, groups_per_step=3, max_staleness=0, max_retries=1
+    )
     pool.start()
     groups = await pool.next_step_groups()
     await pool.stop()
@@ -126,8 +137,9 @@ async def test_group_filter_drops_by_reason_and_backfills():
         kept = [g for g in groups if len({o.reward for o in g.outcomes}) > 1]
         return kept, {"all_equal": len(groups) - len(kept)}
 
-    pool = RolloutPool(PromptStream(ROWS, 0), run, n_samples=2, groups_per_step=3, max_staleness=0,
-                       group_filter=only_mixed)
+    pool = RolloutPool(
+        PromptStream(ROWS, 0), run, n_samples=2, groups_per_step=3, max_staleness=0, group_filter=only_mixed
+    )
     pool.start()
     groups = await pool.next_step_groups()
     await pool.stop()
@@ -156,18 +168,28 @@ async def test_rollouts_that_all_fail_stop_the_pool_with_the_first_traceback(cap
             raise ValueError(f"no tool named {task.row['label']}")  # raised here: a traceback to print
         return RolloutOutcome(task.rollout_id, task.group_id, RolloutStatus.TIMEOUT, error="slow")
 
-    pool = RolloutPool(PromptStream(ROWS, 0), run, n_samples=2, groups_per_step=2, max_staleness=0,
-                       failure_window=8, max_failed_share=1.0)
+    pool = RolloutPool(
+        PromptStream(ROWS, 0),
+        run,
+        n_samples=2,
+        groups_per_step=2,
+        max_staleness=0,
+        failure_window=8,
+        max_failed_share=1.0,
+    )
     pool.start()
-    with pytest.raises(RunStopped, match=r"8 of the last 8 rollouts failed \(rollout.max_failed_share 1.0 of "
-                                         r"rollout.failure_window 8\); .*failed/agent_error \d+, failed/timeout \d+; "
-                                         r"first (agent_error .*ValueError: no tool named|timeout .*slow)"):
+    with pytest.raises(
+        RunStopped,
+        match=r"8 of the last 8 rollouts failed \(rollout.max_failed_share 1.0 of "
+        r"rollout.failure_window 8\); .*failed/agent_error \d+, failed/timeout \d+; "
+        r"first (agent_error .*ValueError: no tool named|timeout .*slow)",
+    ):
         await asyncio.wait_for(pool.next_step_groups(), 10)
     await pool.stop()
     err = capsys.readouterr().err
     # the first error of each reason, once, with its traceback when there is one
     assert err.count("molt: first agent_error") == 1 and err.count("molt: first timeout") == 1
-    assert err.count("Traceback (most recent call last)") == 1 and 'in run\n    raise ValueError' in err
+    assert err.count("Traceback (most recent call last)") == 1 and "in run\n    raise ValueError" in err
     # which reason fills the window more depends on the order the tasks finish in; the message names the larger
     assert pool.counters["failed/agent_error"] >= 1 and pool.counters["failed/timeout"] >= 1
     assert pool.counters["failed/agent_error"] + pool.counters["failed/timeout"] >= 8
@@ -179,8 +201,15 @@ async def test_a_healthy_share_of_failures_does_not_stop_the_pool():
             return RolloutOutcome(task.rollout_id, task.group_id, RolloutStatus.AGENT_ERROR, error="flaky")
         return ok(task)
 
-    pool = RolloutPool(PromptStream(ROWS, 0), run, n_samples=2, groups_per_step=2, max_staleness=0,
-                       failure_window=4, max_failed_share=0.75)
+    pool = RolloutPool(
+        PromptStream(ROWS, 0),
+        run,
+        n_samples=2,
+        groups_per_step=2,
+        max_staleness=0,
+        failure_window=4,
+        max_failed_share=0.75,
+    )
     pool.start()
     for version in range(1, 4):
         assert len(await asyncio.wait_for(pool.next_step_groups(), 10)) == 2
@@ -196,11 +225,21 @@ async def test_a_pool_that_forms_no_step_stops_after_the_stall_timeout():
         kept = [g for g in groups if len({o.reward for o in g.outcomes}) > 1]
         return kept, {"all_equal": len(groups) - len(kept)}
 
-    pool = RolloutPool(PromptStream(ROWS, 0), run, n_samples=2, groups_per_step=1, max_staleness=0,
-                       group_filter=only_mixed, stall_timeout_s=0.5)
+    pool = RolloutPool(
+        PromptStream(ROWS, 0),
+        run,
+        n_samples=2,
+        groups_per_step=1,
+        max_staleness=0,
+        group_filter=only_mixed,
+        stall_timeout_s=0.5,
+    )
     pool.start()
-    with pytest.raises(RunStopped, match=r"no training step formed in 0.5 s \(train.stall_timeout_s\): "
-                                         r"0 of 1 groups ready; .*dropped/all_equal \d+"):
+    with pytest.raises(
+        RunStopped,
+        match=r"no training step formed in 0.5 s \(train.stall_timeout_s\): "
+        r"0 of 1 groups ready; .*dropped/all_equal \d+",
+    ):
         await asyncio.wait_for(pool.next_step_groups(), 10)
     await pool.stop()
 

@@ -1,5 +1,6 @@
 """Token-level estimators split over trainer ranks equal one computation over the whole window: group
 baselines come from the controller, a rollout's segments stay on one rank, whitening is global."""
+
 import asyncio
 import random
 
@@ -23,8 +24,21 @@ def _window(seed: int = 0) -> list[Experience]:
                 n = rng.randint(4, 9)
                 mask = [0] * 2 + [1] * (n - 2)
                 ids = [rng.randrange(10, 380) for _ in range(n)]
-                exps.append(Experience(f"g{g}r{r}", f"g{g}", s, reward, n, n - 2, 0, token_ids=ids,
-                                       action_mask=mask, behavior_logprobs=[0.0] * n, versions=[0] * n))
+                exps.append(
+                    Experience(
+                        f"g{g}r{r}",
+                        f"g{g}",
+                        s,
+                        reward,
+                        n,
+                        n - 2,
+                        0,
+                        token_ids=ids,
+                        action_mask=mask,
+                        behavior_logprobs=[0.0] * n,
+                        versions=[0] * n,
+                    )
+                )
     return exps
 
 
@@ -36,14 +50,25 @@ def test_two_ranks_equal_one_window(tiny_llama_dir, ray_local, estimator):
     expected = compute_advantages(estimator, batch, AdvantageParams(**params)).advantages
     rows = list({e.rollout_id: (e.rollout_id, e.group_id, e.reward) for e in exps}.values())
     rewards = terminal_rewards(estimator_spec(estimator).centred, rows)
-    _assert_two_ranks_give(expected, exps, rewards, ray_local, TrainerGroup(2), _cfg(
-        tiny_llama_dir, estimator, **{"algo.advantage.gamma": 0.9, "algo.advantage.lam": 1.0}), atol=1e-5)
+    _assert_two_ranks_give(
+        expected,
+        exps,
+        rewards,
+        ray_local,
+        TrainerGroup(2),
+        _cfg(tiny_llama_dir, estimator, **{"algo.advantage.gamma": 0.9, "algo.advantage.lam": 1.0}),
+        atol=1e-5,
+    )
 
 
 def _cfg(model_dir, estimator: str, **fields):
     """A run's resolved configuration with `estimator` (the trainer ranks' `setup` argument)."""
-    return resolve(override(MoltConfig(), {"actor.model_name_or_path": str(model_dir),
-                                           "algo.advantage.estimator": estimator, **fields}))
+    return resolve(
+        override(
+            MoltConfig(),
+            {"actor.model_name_or_path": str(model_dir), "algo.advantage.estimator": estimator, **fields},
+        )
+    )
 
 
 def _assert_two_ranks_give(expected, exps, rewards, ray_local, group, *setup, atol, prepare=None):
@@ -59,6 +84,7 @@ def _assert_two_ranks_give(expected, exps, rewards, ray_local, group, *setup, at
         finally:
             for rank in group.ranks:
                 ray_local.kill(rank)
+
     got = asyncio.run(main())
     index = {(e.rollout_id, e.segment_index): i for i, e in enumerate(exps)}
     for share, advs in zip(shares, got):
@@ -75,7 +101,9 @@ def _set_value_head(rank, weight: float, bias: float) -> None:
     with torch.no_grad():
         for name, p in rank.critic.model.named_parameters():
             if "value_head" in name:
-                (p.to_local() if hasattr(p, "to_local") else p).fill_(weight if name.endswith("weight") else bias)
+                (p.to_local() if hasattr(p, "to_local") else p).fill_(
+                    weight if name.endswith("weight") else bias
+                )
 
 
 def test_gae_on_two_ranks_equals_one_window_with_independent_values(tiny_llama_dir, ray_local):
@@ -98,14 +126,26 @@ def test_gae_on_two_ranks_equals_one_window_with_independent_values(tiny_llama_d
         v = torch.cat([torch.zeros(1), w * h.sum(-1)[:-1] + b])
         values[i, : e.num_tokens] = torch.where(torch.tensor(e.action_mask, dtype=torch.bool), v, 0.0)
     params = {"gamma": 0.9, "lam": 0.8}
-    expected = compute_advantages("gae", AdvantageBatch.from_experiences(exps, values=values),
-                                  AdvantageParams(**params)).advantages
+    expected = compute_advantages(
+        "gae", AdvantageBatch.from_experiences(exps, values=values), AdvantageParams(**params)
+    ).advantages
     cfg = _cfg(tiny_llama_dir, "gae", **{"algo.advantage.gamma": 0.9, "algo.advantage.lam": 0.8})
-    _assert_two_ranks_give(expected, exps, {e.rollout_id: e.reward for e in exps}, ray_local, TrainerGroup(2), cfg,
-                           atol=1e-4, prepare=(_set_value_head, w, b))
+    _assert_two_ranks_give(
+        expected,
+        exps,
+        {e.rollout_id: e.reward for e in exps},
+        ray_local,
+        TrainerGroup(2),
+        cfg,
+        atol=1e-4,
+        prepare=(_set_value_head, w, b),
+    )
     # the values mattered: GAE with zero values (plain discounted returns) differs
-    zero = compute_advantages("gae", AdvantageBatch.from_experiences(exps, values=torch.zeros_like(values)),
-                              AdvantageParams(**params)).advantages
+    zero = compute_advantages(
+        "gae",
+        AdvantageBatch.from_experiences(exps, values=torch.zeros_like(values)),
+        AdvantageParams(**params),
+    ).advantages
     assert (zero - expected).abs().max() > 0.05
 
 
@@ -125,8 +165,21 @@ def test_kl_as_a_token_reward_by_hand(tiny_llama_dir, ray_local):
         n = rng.randint(6, 10)
         ids, mask = [rng.randrange(10, 380) for _ in range(n)], [0, 0, 0] + [1] * (n - 3)
         blp = [rng.uniform(-6.0, -1.0) if m else 0.0 for m in mask]
-        exps.append(Experience(f"r{i}", "g", 0, float(i), n, n - 3, 0, token_ids=ids, action_mask=mask,
-                               behavior_logprobs=blp, versions=[0] * n))
+        exps.append(
+            Experience(
+                f"r{i}",
+                "g",
+                0,
+                float(i),
+                n,
+                n - 3,
+                0,
+                token_ids=ids,
+                action_mask=mask,
+                behavior_logprobs=blp,
+                versions=[0] * n,
+            )
+        )
     expected = []
     for e in exps:
         ref = reference_logprobs(tiny_llama_dir, e.token_ids, 1.0)
@@ -138,20 +191,30 @@ def test_kl_as_a_token_reward_by_hand(tiny_llama_dir, ray_local):
     async def main():
         group = TrainerGroup(1)
         try:
-            await group.setup(_cfg(tiny_llama_dir, "reinforce", **{
-                "algo.advantage.no_whiten": True, "algo.kl.init_coef": coef, "algo.kl.use_loss": False,
-                "algo.kl.estimator": "k1"}))
+            await group.setup(
+                _cfg(
+                    tiny_llama_dir,
+                    "reinforce",
+                    **{
+                        "algo.advantage.no_whiten": True,
+                        "algo.kl.init_coef": coef,
+                        "algo.kl.use_loss": False,
+                        "algo.kl.estimator": "k1",
+                    },
+                )
+            )
             return await group.call("advantages", [exps], [{e.rollout_id: e.reward for e in exps}])
         finally:
             for rank in group.ranks:
                 ray_local.kill(rank)
+
     (got,) = asyncio.run(main())
     for adv, want in zip(got, expected):
         assert adv == pytest.approx(want, abs=1e-4)
     assert any(abs(w - e.reward) > 0.05 for w, e in zip((w[3] for w in expected), exps))  # the KL moved them
 
 
-TOKEN_PLUGIN = '''
+TOKEN_PLUGIN = """
 from molt.algo import AdvantageResult, register_estimator
 from molt.algo.advantages import reinforce
 
@@ -160,7 +223,7 @@ from molt.algo.advantages import reinforce
 def double_reinforce(batch, params):
     r = reinforce(batch, params)
     return AdvantageResult(2 * r.advantages, r.returns)
-'''
+"""
 
 
 def test_a_token_estimator_registered_by_the_user_runs_on_the_ranks(tiny_llama_dir, ray_local, tmp_path):
@@ -174,8 +237,15 @@ def test_a_token_estimator_registered_by_the_user_runs_on_the_ranks(tiny_llama_d
     assert estimator_spec("test_double_reinforce").kind == "token"
     exps = _window(2)
     batch = AdvantageBatch.from_experiences(exps)
-    expected = compute_advantages("test_double_reinforce", batch, AdvantageParams(gamma=0.9, whiten=False)).advantages
+    expected = compute_advantages(
+        "test_double_reinforce", batch, AdvantageParams(gamma=0.9, whiten=False)
+    ).advantages
     rows = list({e.rollout_id: (e.rollout_id, e.group_id, e.reward) for e in exps}.values())
-    cfg = _cfg(tiny_llama_dir, "test_double_reinforce", **{"algo.plugins": [str(plugin)], "algo.advantage.gamma": 0.9,
-                                                            "algo.advantage.no_whiten": True})
-    _assert_two_ranks_give(expected, exps, terminal_rewards(False, rows), ray_local, TrainerGroup(2), cfg, atol=1e-5)
+    cfg = _cfg(
+        tiny_llama_dir,
+        "test_double_reinforce",
+        **{"algo.plugins": [str(plugin)], "algo.advantage.gamma": 0.9, "algo.advantage.no_whiten": True},
+    )
+    _assert_two_ranks_give(
+        expected, exps, terminal_rewards(False, rows), ray_local, TrainerGroup(2), cfg, atol=1e-5
+    )

@@ -1,5 +1,6 @@
 """`molt train` starts its local Ray instance again when Ray's fixed 30 s node start-up times out (a loaded
 machine), and passes any other failure through."""
+
 import pytest
 
 from molt.config import MoltConfig
@@ -28,6 +29,7 @@ def fake_ray(monkeypatch):
         monkeypatch.setattr(ray, "init", fake.init)
         monkeypatch.setattr(ray, "shutdown", fake.shutdown)
         return fake
+
     return install
 
 

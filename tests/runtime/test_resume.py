@@ -1,5 +1,6 @@
 """A run killed mid-way (SIGKILL of the whole process group) resumes from its checkpoint; its ledger then shows
 every trained prompt group exactly once and its metrics every step exactly once."""
+
 import asyncio
 import json
 import os
@@ -19,12 +20,32 @@ LORA = pytest.mark.parametrize("lora", [[], ["--actor.lora_rank", "4"]], ids=["f
 
 
 def _args(model_dir, out, extra=()):
-    return [*extra, "--actor.model_name_or_path", str(model_dir), "--train.agent_path",
-            str(ROOT / "tests/runtime/agents/letters_env.py"), "--data.prompt_dataset",
-            str(ROOT / "recipes/math/data/single_train.jsonl"), "--rollout.batch_size", "2",
-            "--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "8", "--train.max_steps", "6",
-            "--train.max_staleness", "0", "--ckpt.save_steps", "1", "--ckpt.output_dir", str(out),
-            "--ray.num_cpus", "4", "--rollout.no_engine_process"]  # in the worker: 5 s less start-up a run
+    return [
+        *extra,
+        "--actor.model_name_or_path",
+        str(model_dir),
+        "--train.agent_path",
+        str(ROOT / "tests/runtime/agents/letters_env.py"),
+        "--data.prompt_dataset",
+        str(ROOT / "recipes/math/data/single_train.jsonl"),
+        "--rollout.batch_size",
+        "2",
+        "--rollout.n_samples_per_prompt",
+        "2",
+        "--rollout.max_new_tokens",
+        "8",
+        "--train.max_steps",
+        "6",
+        "--train.max_staleness",
+        "0",
+        "--ckpt.save_steps",
+        "1",
+        "--ckpt.output_dir",
+        str(out),
+        "--ray.num_cpus",
+        "4",
+        "--rollout.no_engine_process",
+    ]  # in the worker: 5 s less start-up a run
 
 
 @pytest.mark.slow  # 50 s; the default suite resumes after SIGINT and after a dead trainer rank (test_faults.py),
@@ -32,8 +53,12 @@ def _args(model_dir, out, extra=()):
 @LORA
 def test_killed_run_resumes_with_an_exactly_once_ledger(tiny_llama_dir, tmp_path, ray_local, lora):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "molt.cli", "train", *_args(tiny_llama_dir, out, lora)],
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "molt.cli", "train", *_args(tiny_llama_dir, out, lora)],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 240
     while not (out / "checkpoints" / "step_2" / "state.json").is_file():
         assert proc.poll() is None and time.time() < deadline, "the first run should reach step 2"
@@ -70,11 +95,15 @@ def _rank_state(rank):
 
     a = rank.actor
     state = list(a.optimizers[0].state.values())  # AdamW (the only optimizer without muon)
-    return {"weights": sum(float(local(p).sum()) for p in a.model.parameters()),
-            "exp_avg": sum(float(local(s["exp_avg"]).abs().sum()) for s in state),
-            "exp_avg_sq": sum(float(local(s["exp_avg_sq"]).sum()) for s in state),
-            "adam_steps": {float(torch.as_tensor(s["step"])) for s in state},
-            "step": a.step, "schedule": a.schedulers[0].last_epoch, "lr": a.schedulers[0].get_last_lr()[0]}
+    return {
+        "weights": sum(float(local(p).sum()) for p in a.model.parameters()),
+        "exp_avg": sum(float(local(s["exp_avg"]).abs().sum()) for s in state),
+        "exp_avg_sq": sum(float(local(s["exp_avg_sq"]).sum()) for s in state),
+        "adam_steps": {float(torch.as_tensor(s["step"])) for s in state},
+        "step": a.step,
+        "schedule": a.schedulers[0].last_epoch,
+        "lr": a.schedulers[0].get_last_lr()[0],
+    }
 
 
 async def _states(run) -> list[dict]:
@@ -92,8 +121,9 @@ def _merged(states: list[dict]) -> dict:
 
 
 @LORA
-def test_resume_restores_trainer_state_and_pool_counters_at_another_world_size(tiny_llama_dir, tmp_path,
-                                                                               ray_local, lora):
+def test_resume_restores_trainer_state_and_pool_counters_at_another_world_size(
+    tiny_llama_dir, tmp_path, ray_local, lora
+):
     """Saved by one trainer rank at step 2, resumed by two: the weights, Adam's moments and step counts, the
     schedule, the controller's step/version/ledger/token count, the engines' weights and the pool's counters
     are the saved ones (a fresh trainer would have no moments and step 0; a fresh pool no failures). With LoRA
@@ -112,6 +142,7 @@ def test_resume_restores_trainer_state_and_pool_counters_at_another_world_size(t
             return _merged(await _states(run)), await run.workers.actors[0].weight_sums.remote(), run
         finally:
             await run.close()
+
     saved, engine, done = asyncio.run(first())
     assert saved["step"] == 2 and saved["adam_steps"] == {2.0} and saved["exp_avg_sq"] > 0
     state_file = out / "checkpoints" / "step_2" / "state.json"
@@ -127,18 +158,25 @@ def test_resume_restores_trainer_state_and_pool_counters_at_another_world_size(t
             await run.setup()
             await run._load_checkpoint()
             restored, sums = _merged(await _states(run)), await run.workers.actors[0].weight_sums.remote()
-            controller = (run.step, run.version, run.stream, run.generated_tokens,
-                          await run.workers.actors[0].version.remote())
+            controller = (
+                run.step,
+                run.version,
+                run.stream,
+                run.generated_tokens,
+                await run.workers.actors[0].version.remote(),
+            )
             run._resume_from = None  # loaded above
             await run.train()
             return restored, sums, controller
         finally:
             await run.close()
+
     restored, sums, controller = asyncio.run(second())
     for key in ("weights", "exp_avg", "exp_avg_sq"):
         assert restored[key] == pytest.approx(saved[key], rel=1e-6), key
-    assert {k: restored[k] for k in ("adam_steps", "step", "schedule", "lr")} == \
-        {k: saved[k] for k in ("adam_steps", "step", "schedule", "lr")}
+    assert {k: restored[k] for k in ("adam_steps", "step", "schedule", "lr")} == {
+        k: saved[k] for k in ("adam_steps", "step", "schedule", "lr")
+    }
     assert controller == (2, 2, state["stream"], done.generated_tokens, 2)
     assert sums == pytest.approx(engine, rel=1e-6)  # the engines were refit with the checkpoint's weights
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

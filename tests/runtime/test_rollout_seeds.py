@@ -1,6 +1,7 @@
 """A rollout worker (in-process, a scripted engine) seeds each model call of a rollout from the task's seed:
 a ChatAgent asking the same question twice gets two streams, training and evaluation rollouts alike, and the
 same streams when the task runs again."""
+
 from openai import AsyncOpenAI
 
 from molt.agents import ChatAgent, ChatAgentRunner, Result
@@ -24,7 +25,10 @@ async def test_each_call_of_a_worker_rollout_has_its_own_seed(tokenizer):
     engine = ScriptedEngine(tokenizer, ["x"])
     worker = RolloutWorker("unused", "unused")
     worker.engine = RefitGate(engine)
-    worker.server, worker.runner = CaptureServer(worker.engine, ChatRenderer(tokenizer)), ChatAgentRunner(AskTwice)
+    worker.server, worker.runner = (
+        CaptureServer(worker.engine, ChatRenderer(tokenizer)),
+        ChatAgentRunner(AskTwice),
+    )
     await worker.server.start()
     try:
         for train in (True, False, True):

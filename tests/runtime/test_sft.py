@@ -1,6 +1,7 @@
 """`molt sft` (molt.runtime.sft): assistant-only masking token by token on a multi-turn chat with tool calls, the
 loss against a plain transformers cross entropy, and a tiny run that lowers the held-out loss, writes the run
 directory, resumes from its checkpoint and exports a checkpoint `from_pretrained` loads."""
+
 import importlib.util
 import json
 from pathlib import Path
@@ -15,8 +16,13 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "o
 CHAT = [
     {"role": "system", "content": "Use the tools."},
     {"role": "user", "content": "What is 17 + 25?"},
-    {"role": "assistant", "content": "Let me add.", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 17, "b": 25}'}}]},
+    {
+        "role": "assistant",
+        "content": "Let me add.",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 17, "b": 25}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "c1", "content": "42"},
     {"role": "assistant", "content": "It is 42."},
     {"role": "user", "content": "Thanks!"},
@@ -34,11 +40,16 @@ def _make_data(out, **kw):
 def test_assistant_tokens_only_token_by_token(tokenizer):
     ids, mask = encode_chat(tokenizer, CHAT, [ADD])
     text = tokenizer.decode(ids)
-    assert text == tokenizer.apply_chat_template(CHAT, tools=[ADD], tokenize=False)  # the template's rendering
+    assert text == tokenizer.apply_chat_template(
+        CHAT, tools=[ADD], tokenize=False
+    )  # the template's rendering
     # what each token must be, written out: the assistant's turns (tool call and end of turn included) are 1,
     # everything else (system, tools block, user and tool turns, the assistant headers) is 0
-    turns = ['Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call><|im_end|>\n',
-             "It is 42.<|im_end|>\n", "You are welcome.<|im_end|>\n"]
+    turns = [
+        'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call><|im_end|>\n',
+        "It is 42.<|im_end|>\n",
+        "You are welcome.<|im_end|>\n",
+    ]
     expected, pos = [], 0
     for turn in turns:
         start = text.index(turn, pos)
@@ -60,8 +71,12 @@ def test_templates_that_rewrite_earlier_turns_are_refused(tiny_think_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_think_dir)
-    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>x</think>b"},
-            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    chat = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "<think>x</think>b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+    ]
     with pytest.raises(ValueError, match="data.prompt_dataset: row 0: .*renders a prefix"):
         chat_experiences([{"messages": chat}], tok, None, "data.prompt_dataset")
 
@@ -75,8 +90,10 @@ def test_loss_is_the_cross_entropy_of_the_assistant_tokens(tiny_llama_dir, token
     ids = torch.tensor([exps[0].token_ids], dtype=torch.long)
     labels = torch.where(torch.tensor([exps[0].action_mask]).bool(), ids, -100)
     expected = float(AutoModelForCausalLM.from_pretrained(tiny_llama_dir)(ids, labels=labels).loss)
-    actor = Actor.from_pretrained(tiny_llama_dir, **{"fsdp.device": "cpu", "actor.policy_loss": "sft",
-                                                     "algo.advantage.is_correction_level": "off"})
+    actor = Actor.from_pretrained(
+        tiny_llama_dir,
+        **{"fsdp.device": "cpu", "actor.policy_loss": "sft", "algo.advantage.is_correction_level": "off"},
+    )
     assert actor.train_step(exps)["policy_loss"] == pytest.approx(expected, rel=1e-5)
 
 
@@ -90,11 +107,33 @@ def test_sft_run_lowers_heldout_loss_and_resumes(tiny_llama_dir, tmp_path):
     out = tmp_path / "run"
 
     def cfg(steps):
-        return load_config(["--actor.model_name_or_path", str(tiny_llama_dir), "--actor.adam.lr", "3e-3",
-                            "--data.prompt_dataset", str(train), "--data.input_key", "messages", "--eval.dataset",
-                            str(test), "--eval.steps", "3", "--train.batch_size", "8", "--train.max_steps", str(steps),
-                            "--fsdp.packing_samples", "--ckpt.output_dir", str(out), "--ckpt.save_steps", "3"],
-                           prog="molt sft", sft=True)
+        return load_config(
+            [
+                "--actor.model_name_or_path",
+                str(tiny_llama_dir),
+                "--actor.adam.lr",
+                "3e-3",
+                "--data.prompt_dataset",
+                str(train),
+                "--data.input_key",
+                "messages",
+                "--eval.dataset",
+                str(test),
+                "--eval.steps",
+                "3",
+                "--train.batch_size",
+                "8",
+                "--train.max_steps",
+                str(steps),
+                "--fsdp.packing_samples",
+                "--ckpt.output_dir",
+                str(out),
+                "--ckpt.save_steps",
+                "3",
+            ],
+            prog="molt sft",
+            sft=True,
+        )
 
     first = run_sft(cfg(6))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
@@ -128,15 +167,46 @@ def test_molt_train_starts_from_the_sft_export(tiny_llama_dir, tmp_path, ray_loc
     from molt.runtime.sft import run_sft
 
     train, _ = _make_data(tmp_path / "data", n=48)
-    run_sft(load_config(["--actor.model_name_or_path", str(tiny_llama_dir), "--data.prompt_dataset", str(train),
-                         "--data.input_key", "messages", "--train.batch_size", "8", "--train.max_steps", "2",
-                         "--ckpt.output_dir", str(tmp_path / "sft")], prog="molt sft", sft=True))
+    run_sft(
+        load_config(
+            [
+                "--actor.model_name_or_path",
+                str(tiny_llama_dir),
+                "--data.prompt_dataset",
+                str(train),
+                "--data.input_key",
+                "messages",
+                "--train.batch_size",
+                "8",
+                "--train.max_steps",
+                "2",
+                "--ckpt.output_dir",
+                str(tmp_path / "sft"),
+            ],
+            prog="molt sft",
+            sft=True,
+        )
+    )
     agent = Path(__file__).parent / "agents" / "letters_env.py"
     data = Path(__file__).parents[2] / "recipes" / "math" / "data" / "single_train.jsonl"
-    cfg = load_config(["--actor.model_name_or_path", str(tmp_path / "sft" / "policy"), "--train.agent_path",
-                       str(agent), "--data.prompt_dataset", str(data), "--train.max_steps", "2",
-                       "--rollout.n_samples_per_prompt", "4", "--rollout.max_new_tokens", "8",
-                       "--ckpt.output_dir", str(tmp_path / "rl")])
+    cfg = load_config(
+        [
+            "--actor.model_name_or_path",
+            str(tmp_path / "sft" / "policy"),
+            "--train.agent_path",
+            str(agent),
+            "--data.prompt_dataset",
+            str(data),
+            "--train.max_steps",
+            "2",
+            "--rollout.n_samples_per_prompt",
+            "4",
+            "--rollout.max_new_tokens",
+            "8",
+            "--ckpt.output_dir",
+            str(tmp_path / "rl"),
+        ]
+    )
     assert asyncio.run(run_training(cfg))["steps"] == 2
 
 
@@ -155,9 +225,25 @@ def test_sft_checkpoints_at_the_end_and_on_sigterm_and_resumes(tiny_llama_dir, t
     out = tmp_path / "run"
 
     def args(steps):
-        return [sys.executable, "-m", "molt.cli", "sft", "--actor.model_name_or_path", str(tiny_llama_dir),
-                "--data.prompt_dataset", str(train), "--data.input_key", "messages", "--train.batch_size", "4",
-                "--train.max_steps", str(steps), "--ckpt.output_dir", str(out), "--ckpt.no-export-hf"]
+        return [
+            sys.executable,
+            "-m",
+            "molt.cli",
+            "sft",
+            "--actor.model_name_or_path",
+            str(tiny_llama_dir),
+            "--data.prompt_dataset",
+            str(train),
+            "--data.input_key",
+            "messages",
+            "--train.batch_size",
+            "4",
+            "--train.max_steps",
+            str(steps),
+            "--ckpt.output_dir",
+            str(out),
+            "--ckpt.no-export-hf",
+        ]
 
     def steps():
         path = out / "metrics.jsonl"
@@ -174,8 +260,9 @@ def test_sft_checkpoints_at_the_end_and_on_sigterm_and_resumes(tiny_llama_dir, t
     stopped = steps()[-1]
     assert "stopped by SIGTERM; step" in err and 2 <= stopped < 400
     assert (out / "checkpoints" / f"step_{stopped}" / "state.json").is_file()
-    done = subprocess.run(args(stopped + 2), check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                          env=env)
+    done = subprocess.run(
+        args(stopped + 2), check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
     assert done.returncode == 0, done.stderr
     assert steps()[-2:] == [stopped + 1, stopped + 2]  # resumed, not restarted
     assert (out / "checkpoints" / f"step_{stopped + 2}" / "state.json").is_file()  # the final checkpoint

@@ -9,6 +9,7 @@ the job requeues itself, and the next start resumes that very step (docs/slurm.m
 
 The two-node test runs two slurmd nodes, each in a network namespace of its own on this machine, and checks that
 the trainer ranks and rollout workers of a requeued run are placed on both."""
+
 import contextlib
 import json
 import os
@@ -30,7 +31,9 @@ PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 
 
 def _sh(*cmd, env=None, check=True, cwd=None) -> str:
-    return subprocess.run(cmd, env=env, check=check, capture_output=True, text=True, timeout=120, cwd=cwd).stdout
+    return subprocess.run(
+        cmd, env=env, check=check, capture_output=True, text=True, timeout=120, cwd=cwd
+    ).stdout
 
 
 def _munge_ok() -> bool:
@@ -47,9 +50,17 @@ def _install_or_skip() -> None:
     if all(shutil.which(p) for p in ("slurmctld", "slurmd", "sbatch", "munged")):
         return
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        pytest.skip("Slurm is not installed and cannot be (needs root and apt-get): apt-get install " + " ".join(PACKAGES))
-    done = subprocess.run(["apt-get", "install", "-y", "-q", *PACKAGES], check=False, capture_output=True,
-                          text=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        pytest.skip(
+            "Slurm is not installed and cannot be (needs root and apt-get): apt-get install "
+            + " ".join(PACKAGES)
+        )
+    done = subprocess.run(
+        ["apt-get", "install", "-y", "-q", *PACKAGES],
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+    )
     if done.returncode:
         pytest.skip(f"apt-get install {' '.join(PACKAGES)} failed: {done.stderr[-500:]}")
 
@@ -63,7 +74,9 @@ def _start_munge() -> subprocess.Popen | None:
         shutil.chown(d, "munge", "munge")
     if not os.path.exists("/etc/munge/munge.key"):
         _sh("runuser", "-u", "munge", "--", "mungekey", "-c")
-    proc = subprocess.Popen(["runuser", "-u", "munge", "--", "munged", "-F"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        ["runuser", "-u", "munge", "--", "munged", "-F"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     _wait(_munge_ok, 30, "munged")
     return proc
 
@@ -114,10 +127,19 @@ class Slurm:
         for sub in ("state", "spool"):
             (d / sub).mkdir(parents=True)
         mem = psutil.virtual_memory().total // 2**20 * 9 // 10 // len(self.nodes)
-        lines = [f"NodeName={n}" + (f" NodeAddr={a} NodeHostname={host}" if a else "") +
-                 f" CPUs={os.cpu_count()} RealMemory={mem} State=UNKNOWN" for n, a in self.nodes.items()]
-        conf = CONF.format(ctld=f"{host}({BRIDGE})" if nodes else host, ctld_port=_free_port(),
-                           slurmd_port=_free_port(), d=d, nodes="\n".join(lines))
+        lines = [
+            f"NodeName={n}"
+            + (f" NodeAddr={a} NodeHostname={host}" if a else "")
+            + f" CPUs={os.cpu_count()} RealMemory={mem} State=UNKNOWN"
+            for n, a in self.nodes.items()
+        ]
+        conf = CONF.format(
+            ctld=f"{host}({BRIDGE})" if nodes else host,
+            ctld_port=_free_port(),
+            slurmd_port=_free_port(),
+            d=d,
+            nodes="\n".join(lines),
+        )
         (d / "slurm.conf").write_text(conf)
         self.env = {**os.environ, "SLURM_CONF": str(d / "slurm.conf")}
         self.daemons: list[subprocess.Popen] = []
@@ -125,16 +147,24 @@ class Slurm:
     def start(self) -> None:
         d = self.d
         # nsenter, not `ip netns exec`: that mounts a fresh /sys, where slurmd finds no cgroup file system
-        cmds = [["slurmctld", "-D"]] + [["nsenter", f"--net=/run/netns/{n}", "slurmd", "-D", "-N", n] if a
-                                        else ["slurmd", "-D"] for n, a in self.nodes.items()]
+        cmds = [["slurmctld", "-D"]] + [
+            ["nsenter", f"--net=/run/netns/{n}", "slurmd", "-D", "-N", n] if a else ["slurmd", "-D"]
+            for n, a in self.nodes.items()
+        ]
         logs = ["slurmctld.log"] + [f"slurmd-{n}.log" for n in self.nodes]
-        self.daemons = [subprocess.Popen(c, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                        for c in cmds]
+        self.daemons = [
+            subprocess.Popen(c, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for c in cmds
+        ]
+
         def idle():
             for p, log in zip(self.daemons, logs):
-                assert p.poll() is None, f"{p.args} exited: {(d / log).read_text()[-2000:] if (d / log).exists() else ''}"
+                assert p.poll() is None, (
+                    f"{p.args} exited: {(d / log).read_text()[-2000:] if (d / log).exists() else ''}"
+                )
             out = self.run("sinfo", "-h", "-N", "-o", "%N %T", check=False)
             return {line.split()[0] for line in out.splitlines() if line.endswith(" idle")} >= set(self.nodes)
+
         _wait(idle, 60, "the nodes to be idle in sinfo")
 
     def run(self, *cmd, check=True) -> str:
@@ -159,10 +189,12 @@ BRIDGE, NODES = "10.77.0.1", {"molt-n1": "10.77.0.11", "molt-n2": "10.77.0.12"}
 def namespaces():
     """A bridge with this host at BRIDGE and a network namespace per node of NODES on it (a veth pair each):
     each node its own address, all traffic between them inside what this creates; removed on the way out."""
+
     def remove():
         for n in NODES:
             subprocess.run(["ip", "netns", "del", n], check=False, capture_output=True)  # its veth end too
         subprocess.run(["ip", "link", "del", "br-molt"], check=False, capture_output=True)
+
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("nsenter"):
         pytest.skip("two Slurm nodes on one host need root, ip (iproute2) and nsenter")
     remove()  # an interrupted run's
@@ -174,8 +206,12 @@ def namespaces():
             _sh("ip", "netns", "add", n)
             _sh("ip", "link", "add", f"veth-molt{k}", "type", "veth", "peer", "name", "eth0", "netns", n)
             _sh("ip", "link", "set", f"veth-molt{k}", "master", "br-molt", "up")
-            for cmd in (["addr", "add", f"{addr}/24", "dev", "eth0"], ["link", "set", "eth0", "up"],
-                        ["link", "set", "lo", "up"], ["route", "add", "default", "via", BRIDGE]):
+            for cmd in (
+                ["addr", "add", f"{addr}/24", "dev", "eth0"],
+                ["link", "set", "eth0", "up"],
+                ["link", "set", "lo", "up"],
+                ["route", "add", "default", "via", BRIDGE],
+            ):
                 _sh("ip", "-n", n, *cmd)
         yield NODES
     finally:
@@ -214,16 +250,48 @@ class Job:
     """A tiny-model run of `steps` steps submitted through scripts/slurm.sbatch from directory `d`."""
 
     def __init__(self, slurm: Slurm, d: Path, tiny: Path, steps: int, nodes: int, *args: str):
-        env = {**slurm.env, "PY": str(Path(sys.executable).parent), "PYTHONPATH": str(ROOT),
-               "RAY_PORT": str(_free_port() % 3000 + 6380)}  # below Ray's worker ports (10002-19999)
-        args = ("--actor.model_name_or_path", str(tiny), "--train.agent_path", str(AGENT), "--data.prompt_dataset",
-                str(ROOT / "recipes/math/data/single_train.jsonl"), "--rollout.batch_size", "2",
-                "--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "8", "--train.max_steps",
-                str(steps), "--train.max_staleness", "0", "--ckpt.save_steps", "1", "--rollout.no_engine_process", *args)
+        env = {
+            **slurm.env,
+            "PY": str(Path(sys.executable).parent),
+            "PYTHONPATH": str(ROOT),
+            "RAY_PORT": str(_free_port() % 3000 + 6380),
+        }  # below Ray's worker ports (10002-19999)
+        args = (
+            "--actor.model_name_or_path",
+            str(tiny),
+            "--train.agent_path",
+            str(AGENT),
+            "--data.prompt_dataset",
+            str(ROOT / "recipes/math/data/single_train.jsonl"),
+            "--rollout.batch_size",
+            "2",
+            "--rollout.n_samples_per_prompt",
+            "2",
+            "--rollout.max_new_tokens",
+            "8",
+            "--train.max_steps",
+            str(steps),
+            "--train.max_staleness",
+            "0",
+            "--ckpt.save_steps",
+            "1",
+            "--rollout.no_engine_process",
+            *args,
+        )
         self.slurm, self.steps, self.log, self.t0 = slurm, steps, d / "job.out", time.time()
-        self.id = _sh("sbatch", "--parsable", f"--nodes={nodes}", f"--output={self.log}",
-                      str(ROOT / "scripts/slurm.sbatch"), *args, env=env, cwd=d).strip()
-        self.out = d / f"runs/slurm-{self.id}"  # the script's default run directory, under the submit directory
+        self.id = _sh(
+            "sbatch",
+            "--parsable",
+            f"--nodes={nodes}",
+            f"--output={self.log}",
+            str(ROOT / "scripts/slurm.sbatch"),
+            *args,
+            env=env,
+            cwd=d,
+        ).strip()
+        self.out = (
+            d / f"runs/slurm-{self.id}"
+        )  # the script's default run directory, under the submit directory
         print(f"\nslurm-test: submitted job {self.id} on {nodes} node(s)")
 
     def text(self) -> str:
@@ -231,11 +299,16 @@ class Job:
 
     def running(self, restart: int, steps: int) -> None:
         """Waits until start `restart` of the job has trained and checkpointed step `steps`."""
+
         def reached():
             state = self.slurm.job(self.id)["JobState"]
             assert state not in ENDED, f"job {self.id} {state}; log:\n{self.text()[-3000:]}"
-            return (f"restart {restart}," in self.text() and _steps(self.out) >= steps
-                    and _checkpoints(self.out)[-1:] >= [steps])
+            return (
+                f"restart {restart}," in self.text()
+                and _steps(self.out) >= steps
+                and _checkpoints(self.out)[-1:] >= [steps]
+            )
+
         _wait(reached, 600, f"restart {restart} to train step {steps}; log:\n{self.text()[-3000:]}")
 
     def requeue(self) -> int:
@@ -248,13 +321,18 @@ class Job:
     def completed(self, restarts: int) -> tuple[list[int], str]:
         """Waits for the job to complete by itself after `restarts` restarts, checks the exactly-once ledger and
         the optimizer's step count; the steps its starts resumed, and its log."""
-        _wait(lambda: self.slurm.job(self.id)["JobState"] == "COMPLETED", 900,
-              f"job {self.id} to complete; log:\n{self.text()[-3000:]}")
+        _wait(
+            lambda: self.slurm.job(self.id)["JobState"] == "COMPLETED",
+            900,
+            f"job {self.id} to complete; log:\n{self.text()[-3000:]}",
+        )
         log = self.text()
         resumed = [int(s) for s in re.findall(r"molt: resuming from .*step_(\d+)", log)]
         codes = re.findall(r"molt train exited with (\d+)", log)
-        print(f"slurm-test: restarts {self.slurm.job(self.id)['Restarts']}, resumed from steps {resumed}, exit codes "
-              f"of molt train: {codes}")
+        print(
+            f"slurm-test: restarts {self.slurm.job(self.id)['Restarts']}, resumed from steps {resumed}, exit codes "
+            f"of molt train: {codes}"
+        )
         assert self.slurm.job(self.id)["Restarts"] == str(restarts), log[-3000:]
         assert log.count("molt-slurm: molt train exited with 0") == 1
         check_exactly_once(self.out, self.steps)
@@ -263,9 +341,13 @@ class Job:
 
         state = {"train": {"step": -1}}
         dcp.load(state, checkpoint_id=str(self.out / "checkpoints" / f"step_{self.steps}" / "trainer"))
-        assert state["train"]["step"] == self.steps  # one optimizer step a training step: none lost, none repeated
-        print(f"slurm-test: ledger exactly-once over {self.steps} steps, optimizer steps {state['train']['step']}; "
-              f"wall time {time.time() - self.t0:.0f} s")
+        assert (
+            state["train"]["step"] == self.steps
+        )  # one optimizer step a training step: none lost, none repeated
+        print(
+            f"slurm-test: ledger exactly-once over {self.steps} steps, optimizer steps {state['train']['step']}; "
+            f"wall time {time.time() - self.t0:.0f} s"
+        )
         return resumed, log
 
 
@@ -277,13 +359,22 @@ def test_sbatch_run_requeued_and_preempted_resumes_exactly_once(slurm, tiny_llam
     ckpt_before = job.requeue()
     job.running(1, ckpt_before + 2)
     preempt_at = _steps(job.out)
-    high = slurm.run("sbatch", "--parsable", "--partition=high", "--nodes=1", f"--output={tmp_path}/high.out",
-                     "--wrap", "sleep 1").strip()
+    high = slurm.run(
+        "sbatch",
+        "--parsable",
+        "--partition=high",
+        "--nodes=1",
+        f"--output={tmp_path}/high.out",
+        "--wrap",
+        "sleep 1",
+    ).strip()
     print(f"slurm-test: job {high} in the high partition preempts job {job.id} at step {preempt_at}")
     resumed, log = job.completed(restarts=2)
     stopped = [int(s) for s in re.findall(r"stopped by SIGTERM; step (\d+) is checkpointed", log)]
     print(f"slurm-test: the preempted run checkpointed step {stopped[-1:]}")
-    assert resumed[0] >= ckpt_before  # the checkpoint the requeue found (the step in progress may have finished)
+    assert (
+        resumed[0] >= ckpt_before
+    )  # the checkpoint the requeue found (the step in progress may have finished)
     assert len(resumed) == 2 and resumed[1] == stopped[-1] >= preempt_at  # preempted: nothing redone
 
 
@@ -310,7 +401,9 @@ def test_two_node_sbatch_run_spans_both_nodes_and_resumes_exactly_once(tiny_llam
     one rollout worker, and a requeued run resumes with the exactly-once ledger."""
     with namespaces() as nodes, cluster(tmp_path / "slurm", nodes) as slurm:
         print(f"\nslurm-test: nodes {slurm.run('srun', '-N2', '-l', 'hostname', '-I').split()}")
-        job = Job(slurm, tmp_path, tiny_llama_dir, 4, 2, "--train.num_ranks", "2", "--rollout.num_workers", "2")
+        job = Job(
+            slurm, tmp_path, tiny_llama_dir, 4, 2, "--train.num_ranks", "2", "--rollout.num_workers", "2"
+        )
         job.running(0, 1)
         placement = _placement(nodes)
         print(f"slurm-test: placement {placement}")

@@ -1,6 +1,7 @@
 """End to end on a tiny real model: Ray workers (engine + capture server + agent), the pool, FSDP trainer ranks,
 weight refit through the object store (or the collective group). Each run trains a few steps and we read what
 it wrote."""
+
 import asyncio
 import json
 import sys
@@ -48,20 +49,41 @@ def _by_group(rows):
 
 
 def _dumped_versions(out):
-    return {int(p.stem.split("_")[1]): [r["versions"] for r in _read(out, f"dumps/{p.name}")]
-            for p in (Path(out) / "dumps").glob("step_*.jsonl")}
+    return {
+        int(p.stem.split("_")[1]): [r["versions"] for r in _read(out, f"dumps/{p.name}")]
+        for p in (Path(out) / "dumps").glob("step_*.jsonl")
+    }
 
 
 def test_env_sync_trains_on_policy(tiny_llama_dir, tmp_path, ray_local):
     out = tmp_path / "run"
-    summary = asyncio.run(run_training(_cfg(tiny_llama_dir, out, train__max_staleness=0, ckpt__save_steps=1,
-                                            ckpt__save_hf=True, rollout__engine_process=True)))
+    summary = asyncio.run(
+        run_training(
+            _cfg(
+                tiny_llama_dir,
+                out,
+                train__max_staleness=0,
+                ckpt__save_steps=1,
+                ckpt__save_hf=True,
+                rollout__engine_process=True,
+            )
+        )
+    )
     assert summary["steps"] == 3
     assert _assert_logprobs_match_versions(tiny_llama_dir, out) == {0, 1, 2}  # the engines got each refit
     metrics = _read(out, "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
-    for key in ("rollout/reward_mean", "group_reward_std", "policy_loss", "actor_grad_norm", "timing/generation",
-                "timing/policy_train", "timing/broadcast", "timing/step_total", "rollout/staleness_max"):
+    for key in (
+        "rollout/reward_mean",
+        "group_reward_std",
+        "policy_loss",
+        "actor_grad_norm",
+        "timing/generation",
+        "timing/policy_train",
+        "timing/broadcast",
+        "timing/step_total",
+        "rollout/staleness_max",
+    ):
         assert key in metrics[0], key
     assert all(m["rollout/staleness_max"] == 0 for m in metrics)  # synchronous: on-policy
     assert all(m["rollout/segments_per_rollout"] == 1 for m in metrics)
@@ -72,7 +94,9 @@ def test_env_sync_trains_on_policy(tiny_llama_dir, tmp_path, ray_local):
         rewards = [r["reward"] for r in rollouts]
         mean = sum(rewards) / 4
         std = (sum((x - mean) ** 2 for x in rewards) / 3) ** 0.5
-        assert [r["advantage"] for r in rollouts] == pytest.approx([(x - mean) / (std + 1e-6) for x in rewards])
+        assert [r["advantage"] for r in rollouts] == pytest.approx(
+            [(x - mean) / (std + 1e-6) for x in rewards]
+        )
     assert any(r["advantage"] != 0 for r in dump)  # the rewards were not all equal
     ledger = _read(out, "ledger.jsonl")
     assert len(ledger) == 6 and len({tuple(r["key"]) for r in ledger}) == 6
@@ -86,8 +110,18 @@ def test_env_sync_trains_on_policy(tiny_llama_dir, tmp_path, ray_local):
 
 def test_env_async_partial_rollout_mixes_versions_within_bound(tiny_llama_dir, tmp_path, ray_local):
     out = tmp_path / "run"
-    asyncio.run(run_training(_cfg(tiny_llama_dir, out, train__max_staleness=2, train__partial_rollout_enable=True,
-                                  train__max_steps=5, algo__dynamic_filtering_enable=True)))
+    asyncio.run(
+        run_training(
+            _cfg(
+                tiny_llama_dir,
+                out,
+                train__max_staleness=2,
+                train__partial_rollout_enable=True,
+                train__max_steps=5,
+                algo__dynamic_filtering_enable=True,
+            )
+        )
+    )
     metrics = _read(out, "metrics.jsonl")
     assert max(m["rollout/staleness_max"] for m in metrics) <= 2
     dumped = _dumped_versions(out)
@@ -102,9 +136,19 @@ def test_env_async_partial_rollout_mixes_versions_within_bound(tiny_llama_dir, t
 @pytest.mark.parametrize(("agent", "staleness"), [("sdk_agent.py", 0), ("anthropic_agent.py", 2)])
 def test_chat_agent_sdk_paths_train(tiny_llama_dir, tmp_path, ray_local, agent, staleness):
     out = tmp_path / "run"
-    summary = asyncio.run(run_training(_cfg(tiny_llama_dir, out, agent, train__max_staleness=staleness,
-                                            train__partial_rollout_enable=staleness > 0, train__max_steps=2,
-                                            rollout__engine_process=staleness > 0)))  # pause, resume: its IPC
+    summary = asyncio.run(
+        run_training(
+            _cfg(
+                tiny_llama_dir,
+                out,
+                agent,
+                train__max_staleness=staleness,
+                train__partial_rollout_enable=staleness > 0,
+                train__max_steps=2,
+                rollout__engine_process=staleness > 0,
+            )
+        )
+    )  # pause, resume: its IPC
     assert summary["steps"] == 2
     assert max(m["rollout/staleness_max"] for m in _read(out, "metrics.jsonl")) <= staleness
     rows = _read(out, "dumps/step_2.jsonl")
@@ -123,8 +167,19 @@ def test_faults_are_counted_and_the_run_completes(tiny_llama_dir, tmp_path, ray_
 
     out = tmp_path / "run"
     # a timeout far above a good rollout's time on a busy machine (one hanging group in the first 3 steps)
-    asyncio.run(run_training(_cfg(tiny_llama_dir, out, "faulty_env.py", train__max_staleness=0, train__max_steps=3,
-                                  rollout__timeout_s=10.0, rollout__max_failed_retries=3)))
+    asyncio.run(
+        run_training(
+            _cfg(
+                tiny_llama_dir,
+                out,
+                "faulty_env.py",
+                train__max_staleness=0,
+                train__max_steps=3,
+                rollout__timeout_s=10.0,
+                rollout__max_failed_retries=3,
+            )
+        )
+    )
     rows = [json.loads(line) for line in (DATA / "single_train.jsonl").read_text().splitlines()]
     metrics, ledger = _read(out, "metrics.jsonl"), _read(out, "ledger.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
@@ -136,9 +191,11 @@ def test_faults_are_counted_and_the_run_completes(tiny_llama_dir, tmp_path, ray_
         good += 1
         if good % 2 == 0:
             step, kinds = good // 2, [k for _, k in order]
-            expected = {"rollout/failed/agent_error": 4 * kinds.count("agent_error"),
-                        "rollout/failed/timeout": 4 * kinds.count("timeout"),
-                        "rollout/dropped/group_failed": len(kinds) - good}
+            expected = {
+                "rollout/failed/agent_error": 4 * kinds.count("agent_error"),
+                "rollout/failed/timeout": 4 * kinds.count("timeout"),
+                "rollout/dropped/group_failed": len(kinds) - good,
+            }
             assert {k: metrics[step - 1].get(k, 0) for k in expected} == expected, step
             trained = sorted(tuple(r["key"]) for r in ledger if r["step"] <= step)
             assert trained == sorted(tuple(key) for key, k in order if k is None), step
@@ -150,14 +207,24 @@ def test_faults_are_counted_and_the_run_completes(tiny_llama_dir, tmp_path, ray_
 def test_eval_only_mode(tiny_llama_dir, tmp_path, ray_local):
     """label_env.py scores by the prompt alone (even label: 1) and crashes on labels divisible by 3."""
     out = tmp_path / "run"
-    cfg = _cfg(tiny_llama_dir, out, "label_env.py", eval__only=True, eval__n_samples_per_prompt=2,
-               eval__dataset=str(DATA / "single_test.jsonl"))
+    cfg = _cfg(
+        tiny_llama_dir,
+        out,
+        "label_env.py",
+        eval__only=True,
+        eval__n_samples_per_prompt=2,
+        eval__dataset=str(DATA / "single_test.jsonl"),
+    )
     summary = asyncio.run(run_training(cfg))
-    labels = [int(json.loads(line)["label"]) for line in (DATA / "single_test.jsonl").read_text().splitlines()]
+    labels = [
+        int(json.loads(line)["label"]) for line in (DATA / "single_test.jsonl").read_text().splitlines()
+    ]
     right = sum(x % 2 == 0 and x % 3 != 0 for x in labels) / len(labels)  # a crash counts as wrong
     assert summary["steps"] == 0 and summary["base_eval_accuracy"] == pytest.approx(right)
     (row,) = _read(out, "metrics.jsonl")
-    assert row["step"] == 0 and row["eval_single_test_pass2"] == row["eval_single_test_avg2"] == pytest.approx(right)
+    assert row["step"] == 0 and row["eval_single_test_pass2"] == row[
+        "eval_single_test_avg2"
+    ] == pytest.approx(right)
     assert row["eval/failed"] == 2 * sum(x % 3 == 0 for x in labels)
     assert not (out / "ledger.jsonl").exists() and not (out / "policy").exists()  # nothing trained
 
@@ -174,17 +241,31 @@ def test_refit_leaves_the_engine_with_the_trained_weights(tiny_llama_dir, tmp_pa
     from molt.runtime.loop import Run
 
     out = tmp_path / "run"
-    cfg = _cfg(tiny_llama_dir, out, train__weight_sync=sync, train__max_staleness=1, train__max_steps=3,
-               rollout__num_workers=2, ckpt__save_steps=1, ckpt__save_hf=True, rollout__engine_process=True)
+    cfg = _cfg(
+        tiny_llama_dir,
+        out,
+        train__weight_sync=sync,
+        train__max_staleness=1,
+        train__max_steps=3,
+        rollout__num_workers=2,
+        ckpt__save_steps=1,
+        ckpt__save_hf=True,
+        rollout__engine_process=True,
+    )
 
     async def main():
         run = Run(cfg)
         try:
             await run.setup()
             summary = await run.train()
-            return summary, [await w.weight_sums.remote() for w in run.workers.actors], await run.workers.actors[0].version.remote()
+            return (
+                summary,
+                [await w.weight_sums.remote() for w in run.workers.actors],
+                await run.workers.actors[0].version.remote(),
+            )
         finally:
             await run.close()
+
     summary, sums, version = asyncio.run(main())
     assert summary["steps"] == 3 and version == 3
     versions = _assert_logprobs_match_versions(tiny_llama_dir, out)
@@ -200,8 +281,18 @@ def test_refit_leaves_the_engine_with_the_trained_weights(tiny_llama_dir, tmp_pa
 
 def test_gae_trains_the_critic_next_to_the_actor(tiny_llama_dir, tmp_path, ray_local):
     out = tmp_path / "run"  # packed micro-batches, for the actor and the critic, over two FSDP2 ranks
-    summary = asyncio.run(run_training(_cfg(tiny_llama_dir, out, algo__advantage=_gae(), train__max_steps=2,
-                                            train__num_ranks=2, fsdp__packing_samples=True)))
+    summary = asyncio.run(
+        run_training(
+            _cfg(
+                tiny_llama_dir,
+                out,
+                algo__advantage=_gae(),
+                train__max_steps=2,
+                train__num_ranks=2,
+                fsdp__packing_samples=True,
+            )
+        )
+    )
     assert summary["steps"] == 2
     metrics = _read(out, "metrics.jsonl")
     # step 1 by hand: the value head starts at zero, so V = 0, delta_t = r_t (the reward on the last action
@@ -250,8 +341,11 @@ def _assert_logprobs_match_versions(base_dir, out) -> set[int]:
             for v in versions:
                 weights = base_dir if v == 0 else Path(out) / "checkpoints" / f"step_{v}" / "hf"
                 ref = reference_logprobs(weights, row["token_ids"], 1.0)
-                got = [(b, r) for b, r, m, w in zip(row["behavior_logprobs"], ref, row["action_mask"],
-                                                    row["versions"]) if m and w == v]
+                got = [
+                    (b, r)
+                    for b, r, m, w in zip(row["behavior_logprobs"], ref, row["action_mask"], row["versions"])
+                    if m and w == v
+                ]
                 assert [b for b, _ in got] == pytest.approx([r for _, r in got], abs=2e-3), (step, v)
     return seen
 

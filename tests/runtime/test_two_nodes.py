@@ -4,6 +4,7 @@ A worker on node A offloads segment payloads into node A's object store; a train
 by reference. The payload is fetched from node A (its only location before the fetch), and the controller, which
 only passes records with references, never has the payload in its process.
 """
+
 import numpy as np
 import pytest
 import ray
@@ -15,8 +16,13 @@ from molt.types import Segment, Trajectory
 @ray.remote(num_cpus=0, resources={"node_a": 1})
 class Producer:
     def make(self, n_tokens: int, image_mb: int):
-        seg = Segment(list(range(n_tokens)), [1] * n_tokens, [-0.5] * n_tokens, [0] * n_tokens,
-                      images=np.ones(image_mb << 20, dtype=np.uint8))
+        seg = Segment(
+            list(range(n_tokens)),
+            [1] * n_tokens,
+            [-0.5] * n_tokens,
+            [0] * n_tokens,
+            images=np.ones(image_mb << 20, dtype=np.uint8),
+        )
         return outcome_from_trajectory(Trajectory("r0", "g0", [seg], reward=1.0), offload=True)
 
     def node(self):
@@ -83,6 +89,7 @@ def test_a_run_joins_an_existing_cluster_by_address(two_nodes, tiny_llama_dir, t
             return await run.train(), nodes, gcs
         finally:
             await run.close()
+
     summary, nodes, gcs = asyncio.run(main())
     assert summary["steps"] == 1 and len(nodes) == 2 and gcs == two_nodes.address
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1

@@ -2,6 +2,7 @@
 VLLMEngine, the FSDP trainer, and the refit vLLM takes by default (train.weight_sync auto: the collective group,
 gloo on a CPU). Slow (vLLM's start-up takes minutes here): `.venv-vllm/bin/pytest -m 'vllm and slow'
 tests/runtime/test_vllm_train.py`."""
+
 import asyncio
 import importlib.util
 
@@ -10,9 +11,14 @@ from test_train_e2e import _assert_logprobs_match_versions, _cfg, _read
 
 from molt.runtime.loop import run_training
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800),
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                 reason="vLLM is not installed (`make vllm`)")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.timeout(1800),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (`make vllm`)"
+    ),
+]
 
 
 def test_train_on_vllm_with_collective_refit(tmp_path, ray_local, monkeypatch):
@@ -23,7 +29,9 @@ def test_train_on_vllm_with_collective_refit(tmp_path, ray_local, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: plenty for a tiny model
     model = build_tiny_llama(tmp_path / "tiny", hidden_size=256)  # head_dim 64: vLLM's CPU attention takes it
     out = tmp_path / "run"
-    cfg = _cfg(model, out, rollout__engine="vllm", train__max_staleness=0, ckpt__save_steps=1, ckpt__save_hf=True)
+    cfg = _cfg(
+        model, out, rollout__engine="vllm", train__max_staleness=0, ckpt__save_steps=1, ckpt__save_hf=True
+    )
     cfg.vllm.engine_args = {"enforce_eager": "true"}  # no compile: starts faster
     summary = asyncio.run(run_training(cfg))
     assert summary["steps"] == 3

@@ -2,6 +2,7 @@
 returns only after the requests in flight have finished, so no completion mixes policy versions; requests
 that arrive during the refit run afterwards on the new version. Ordered by events, not by time: the engine
 holds the second half of its reply until the test releases it."""
+
 import asyncio
 
 from molt.runtime.worker import RefitGate, RolloutWorker
@@ -38,8 +39,13 @@ def test_weights_cross_the_object_store_packed(ray_local):
 
     from molt.engine.base import pack_weights, unpack_weights
 
-    bucket = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)), ("c", torch.tensor(7)),
-              ("d", torch.arange(12.0).view(3, 4).t()), ("e", torch.zeros(0, 2, dtype=torch.int64))]
+    bucket = [
+        ("a", torch.randn(3, 4)),
+        ("b", torch.randn(5).to(torch.bfloat16)),
+        ("c", torch.tensor(7)),
+        ("d", torch.arange(12.0).view(3, 4).t()),
+        ("e", torch.zeros(0, 2, dtype=torch.int64)),
+    ]
     back = unpack_weights(ray.get(ray.put(pack_weights(bucket))))
     assert [n for n, _ in back] == [n for n, _ in bucket]
     for (_, t), (_, u) in zip(bucket, back):

@@ -1,12 +1,16 @@
 """The tiny checkpoints load through the real from_pretrained path and their templates behave."""
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
 CONV = [
     {"role": "user", "content": "What is 2+2?"},
-    {"role": "assistant", "content": "<think>add</think>\nCalling.",
-     "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": '{"x": "2+2"}'}}]},
+    {
+        "role": "assistant",
+        "content": "<think>add</think>\nCalling.",
+        "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": '{"x": "2+2"}'}}],
+    },
     {"role": "tool", "content": "4"},
     {"role": "assistant", "content": "<think>done</think>\nIt is 4."},
     {"role": "user", "content": "thanks"},
@@ -34,7 +38,9 @@ def test_tool_template_renders_calls_and_tool_turns(tiny_llama_dir):
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     text = tok.apply_chat_template(CONV, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     assert '"name": "calc"' in text.split("</tools>")[0]  # tool schema in the system block
-    assert 'Calling.\n<tool_call>\n{"name": "calc", "arguments": {"x": "2+2"}}\n</tool_call><|im_end|>' in text
+    assert (
+        'Calling.\n<tool_call>\n{"name": "calc", "arguments": {"x": "2+2"}}\n</tool_call><|im_end|>' in text
+    )
     assert "<|im_start|>tool\n4<|im_end|>\n" in text
     assert text.endswith("<|im_start|>user\nthanks<|im_end|>\n<|im_start|>assistant\n")
     # markers are single tokens, as in Qwen vocabularies

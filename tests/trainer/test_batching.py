@@ -1,4 +1,5 @@
 """Micro-batch planning and collation."""
+
 import pytest
 import torch
 
@@ -23,14 +24,31 @@ def test_plan_by_count_and_whole_window():
 
 
 def _exp(ids, mask, **kw):
-    return Experience(rollout_id="r", group_id="g", segment_index=0, reward=0.0, num_tokens=len(ids),
-                      num_actions=sum(mask), min_version=0, token_ids=ids, action_mask=mask,
-                      behavior_logprobs=[-1.0 * m for m in mask], versions=[0] * len(ids), **kw)
+    return Experience(
+        rollout_id="r",
+        group_id="g",
+        segment_index=0,
+        reward=0.0,
+        num_tokens=len(ids),
+        num_actions=sum(mask),
+        min_version=0,
+        token_ids=ids,
+        action_mask=mask,
+        behavior_logprobs=[-1.0 * m for m in mask],
+        versions=[0] * len(ids),
+        **kw,
+    )
 
 
 def test_collate_right_pads_and_checks_inputs():
-    mb = collate([_exp([1, 2, 3], [0, 1, 1], advantages=[0, 1, 1], temperature=0.5),
-                  _exp([4, 5], [0, 1], advantages=[0, 2])], pad_id=9, device=torch.device("cpu"))
+    mb = collate(
+        [
+            _exp([1, 2, 3], [0, 1, 1], advantages=[0, 1, 1], temperature=0.5),
+            _exp([4, 5], [0, 1], advantages=[0, 2]),
+        ],
+        pad_id=9,
+        device=torch.device("cpu"),
+    )
     assert mb.input_ids.tolist() == [[1, 2, 3], [4, 5, 9]]
     assert mb.attention_mask.tolist() == [[1, 1, 1], [1, 1, 0]]
     assert mb.action_mask.tolist() == [[False, True, True], [False, True, False]]

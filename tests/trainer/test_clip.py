@@ -1,6 +1,7 @@
 """`molt.trainer.parallel.clip_grad_norm` against torch's reference `torch.nn.utils.clip_grad_norm_`: the same
 total norm before clipping and the same clipped gradients, above and below the threshold, and no clipping at
 max_norm 0."""
+
 import pytest
 import torch
 
@@ -28,5 +29,7 @@ def test_clip_grad_norm_matches_torch(scale, max_norm):
         else:
             assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-7)
     if max_norm > 0 and float(want) > max_norm:  # clipping happened: the clipped norm is the threshold
-        assert float(torch.cat([p.grad.flatten() for p in ours[:4]]).norm()) == pytest.approx(max_norm, rel=1e-5)
+        assert float(torch.cat([p.grad.flatten() for p in ours[:4]]).norm()) == pytest.approx(
+            max_norm, rel=1e-5
+        )
     assert clip_grad_norm([torch.nn.Parameter(torch.zeros(2))], 1.0) == 0.0  # nothing to clip

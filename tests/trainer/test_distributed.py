@@ -1,6 +1,7 @@
 """2-rank FSDP2 (gloo) against a single process on the same windows: losses, gradient norms and updated
 parameters agree within 1e-5 for two micro-batch splits; DCP save at step k and resume reproduce steps k+1, k+2;
 a tensor-parallel step (DTensor over a (dp=1, tp=2) mesh, composed with FSDP2) matches too."""
+
 import socket
 
 import pytest
@@ -43,8 +44,16 @@ def _max_diff(a: dict, b: dict) -> float:
 def test_two_ranks_match_single_process(two_rank, single, split, tiny_llama_dir):
     dist = two_rank[split]
     for step, (m2, m1) in enumerate(zip(dist["metrics"], single["metrics"])):
-        for key in ("policy_loss", "actor_grad_norm", "policy/pg_loss", "policy/entropy", "is/retained_frac",
-                    "is/logprob_gap", "actor_lr", "actor_window_tokens"):
+        for key in (
+            "policy_loss",
+            "actor_grad_norm",
+            "policy/pg_loss",
+            "policy/entropy",
+            "is/retained_frac",
+            "is/logprob_gap",
+            "actor_lr",
+            "actor_window_tokens",
+        ):
             assert m2[key] == pytest.approx(m1[key], abs=1e-5, rel=1e-5), (step, key)
         assert m1["actor_grad_norm"] > 1e-3  # something was actually compared
         assert 0.0 < m1["is/retained_frac"] < 1.0  # the clip band was active

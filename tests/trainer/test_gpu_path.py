@@ -1,5 +1,6 @@
 """The GPU path's properties, checked on the CPU: vocabulary matmuls in the compute dtype, no device reads
 per micro-batch, and FSDP2's mixed precision on a one-rank mesh with one weight cast per step."""
+
 import traceback
 
 import pytest
@@ -11,8 +12,14 @@ from molt.trainer.logprobs import gathered_logprobs
 
 aten = torch.ops.aten
 # ops that make the host wait for the device on CUDA (a value read back, or an output size that depends on data)
-SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
-            aten._unique2.default, aten.unique_consecutive.default, aten.repeat_interleave.Tensor}
+SYNC_OPS = {
+    aten._local_scalar_dense.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten._unique2.default,
+    aten.unique_consecutive.default,
+    aten.repeat_interleave.Tensor,
+}
 
 
 def _tensors(x) -> list[torch.Tensor]:
@@ -26,8 +33,10 @@ def _tensors(x) -> list[torch.Tensor]:
 def _host_side() -> bool:
     """Ops that run on host tensors on a GPU too: collation (before the copy to the device) and the
     optimizer's step counters (CPU tensors unless capturable)."""
-    return any(f.filename.endswith(("molt/trainer/batching.py", "torch/optim/adam.py", "torch/optim/optimizer.py"))
-               for f in traceback.extract_stack())
+    return any(
+        f.filename.endswith(("molt/trainer/batching.py", "torch/optim/adam.py", "torch/optim/optimizer.py"))
+        for f in traceback.extract_stack()
+    )
 
 
 class Recorder(TorchDispatchMode):
@@ -44,12 +53,20 @@ class Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         inputs = _tensors(list(args) + list(kwargs.values()))
         bool_index = func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
-            t.dtype == torch.bool for t in _tensors(args[1:2]))
+            t.dtype == torch.bool for t in _tensors(args[1:2])
+        )
         sync = (func in SYNC_OPS or bool_index) and not _host_side()
-        self.calls.append((func, [(t.dtype, tuple(t.shape)) for t in inputs],
-                           [(t.dtype, t.numel()) for t in _tensors(out)], sync))
-        if func == aten._to_copy.default and any(f.filename.endswith("_fsdp_param.py")
-                                                 for f in traceback.extract_stack()):
+        self.calls.append(
+            (
+                func,
+                [(t.dtype, tuple(t.shape)) for t in inputs],
+                [(t.dtype, t.numel()) for t in _tensors(out)],
+                sync,
+            )
+        )
+        if func == aten._to_copy.default and any(
+            f.filename.endswith("_fsdp_param.py") for f in traceback.extract_stack()
+        ):
             self.weight_casts += sum(n for dtype, n in self.calls[-1][2] if dtype == torch.bfloat16)
         return out
 
@@ -72,12 +89,19 @@ def test_vocabulary_matmuls_run_in_the_autocast_dtype_forward_and_backward(keep,
         with torch.autocast("cpu", dtype=torch.bfloat16):
             lp, ent = gathered_logprobs(hidden, weight, None, targets, temp, chunk_size=5, with_entropy=True)
         (lp.sum() + ent.sum()).backward()  # the backward runs outside autocast, as in a training step
-    vocab_mms = [(f, [d for d, _ in ins]) for f, ins, _, _ in rec.calls
-                 if f in (aten.mm.default, aten.addmm.default) and any(v in shape for _, shape in ins)]
+    vocab_mms = [
+        (f, [d for d, _ in ins])
+        for f, ins, _, _ in rec.calls
+        if f in (aten.mm.default, aten.addmm.default) and any(v in shape for _, shape in ins)
+    ]
     # per chunk of 5 (3 chunks): forward logits, backward recompute (unless kept), grad_hidden, grad_weight
     assert len(vocab_mms) == 3 * (3 if keep else 4)
     assert all(dtypes[-2:] == [torch.bfloat16, torch.bfloat16] for _, dtypes in vocab_mms), vocab_mms
-    assert lp.dtype == torch.float32 and weight.grad.dtype == torch.float32 and hidden.grad.dtype == torch.float32
+    assert (
+        lp.dtype == torch.float32
+        and weight.grad.dtype == torch.float32
+        and hidden.grad.dtype == torch.float32
+    )
     with torch.no_grad():  # bf16 matmuls, fp32 softmax: close to the fp32 result
         ref = torch.log_softmax((hidden @ weight.T) / 0.7, -1).gather(-1, targets[:, None])[:, 0]
     assert (lp - ref).abs().max() < 0.1 and (lp - ref).abs().max() > 0  # it did run in bf16
@@ -89,18 +113,28 @@ def _syncs_per_step(actor, window) -> int:
     return rec.syncs()
 
 
-@pytest.mark.parametrize("pack,level,loss", [(False, "token", "ppo"), (True, "token", "ppo"),
-                                             (True, "geo", "gspo"), (True, "seq", "ppo")])
+@pytest.mark.parametrize(
+    "pack,level,loss",
+    [(False, "token", "ppo"), (True, "token", "ppo"), (True, "geo", "gspo"), (True, "seq", "ppo")],
+)
 def test_a_step_reads_nothing_back_per_micro_batch(tiny_llama_dir, pack, level, loss):
     from molt.trainer import Actor
 
     window = make_window(tiny_llama_dir, n=8, seed=1)
     counts = {}
     for budget in (10_000, 40):  # one micro-batch, then several
-        actor = Actor.from_pretrained(tiny_llama_dir, **{
-            **BASE, "train.max_tokens_per_gpu": budget, "actor.policy_loss": loss, "fsdp.packing_samples": pack,
-            "algo.advantage.is_correction_level": level, "algo.advantage.is_correction_mode": "mask",
-            "train.share_prefix": False})
+        actor = Actor.from_pretrained(
+            tiny_llama_dir,
+            **{
+                **BASE,
+                "train.max_tokens_per_gpu": budget,
+                "actor.policy_loss": loss,
+                "fsdp.packing_samples": pack,
+                "algo.advantage.is_correction_level": level,
+                "algo.advantage.is_correction_mode": "mask",
+                "train.share_prefix": False,
+            },
+        )
         plan, _, _ = actor.schedule(window)
         counts[len(plan)] = _syncs_per_step(actor, window)
     (one, n_one), (many, n_many) = sorted(counts.items())
@@ -120,8 +154,9 @@ def test_one_rank_mesh_applies_mixed_precision_and_casts_weights_once_per_step(t
     window = make_window(tiny_llama_dir, n=8, seed=1)
     cast = {}
     for budget in (10_000, 40):
-        actor = Actor.from_pretrained(tiny_llama_dir, **{"actor.dtype": "bfloat16",
-                                                         "train.max_tokens_per_gpu": budget}, **BASE)
+        actor = Actor.from_pretrained(
+            tiny_llama_dir, **{"actor.dtype": "bfloat16", "train.max_tokens_per_gpu": budget}, **BASE
+        )
         assert actor.mesh is not None and actor.mesh["dp"].size() == 1 and isinstance(actor.model, FSDPModule)
         n_params = sum(p.numel() for p in actor.model.parameters())
         plan, _, _ = actor.schedule(window)
@@ -133,7 +168,9 @@ def test_one_rank_mesh_applies_mixed_precision_and_casts_weights_once_per_step(t
     (_, c_one), (many, c_many) = sorted(cast.items())
     assert many >= 4 and c_one == c_many == n_params, (n_params, cast)  # once a step, however many passes
     with torch.no_grad():  # the bf16 policy computes nearly the fp32 log-probs
-        lp16 = Actor.from_pretrained(tiny_llama_dir, **{"actor.dtype": "bfloat16"}, **BASE).compute_logprobs(window[:2])
+        lp16 = Actor.from_pretrained(tiny_llama_dir, **{"actor.dtype": "bfloat16"}, **BASE).compute_logprobs(
+            window[:2]
+        )
         lp32 = Actor.from_pretrained(tiny_llama_dir, **BASE).compute_logprobs(window[:2])
     gap = max(abs(a - b) for x, y in zip(lp16, lp32) for a, b in zip(x, y))
     assert 0 < gap < 0.2
@@ -149,6 +186,7 @@ def test_one_rank_mesh_hands_the_exact_temperature_to_the_log_prob_kernel(tiny_l
     def spy(hidden, weight, bias, targets, temperature, **kw):
         seen.append(temperature)
         return real(hidden, weight, bias, targets, temperature, **kw)
+
     monkeypatch.setattr(logprobs, "gathered_logprobs", spy)
     window = make_window(tiny_llama_dir, n=4, seed=1)
     for exp in window:

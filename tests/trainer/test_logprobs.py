@@ -1,5 +1,6 @@
 """Chunked log-probs: equal to a full-logits reference (values and gradients), and to the embedded engine's
 behavior log-probs for the same tokens at temperature 1 and 0.7."""
+
 import numpy as np
 import pytest
 import torch
@@ -29,10 +30,19 @@ def test_chunked_matches_full_logits_values_and_grads(chunk, with_bias):
     mask[:, 0] = False
     temp = torch.tensor([1.0, 0.7, 0.0], dtype=torch.float64)  # 0 counts as 1, as in the engine
     idx = action_index(mask)
-    lp, ent = action_logprobs(hidden, weight, bias, ids, idx, temp[:, None].expand_as(mask).flatten()[idx],
-                              chunk_size=chunk, with_entropy=True)
-    ref_lp, ref_ent = _naive(hidden, weight, 0.0 if bias is None else bias, ids, mask,
-                             torch.where(temp > 0, temp, 1.0))
+    lp, ent = action_logprobs(
+        hidden,
+        weight,
+        bias,
+        ids,
+        idx,
+        temp[:, None].expand_as(mask).flatten()[idx],
+        chunk_size=chunk,
+        with_entropy=True,
+    )
+    ref_lp, ref_ent = _naive(
+        hidden, weight, 0.0 if bias is None else bias, ids, mask, torch.where(temp > 0, temp, 1.0)
+    )
     assert torch.allclose(lp, ref_lp.float(), atol=1e-6) and torch.allclose(ent, ref_ent.float(), atol=1e-5)
     g = torch.randn(b, length)
     inputs = (hidden, weight) + ((bias,) if with_bias else ())
@@ -78,11 +88,25 @@ async def test_recomputed_logprobs_match_engine(actor, tiny_llama_dir, temperatu
     for i, (p, c) in enumerate(zip(prompts, completions)):
         ids = p + c.token_ids
         mask = [0] * len(p) + [1] * len(c.token_ids)
-        exps.append(Experience(rollout_id=str(i), group_id="g", segment_index=0, reward=0.0, num_tokens=len(ids),
-                               num_actions=len(c.token_ids), min_version=0, temperature=temperature, token_ids=ids,
-                               action_mask=mask, behavior_logprobs=[0.0] * len(p) + c.logprobs,
-                               versions=[-1] * len(p) + c.versions))
+        exps.append(
+            Experience(
+                rollout_id=str(i),
+                group_id="g",
+                segment_index=0,
+                reward=0.0,
+                num_tokens=len(ids),
+                num_actions=len(c.token_ids),
+                min_version=0,
+                temperature=temperature,
+                token_ids=ids,
+                action_mask=mask,
+                behavior_logprobs=[0.0] * len(p) + c.logprobs,
+                versions=[-1] * len(p) + c.versions,
+            )
+        )
     recomputed = actor.compute_logprobs(exps)
-    gaps = np.concatenate([np.abs(lp[e.action_mask] - e.behavior_logprobs) for e, lp in zip(exps, recomputed)])
+    gaps = np.concatenate(
+        [np.abs(lp[e.action_mask] - e.behavior_logprobs) for e, lp in zip(exps, recomputed)]
+    )
     assert len(gaps) > 10
     assert sum(gaps) / len(gaps) <= 1e-5

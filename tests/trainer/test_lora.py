@@ -1,6 +1,7 @@
 """LoRA RL (molt.trainer.lora): PEFT adapters on a frozen base, the reference as the same module with the adapters
 off, refit of the adapters alone (embedded engine) or of the targeted modules' merged weights (vLLM), DCP resume,
 PEFT and merged exports, two FSDP2 ranks, MoE, Muon, the critic and `molt sft`."""
+
 import socket
 
 import numpy as np
@@ -19,8 +20,11 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def lora_params(trainer) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in trainer.model.named_parameters() if "lora_" in n}
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in trainer.model.named_parameters()
+        if "lora_" in n
+    }
 
 
 def gap(a: list, b: list, exps: list[Experience]) -> float:
@@ -33,9 +37,22 @@ async def sample(engine, prompts, temperature=1.0) -> list[Experience]:
     for i, p in enumerate(prompts):
         c = await engine.generate(p, SamplingParams(max_tokens=16, temperature=temperature, seed=i))
         ids, mask = p + c.token_ids, [0] * len(p) + [1] * len(c.token_ids)
-        exps.append(Experience(str(i), "g", 0, 0.0, len(ids), len(c.token_ids), 0, temperature=temperature,
-                               token_ids=ids, action_mask=mask, behavior_logprobs=[0.0] * len(p) + c.logprobs,
-                               versions=[-1] * len(p) + c.versions))
+        exps.append(
+            Experience(
+                str(i),
+                "g",
+                0,
+                0.0,
+                len(ids),
+                len(c.token_ids),
+                0,
+                temperature=temperature,
+                token_ids=ids,
+                action_mask=mask,
+                behavior_logprobs=[0.0] * len(p) + c.logprobs,
+                versions=[-1] * len(p) + c.versions,
+            )
+        )
     return exps
 
 
@@ -54,7 +71,9 @@ def test_only_adapters_train_and_the_optimizer_holds_them_only(trained):
     assert {n.split(".")[-4] for n in trainable} == set(TARGETS)  # every attention and MLP projection
     held = {id(p) for o in trained.optimizers for g in o.param_groups for p in g["params"]}
     assert held == {id(p) for p in trained.model.parameters() if p.requires_grad}
-    assert all(float(p.abs().sum()) > 0 for n, p in lora_params(trained).items() if "lora_B" in n)  # it learned
+    assert all(
+        float(p.abs().sum()) > 0 for n, p in lora_params(trained).items() if "lora_B" in n
+    )  # it learned
 
 
 def test_reference_is_the_same_module_with_adapters_off(trained, tiny_llama_dir):
@@ -97,22 +116,30 @@ def test_refit_sends_only_the_adapters_to_the_embedded_engine(trained):
     assert streamed.keys() == params.keys() and all(torch.equal(streamed[n], params[n]) for n in params)
     assert [n for b in trained.weight_plan(bucket_bytes=16 << 10) for n, _, _ in b] == list(streamed)
     sent = sum(t.numel() * t.element_size() for t in streamed.values())
-    full = sum(t.numel() * t.element_size() for n, t in trained.lm.state_dict().items()
-               if "lora_" not in n and n != "lm_head.weight")  # tied to the embedding
+    full = sum(
+        t.numel() * t.element_size()
+        for n, t in trained.lm.state_dict().items()
+        if "lora_" not in n and n != "lm_head.weight"
+    )  # tied to the embedding
     assert sent < 0.1 * full
 
 
 def test_refit_sends_only_the_merged_targeted_modules_to_vllm(trained, monkeypatch):
     monkeypatch.setattr(trained.cfg.rollout, "engine", "vllm")
     streamed = {n: t for b in trained.iter_weights(bucket_bytes=16 << 10) for n, t in b}
-    assert {n.rsplit(".", 2)[-2] for n in streamed} == set(TARGETS) and all(n.endswith(".weight") for n in streamed)
+    assert {n.rsplit(".", 2)[-2] for n in streamed} == set(TARGETS) and all(
+        n.endswith(".weight") for n in streamed
+    )
     assert [n for b in trained.weight_plan(bucket_bytes=16 << 10) for n, _, _ in b] == list(streamed)
     layer = trained.lm.model.layers[1].mlp.down_proj
     merged = layer.base_layer.weight + 2.0 * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
     assert torch.allclose(streamed["model.layers.1.mlp.down_proj.weight"], merged, atol=1e-7)
     sent = sum(t.numel() * t.element_size() for t in streamed.values())
-    full = sum(t.numel() * t.element_size() for n, t in trained.lm.state_dict().items()
-               if "lora_" not in n and n != "lm_head.weight")  # tied to the embedding
+    full = sum(
+        t.numel() * t.element_size()
+        for n, t in trained.lm.state_dict().items()
+        if "lora_" not in n and n != "lm_head.weight"
+    )  # tied to the embedding
     print(f"refit bytes: LoRA {sent}, full {full} ({sent / full:.0%})")
     assert sent < 0.9 * full  # tiny model: the embedding is a large share; SmolLM2: docs/benchmarks.md
 
@@ -129,7 +156,9 @@ def test_exports_merged_checkpoint_and_peft_adapter(trained, tiny_llama_dir, tmp
         base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
         adapter = PeftModel.from_pretrained(base, tmp_path / "hf" / "adapter")(ids).logits
     assert torch.allclose(merged, live, atol=1e-5) and torch.allclose(adapter, live, atol=1e-5)
-    assert not torch.allclose(AutoModelForCausalLM.from_pretrained(tiny_llama_dir)(ids).logits, live, atol=1e-3)
+    assert not torch.allclose(
+        AutoModelForCausalLM.from_pretrained(tiny_llama_dir)(ids).logits, live, atol=1e-3
+    )
 
 
 def test_checkpoint_resume_is_exact_and_holds_no_base_weights(tiny_llama_dir, tmp_path):
@@ -165,13 +194,21 @@ SPLIT = {"fsdp.packing_samples": True, "train.max_tokens_per_gpu": 48, "actor.gr
 def lora_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     import os
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     actor = Actor.from_pretrained(model_dir, **{**BASE, **LORA, **SPLIT})
     for seed in (1, 2):
         actor.train_step(rank_share(make_window(model_dir, seed=seed), rank))
-    result = {"lora": lora_params(actor), "streamed": {n: t for b in actor.iter_weights() for n, t in b}}  # collective
+    result = {
+        "lora": lora_params(actor),
+        "streamed": {n: t for b in actor.iter_weights() for n, t in b},
+    }  # collective
     actor.cfg.rollout.engine = "vllm"  # the merged modules, gathered from the shards
     result["merged"] = {n: t for b in actor.iter_weights() for n, t in b}
     if rank == 0:
@@ -181,7 +218,9 @@ def lora_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> N
 
 def test_two_fsdp2_ranks_match_one_process(tiny_llama_dir, tmp_path):
     """Frozen base weights and trainable adapters in the same sharded blocks, packed, checkpointed."""
-    mp.spawn(lora_worker, args=(2, _free_port(), str(tiny_llama_dir), str(tmp_path / "r.pt")), nprocs=2, join=True)
+    mp.spawn(
+        lora_worker, args=(2, _free_port(), str(tiny_llama_dir), str(tmp_path / "r.pt")), nprocs=2, join=True
+    )
     dist = torch.load(tmp_path / "r.pt")
     single = Actor.from_pretrained(tiny_llama_dir, **{**BASE, **LORA})
     for seed in (1, 2):
@@ -207,7 +246,9 @@ def test_moe_targets_attention_and_shared_expert_and_muon_trains_the_adapters(ti
     muon = {id(p) for g in actor.optimizers[0].param_groups for p in g["params"]}
     assert muon == {id(p) for p in actor.model.parameters() if p.requires_grad}
     names = {n for b in actor.iter_weights() for n, _ in b}
-    assert names and all(".self_attn." in n or ".shared_expert." in n for n in names)  # routed experts: fused 3-D
+    assert names and all(
+        ".self_attn." in n or ".shared_expert." in n for n in names
+    )  # routed experts: fused 3-D
 
 
 def test_critic_adapters_and_value_head_train(tiny_llama_dir):
@@ -217,16 +258,22 @@ def test_critic_adapters_and_value_head_train(tiny_llama_dir):
     assert all(n.startswith("value_head.") or "lora_" in n for n in trainable)
     window = make_window(tiny_llama_dir, seed=7)
     returns = [[1.0 if m else 0.0 for m in e.action_mask] for e in window]
-    losses = [critic.train_step(window, returns, critic.compute_values(window))["critic_loss"] for _ in range(4)]
+    losses = [
+        critic.train_step(window, returns, critic.compute_values(window))["critic_loss"] for _ in range(4)
+    ]
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("field,value,extra", [
-    ("actor.lora_rank", -1, {}), ("actor.lora_dropout", 1.0, {"actor.lora_rank": 4}),
-    ("actor.lora_target_modules", [], {"actor.lora_rank": 4}),
-    ("fsdp.tp_size", 2, {"actor.lora_rank": 4}),
-    ("actor.lora_target_modules", ["q_proj"], {"actor.lora_rank": 4, "rollout.engine": "vllm"}),
-])
+@pytest.mark.parametrize(
+    "field,value,extra",
+    [
+        ("actor.lora_rank", -1, {}),
+        ("actor.lora_dropout", 1.0, {"actor.lora_rank": 4}),
+        ("actor.lora_target_modules", [], {"actor.lora_rank": 4}),
+        ("fsdp.tp_size", 2, {"actor.lora_rank": 4}),
+        ("actor.lora_target_modules", ["q_proj"], {"actor.lora_rank": 4, "rollout.engine": "vllm"}),
+    ],
+)
 def test_config_errors_name_the_field(field, value, extra):
     from molt.config import MoltConfig, override, validate
 
@@ -242,15 +289,38 @@ def test_sft_with_lora_lowers_the_loss(tiny_llama_dir, tmp_path):
     from molt.config import load_config
     from molt.runtime.sft import run_sft
 
-    spec = importlib.util.spec_from_file_location("make_data", Path(__file__).parents[2] / "recipes/sft/make_data.py")
+    spec = importlib.util.spec_from_file_location(
+        "make_data", Path(__file__).parents[2] / "recipes/sft/make_data.py"
+    )
     make_data = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_data)
     train, test = make_data.write(tmp_path / "data", n=48)
     out = tmp_path / "run"
-    result = run_sft(load_config(
-        ["--actor.model_name_or_path", str(tiny_llama_dir), "--actor.lora_rank", "8", "--actor.adam.lr", "1e-2",
-         "--data.prompt_dataset", str(train), "--data.input_key", "messages", "--eval.dataset", str(test),
-         "--train.batch_size", "8", "--train.max_steps", "4", "--ckpt.output_dir", str(out)],
-        prog="molt sft", sft=True))
+    result = run_sft(
+        load_config(
+            [
+                "--actor.model_name_or_path",
+                str(tiny_llama_dir),
+                "--actor.lora_rank",
+                "8",
+                "--actor.adam.lr",
+                "1e-2",
+                "--data.prompt_dataset",
+                str(train),
+                "--data.input_key",
+                "messages",
+                "--eval.dataset",
+                str(test),
+                "--train.batch_size",
+                "8",
+                "--train.max_steps",
+                "4",
+                "--ckpt.output_dir",
+                str(out),
+            ],
+            prog="molt sft",
+            sft=True,
+        )
+    )
     assert result["final_eval_loss"] < 0.95 * result["base_eval_loss"]  # 5.93 -> 5.54 (rank 8, 4 steps)
     assert json.loads((out / "policy" / "adapter" / "adapter_config.json").read_text())["r"] == 8

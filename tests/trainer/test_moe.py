@@ -1,5 +1,6 @@
 """Routing replay (R3) on the tiny Qwen2-MoE, fp32 on the CPU: the embedded engine records every token's experts,
 the capture path aligns them with the segment, and the trainer replays them (molt.trainer.moe)."""
+
 import asyncio
 
 import numpy as np
@@ -32,11 +33,13 @@ def sampled(tiny_moe_dir):
 
     async def main():
         params = SamplingParams(max_tokens=10, temperature=1.0, seed=3, stop_token_ids=[])
-        first = await asyncio.gather(*(engine.generate(p, params, session_id=f"s{i}")
-                                       for i, p in enumerate(PROMPTS)))
+        first = await asyncio.gather(
+            *(engine.generate(p, params, session_id=f"s{i}") for i, p in enumerate(PROMPTS))
+        )
         turn2 = PROMPTS[0] + first[0].token_ids + [60, 61, 62]
         second = await engine.generate(turn2, params, session_id="s0")
         return list(zip(PROMPTS, first)) + [(turn2, second)], engine.prefixes.reused_tokens
+
     try:
         out, reused = asyncio.run(main())
     finally:
@@ -50,10 +53,21 @@ def _experience(prompt, c, i) -> Experience:
     routes = np.zeros((len(ids), *c.routed_experts.shape[1:]), c.routed_experts.dtype)
     routes[:-1] = c.routed_experts
     mask = [0] * len(prompt) + [1] * len(c.token_ids)
-    return Experience(rollout_id=f"r{i}", group_id="g", segment_index=0, reward=0.0, num_tokens=len(ids),
-                      num_actions=len(c.token_ids), min_version=0, token_ids=ids, action_mask=mask,
-                      behavior_logprobs=[0.0] * len(prompt) + c.logprobs, versions=[0] * len(ids),
-                      advantages=[0.5 * m for m in mask], routed_experts=routes)
+    return Experience(
+        rollout_id=f"r{i}",
+        group_id="g",
+        segment_index=0,
+        reward=0.0,
+        num_tokens=len(ids),
+        num_actions=len(c.token_ids),
+        min_version=0,
+        token_ids=ids,
+        action_mask=mask,
+        behavior_logprobs=[0.0] * len(prompt) + c.logprobs,
+        versions=[0] * len(ids),
+        advantages=[0.5 * m for m in mask],
+        routed_experts=routes,
+    )
 
 
 def test_engine_records_every_tokens_experts_compactly(tiny_moe_dir, sampled):
@@ -71,8 +85,13 @@ async def test_a_refit_mid_request_keeps_each_positions_first_route(tiny_moe_dir
     new_dir = build_tiny_moe(tmp_path / "v1", seed=1)
     engine = HFEngine(str(tiny_moe_dir))
     started = asyncio.Event()
-    task = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_tokens=12, seed=1, stop_token_ids=[]),
-                                               on_tokens=lambda ids: started.set()))
+    task = asyncio.create_task(
+        engine.generate(
+            PROMPTS[0],
+            SamplingParams(max_tokens=12, seed=1, stop_token_ids=[]),
+            on_tokens=lambda ids: started.set(),
+        )
+    )
     await started.wait()
     await engine.pause()
     from transformers import AutoModelForCausalLM
@@ -90,8 +109,12 @@ async def test_a_refit_mid_request_keeps_each_positions_first_route(tiny_moe_dir
 
 
 FAMILIES = {  # tiny configs of the four families; both normalisations of the top-k weights
-    "Qwen2MoeConfig": {"num_experts": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
-                       "norm_topk_prob": True},
+    "Qwen2MoeConfig": {
+        "num_experts": 4,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16,
+        "norm_topk_prob": True,
+    },
     "Qwen3MoeConfig": {"num_experts": 4, "moe_intermediate_size": 16, "norm_topk_prob": False},
     "MixtralConfig": {"num_local_experts": 4, "intermediate_size": 16},
     "OlmoeConfig": {"num_experts": 4, "intermediate_size": 16, "norm_topk_prob": True},
@@ -109,8 +132,15 @@ def test_every_family_replays_its_own_routes_exactly(family):
     from molt.trainer.logprobs import CausalLMLogProbs
     from molt.trainer.moe import Routing
 
-    config = getattr(transformers, family)(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                           num_key_value_heads=2, num_experts_per_tok=2, **FAMILIES[family])
+    config = getattr(transformers, family)(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        **FAMILIES[family],
+    )
     torch.manual_seed(0)
     lm = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for router in lm.modules():  # a visible router (random init is near zero: near ties everywhere)
@@ -125,11 +155,23 @@ def test_every_family_replays_its_own_routes_exactly(family):
     assert len(model.routing.routers) == 2
 
     def logprobs(routes):
-        exp = Experience(rollout_id="r", group_id="g", segment_index=0, reward=0.0, num_tokens=len(ids),
-                         num_actions=len(ids) - 1, min_version=0, token_ids=ids, action_mask=[0] + [1] * (len(ids) - 1),
-                         behavior_logprobs=[0.0] * len(ids), versions=[0] * len(ids), routed_experts=routes)
+        exp = Experience(
+            rollout_id="r",
+            group_id="g",
+            segment_index=0,
+            reward=0.0,
+            num_tokens=len(ids),
+            num_actions=len(ids) - 1,
+            min_version=0,
+            token_ids=ids,
+            action_mask=[0] + [1] * (len(ids) - 1),
+            behavior_logprobs=[0.0] * len(ids),
+            versions=[0] * len(ids),
+            routed_experts=routes,
+        )
         with torch.no_grad():
             return model(collate([exp], 0, torch.device("cpu"), need_advantages=False))[0]
+
     replayed = logprobs(own)
     model.routing.replay = False
     torch.testing.assert_close(replayed, logprobs(own), rtol=0, atol=1e-6)
@@ -139,11 +181,21 @@ def test_every_family_replays_its_own_routes_exactly(family):
 
 def _actor(path, **kw):
     """kw: trainer fields by their last name (routing_replay=True)."""
-    names = {"routing_replay": "train", "packing_samples": "fsdp", "freeze_moe_router": "actor",
-             "aux_loss_coef": "actor"}
-    return Actor.from_pretrained(path, **{"fsdp.device": "cpu", "actor.adam.lr": 1e-3,
-                                          "algo.advantage.is_correction_level": "off",
-                                          **{f"{names[k]}.{k}": v for k, v in kw.items()}})
+    names = {
+        "routing_replay": "train",
+        "packing_samples": "fsdp",
+        "freeze_moe_router": "actor",
+        "aux_loss_coef": "actor",
+    }
+    return Actor.from_pretrained(
+        path,
+        **{
+            "fsdp.device": "cpu",
+            "actor.adam.lr": 1e-3,
+            "algo.advantage.is_correction_level": "off",
+            **{f"{names[k]}.{k}": v for k, v in kw.items()},
+        },
+    )
 
 
 def _perturb(actor, scale: float, seed: int = 0) -> None:
@@ -176,8 +228,10 @@ def test_perturbed_router_lowers_agreement_and_replay_closes_the_gap(tiny_moe_di
 def test_replay_reproduces_the_engine_and_the_router_still_learns(tiny_moe_dir, sampled):
     exps = [_experience(p, c, i) for i, (p, c) in enumerate(sampled)]
     # padded, and packed with the two turns of session s0 sharing their prefix (routes laid out like the tokens)
-    for actor in (_actor(tiny_moe_dir, routing_replay=True, packing_samples=True),
-                  _actor(tiny_moe_dir, routing_replay=True)):
+    for actor in (
+        _actor(tiny_moe_dir, routing_replay=True, packing_samples=True),
+        _actor(tiny_moe_dir, routing_replay=True),
+    ):
         for exp, lp in zip(exps, actor.compute_logprobs(exps)):
             np.testing.assert_allclose(lp[exp.action_mask], exp.behavior_logprobs, atol=1e-5)
     # replay is really used: other routes give other log-probs
@@ -203,7 +257,9 @@ def test_aux_loss_and_bad_configurations(tiny_moe_dir, tiny_llama_dir, sampled):
 
     prompt, c = sampled[0]
     m = _actor(tiny_moe_dir, aux_loss_coef=0.01).train_step([_experience(prompt, c, 0)])
-    lm = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32)  # by hand: Switch loss per layer
+    lm = AutoModelForCausalLM.from_pretrained(
+        tiny_moe_dir, dtype=torch.float32
+    )  # by hand: Switch loss per layer
     with torch.no_grad():
         logits = lm(torch.tensor([prompt + c.token_ids]), output_router_logits=True).router_logits
     expected = []

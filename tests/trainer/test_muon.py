@@ -1,18 +1,26 @@
 """`optim="muon"` (`--actor.optim muon`): the documented parameter groups, a Muon-shaped update, and a DCP
 checkpoint that resumes both optimizers exactly."""
+
 import re
 
 import pytest
 import torch
 from trainer_helpers import BASE, full_params, make_window
 
-MUON = {**BASE, "actor.optim": "muon", "actor.muon": {"lr": 0.02, "momentum": 0.95, "ns_steps": 5, "nesterov": True}}
+MUON = {
+    **BASE,
+    "actor.optim": "muon",
+    "actor.muon": {"lr": 0.02, "momentum": 0.95, "ns_steps": 5, "nesterov": True},
+}
 HIDDEN = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")  # the blocks' 2-D weights
 
 
 def _groups(actor) -> dict[str, set[str]]:
     names = {id(p): n for n, p in actor.lm.named_parameters()}
-    return {type(o).__name__: {names[id(p)] for g in o.param_groups for p in g["params"]} for o in actor.optimizers}
+    return {
+        type(o).__name__: {names[id(p)] for g in o.param_groups for p in g["params"]}
+        for o in actor.optimizers
+    }
 
 
 def test_parameter_groups(tiny_llama_dir):
@@ -26,7 +34,9 @@ def test_parameter_groups(tiny_llama_dir):
     assert groups["AdamW"] == every - groups["Muon"]  # embeddings (tied LM head), norms
     assert {"model.embed_tokens.weight", "model.norm.weight"} <= groups["AdamW"]
     assert groups["AdamW"].isdisjoint(groups["Muon"])
-    assert _groups(Actor.from_pretrained(tiny_llama_dir, **BASE)) == {"AdamW": every}  # the default: AdamW only
+    assert _groups(Actor.from_pretrained(tiny_llama_dir, **BASE)) == {
+        "AdamW": every
+    }  # the default: AdamW only
 
 
 def test_groups_under_fsdp2(tiny_llama_dir):
@@ -91,7 +101,21 @@ def test_bad_optimizer_names_the_field(tiny_llama_dir):
 
     with pytest.raises(ValueError, match="actor.optim"):
         Actor.from_pretrained(tiny_llama_dir, **{"actor.optim": "sgd"})
-    cfg = load_config(["--actor.optim", "muon", "--actor.muon.lr", "0.01", "--actor.muon.no_nesterov",
-                       "--critic.muon.ns_steps", "3"], check_files=False)
-    assert (cfg.actor.optim, cfg.actor.muon.lr, cfg.actor.muon.nesterov, cfg.critic.muon.ns_steps) == ("muon", 0.01,
-                                                                                                       False, 3)
+    cfg = load_config(
+        [
+            "--actor.optim",
+            "muon",
+            "--actor.muon.lr",
+            "0.01",
+            "--actor.muon.no_nesterov",
+            "--critic.muon.ns_steps",
+            "3",
+        ],
+        check_files=False,
+    )
+    assert (cfg.actor.optim, cfg.actor.muon.lr, cfg.actor.muon.nesterov, cfg.critic.muon.ns_steps) == (
+        "muon",
+        0.01,
+        False,
+        3,
+    )

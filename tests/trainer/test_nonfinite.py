@@ -3,6 +3,7 @@
 counted (`train/skipped_steps`), the NaN is reported as a value, and the next finite step trains. The NaN loss
 comes from the trainer's test-only fault hook (`MOLT_FAULT_NAN_LOSS`), which leaves the gradients finite, so
 only the loss check can catch it; the inf gradient leaves the loss finite."""
+
 import math
 import socket
 
@@ -23,7 +24,11 @@ def test_a_nan_loss_skips_the_step_and_the_next_one_trains(tiny_llama_dir, monke
     assert any(k.endswith(("exp_avg", "momentum_buffer")) for k in before)  # there is optimizer state to keep
     m = actor.train_step(make_window(tiny_llama_dir, seed=2))
     assert same_state(trainer_state(actor), before)
-    assert m["train/skipped_steps"] == 1.0 and math.isnan(m["policy_loss"]) and math.isfinite(m["actor_grad_norm"])
+    assert (
+        m["train/skipped_steps"] == 1.0
+        and math.isnan(m["policy_loss"])
+        and math.isfinite(m["actor_grad_norm"])
+    )
     assert actor.skipped_in_a_row == 1 and actor.step == 1
     m = actor.train_step(make_window(tiny_llama_dir, seed=3))
     assert m["train/skipped_steps"] == 0.0 and math.isfinite(m["policy_loss"])
@@ -40,8 +45,14 @@ def test_an_inf_gradient_skips_the_step(tiny_llama_dir):
     m = actor.train_step(make_window(tiny_llama_dir, seed=2))
     hook.remove()
     assert same_state(trainer_state(actor), before)
-    assert m["train/skipped_steps"] == 1.0 and m["actor_grad_norm"] == math.inf and math.isfinite(m["policy_loss"])
-    assert actor.train_step(make_window(tiny_llama_dir, seed=3))["train/skipped_steps"] == 0.0  # grads were dropped
+    assert (
+        m["train/skipped_steps"] == 1.0
+        and m["actor_grad_norm"] == math.inf
+        and math.isfinite(m["policy_loss"])
+    )
+    assert (
+        actor.train_step(make_window(tiny_llama_dir, seed=3))["train/skipped_steps"] == 0.0
+    )  # grads were dropped
     assert not same_state(trainer_state(actor), before)
 
 
@@ -67,11 +78,15 @@ def _free_port() -> int:
 
 
 def test_both_ranks_skip_when_one_rank_is_not_finite(tiny_llama_dir, tmp_path):
-    mp.spawn(nonfinite_worker, args=(2, _free_port(), str(tiny_llama_dir), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(
+        nonfinite_worker, args=(2, _free_port(), str(tiny_llama_dir), str(tmp_path)), nprocs=2, join=True
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in ranks:
         assert r["nan_kept"] and r["inf_kept"] and r["moved"] and r["step"] == 2
         assert [m["train/skipped_steps"] for m in r["metrics"]] == [0.0, 1.0, 1.0, 0.0]
         assert math.isnan(r["metrics"][1]["policy_loss"]) and r["metrics"][2]["actor_grad_norm"] == math.inf
     for step in range(4):  # one decision from the same global values
-        assert ranks[0]["metrics"][step]["actor_grad_norm"] == pytest.approx(ranks[1]["metrics"][step]["actor_grad_norm"], nan_ok=True)
+        assert ranks[0]["metrics"][step]["actor_grad_norm"] == pytest.approx(
+            ranks[1]["metrics"][step]["actor_grad_norm"], nan_ok=True
+        )

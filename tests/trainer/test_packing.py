@@ -1,5 +1,6 @@
 """Packed micro-batches (`--fsdp.packing_samples`): planning, layout, and the same log-probs, entropy, gradients
 and optimizer steps as the padded layout in fp32."""
+
 import pytest
 import torch
 from test_shared_prefix import grouped_window
@@ -16,24 +17,43 @@ CPU = torch.device("cpu")
 
 
 def _exp(ids, mask, temperature=1.0):
-    return Experience(rollout_id="r", group_id="g", segment_index=0, reward=0.0, num_tokens=len(ids),
-                      num_actions=sum(mask), min_version=0, temperature=temperature, token_ids=ids, action_mask=mask,
-                      behavior_logprobs=[-1.0 * m for m in mask], versions=[0] * len(ids),
-                      advantages=[float(m) for m in mask])
+    return Experience(
+        rollout_id="r",
+        group_id="g",
+        segment_index=0,
+        reward=0.0,
+        num_tokens=len(ids),
+        num_actions=sum(mask),
+        min_version=0,
+        temperature=temperature,
+        token_ids=ids,
+        action_mask=mask,
+        behavior_logprobs=[-1.0 * m for m in mask],
+        versions=[0] * len(ids),
+        advantages=[float(m) for m in mask],
+    )
 
 
 def test_packed_plan_is_first_fit_decreasing_on_real_tokens():
     # sorted 9, 7, 5, 3, 1 into bins of 10: [9] [7] [5]; 3 fits the 7's bin; 1 fits the 9's bin
     assert plan_micro_batches([9, 5, 7, 3, 1], max_tokens_per_gpu=10, packed=True) == [[0, 4], [2, 3], [1]]
-    assert plan_micro_batches([9, 5, 7, 3, 1], max_tokens_per_gpu=10) == [[0], [2], [1, 3], [4]]  # padded: B * L
+    assert plan_micro_batches([9, 5, 7, 3, 1], max_tokens_per_gpu=10) == [
+        [0],
+        [2],
+        [1, 3],
+        [4],
+    ]  # padded: B * L
     assert plan_micro_batches([12, 3], max_tokens_per_gpu=10, packed=True) == [[0], [1]]  # too long: alone
 
 
 def test_collate_packs_one_row_with_restarting_positions():
-    mb = collate([_exp([1, 2, 3], [0, 1, 1], temperature=0.5), _exp([4, 5], [0, 1])], pad_id=9, device=CPU,
-                 pack=True)
+    mb = collate(
+        [_exp([1, 2, 3], [0, 1, 1], temperature=0.5), _exp([4, 5], [0, 1])], pad_id=9, device=CPU, pack=True
+    )
     assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5]] and mb.attention_mask is None
-    assert mb.packing["position_ids"].tolist() == [[0, 1, 2, 0, 1]] and mb.seq_ids.tolist() == [[0, 0, 0, 1, 1]]
+    assert mb.packing["position_ids"].tolist() == [[0, 1, 2, 0, 1]] and mb.seq_ids.tolist() == [
+        [0, 0, 0, 1, 1]
+    ]
     assert mb.packing["cu_seq_lens_q"].tolist() == [0, 3, 5] and mb.packing["max_length_q"] == 3
     assert mb.act_index.tolist() == [1, 2, 4] and mb.act_temperature.tolist() == [0.5, 0.5, 1.0]
     assert mb.spans == [(0, 0, 3, 0), (0, 3, 2, 0)] and mb.num_actions == 3 and not mb.ghost
@@ -42,8 +62,13 @@ def test_collate_packs_one_row_with_restarting_positions():
 
 
 def test_a_shared_prefix_is_packed_once():
-    mb = collate([_exp([1, 2, 3, 4, 5], [0, 0, 0, 1, 1]), _exp([1, 2, 3, 9], [0, 0, 0, 1])], pad_id=0, device=CPU,
-                 pack=True, share_prefix=True)
+    mb = collate(
+        [_exp([1, 2, 3, 4, 5], [0, 0, 0, 1, 1]), _exp([1, 2, 3, 9], [0, 0, 0, 1])],
+        pad_id=0,
+        device=CPU,
+        pack=True,
+        share_prefix=True,
+    )
     # the prefix [1, 2] (up to the token before the first action) once, then each row's rest
     assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5, 3, 9]]
     assert mb.packing["position_ids"].tolist() == [[0, 1, 2, 3, 4, 2, 3]]
@@ -54,11 +79,12 @@ def test_a_shared_prefix_is_packed_once():
 
 
 def _per_experience(x, spans):
-    return [torch.cat([torch.zeros(skip), x[r, s:s + n - skip]]) for r, s, n, skip in spans]
+    return [torch.cat([torch.zeros(skip), x[r, s : s + n - skip]]) for r, s, n, skip in spans]
 
 
-@pytest.mark.parametrize("model_dir,share", [("tiny_llama_dir", False), ("tiny_llama_dir", True),
-                                             ("tiny_moe_dir", True)])
+@pytest.mark.parametrize(
+    "model_dir,share", [("tiny_llama_dir", False), ("tiny_llama_dir", True), ("tiny_moe_dir", True)]
+)
 def test_packed_logprobs_entropy_and_gradients_equal_the_padded_pass(request, model_dir, share):
     path = request.getfixturevalue(model_dir)
     window = grouped_window(path, seed=3)  # prompt groups: the packed rows share their prefixes when `share`
@@ -87,7 +113,10 @@ def test_packed_actor_steps_equal_padded_steps(tiny_llama_dir, level):
     from molt.trainer import Actor
 
     cfg = {**BASE, "algo.advantage.is_correction_level": level, "train.max_tokens_per_gpu": 64}
-    windows = [make_window(tiny_llama_dir, seed=1), grouped_window(tiny_llama_dir, seed=2)]  # one with prompt groups
+    windows = [
+        make_window(tiny_llama_dir, seed=1),
+        grouped_window(tiny_llama_dir, seed=2),
+    ]  # one with prompt groups
     runs = []
     for pack in (False, True):  # padded: shared prefixes through the KV cache; packed: laid out once
         actor = Actor.from_pretrained(tiny_llama_dir, **{"fsdp.packing_samples": pack}, **cfg)
@@ -116,8 +145,9 @@ def test_the_flash_branch_traces_forward_and_backward_on_meta(tiny_llama_dir, mo
     host = collate(window, pad_id=0, device=CPU, pack=True, share_prefix=share)
     mb = to_device(collate(window, pad_id=0, device=CPU, pack=True, share_prefix=share), torch.device("meta"))
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_llama_dir), dtype=torch.bfloat16,
-                                              attn_implementation=register())
+        lm = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(tiny_llama_dir), dtype=torch.bfloat16, attn_implementation=register()
+        )
     lp, ent = CausalLMLogProbs(lm, chunk_size=7).train()(mb, True)
     (lp.float().sum() + ent.float().sum()).backward()
     assert len(calls) == lm.config.num_hidden_layers and lp.shape == mb.action_mask.shape

@@ -3,6 +3,7 @@ real position the log-probs, entropy, values, gradients and the MoE load-balanci
 sequence run alone, unpadded, through the plain Hugging Face model (full logits, fp32), for a dense decoder
 (also with shared prefixes through the KV cache), an MoE, a sliding-window decoder, and two vision-language
 models with images (LLaVA; Qwen2-VL, whose M-RoPE positions depend on the images)."""
+
 import io
 import random
 
@@ -26,10 +27,14 @@ def _reference(lm, exps: list[Experience], banned=()) -> list[tuple[torch.Tensor
     out, loss = [], 0.0
     for e in exps:
         ids, images = torch.tensor([list(e.token_ids)]), dict(e.images or {})
-        if images and hasattr(lm.model, "get_rope_index"):  # Qwen2-VL: the tokens' modalities, as its processor
+        if images and hasattr(
+            lm.model, "get_rope_index"
+        ):  # Qwen2-VL: the tokens' modalities, as its processor
             images["mm_token_type_ids"] = (ids == lm.config.image_token_id).int()
         logits = lm(input_ids=ids, **images).logits[0, :-1].float()[:, keep] / e.temperature
-        logp = torch.log_softmax(logits, -1)  # (context targets may be banned: their column is any, then masked)
+        logp = torch.log_softmax(
+            logits, -1
+        )  # (context targets may be banned: their column is any, then masked)
         lp = logp.gather(-1, torch.searchsorted(keep, ids[0, 1:]).clamp(max=len(keep) - 1)[:, None])[:, 0]
         ent = -(logp.exp() * logp).sum(-1)
         mask = torch.tensor(list(e.action_mask[1:]), dtype=torch.bool)
@@ -46,15 +51,21 @@ def _padded(lm, exps: list[Experience], share_prefix: bool = False) -> tuple[lis
     masks = []
     for m in lm.modules():
         if type(m).__name__.endswith("Attention") and "Vision" not in type(m).__name__:
-            m.register_forward_pre_hook(lambda _, a, kw: masks.append(kw.get("attention_mask")), with_kwargs=True)
+            m.register_forward_pre_hook(
+                lambda _, a, kw: masks.append(kw.get("attention_mask")), with_kwargs=True
+            )
     mb = collate(exps, pad_id=0, device=CPU, share_prefix=share_prefix)
-    assert mb.input_ids.shape[0] == len(exps) and len({len(e.token_ids) for e in exps}) > 1  # padding to check
+    assert (
+        mb.input_ids.shape[0] == len(exps) and len({len(e.token_ids) for e in exps}) > 1
+    )  # padding to check
     assert (mb.prefix is not None) == share_prefix
     if any(e.images for e in exps):
         assert mb.images
     lp, ent = CausalLMLogProbs(lm, chunk_size=5).train()(mb, True)
     (lp * mb.advantages).sum().add(0.1 * ent.sum()).backward()
-    return [(lp[i, :len(e.token_ids)].detach(), ent[i, :len(e.token_ids)].detach()) for i, e in enumerate(exps)], masks
+    return [
+        (lp[i, : len(e.token_ids)].detach(), ent[i, : len(e.token_ids)].detach()) for i, e in enumerate(exps)
+    ], masks
 
 
 def _compare(path, exps: list[Experience], share_prefix: bool = False) -> list:
@@ -96,7 +107,9 @@ def test_a_sliding_window_decoder_matches_each_row_alone(tmp_path):
     from molt.testing.models import _decoder, build_tokenizer
 
     tokenizer = build_tokenizer()
-    config = tf.MistralConfig(**_decoder(tokenizer), sliding_window=5)  # rows of 8-24 tokens: the window bites
+    config = tf.MistralConfig(
+        **_decoder(tokenizer), sliding_window=5
+    )  # rows of 8-24 tokens: the window bites
     assert ModelSpec.from_config(config).sliding
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
@@ -134,15 +147,33 @@ def test_qwen2_vl_with_images_matches_each_row_alone(tmp_path):
             Image.new("RGB", (56, 56), rng.choice(["red", "blue"])).save(buf, format="PNG")
             images = dict(processor(images=[Image.open(buf)], return_tensors="pt"))
             n = int(images["image_grid_thw"].prod()) // 4  # 2 x 2 patches merged into one token
-            prompt = prompt + [config.vision_start_token_id] + [config.image_token_id] * n + [
-                config.vision_end_token_id] + [rng.randrange(10, 300) for _ in range(2)]
+            prompt = (
+                prompt
+                + [config.vision_start_token_id]
+                + [config.image_token_id] * n
+                + [config.vision_end_token_id]
+                + [rng.randrange(10, 300) for _ in range(2)]
+            )
         reply = [rng.randrange(10, 300) for _ in range(rng.randint(3, 8))]
         mask = [0] * len(prompt) + [1] * len(reply)
-        window.append(Experience(
-            rollout_id=f"r{i}", group_id="g", segment_index=0, reward=0.0, num_tokens=len(mask),
-            num_actions=len(reply), min_version=0, temperature=0.7, token_ids=prompt + reply, action_mask=mask,
-            behavior_logprobs=[0.0] * len(mask), versions=[0] * len(mask),
-            advantages=[rng.gauss(0.0, 1.0) * m for m in mask], images=images))
+        window.append(
+            Experience(
+                rollout_id=f"r{i}",
+                group_id="g",
+                segment_index=0,
+                reward=0.0,
+                num_tokens=len(mask),
+                num_actions=len(reply),
+                min_version=0,
+                temperature=0.7,
+                token_ids=prompt + reply,
+                action_mask=mask,
+                behavior_logprobs=[0.0] * len(mask),
+                versions=[0] * len(mask),
+                advantages=[rng.gauss(0.0, 1.0) * m for m in mask],
+                images=images,
+            )
+        )
     _compare(path, window)
 
 
@@ -159,7 +190,7 @@ def test_critic_values_match_each_row_alone(tiny_llama_dir):
             v = model.value_head(hidden).squeeze(-1)  # the value of token t's state: position t - 1
             expected = torch.cat([torch.zeros(1), v[:-1]]) * torch.tensor(list(e.action_mask))
             assert expected.abs().sum() > 0
-            assert (values[i, :len(e.token_ids)] - expected).abs().max() <= 1e-5
+            assert (values[i, : len(e.token_ids)] - expected).abs().max() <= 1e-5
 
 
 def test_moe_load_balancing_loss_counts_real_tokens_only(tiny_moe_dir):
@@ -168,12 +199,21 @@ def test_moe_load_balancing_loss_counts_real_tokens_only(tiny_moe_dir):
     from molt.trainer import Actor
 
     window = make_window(tiny_moe_dir, n=4, seed=10)
-    actor = Actor.from_pretrained(str(tiny_moe_dir), **{"fsdp.device": "cpu", "actor.aux_loss_coef": 0.01,
-                                                        "train.max_tokens_per_gpu": 0, "train.micro_batch_size": 0})
+    actor = Actor.from_pretrained(
+        str(tiny_moe_dir),
+        **{
+            "fsdp.device": "cpu",
+            "actor.aux_loss_coef": 0.01,
+            "train.max_tokens_per_gpu": 0,
+            "train.micro_batch_size": 0,
+        },
+    )
     m = actor.train_step(window)
     lm = tf.AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32)
     with torch.no_grad():
-        per_row = [lm(torch.tensor([list(e.token_ids)]), output_router_logits=True).router_logits for e in window]
+        per_row = [
+            lm(torch.tensor([list(e.token_ids)]), output_router_logits=True).router_logits for e in window
+        ]
     expected, e_, k = [], lm.config.num_experts, lm.config.num_experts_per_tok
     for layer in zip(*per_row):
         p = torch.softmax(torch.cat(layer).float(), -1)

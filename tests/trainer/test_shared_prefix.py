@@ -1,5 +1,6 @@
 """Shared prefixes: a prompt group's common context runs through the decoder once, and log-probs, entropy,
 gradients and a whole optimizer step are the same as without sharing."""
+
 import random
 
 import pytest
@@ -14,8 +15,10 @@ from molt.types import Experience
 
 def test_shared_prefix_by_hand():
     # first actions at 3, 3, 2 -> length 1: prefixes (1,), (1,), (7,)
-    p = shared_prefix([[1, 2, 3, 4, 5], [1, 2, 3, 9, 9, 9], [7, 8, 9, 4]],
-                      [[0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 1], [0, 0, 1, 1]])
+    p = shared_prefix(
+        [[1, 2, 3, 4, 5], [1, 2, 3, 9, 9, 9], [7, 8, 9, 4]],
+        [[0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 1], [0, 0, 1, 1]],
+    )
     assert (p.length, p.rows.tolist(), p.index.tolist()) == (1, [0, 2], [0, 0, 1])
     # first actions at 4 and 3 -> length 2; both rows start [1, 2]
     p = shared_prefix([[1, 2, 3, 4, 5], [1, 2, 6, 7]], [[0, 0, 0, 0, 1], [0, 0, 0, 1]])
@@ -39,11 +42,23 @@ def grouped_window(model_dir, groups=3, per_group=4, seed=0) -> list[Experience]
             mask = [0] * len(prompt) + [1] * (len(ids) - len(prompt))
             temp = rng.choice([1.0, 0.7])
             ref = reference_logprobs(model_dir, ids, temp)
-            out.append(Experience(
-                rollout_id=f"r{g}-{i}", group_id=f"g{g}", segment_index=0, reward=0.0, num_tokens=len(ids),
-                num_actions=sum(mask), min_version=0, temperature=temp, token_ids=ids, action_mask=mask,
-                behavior_logprobs=[(r + rng.uniform(-0.3, 0.3)) if m else 0.0 for r, m in zip(ref, mask)],
-                versions=[0 if m else -1 for m in mask], advantages=[rng.gauss(0, 1) if m else 0.0 for m in mask]))
+            out.append(
+                Experience(
+                    rollout_id=f"r{g}-{i}",
+                    group_id=f"g{g}",
+                    segment_index=0,
+                    reward=0.0,
+                    num_tokens=len(ids),
+                    num_actions=sum(mask),
+                    min_version=0,
+                    temperature=temp,
+                    token_ids=ids,
+                    action_mask=mask,
+                    behavior_logprobs=[(r + rng.uniform(-0.3, 0.3)) if m else 0.0 for r, m in zip(ref, mask)],
+                    versions=[0 if m else -1 for m in mask],
+                    advantages=[rng.gauss(0, 1) if m else 0.0 for m in mask],
+                )
+            )
     return out
 
 
@@ -61,11 +76,18 @@ def test_logprobs_entropy_and_gradients_equal_the_unshared_pass(request, model_d
         lm.zero_grad(set_to_none=True)
         lp, ent = model(mb, True)
         (lp * mb.advantages).sum().add(0.1 * ent.sum()).backward()
-        results.append((lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in lm.named_parameters()
-                                                    if p.grad is not None}))
+        results.append(
+            (
+                lp.detach(),
+                ent.detach(),
+                {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None},
+            )
+        )
     (lp0, ent0, g0), (lp1, ent1, g1) = results
-    assert mb.prefix.rows.numel() == 3 and mb.prefix.length == min(len(e.token_ids) - e.num_actions
-                                                                    for e in window) - 1
+    assert (
+        mb.prefix.rows.numel() == 3
+        and mb.prefix.length == min(len(e.token_ids) - e.num_actions for e in window) - 1
+    )
     assert lp0.abs().sum() > 0 and (lp1 - lp0).abs().max() <= 1e-5 and (ent1 - ent0).abs().max() <= 1e-5
     assert g0.keys() == g1.keys() and len(g0) > 5
     for name in g0:

@@ -1,4 +1,5 @@
 """Weights out (bucketed stream, HF export), the reference model, the critic and config validation."""
+
 import warnings
 
 import pytest
@@ -10,8 +11,9 @@ from molt.trainer import Actor, Critic
 
 @pytest.fixture(scope="module")
 def trained(tiny_llama_dir):
-    actor = Actor.from_pretrained(tiny_llama_dir, **{"actor.adam.lr": 1e-2, "train.micro_batch_size": 4,
-                                                     "train.max_tokens_per_gpu": 0})
+    actor = Actor.from_pretrained(
+        tiny_llama_dir, **{"actor.adam.lr": 1e-2, "train.micro_batch_size": 4, "train.max_tokens_per_gpu": 0}
+    )
     actor.train_step(make_window(tiny_llama_dir, seed=5))
     return actor
 
@@ -67,21 +69,25 @@ def test_export_loads_and_generates_same_greedy_text(trained, tmp_path):
 def test_reference_only_with_kl_and_refused_as_a_reward_of_group_estimators(tiny_llama_dir):
     assert Actor.from_pretrained(tiny_llama_dir).ref is None
     with pytest.raises(ValueError, match="algo.kl.use_loss false"):
-        Actor.from_pretrained(tiny_llama_dir, **{"algo.kl.init_coef": 0.1, "algo.kl.use_loss": False,
-                                                 "algo.advantage.estimator": "grpo"})
+        Actor.from_pretrained(
+            tiny_llama_dir,
+            **{"algo.kl.init_coef": 0.1, "algo.kl.use_loss": False, "algo.advantage.estimator": "grpo"},
+        )
     actor = Actor.from_pretrained(tiny_llama_dir, **{"algo.kl.init_coef": 0.1, "actor.adam.lr": 1e-2})
     window = make_window(tiny_llama_dir, seed=6)
     first = actor.train_step(window)
     assert first["kl/mean"] == pytest.approx(0.0, abs=1e-6)  # the reference starts equal to the policy
     assert actor.train_step(window)["kl/mean"] > 0.0
     ref = actor.compute_logprobs(window, reference=True)
-    assert ref[0][-1] == pytest.approx(make_window(tiny_llama_dir, seed=6, noise=0.0)[0].behavior_logprobs[-1],
-                                       abs=1e-5)
+    assert ref[0][-1] == pytest.approx(
+        make_window(tiny_llama_dir, seed=6, noise=0.0)[0].behavior_logprobs[-1], abs=1e-5
+    )
 
 
 def test_critic_learns_returns(tiny_llama_dir):
-    critic = Critic.from_pretrained(tiny_llama_dir, **{"critic.adam.lr": 5e-3, "train.micro_batch_size": 3,
-                                                       "train.max_tokens_per_gpu": 0})
+    critic = Critic.from_pretrained(
+        tiny_llama_dir, **{"critic.adam.lr": 5e-3, "train.micro_batch_size": 3, "train.max_tokens_per_gpu": 0}
+    )
     window = make_window(tiny_llama_dir, seed=7)
     values = critic.compute_values(window)
     assert all(v == 0.0 for row in values for v in row)  # zero-initialized head
@@ -93,11 +99,20 @@ def test_critic_learns_returns(tiny_llama_dir):
     assert losses[0] == pytest.approx(0.5, abs=1e-6) and losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("field,value", [("actor.adam.lr", -1.0), ("actor.lr_scheduler", "linear"),
-                                         ("train.micro_batch_size", -1), ("train.max_tokens_per_gpu", -1),
-                                         ("actor.eps_clip_low_high", (-0.1, 0.2)), ("actor.dtype", "int8"),
-                                         ("fsdp.device", "tpu"), ("actor.policy_loss", "nope"),
-                                         ("actor.total_steps", 0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("actor.adam.lr", -1.0),
+        ("actor.lr_scheduler", "linear"),
+        ("train.micro_batch_size", -1),
+        ("train.max_tokens_per_gpu", -1),
+        ("actor.eps_clip_low_high", (-0.1, 0.2)),
+        ("actor.dtype", "int8"),
+        ("fsdp.device", "tpu"),
+        ("actor.policy_loss", "nope"),
+        ("actor.total_steps", 0),
+    ],
+)
 def test_config_errors_name_the_field(tiny_llama_dir, field, value):
     over = {field: value, **({"actor.lr_scheduler": "cosine"} if field == "actor.total_steps" else {})}
     with pytest.raises(ValueError, match=field.rsplit(".", 1)[-1]):
@@ -109,8 +124,15 @@ def test_cosine_schedule_with_warmup():
     from molt.trainer.optim import lr_multiplier
 
     f = lr_multiplier(ActorConfig(lr_scheduler="cosine", lr_warmup_steps=2, total_steps=6, min_lr_ratio=0.1))
-    assert [round(f(s), 6) for s in range(7)] == [0.5, 1.0, 1.0, round(0.1 + 0.9 * 0.5 * (1 + 0.7071067811865476), 6),
-                                                 0.55, round(0.1 + 0.9 * 0.5 * (1 - 0.7071067811865476), 6), 0.1]
+    assert [round(f(s), 6) for s in range(7)] == [
+        0.5,
+        1.0,
+        1.0,
+        round(0.1 + 0.9 * 0.5 * (1 + 0.7071067811865476), 6),
+        0.55,
+        round(0.1 + 0.9 * 0.5 * (1 - 0.7071067811865476), 6),
+        0.1,
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert lr_multiplier(ActorConfig())(100) == 1.0

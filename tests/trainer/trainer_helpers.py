@@ -1,5 +1,6 @@
 """Shared helpers for the trainer tests: deterministic windows of experiences on a tiny model, and the
 2-rank gloo worker (spawned with torch.multiprocessing)."""
+
 from __future__ import annotations
 
 import os
@@ -12,12 +13,25 @@ from molt.types import Experience
 
 # clip mode gives non-trivial importance weights; on the CPU even where a GPU is present (the CPU fp32 path is
 # the reference; tests/trainer/test_cuda.py is the GPU's)
-BASE = {"fsdp.device": "cpu", "actor.adam.lr": 1e-3, "actor.max_norm": 1.0, "actor.entropy_coef": 0.01,
-        "algo.advantage.is_correction_level": "token", "algo.advantage.is_correction_mode": "clip",
-        "algo.advantage.is_correction_threshold": (0.8, 1.25), "actor.eps_clip_low_high": (0.2, 0.28),
-        "actor.lr_scheduler": "cosine", "actor.lr_warmup_steps": 1, "actor.total_steps": 6}
+BASE = {
+    "fsdp.device": "cpu",
+    "actor.adam.lr": 1e-3,
+    "actor.max_norm": 1.0,
+    "actor.entropy_coef": 0.01,
+    "algo.advantage.is_correction_level": "token",
+    "algo.advantage.is_correction_mode": "clip",
+    "algo.advantage.is_correction_threshold": (0.8, 1.25),
+    "actor.eps_clip_low_high": (0.2, 0.28),
+    "actor.lr_scheduler": "cosine",
+    "actor.lr_warmup_steps": 1,
+    "actor.total_steps": 6,
+}
 SPLITS = {
-    "mbs2_ckpt": {"train.micro_batch_size": 2, "train.max_tokens_per_gpu": 0, "actor.gradient_checkpoint": True},
+    "mbs2_ckpt": {
+        "train.micro_batch_size": 2,
+        "train.max_tokens_per_gpu": 0,
+        "actor.gradient_checkpoint": True,
+    },
     "tok48": {"train.max_tokens_per_gpu": 48},
     "packed48": {"fsdp.packing_samples": True, "train.max_tokens_per_gpu": 48},
 }
@@ -56,11 +70,23 @@ def make_window(model_dir, n: int = 8, seed: int = 0, noise: float = 0.3) -> lis
         temp = rng.choice([1.0, 0.7])
         ref = reference_logprobs(model_dir, ids, temp)
         blp = [(r + rng.uniform(-noise, noise)) if m else 0.0 for r, m in zip(ref, mask)]
-        out.append(Experience(
-            rollout_id=f"r{seed}-{i}", group_id=f"g{i // 2}", segment_index=0, reward=0.0, num_tokens=length,
-            num_actions=sum(mask), min_version=0, temperature=temp, token_ids=ids, action_mask=mask,
-            behavior_logprobs=blp, versions=[0 if m else -1 for m in mask],
-            advantages=[rng.gauss(0.0, 1.0) if m else 0.0 for m in mask]))
+        out.append(
+            Experience(
+                rollout_id=f"r{seed}-{i}",
+                group_id=f"g{i // 2}",
+                segment_index=0,
+                reward=0.0,
+                num_tokens=length,
+                num_actions=sum(mask),
+                min_version=0,
+                temperature=temp,
+                token_ids=ids,
+                action_mask=mask,
+                behavior_logprobs=blp,
+                versions=[0 if m else -1 for m in mask],
+                advantages=[rng.gauss(0.0, 1.0) if m else 0.0 for m in mask],
+            )
+        )
     return out
 
 
@@ -76,8 +102,13 @@ def full_params(actor) -> dict[str, torch.Tensor]:
 def dist_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
     """One rank of the 2-rank gloo job: both micro-batch splits (2 steps each), a DCP save/resume, and one
     tensor-parallel step."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     from molt.trainer import Actor
 
@@ -142,8 +173,13 @@ def inf_gradient(actor):
 def nonfinite_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
     """One rank of a 2-rank gloo job: a finite step, a NaN loss on rank 1 only (its gradients stay finite), an
     inf gradient on rank 1 only, a finite step; each rank saves its metrics and whether its state was kept."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     if rank == 1:
         os.environ["MOLT_FAULT_NAN_LOSS"] = "2"  # the second optimizer window
     torch.set_num_threads(1)

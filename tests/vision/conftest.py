@@ -1,4 +1,5 @@
 """Fixtures of the vision tests: one embedded engine and one renderer (with its processor) on the tiny LLaVA."""
+
 import asyncio
 
 import pytest

@@ -2,6 +2,7 @@
 prompt is exactly what Hugging Face's own processor makes of the conversation, a segment keeps each image once
 across turns (resent images recognised), a compaction that drops old screenshots starts a new segment, and bad
 images are 400s that leave the server serving."""
+
 import io
 
 import anthropic
@@ -23,20 +24,27 @@ RED, BLUE = png("red"), png("blue", "square")
 def reference(processor, messages):
     """(input ids, pixel values) by transformers' own multimodal chat path: the processor's apply_chat_template
     with the decoded images in the messages."""
+
     def part(p):
         if p["type"] == "text":
             return p
         return {"type": "image", "image": Image.open(io.BytesIO(p["_bytes"])).convert("RGB")}
 
-    msgs = [{**m, "content": [part(p) for p in m["content"]] if isinstance(m["content"], list) else m["content"]}
-            for m in messages]
-    out = processor.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=True,
-                                        return_tensors="pt")
+    msgs = [
+        {**m, "content": [part(p) for p in m["content"]] if isinstance(m["content"], list) else m["content"]}
+        for m in messages
+    ]
+    out = processor.apply_chat_template(
+        msgs, tokenize=True, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )
     return out["input_ids"][0].tolist(), out["pixel_values"]
 
 
 def ref_user(text, *images):  # the same message as `user`, keeping the bytes for `reference`
-    return {"role": "user", "content": [*({"type": "image", "_bytes": i} for i in images), {"type": "text", "text": text}]}
+    return {
+        "role": "user",
+        "content": [*({"type": "image", "_bytes": i} for i in images), {"type": "text", "text": text}],
+    }
 
 
 async def test_openai_turns_keep_one_segment_with_each_image_once(vlm_engine, vlm_renderer):
@@ -56,12 +64,17 @@ async def test_openai_turns_keep_one_segment_with_each_image_once(vlm_engine, vl
     (p1, c1), (p2, c2), (p3, c3) = [(p, c) for _, p, c in engine.records]
     ids, pixels = reference(vlm_renderer.processor, [ref_user("What is this?", RED)])
     assert p1 == ids and p1.count(image_id) == IMAGE_TOKENS
-    assert p2[:len(p1) + len(c1.token_ids)] == p1 + c1.token_ids  # continued token-exactly
+    assert p2[: len(p1) + len(c1.token_ids)] == p1 + c1.token_ids  # continued token-exactly
     seg = segments[0]
-    assert seg.token_ids.tolist() == p2 + c2.token_ids and (seg.token_ids == image_id).sum() == 2 * IMAGE_TOKENS
+    assert (
+        seg.token_ids.tolist() == p2 + c2.token_ids and (seg.token_ids == image_id).sum() == 2 * IMAGE_TOKENS
+    )
     _, both = reference(vlm_renderer.processor, [ref_user("What is this?", RED, BLUE)])
     assert torch.equal(seg.images["pixel_values"], both) and torch.equal(both[:1], pixels)
-    assert segments[1].token_ids.tolist() == p3 + c3.token_ids and segments[1].images["pixel_values"].shape[0] == 1
+    assert (
+        segments[1].token_ids.tolist() == p3 + c3.token_ids
+        and segments[1].images["pixel_values"].shape[0] == 1
+    )
     assert torch.equal(segments[1].images["pixel_values"], both[1:])
 
 
@@ -75,21 +88,30 @@ async def test_both_wires_capture_the_same_tokens_and_images(vlm_engine, vlm_ren
             if wire == "openai":
                 api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key)
                 messages = [user("Shape?", RED)]
-                text = (await api.chat.completions.create(model="m", messages=messages)).choices[0].message.content
+                text = (
+                    (await api.chat.completions.create(model="m", messages=messages))
+                    .choices[0]
+                    .message.content
+                )
                 messages += [{"role": "assistant", "content": text}, user("Colour?", BLUE)]
                 await api.chat.completions.create(model="m", messages=messages)
             else:
                 api = anthropic.AsyncAnthropic(base_url=session.session_url, api_key=session.api_key)
                 messages = [anthropic_user("Shape?", RED)]
                 reply = await api.messages.create(model="m", max_tokens=6, messages=messages)
-                messages += [{"role": "assistant", "content": reply.content[0].text if reply.content else ""},
-                             anthropic_user("Colour?", BLUE)]
+                messages += [
+                    {"role": "assistant", "content": reply.content[0].text if reply.content else ""},
+                    anthropic_user("Colour?", BLUE),
+                ]
                 await api.messages.create(model="m", max_tokens=6, messages=messages)
             segments[wire] = await session.close()
     (a,), (b,) = segments["openai"], segments["anthropic"]
     assert np.array_equal(a.token_ids, b.token_ids) and np.array_equal(a.action_mask, b.action_mask)
     np.testing.assert_allclose(a.behavior_logprobs, b.behavior_logprobs, atol=1e-6)
-    assert torch.equal(a.images["pixel_values"], b.images["pixel_values"]) and a.images["pixel_values"].shape[0] == 2
+    assert (
+        torch.equal(a.images["pixel_values"], b.images["pixel_values"])
+        and a.images["pixel_values"].shape[0] == 2
+    )
 
 
 BAD = {
@@ -109,20 +131,31 @@ async def test_bad_images_are_400s_and_the_server_keeps_serving(vlm_engine, tiny
         session = await server.open_session("r", SamplingParams(max_tokens=3))
         api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
         for name, (url, message) in BAD.items():
-            bad = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                               {"type": "text", "text": "What is this?"}]}
+            bad = {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
             with pytest.raises(BadRequestError) as caught:
                 await api.chat.completions.create(model="m", messages=[bad])
             assert message in caught.value.message, name
-        claude = anthropic.AsyncAnthropic(base_url=session.session_url, api_key=session.api_key, max_retries=0)
+        claude = anthropic.AsyncAnthropic(
+            base_url=session.session_url, api_key=session.api_key, max_retries=0
+        )
         block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "%%%"}}
         with pytest.raises(anthropic.BadRequestError, match="base64 data is malformed"):
-            await claude.messages.create(model="m", max_tokens=3, messages=[{"role": "user", "content": [block]}])
+            await claude.messages.create(
+                model="m", max_tokens=3, messages=[{"role": "user", "content": [block]}]
+            )
         async with httpx.AsyncClient() as http:
             assert (await http.get(f"{server.url}/health")).json()["status"] == "ok"
         reply = await api.chat.completions.create(model="m", messages=[ok])  # still serving
         (segment,) = await session.close()
-    assert reply.choices[0].finish_reason in ("stop", "length") and segment.images["pixel_values"].shape[0] == 1
+    assert (
+        reply.choices[0].finish_reason in ("stop", "length") and segment.images["pixel_values"].shape[0] == 1
+    )
 
 
 async def test_a_text_model_refuses_images(tokenizer):

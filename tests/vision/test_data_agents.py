@@ -1,6 +1,7 @@
 """Images from the dataset to the agents: `--data.image_key` / `--data.max_images_per_prompt`, the runners
 inlining a row's images into `ctx.messages` as OpenAI `image_url` parts, a two-turn ChatAgent sending an image
 each turn (one segment, both images), and an Env whose steps return images for the next observation."""
+
 import base64
 import io
 import json
@@ -35,17 +36,34 @@ def test_image_parts_from_every_kind_of_dataset_image(tmp_path):
     (tmp_path / "red.png").write_bytes(RED)
     url = data_url(RED)
     pil = Image.open(io.BytesIO(RED))
-    for image in (str(tmp_path / "red.png"), f"file://{tmp_path / 'red.png'}", RED, {"bytes": RED, "path": None},
-                  {"bytes": None, "path": str(tmp_path / "red.png")}, url):
+    for image in (
+        str(tmp_path / "red.png"),
+        f"file://{tmp_path / 'red.png'}",
+        RED,
+        {"bytes": RED, "path": None},
+        {"bytes": None, "path": str(tmp_path / "red.png")},
+        url,
+    ):
         assert image_part(image) == {"type": "image_url", "image_url": {"url": url}}
-    decoded = base64.b64decode(image_part(pil)["image_url"]["url"].split(",", 1)[1])  # re-encoded: same pixels
+    decoded = base64.b64decode(
+        image_part(pil)["image_url"]["url"].split(",", 1)[1]
+    )  # re-encoded: same pixels
     assert Image.open(io.BytesIO(decoded)).tobytes() == pil.convert("RGB").tobytes()
     assert image_part("https://example.com/x.png")["image_url"]["url"] == "https://example.com/x.png"
-    messages, prompt = row_messages({"messages": [{"role": "system", "content": "Be brief."},
-                                                  {"role": "user", "content": "What is it?"}], "images": [RED]})
+    messages, prompt = row_messages(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is it?"},
+            ],
+            "images": [RED],
+        }
+    )
     assert prompt == "What is it?" and messages[0] == {"role": "system", "content": "Be brief."}
-    assert messages[1]["content"] == [{"type": "image_url", "image_url": {"url": url}},
-                                      {"type": "text", "text": "What is it?"}]
+    assert messages[1]["content"] == [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "What is it?"},
+    ]
     assert row_messages({"prompt": "hi"})[0] == [{"role": "user", "content": "hi"}]  # no images: unchanged
 
 
@@ -56,22 +74,28 @@ class TwoScreens(ChatAgent):
         api = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
         messages = list(ctx.messages)
         reply = await api.chat.completions.create(model=ctx.model_name, messages=messages, max_tokens=5)
-        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
-                     user("And now?", png("green", "square"))]
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            user("And now?", png("green", "square")),
+        ]
         await api.chat.completions.create(model=ctx.model_name, messages=messages, max_tokens=5)
         return Result(reward=1.0)
 
 
 class Screens(Env):
     """Each step answers with a new screenshot as the next observation; two turns."""
+
     seen = None
 
     async def reset(self, state):
         Screens.seen = state["images"]
 
     async def step(self, state):
-        return Result(reward=0.5, terminated=False, observation="Next screen.", images=[png("blue")]) \
-            if "Next screen" not in state["observation_text"] else Result(reward=0.5)
+        return (
+            Result(reward=0.5, terminated=False, observation="Next screen.", images=[png("blue")])
+            if "Next screen" not in state["observation_text"]
+            else Result(reward=0.5)
+        )
 
 
 async def test_two_turn_agent_and_env_keep_one_segment_with_both_images(vlm_engine, vlm_renderer):
@@ -81,14 +105,18 @@ async def test_two_turn_agent_and_env_keep_one_segment_with_both_images(vlm_engi
     row = {"prompt": "What is in the image?", "images": [RED]}
     async with live_capture_server(vlm_engine, vlm_renderer) as server:
         for _ in range(3):
-            agent = await ChatAgentRunner(TwoScreens).run(row, sessions=server, rollout_id="a",
-                                                          sampling_params=SamplingParams(max_tokens=5))
-            env = await StepEnvRunner(Screens).run(row, sessions=server, rollout_id="e",
-                                                   sampling_params=SamplingParams(max_tokens=5))
+            agent = await ChatAgentRunner(TwoScreens).run(
+                row, sessions=server, rollout_id="a", sampling_params=SamplingParams(max_tokens=5)
+            )
+            env = await StepEnvRunner(Screens).run(
+                row, sessions=server, rollout_id="e", sampling_params=SamplingParams(max_tokens=5)
+            )
             for traj in (agent, env):
                 assert traj.ok, traj.error
                 (segment,) = traj.segments
-                assert (segment.token_ids == image_id).sum() == 8 and segment.images["pixel_values"].shape[0] == 2
+                assert (segment.token_ids == image_id).sum() == 8 and segment.images["pixel_values"].shape[
+                    0
+                ] == 2
                 assert image_id not in segment.token_ids[segment.action_mask]
     assert env.reward == 1.0 and Screens.seen == [RED]
     red = vlm_renderer.encode_images("<image>", [vlm_renderer.image(data_url(RED))])[1]["pixel_values"]

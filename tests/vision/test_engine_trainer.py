@@ -2,6 +2,7 @@
 carries keys/values across images, the engine's behavior log-probs and the trainer's recomputed ones agree to
 1e-5 in fp32 (after the experiences went through the object store), the engine never samples the image token
 (the trainer masks it the same way), and `freeze_visual_encoder` freezes exactly the vision tower."""
+
 import numpy as np
 import pytest
 import torch
@@ -20,7 +21,10 @@ def prompt(renderer, *images):
 
 
 async def test_prefix_cache_is_not_reused_across_images(vlm_engine, vlm_renderer):
-    (ids, red), (same_ids, blue) = prompt(vlm_renderer, png("red")), prompt(vlm_renderer, png("blue", "square"))
+    (ids, red), (same_ids, blue) = (
+        prompt(vlm_renderer, png("red")),
+        prompt(vlm_renderer, png("blue", "square")),
+    )
     assert ids == same_ids  # the placeholder tokens are the same: only the pixels differ
     greedy = SamplingParams(max_tokens=4, temperature=0)
     before = vlm_engine.prefixes.stats()["reused_tokens"]
@@ -42,12 +46,15 @@ async def test_the_engine_never_samples_vision_tokens(vlm_engine, vlm_renderer, 
     banned = list(vlm_engine.spec.banned)
     assert banned == [vlm_renderer.processor.image_token_id]
     ids, red = prompt(vlm_renderer, png("red"))
-    out = await vlm_engine.generate(ids, SamplingParams(max_tokens=40, min_tokens=40, temperature=100.0, seed=0),
-                                    images=red)
+    out = await vlm_engine.generate(
+        ids, SamplingParams(max_tokens=40, min_tokens=40, temperature=100.0, seed=0), images=red
+    )
     assert banned[0] not in out.token_ids and len(out.token_ids) == 40
     model = AutoModelForImageTextToText.from_pretrained(str(tiny_vlm_dir))
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids + out.token_ids]), **red).logits[0, len(ids) - 1:-1] / 100
+        logits = (
+            model(input_ids=torch.tensor([ids + out.token_ids]), **red).logits[0, len(ids) - 1 : -1] / 100
+        )
     picked = torch.tensor(out.token_ids)[:, None]
     plain = logits.log_softmax(-1).gather(1, picked)[:, 0]
     logits[:, banned] = -float("inf")
@@ -56,9 +63,13 @@ async def test_the_engine_never_samples_vision_tokens(vlm_engine, vlm_renderer, 
     assert (masked - plain).min() > 1e-3  # renormalized without the image token's mass
 
 
-async def test_engine_and_trainer_logprobs_agree_on_image_replies(vlm_engine, vlm_renderer, tiny_vlm_dir, ray_local):
+async def test_engine_and_trainer_logprobs_agree_on_image_replies(
+    vlm_engine, vlm_renderer, tiny_vlm_dir, ray_local
+):
     segments = await two_turn_rollouts(vlm_engine, vlm_renderer, ["red", "green"])
-    exps = [Experience.from_segment(Trajectory(f"r{i}", "g", [s]), 0).offload() for i, s in enumerate(segments)]
+    exps = [
+        Experience.from_segment(Trajectory(f"r{i}", "g", [s]), 0).offload() for i, s in enumerate(segments)
+    ]
     assert all(e.images is None for e in exps)  # the pixels travel with the payload
     exps = [e.reload() for e in exps]
     assert [e.images["pixel_values"].shape[0] for e in exps] == [2, 2]
@@ -80,12 +91,15 @@ async def test_freeze_visual_encoder(vlm_engine, vlm_renderer, tiny_vlm_dir, tin
     (segment,) = await two_turn_rollouts(vlm_engine, vlm_renderer, ["blue"])
     exp = Experience.from_segment(Trajectory("r", "g", [segment]), 0)
     exp.advantages = [1.0 if m else 0.0 for m in exp.action_mask]
-    actor = Actor.from_pretrained(str(tiny_vlm_dir), **{"actor.freeze_visual_encoder": True, "actor.adam.lr": 1e-2},
-                                  **FP32)
+    actor = Actor.from_pretrained(
+        str(tiny_vlm_dir), **{"actor.freeze_visual_encoder": True, "actor.adam.lr": 1e-2}, **FP32
+    )
     before = {n: p.detach().clone() for n, p in actor.lm.named_parameters()}
     actor.train_step([exp])
     changed = {n for n, p in actor.lm.named_parameters() if not torch.equal(p, before[n])}
     assert changed and not any(".vision_tower." in n for n in changed)
-    assert any(".multi_modal_projector." in n for n in changed) and any(".language_model." in n for n in changed)
+    assert any(".multi_modal_projector." in n for n in changed) and any(
+        ".language_model." in n for n in changed
+    )
     with pytest.raises(ValueError, match="freeze_visual_encoder: .* has no vision encoder"):
         Actor.from_pretrained(str(tiny_llama_dir), **{"actor.freeze_visual_encoder": True}, **FP32)

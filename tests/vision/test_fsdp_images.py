@@ -3,6 +3,7 @@ rank 1 trains four image micro-batches. Every micro-batch of a vision-language m
 once (one without images on a blank image whose features count 0 times), so the FSDP2 all-gathers and
 reduce-scatters of the vision blocks match across ranks; the log-probs, the step and the critic (gae) then
 agree with one process on the whole window."""
+
 import socket
 import time
 
@@ -54,10 +55,13 @@ def test_two_ranks_with_images_match_one_process(runs):
     print(f"max gradient difference (as the step's update): {diff:.2e}")
     assert diff <= 1e-5
 
+
 def test_the_step_moved_the_vision_tower(runs, tiny_vlm_dir):
     from transformers import AutoModelForImageTextToText
 
     initial = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir).state_dict()
     _, one = runs
-    moved = {k for k, v in one["params"].items() if "vision_tower" in k and (v - initial[k]).abs().max() > 1e-5}
+    moved = {
+        k for k, v in one["params"].items() if "vision_tower" in k and (v - initial[k]).abs().max() > 1e-5
+    }
     assert moved  # so the two-rank comparison covered a trained vision tower

@@ -9,6 +9,7 @@ torchvision builds against this machine's CPU torch 2.13. With torchvision, `Cha
 it through `AutoProcessor`. Here the same class is built without the video half, from the checkpoint's own image
 processor and tokenizer (each loaded with `from_pretrained`): `image_only`. Each test runs on Qwen2-VL and on
 Qwen2.5-VL (windowed vision attention; its `get_rope_index` also takes video timing, hence keyword calls)."""
+
 import asyncio
 import io
 
@@ -28,6 +29,7 @@ FP32 = {"fsdp.device": "cpu", "actor.dtype": "float32"}
 
 def image_only(processor_class):
     """`processor_class` without its video processor (module docstring)."""
+
     def init(self, image_processor=None, tokenizer=None, chat_template=None):
         processor_class.__init__(self, image_processor, tokenizer, None, chat_template=chat_template)
 
@@ -49,10 +51,14 @@ def qwen_renderer(qwen_dir):
     else:
         return ChatRenderer.from_pretrained(str(qwen_dir))
     tokenizer = tf.AutoTokenizer.from_pretrained(qwen_dir)
-    family = tf.Qwen2_5_VLProcessor if "2_5" in tf.AutoConfig.from_pretrained(qwen_dir).model_type \
+    family = (
+        tf.Qwen2_5_VLProcessor
+        if "2_5" in tf.AutoConfig.from_pretrained(qwen_dir).model_type
         else tf.Qwen2VLProcessor
-    processor = image_only(family)(tf.AutoImageProcessor.from_pretrained(qwen_dir), tokenizer,
-                                   chat_template=tokenizer.chat_template)
+    )
+    processor = image_only(family)(
+        tf.AutoImageProcessor.from_pretrained(qwen_dir), tokenizer, chat_template=tokenizer.chat_template
+    )
     return ChatRenderer(tokenizer, processor)
 
 
@@ -71,18 +77,36 @@ def test_the_prompt_is_the_processors(qwen_renderer):
 
     red, blue = png("red"), png("blue", "square")
     messages = canonical_messages([user("What is this?", red, blue)], qwen_renderer.image)
-    ids, images = qwen_renderer.encode_images(qwen_renderer.render(messages, None, True), message_images(messages))
+    ids, images = qwen_renderer.encode_images(
+        qwen_renderer.render(messages, None, True), message_images(messages)
+    )
     theirs = processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image", "image": Image.open(io.BytesIO(b)).convert("RGB")}
-                                      for b in (red, blue)] + [{"type": "text", "text": "What is this?"}]}],
-        tokenize=True, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": Image.open(io.BytesIO(b)).convert("RGB")} for b in (red, blue)
+                ]
+                + [{"type": "text", "text": "What is this?"}],
+            }
+        ],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=True,
+        return_tensors="pt",
+    )
     assert ids == theirs["input_ids"][0].tolist() and ids.count(processor.image_token_id) == 8  # 4 per image
     assert torch.equal(images["image_grid_thw"], torch.tensor([[1, 4, 4], [1, 4, 4]]))
-    assert torch.equal(images["pixel_values"], theirs["pixel_values"]) and images["pixel_values"].shape == (32, 1176)
+    assert torch.equal(images["pixel_values"], theirs["pixel_values"]) and images["pixel_values"].shape == (
+        32,
+        1176,
+    )
     assert set(images) == {"pixel_values", "image_grid_thw"}  # the per-token modalities are read off the ids
 
 
-async def test_engine_and_trainer_logprobs_agree(qwen_engine, qwen_renderer, qwen_dir, ray_local, monkeypatch):
+async def test_engine_and_trainer_logprobs_agree(
+    qwen_engine, qwen_renderer, qwen_dir, ray_local, monkeypatch
+):
     segments = await two_turn_rollouts(qwen_engine, qwen_renderer, ["red", "green"])
     image_id = qwen_renderer.processor.image_token_id
     banned = list(qwen_engine.spec.banned)
@@ -90,13 +114,17 @@ async def test_engine_and_trainer_logprobs_agree(qwen_engine, qwen_renderer, qwe
     for seg in segments:
         assert (seg.token_ids == image_id).sum() == 8 and seg.images["image_grid_thw"].shape == (2, 3)
         assert not set(banned) & set(seg.token_ids[seg.action_mask].tolist())
-    exps = [Experience.from_segment(Trajectory(f"r{i}", "g", [s]), 0).offload().reload()
-            for i, s in enumerate(segments)]
+    exps = [
+        Experience.from_segment(Trajectory(f"r{i}", "g", [s]), 0).offload().reload()
+        for i, s in enumerate(segments)
+    ]
     actor = Actor.from_pretrained(str(qwen_dir), **FP32)
 
     def worst(batch):
-        return max(np.abs(lps[exp.action_mask] - exp.behavior_logprobs).max()
-                   for exp, lps in zip(batch, actor.compute_logprobs(batch)))
+        return max(
+            np.abs(lps[exp.action_mask] - exp.behavior_logprobs).max()
+            for exp, lps in zip(batch, actor.compute_logprobs(batch))
+        )
 
     for batch in (exps, exps[:1], exps[1:]):  # one padded micro-batch of both rows, and each alone
         assert worst(batch) < 1e-5
@@ -111,14 +139,22 @@ async def test_a_cached_text_prefix_and_images_in_one_prefill(qwen_engine, qwen_
     greedy = SamplingParams(max_tokens=4, temperature=0)
     text = qwen_renderer.encode("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n")
     first = await qwen_engine.generate(text, greedy, session_id="cached")
-    more = text + first.token_ids + qwen_renderer.encode("<|im_start|>user\nAgain?<|im_end|>\n<|im_start|>assistant\n")
+    more = (
+        text
+        + first.token_ids
+        + qwen_renderer.encode("<|im_start|>user\nAgain?<|im_end|>\n<|im_start|>assistant\n")
+    )
     messages = canonical_messages([user("What is this?", png("red"))], qwen_renderer.image)
-    ids, images = qwen_renderer.encode_images(qwen_renderer.render(messages, None, True), message_images(messages))
+    ids, images = qwen_renderer.encode_images(
+        qwen_renderer.render(messages, None, True), message_images(messages)
+    )
     alone = [await qwen_engine.generate(more, greedy), await qwen_engine.generate(ids, greedy, images=images)]
     reused = (await qwen_engine.prefix_stats())["reused_tokens"]
     await qwen_engine.pause()  # both wait for the same step, hence one prefill group
-    tasks = [asyncio.create_task(qwen_engine.generate(more, greedy, session_id="cached")),
-             asyncio.create_task(qwen_engine.generate(ids, greedy, images=images))]
+    tasks = [
+        asyncio.create_task(qwen_engine.generate(more, greedy, session_id="cached")),
+        asyncio.create_task(qwen_engine.generate(ids, greedy, images=images)),
+    ]
     while qwen_engine.num_requests < 2:
         await asyncio.sleep(0)
     await qwen_engine.resume()
@@ -135,13 +171,17 @@ def test_the_vllm_prompt_has_one_placeholder_per_image(qwen_renderer, qwen_dir):
 
     pad = qwen_renderer.processor.image_token_id
     merge = tf.AutoConfig.from_pretrained(qwen_dir).vision_config.spatial_merge_size
-    messages = canonical_messages([user("Compare", png("red", size=(112, 56)), png("blue", "square"))],
-                                  qwen_renderer.image)
+    messages = canonical_messages(
+        [user("Compare", png("red", size=(112, 56)), png("blue", "square"))], qwen_renderer.image
+    )
     rendered = qwen_renderer.render(messages, None, True)
     ids, images = qwen_renderer.encode_images(rendered, message_images(messages))
     sources = [i.image for i in message_images(messages)]
     assert images["image_grid_thw"].prod(-1).tolist() == [8, 16] and ids.count(pad) == 6
     prompt = mv.mm_prompt(ids, images, sources, pad, merge)
-    assert prompt["prompt_token_ids"] == qwen_renderer.encode(rendered) and prompt["multi_modal_data"]["image"] == sources
+    assert (
+        prompt["prompt_token_ids"] == qwen_renderer.encode(rendered)
+        and prompt["multi_modal_data"]["image"] == sources
+    )
     with pytest.raises(mv.RequestError, match="image tokens do not match"):
         mv.mm_prompt(ids, {**images, "image_grid_thw": images["image_grid_thw"].flip(0)}, sources, pad, merge)

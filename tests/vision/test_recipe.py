@@ -2,6 +2,7 @@
 with pixel inputs, experiences with their images through the object store, the trainer with a frozen vision
 tower, refit, export. The Env synchronously, and the two-turn ChatAgents (OpenAI and Anthropic SDKs, an image
 each turn) asynchronously."""
+
 import asyncio
 import io
 import json
@@ -32,11 +33,21 @@ def test_task_draws_and_grades():
 def _cfg(model_dir, out, agent, **over):
     """The recipe's settings, shrunk to two small steps; `over`: dotted names -> values."""
     settings = {
-        "actor.model_name_or_path": str(model_dir), "actor.freeze_visual_encoder": True, "actor.adam.lr": 1e-3,
-        "train.agent_path": str(RECIPE / agent), "train.max_steps": 2, "train.dump_trajectories_steps": 1,
-        "data.prompt_dataset": str(RECIPE / "data" / "train.jsonl"), "data.max_images_per_prompt": 1,
-        "rollout.batch_size": 2, "rollout.n_samples_per_prompt": 2, "rollout.max_new_tokens": 6,
-        "rollout.timeout_s": 60.0, "ckpt.output_dir": str(out), **over}
+        "actor.model_name_or_path": str(model_dir),
+        "actor.freeze_visual_encoder": True,
+        "actor.adam.lr": 1e-3,
+        "train.agent_path": str(RECIPE / agent),
+        "train.max_steps": 2,
+        "train.dump_trajectories_steps": 1,
+        "data.prompt_dataset": str(RECIPE / "data" / "train.jsonl"),
+        "data.max_images_per_prompt": 1,
+        "rollout.batch_size": 2,
+        "rollout.n_samples_per_prompt": 2,
+        "rollout.max_new_tokens": 6,
+        "rollout.timeout_s": 60.0,
+        "ckpt.output_dir": str(out),
+        **over,
+    }
     cfg = MoltConfig()
     for dotted, value in settings.items():
         *parents, name = dotted.split(".")
@@ -72,8 +83,11 @@ def test_env_recipe_trains_synchronously(tiny_vlm_dir, tmp_path, ray_local):
 @pytest.mark.parametrize("agent", ["openai_agent.py", "anthropic_agent.py"])
 def test_two_turn_chat_agents_train_asynchronously(agent, tiny_vlm_dir, tmp_path, ray_local):
     out = tmp_path / "run"
-    asyncio.run(run_training(_cfg(tiny_vlm_dir, out, agent, **{"train.max_staleness": 1,
-                                                                "rollout.engine_process": False})))
+    asyncio.run(
+        run_training(
+            _cfg(tiny_vlm_dir, out, agent, **{"train.max_staleness": 1, "rollout.engine_process": False})
+        )
+    )
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["rollout/segments_per_rollout"] == 1 for m in metrics)  # both turns in one segment

@@ -3,6 +3,7 @@ the `VLLMEngine` path with images is not run here). vLLM expands each image's pl
 must go back to the one placeholder per image the chat template wrote: the reference is the tokenizer's own
 encoding of the rendered text, before any processor expanded it. And the vision tokens are banned by a -inf
 logit bias, which vLLM adds before temperature and the processed log-probs."""
+
 import pytest
 from vision_helpers import png, user
 
@@ -22,7 +23,10 @@ def collapse_case(renderer, *images, text="What is this?"):
 
 def test_llava_prompt_goes_back_to_one_placeholder_per_image(vlm_renderer):
     image = vlm_renderer.processor.image_token_id
-    for images in ([png("red")], [png("red"), png("blue", "square")]):  # two images: one run of 8 placeholders
+    for images in (
+        [png("red")],
+        [png("red"), png("blue", "square")],
+    ):  # two images: one run of 8 placeholders
         ids, inputs, sources, raw = collapse_case(vlm_renderer, *images)
         assert ids.count(image) == 4 * len(images) and raw.count(image) == len(images)
         prompt = mv.mm_prompt(ids, inputs, sources, image)
@@ -33,7 +37,9 @@ def test_llava_prompt_goes_back_to_one_placeholder_per_image(vlm_renderer):
         with pytest.raises(RequestError, match="image tokens do not match"):
             mv.mm_prompt(ids, inputs, bad, image)
     with pytest.raises(RequestError, match="image tokens do not match"):
-        mv.mm_prompt(ids[:-len(ids) + ids.index(image) + 2] + ids[ids.index(image) + 3:], inputs, sources, image)
+        mv.mm_prompt(
+            ids[: -len(ids) + ids.index(image) + 2] + ids[ids.index(image) + 3 :], inputs, sources, image
+        )
 
 
 def test_vision_tokens_are_banned_by_a_minus_infinite_bias(tiny_vlm_dir):

@@ -1,5 +1,6 @@
 """Images drawn with Pillow for the vision tests, as PNG bytes, data URLs and OpenAI / Anthropic content, and
 two-turn rollouts through the capture server."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +37,13 @@ def user(text: str, *images: bytes) -> dict:
 
 
 def anthropic_user(text: str, *images: bytes) -> dict:
-    blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                           "data": base64.b64encode(i).decode()}} for i in images]
+    blocks = [
+        {
+            "type": "image",
+            "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(i).decode()},
+        }
+        for i in images
+    ]
     return {"role": "user", "content": [*blocks, {"type": "text", "text": text}]}
 
 
@@ -45,11 +51,16 @@ async def two_turn_rollouts(engine, renderer, colours):
     """One two-turn rollout per colour (an image each turn, the OpenAI SDK) through the capture server, all at
     once (so the engine batches them): their segments."""
     async with live_capture_server(engine, renderer) as server:
+
         async def rollout(i, colour):
-            session = await server.open_session(f"r{i}", SamplingParams(max_tokens=6, temperature=0.7, seed=i))
+            session = await server.open_session(
+                f"r{i}", SamplingParams(max_tokens=6, temperature=0.7, seed=i)
+            )
             api = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key)
             messages = [user("What is this?", png(colour))]
-            text = (await api.chat.completions.create(model="m", messages=messages)).choices[0].message.content
+            text = (
+                (await api.chat.completions.create(model="m", messages=messages)).choices[0].message.content
+            )
             messages += [{"role": "assistant", "content": text}, user("And this?", png(colour, "square"))]
             await api.chat.completions.create(model="m", messages=messages)
             (segment,) = await session.close()
@@ -74,25 +85,46 @@ def image_window(model_dir, kinds: str, seed: int = 0) -> list:
         if kind == "i":
             from PIL import Image
 
-            image = Image.open(io.BytesIO(png(rng.choice(["red", "blue", "green"]), rng.choice(["circle", "sq"]))))
+            image = Image.open(
+                io.BytesIO(png(rng.choice(["red", "blue", "green"]), rng.choice(["circle", "sq"])))
+            )
             inputs = processor(text=f"<image>Look {i}", images=[image], return_tensors="pt")
             prompt, images = inputs["input_ids"][0].tolist(), {"pixel_values": inputs["pixel_values"]}
         else:
             prompt, images = [rng.randrange(10, 300) for _ in range(rng.randint(3, 9))], None
         reply = [rng.randrange(10, 300) for _ in range(rng.randint(3, 8))]
         mask = [0] * len(prompt) + [1] * len(reply)
-        out.append(Experience(
-            rollout_id=f"r{i}", group_id="g", segment_index=0, reward=0.0, num_tokens=len(mask),
-            num_actions=len(reply), min_version=0, temperature=rng.choice([1.0, 0.7]), token_ids=prompt + reply,
-            action_mask=mask, behavior_logprobs=[rng.uniform(-7.0, -5.0) * m for m in mask],
-            versions=[0 if m else -1 for m in mask], advantages=[rng.gauss(0.0, 1.0) * m for m in mask],
-            images=images))
+        out.append(
+            Experience(
+                rollout_id=f"r{i}",
+                group_id="g",
+                segment_index=0,
+                reward=0.0,
+                num_tokens=len(mask),
+                num_actions=len(reply),
+                min_version=0,
+                temperature=rng.choice([1.0, 0.7]),
+                token_ids=prompt + reply,
+                action_mask=mask,
+                behavior_logprobs=[rng.uniform(-7.0, -5.0) * m for m in mask],
+                versions=[0 if m else -1 for m in mask],
+                advantages=[rng.gauss(0.0, 1.0) * m for m in mask],
+                images=images,
+            )
+        )
     return out
 
 
 FSDP_WINDOW, FSDP_SHARES = "itiiii", ([0, 1], [2, 3, 4, 5])  # rank 0: an image, a text row, then a ghost
-FSDP_CFG = {"fsdp.device": "cpu", "actor.dtype": "float32", "train.micro_batch_size": 1, "train.max_tokens_per_gpu": 0,
-            "actor.adam.lr": 1e-3, "actor.max_norm": 1.0, "critic.adam.lr": 1e-3}
+FSDP_CFG = {
+    "fsdp.device": "cpu",
+    "actor.dtype": "float32",
+    "train.micro_batch_size": 1,
+    "train.max_tokens_per_gpu": 0,
+    "actor.adam.lr": 1e-3,
+    "actor.max_norm": 1.0,
+    "critic.adam.lr": 1e-3,
+}
 
 
 def fsdp_run(model_dir, rank: int | None = None) -> dict:
@@ -115,8 +147,10 @@ def fsdp_run(model_dir, rank: int | None = None) -> dict:
         old = critic.compute_values(exps)
         out["critic"] = critic.train_step(exps, returns, old)
     out["values"] = [x.tolist() for x in critic.compute_values(exps)]
-    out["value_head"] = sum(float((p.full_tensor() if hasattr(p, "full_tensor") else p).detach().abs().sum())
-                            for p in critic.model.value_head.parameters())
+    out["value_head"] = sum(
+        float((p.full_tensor() if hasattr(p, "full_tensor") else p).detach().abs().sum())
+        for p in critic.model.value_head.parameters()
+    )
     return out
 
 
@@ -125,8 +159,13 @@ def fsdp_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) 
 
     import torch
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     torch.save(fsdp_run(model_dir, rank), f"{out_dir}/rank{rank}.pt")
     torch.distributed.destroy_process_group()

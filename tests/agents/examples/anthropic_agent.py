@@ -1,4 +1,5 @@
 """The same capture path through a stock AsyncAnthropic client (reference example 3.2)."""
+
 from anthropic import AsyncAnthropic
 from grading import grade
 

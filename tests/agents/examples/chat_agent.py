@@ -1,4 +1,5 @@
 """An agent file shaped like the reference examples: a ChatAgent on a stock AsyncOpenAI client."""
+
 import torch
 from grading import grade
 from openai import AsyncOpenAI

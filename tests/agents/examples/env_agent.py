@@ -1,4 +1,5 @@
 """An Env agent file shaped like the reference examples: the framework generates, the Env grades."""
+
 from grading import grade
 
 from molt.agents import Env, Result, StepEnvRunner

@@ -1,5 +1,6 @@
 """A math Env written the way the reference's examples are: the framework generates, step() grades the whole
 text (observation_text + action_text) and returns a torch-tensor reward."""
+
 import torch
 from math_grader import compute_score
 
@@ -13,8 +14,11 @@ class MathEnv(Env):
     async def step(self, state):
         text = state["observation_text"] + state["action_text"]
         reward = compute_score(text, state["label"])
-        return Result(reward=torch.tensor([reward]), terminated=True,
-                      info={"response_length": torch.tensor(len(state["action_text"]))})
+        return Result(
+            reward=torch.tensor([reward]),
+            terminated=True,
+            info={"response_length": torch.tensor(len(state["action_text"]))},
+        )
 
 
 class AgentRunner(StepEnvRunner):

@@ -1,5 +1,6 @@
 """A helper next to the agent files, imported by plain name as the reference's examples do: the last number
 of the text against the ground truth of a `reward_model` label ({"ground_truth": ..., "style": "rule"})."""
+
 import re
 
 

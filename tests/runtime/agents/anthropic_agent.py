@@ -1,4 +1,5 @@
 """Test ChatAgent: the same agent on the stock AsyncAnthropic client (session_url, /v1/messages)."""
+
 from sdk_agent import SDKAgent
 
 from molt.agents import ChatAgentRunner

@@ -1,5 +1,6 @@
 """Test Env: LettersEnv whose tool crashes on prompts with label % 7 == 0 and hangs past the rollout timeout on
 label % 7 == 1, every time, so what the pool counts can be worked out from the data (test_train_e2e)."""
+
 import asyncio
 
 from letters_env import LettersEnv

@@ -1,5 +1,6 @@
 """Test Env for evaluation: the score depends on the prompt only (1 for an even label, else 0) and the tool
 crashes on labels divisible by 3, so pass@n, avg@n and the failures can be worked out from the data."""
+
 from molt.agents import Env, Result, StepEnvRunner
 
 

@@ -1,4 +1,5 @@
 """Test Env: two turns with a pause between them (so refits land mid-rollout); reward = share of 'e' letters."""
+
 import asyncio
 import random
 

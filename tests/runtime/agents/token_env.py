@@ -1,5 +1,6 @@
 """Test Env: one turn; reward = how often the reply contains the letter 'Q', which only one token of the tiny
 model's vocabulary contains (`molt.testing`'s byte-level BPE has no merge with it): a reward for one token."""
+
 from molt.agents import Env, Result, StepEnvRunner
 
 
