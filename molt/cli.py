@@ -6,7 +6,7 @@ answer in well under a second: this module imports only the standard library and
 stdlib-only at import time); torch, transformers, rich and the engines are imported inside the subcommand
 functions. Subcommands with a large typed configuration (`train`, `sft`, `demo`) parse their own arguments with
 `load_config`: a YAML recipe, then flags (the reference's rewritten by `molt.flags`), tyro over
-`molt.config.MoltConfig`, `algo.plugins` imported, then `molt.config.validate`.
+`molt.config.MoltConfig`, `algo.plugins` imported, then `molt.config_validate.validate`.
 
 Errors: a user mistake (`ValueError`, which includes `molt.engine.base.RequestError`) prints one line and exits
 with status 2, like argparse's own usage errors; an engine failure (`EngineError`, not a ValueError) is no user
@@ -174,7 +174,9 @@ def load_config(
     import yaml
 
     from molt.algo import import_files
-    from molt.config import MoltConfig, from_dict, to_dict, validate
+    from molt.config import MoltConfig
+    from molt.config_resolve import from_dict, to_dict
+    from molt.config_validate import validate
     from molt.flags import after_parse, dotted, translate
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -201,7 +203,18 @@ def load_config(
     cfg.vllm.engine_args = {**engine_args, **cfg.vllm.engine_args}
     after_parse(cfg.rollout.engine, given)
     import_files(cfg.algo.plugins, "algo.plugins")
-    return validate(cfg, check_files=check_files, sft=sft)
+    validate(cfg, check_files=check_files, sft=sft)
+    if check_files:  # an entry named as a file must be one (a directory or a hub name is checked at load)
+        from molt.runtime.data import BUILDERS
+
+        for name, spec in (
+            ("data.prompt_dataset", cfg.data.prompt_dataset),
+            ("eval.dataset", cfg.eval.dataset),
+        ):
+            for entry in (e.strip() for e in spec.split(",")):
+                if Path(entry).suffix in (".jsonl", *BUILDERS) and not Path(entry).is_file():
+                    raise ValueError(f"{name}: no such file: {entry}")
+    return cfg
 
 
 @command(
