@@ -33,20 +33,3 @@ from molt.agents.contract import (
 from molt.agents.loader import load_agent
 from molt.agents.runners import ChatAgentRunner, InvalidReward, StepEnvRunner, to_float
 from molt.types import Trajectory
-
-__all__ = [
-    "CaptureSession",
-    "ChatAgent",
-    "ChatAgentRunner",
-    "ChatContext",
-    "Env",
-    "InvalidReward",
-    "Result",
-    "Runner",
-    "SessionProvider",
-    "StepEnvRunner",
-    "Trajectory",
-    "Turn",
-    "load_agent",
-    "to_float",
-]

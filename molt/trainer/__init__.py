@@ -15,6 +15,3 @@ package is imported.
 
 from molt.trainer.actor import Actor
 from molt.trainer.critic import Critic
-from molt.trainer.weights import export_hf, iter_weight_buckets
-
-__all__ = ["Actor", "Critic", "export_hf", "iter_weight_buckets"]
