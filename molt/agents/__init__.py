@@ -17,7 +17,7 @@ How the runtime runs one rollout:
 which returns the captured segments. `run` never raises for agent mistakes: failures come back as the
 trajectory's `status` and `error`.
 
-This package imports only `molt.types` and `molt.engine.base` (no torch, fastapi or ray).
+This package imports only `molt.types` of molt (and no torch, fastapi or ray).
 """
 
 from molt.agents.contract import (
