@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 def time_updates(steps: int, latency: float) -> list[tuple[str, float, float, float]]:
     import ray
 
-    from molt.config import MoltConfig, validate
+    from molt.config import MoltConfig
+    from molt.config_validate import validate
     from molt.runtime.loop import run_training
     from molt.runtime.metrics import read_metrics
     from molt.testing.models import build_tiny_llama

@@ -61,7 +61,8 @@ def main() -> None:
     import ray
     from test_distill import DATA, heldout_reverse_kl, tuned
 
-    from molt.config import MoltConfig, validate
+    from molt.config import MoltConfig
+    from molt.config_validate import validate
     from molt.models import resolve_model
     from molt.runtime.loop import run_training
     from molt.testing.models import build_tiny_llama

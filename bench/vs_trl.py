@@ -160,7 +160,8 @@ def molt_config(
     engine: str = "hf",
 ):
     """The math recipe with the shared workload pinned explicitly (so a recipe edit cannot drift the bench)."""
-    from molt.config import load_config, validate
+    from molt.cli import load_config
+    from molt.config_validate import validate
 
     cfg = load_config(["--config", str(RECIPE)], check_files=False)
     cfg.actor.model_name_or_path = MODEL

@@ -6,7 +6,7 @@ answer in well under a second: this module imports only the standard library and
 stdlib-only at import time); torch, transformers, rich and the engines are imported inside the subcommand
 functions. Subcommands with a large typed configuration (`train`, `sft`, `demo`) parse their own arguments with
 `load_config`: a YAML recipe, then flags (the reference's rewritten by `molt.flags`), tyro over
-`molt.config.MoltConfig`, `algo.plugins` imported, then `molt.config.validate`.
+`molt.config.MoltConfig`, `algo.plugins` imported, then `molt.config_validate.validate`.
 
 Errors: a user mistake (`ValueError`, which includes `molt.engine.base.RequestError`) prints one line and exits
 with status 2, like argparse's own usage errors; an engine failure (`EngineError`, not a ValueError) is no user
@@ -138,30 +138,6 @@ def _load(model_ref: str):
     return path, AutoTokenizer.from_pretrained(path)
 
 
-def _generate_all(path, prompts: list[list[int]], params, timings: dict | None = None) -> list:
-    """Completions of `prompts` (sent concurrently, so the engine batches them) from an embedded engine that
-    lives for this call only; `timings` receives the seconds spent loading and generating. The engine
-    rejects a prompt that leaves no room in the context window (RequestError)."""
-    import asyncio
-
-    from molt.engine.hf import HFEngine
-
-    t0 = time.perf_counter()
-    engine = HFEngine(str(path))
-    t1 = time.perf_counter()
-
-    async def run():
-        try:
-            return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-        finally:
-            await engine.close()
-
-    completions = asyncio.run(run())
-    if timings is not None:
-        timings.update(load=t1 - t0, generate=time.perf_counter() - t1)
-    return completions
-
-
 # ---------------------------------------------------------------------------------------------- commands
 
 
@@ -174,7 +150,9 @@ def load_config(
     import yaml
 
     from molt.algo import import_files
-    from molt.config import MoltConfig, from_dict, to_dict, validate
+    from molt.config import MoltConfig
+    from molt.config_resolve import from_dict, to_dict
+    from molt.config_validate import validate
     from molt.flags import after_parse, dotted, translate
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -201,7 +179,18 @@ def load_config(
     cfg.vllm.engine_args = {**engine_args, **cfg.vllm.engine_args}
     after_parse(cfg.rollout.engine, given)
     import_files(cfg.algo.plugins, "algo.plugins")
-    return validate(cfg, check_files=check_files, sft=sft)
+    validate(cfg, check_files=check_files, sft=sft)
+    if check_files:  # an entry named as a file must be one (a directory or a hub name is checked at load)
+        from molt.runtime.data import BUILDERS
+
+        for name, spec in (
+            ("data.prompt_dataset", cfg.data.prompt_dataset),
+            ("eval.dataset", cfg.eval.dataset),
+        ):
+            for entry in (e.strip() for e in spec.split(",")):
+                if Path(entry).suffix in (".jsonl", *BUILDERS) and not Path(entry).is_file():
+                    raise ValueError(f"{name}: no such file: {entry}")
+    return cfg
 
 
 @command(
@@ -215,9 +204,14 @@ def model_fetch(args: argparse.Namespace) -> None:
 
 @command(
     "generate",
-    "sample one completion and print it with per-token log-probabilities",
+    "sample a completion of each prompt and print it with per-token log-probabilities, then the timing",
     _MODEL_ARG,
-    arg("--prompt", required=True, help="the user message (or raw text with --no-chat)"),
+    arg(
+        "--prompt",
+        action="append",
+        required=True,
+        help="the user message (or raw text with --no-chat); repeated: the prompts are sent concurrently",
+    ),
     arg("--max-tokens", type=_positive_int, default=64, help="max new tokens (default: 64)"),
     arg("--temperature", type=_non_negative_float, default=1.0, help="0 = greedy (default: 1.0)"),
     arg("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default: 1.0)"),
@@ -230,6 +224,8 @@ def model_fetch(args: argparse.Namespace) -> None:
     ),
 )
 def generate(args: argparse.Namespace) -> None:
+    import asyncio
+
     from molt.types import SamplingParams
 
     # Validate before loading anything, so that a typo costs no model load.
@@ -237,8 +233,28 @@ def generate(args: argparse.Namespace) -> None:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     ).validate()
     path, tokenizer = _load(args.model)
-    prompt_ids = _render_prompt(tokenizer, args.prompt, args.chat)
-    _print_completion(tokenizer, _generate_all(path, [prompt_ids], params)[0])
+    prompts = [_render_prompt(tokenizer, p, args.chat) for p in args.prompt]
+    from molt.engine.hf import HFEngine  # after the tokenizer: a bad reference fails before torch loads
+
+    t0 = time.perf_counter()
+    engine = HFEngine(str(path))
+    t1 = time.perf_counter()
+
+    async def run():  # concurrent, so that the engine batches them
+        try:
+            return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        finally:
+            await engine.close()
+
+    completions = asyncio.run(run())
+    took = time.perf_counter() - t1
+    for completion in completions:
+        _print_completion(tokenizer, completion)
+    n_tokens = sum(len(c.token_ids) for c in completions)
+    print(
+        f"{path}: engine loaded in {t1 - t0:.1f} s; {len(prompts)} concurrent requests, {n_tokens} "
+        f"tokens in {took:.1f} s ({n_tokens / took:.1f} tokens/s)"
+    )
 
 
 def _print_completion(tokenizer, completion) -> None:
@@ -259,9 +275,6 @@ def _print_completion(tokenizer, completion) -> None:
         token = repr(tokenizer.decode([tid]))[1:-1]  # escapes make whitespace and newlines visible
         table.add_row(str(i), str(tid), Text(token), f"{lp:.4f}", f"{math.exp(lp):.3f}", str(v))
     Console().print(table)
-
-
-SMOKE_QUESTIONS = ["What is 3 + 4?", "What is 12 - 5?", "What is 6 * 7?", "What is 81 / 9?"]
 
 
 @command(
@@ -422,36 +435,6 @@ def inspect_run(args: argparse.Namespace) -> None:
     from molt.inspect.app import serve
 
     serve(args.run_dir, args.host, args.port)
-
-
-@command(
-    "smoke",
-    "engine smoke test: answer arithmetic questions concurrently with the embedded engine",
-    _MODEL_ARG,
-    arg("--max-tokens", type=_positive_int, default=48, help="max new tokens per answer"),
-)
-def smoke(args: argparse.Namespace) -> None:
-    engine_smoke(args.model, max_tokens=args.max_tokens)
-
-
-def engine_smoke(model_ref: str = DEFAULT_MODEL, *, max_tokens: int = 48) -> list[str]:
-    """Resolve the model, answer SMOKE_QUESTIONS concurrently (greedy) with the embedded engine, print the
-    answers with timing, and return them (`molt smoke`)."""
-    from molt.types import SamplingParams
-
-    path, tokenizer = _load(model_ref)
-    prompts = [_render_prompt(tokenizer, q, chat=True) for q in SMOKE_QUESTIONS]
-    took: dict[str, float] = {}
-    completions = _generate_all(path, prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0), took)
-    answers = [tokenizer.decode(c.token_ids, skip_special_tokens=True).strip() for c in completions]
-    for q, a in zip(SMOKE_QUESTIONS, answers):
-        print(f"Q: {q}\nA: {a}\n")
-    n_tokens = sum(len(c.token_ids) for c in completions)
-    print(
-        f"{path}: engine loaded in {took['load']:.1f} s; {len(prompts)} concurrent requests, {n_tokens} "
-        f"tokens in {took['generate']:.1f} s ({n_tokens / took['generate']:.1f} tokens/s)"
-    )
-    return answers
 
 
 if __name__ == "__main__":

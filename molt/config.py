@@ -1,7 +1,6 @@
-"""The configuration tree of a Molt run, the one set of defaults (a record module: nothing of molt is imported
-at module level but the functions over the tree, re-exported here): `validate` (molt.config_validate: errors,
-nothing changed), `resolve` (molt.config_resolve: a copy with every derived value, the one place they are
-computed), `override` (dotted fields: the Python API).
+"""The configuration tree of a Molt run, the one set of defaults: records only, importing nothing of molt. The
+functions over the tree live in their own modules: `validate` (molt.config_validate: errors, nothing changed),
+`resolve`, `override`, `from_dict`/`to_dict` (molt.config_resolve); `load_config` (the command line: molt.cli).
 
 Design notes and decisions: docs/internals.md, section `molt/config.py`.
 """
@@ -422,17 +421,3 @@ class MoltConfig:
             **{k: yaml.safe_load(x) for k, x in v.engine_args.items()},
             **({"enable_return_routed_experts": True} if self.train.routing_replay else {}),
         }
-
-
-def __getattr__(name: str) -> Any:
-    """`load_config` lives with the command line (molt.cli); importable from here, lazily, as before."""
-    if name == "load_config":
-        from molt.cli import load_config
-
-        return load_config
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# the functions over the tree, importable from here as before (their modules import no part of the tree)
-from molt.config_resolve import from_dict, optimizer_windows, override, resolve, save_config, to_dict  # noqa: F401
-from molt.config_validate import validate  # noqa: F401

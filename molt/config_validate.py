@@ -76,7 +76,8 @@ def _choices(cfg: Any, prefix: str = "") -> None:
 
 def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) -> MoltConfig:
     """Raise ValueError naming the field for anything that cannot run (`molt sft`'s run with `sft`); return cfg,
-    unchanged. Registered names are looked up in molt.algo's registries (load_config imports algo.plugins first)."""
+    unchanged. Registered names are looked up in molt.algo's registries (load_config imports algo.plugins first).
+    `check_files`: the agent and plugin files exist (dataset files: molt.cli.load_config, and at load)."""
     from molt.algo import POLICY_LOSSES, estimator_spec
     from molt.capture.tools import get_tool_parser
 
@@ -158,8 +159,6 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
     for o in ("actor", "critic"):
         _check_lora(cfg, o)
     if check_files:
-        from molt.runtime.data import BUILDERS
-
         for name in ("train.agent_path", "data.prompt_dataset")[
             distill or sft :
         ]:  # distillation: a built-in agent
@@ -169,10 +168,6 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
         for name, path in files:
             if path and not Path(path).is_file():
                 raise ValueError(f"{name}: no such file: {path}")
-        for name in ("data.prompt_dataset", "eval.dataset"):  # a directory or a hub name is checked at load
-            for entry in _get(cfg, name).split(","):
-                if Path(entry.strip()).suffix in (".jsonl", *BUILDERS) and not Path(entry.strip()).is_file():
-                    raise ValueError(f"{name}: no such file: {entry.strip()}")
     return cfg
 
 

@@ -138,7 +138,7 @@ def after_parse(engine: str, given: dict[str, list[str]]) -> None:
 
 
 def dotted(tree: dict, prefix: str = "") -> set[str]:
-    """Dotted field names of a config as `molt.config.to_dict` writes it."""
+    """Dotted field names of a config as `molt.config_resolve.to_dict` writes it."""
     names: set[str] = set()
     for key, value in tree.items():
         names |= dotted(value, f"{prefix}{key}.") if isinstance(value, dict) and value else {prefix + key}

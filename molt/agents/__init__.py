@@ -17,7 +17,7 @@ How the runtime runs one rollout:
 which returns the captured segments. `run` never raises for agent mistakes: failures come back as the
 trajectory's `status` and `error`.
 
-This package imports only `molt.types` and `molt.engine.base` (no torch, fastapi or ray).
+This package imports only `molt.types` of molt (and no torch, fastapi or ray).
 """
 
 from molt.agents.contract import (
@@ -33,20 +33,3 @@ from molt.agents.contract import (
 from molt.agents.loader import load_agent
 from molt.agents.runners import ChatAgentRunner, InvalidReward, StepEnvRunner, to_float
 from molt.types import Trajectory
-
-__all__ = [
-    "CaptureSession",
-    "ChatAgent",
-    "ChatAgentRunner",
-    "ChatContext",
-    "Env",
-    "InvalidReward",
-    "Result",
-    "Runner",
-    "SessionProvider",
-    "StepEnvRunner",
-    "Trajectory",
-    "Turn",
-    "load_agent",
-    "to_float",
-]

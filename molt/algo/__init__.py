@@ -32,34 +32,3 @@ from molt.algo.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_divergence, registe
 from molt.algo.losses import POLICY_LOSSES, PolicyLossParams, policy_loss, register_policy_loss, value_loss
 from molt.algo.normalize import count_action_tokens, window_normalize
 from molt.algo.ops import import_files, masked_mean, masked_whiten
-
-__all__ = [
-    "ESTIMATORS",
-    "KL_ESTIMATORS",
-    "POLICY_LOSSES",
-    "ActionSequences",
-    "AdvantageBatch",
-    "AdvantageParams",
-    "AdvantageResult",
-    "FilterResult",
-    "PolicyLossParams",
-    "RolloutStats",
-    "adaptive_kl_coef",
-    "compute_advantages",
-    "count_action_tokens",
-    "estimator_spec",
-    "filter_groups",
-    "import_files",
-    "importance_weights",
-    "kl_divergence",
-    "masked_mean",
-    "masked_whiten",
-    "policy_loss",
-    "register_estimator",
-    "register_kl",
-    "register_policy_loss",
-    "rollout_stats",
-    "to_tokens",
-    "value_loss",
-    "window_normalize",
-]

@@ -14,7 +14,8 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-from molt.config import MoltConfig, optimizer_windows, resolve, save_config, to_dict
+from molt.config import MoltConfig
+from molt.config_resolve import optimizer_windows, resolve, save_config, to_dict
 from molt.runtime.checkpoints import RunControl, resume_point, rotate, truncate_after
 from molt.runtime.cluster import init_ray, torch_threads
 from molt.runtime.data import load_prompts

@@ -80,7 +80,7 @@ def chat_experiences(rows: list[dict], tokenizer: Any, max_len: int | None, what
 def run_sft(cfg: Any) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from molt.config import override, resolve, save_config, to_dict
+    from molt.config_resolve import override, resolve, save_config, to_dict
     from molt.models import resolve_model
     from molt.runtime.checkpoints import RunControl, resume_point, rotate, truncate_after
     from molt.runtime.data import load_prompts
@@ -114,7 +114,7 @@ def run_sft(cfg: Any) -> dict[str, Any]:
         if cfg.eval.dataset
         else []
     )
-    cfg = resolve(cfg, len(train), sft=True)  # the schedule's length, policy loss sft (molt.config.resolve)
+    cfg = resolve(cfg, len(train), sft=True)  # the schedule's length, policy loss sft (molt.config_resolve)
     size, steps = cfg.train.batch_size, cfg.train.max_steps
     actor = Actor(override(cfg, {"actor.model_name_or_path": model_path}))
     rank0, ckpt_dir = actor.rank == 0, Path(cfg.ckpt.path) if cfg.ckpt.path else out / "checkpoints"

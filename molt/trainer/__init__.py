@@ -9,12 +9,9 @@ Public API (what the runtime calls; every call is collective over the trainer ra
     critic = Critic(cfg)                                               # for gae (the critic section)
     values = critic.compute_values(exps); critic.train_step(exps, returns, old_values)
 
-Imports only molt.types, molt.algo and the records of molt.config (plus torch/transformers); torch loads when this
-package is imported.
+Imports molt.types, molt.algo and the records of molt.config (Actor.from_pretrained: also config_resolve and
+config_validate), plus torch/transformers; torch loads when this package is imported.
 """
 
 from molt.trainer.actor import Actor
 from molt.trainer.critic import Critic
-from molt.trainer.weights import export_hf, iter_weight_buckets
-
-__all__ = ["Actor", "Critic", "export_hf", "iter_weight_buckets"]

@@ -54,10 +54,15 @@ def adapters_off(lm: nn.Module) -> Iterator[None]:
             m._disable_adapters = False
 
 
+def gathered(t: torch.Tensor) -> torch.Tensor:
+    """The whole of `t` (a sharded DTensor gathered on every rank: collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def merged(layer: nn.Module) -> torch.Tensor:
     """W + scale * B @ A of one LoRA layer, in W's dtype, computed in fp32 from the gathered (full) tensors."""
-    from molt.trainer.weights import gathered
-
     a, b = gathered(layer.lora_A[ADAPTER].weight).float(), gathered(layer.lora_B[ADAPTER].weight).float()
     w, delta = gathered(layer.base_layer.weight), (b @ a) * layer.scaling[ADAPTER]
     return (w.float() + (delta.T if layer.fan_in_fan_out else delta)).to(w.dtype)
@@ -68,8 +73,6 @@ def export_adapter(lm: nn.Module, path: str | Path, base: str, *, write: bool) -
     `PeftModel.from_pretrained(base_model, path)` and vLLM's LoRA loading. Collective; only `write` writes."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
-
-    from molt.trainer.weights import gathered
 
     tensors = {
         n: gathered(t).detach().cpu() for n, t in lm.state_dict(keep_vars=True).items() if ".lora_" in n

@@ -20,7 +20,7 @@ from molt.config import OptimConfig
 
 def lr_multiplier(cfg: OptimConfig):
     """step -> factor of the lr: linear warm-up over lr_warmup_steps, then constant or cosine to min_lr_ratio over
-    total_steps (both resolved: `molt.config.resolve`)."""
+    total_steps (both resolved: `molt.config_resolve.resolve`)."""
     warm, total, floor = cfg.lr_warmup_steps, cfg.total_steps, cfg.min_lr_ratio
     if cfg.lr_scheduler == "cosine" and total <= warm:
         raise ValueError(

@@ -15,12 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-
-def gathered(t: torch.Tensor) -> torch.Tensor:
-    """The whole of `t` (a sharded DTensor gathered on every rank: collective)."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
+from molt.trainer.lora import gathered, lora_layers, merged
 
 
 def _unique_weights(
@@ -30,8 +25,6 @@ def _unique_weights(
     With LoRA adapters (`molt.trainer.lora`) a targeted layer appears as its merged weight under the base name and
     the factors not at all; refit="merged": then nothing else (the base weights never change); refit="adapters":
     the factors alone, under PEFT's names (for an engine that holds the same adapters: molt.engine.hf)."""
-    from molt.trainer.lora import lora_layers, merged
-
     layers, seen = lora_layers(lm), set()
     for name, t in lm.state_dict(keep_vars=True).items():
         if id(t) in seen or (".lora_" in name) != (refit == "adapters" and bool(layers)):

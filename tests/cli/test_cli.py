@@ -1,4 +1,4 @@
-"""The `molt` command: fast help, generate/smoke on a tiny model, and one-line errors with exit status 2."""
+"""The `molt` command: fast help, generate on a tiny model, and one-line errors with exit status 2."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from molt.cli import SMOKE_QUESTIONS, main
+from molt.cli import main
 
 MOLT = Path(sys.executable).parent / "molt"  # the console script installed with the package
 HEAVY = ("torch", "transformers", "ray", "fastapi", "rich", "numpy")
@@ -110,10 +110,12 @@ def test_model_fetch_prints_path(tiny_llama_dir, capsys):
     assert capsys.readouterr().out.strip() == str(tiny_llama_dir.resolve())
 
 
-def test_smoke_answers_every_question(tiny_llama_dir, capsys):
-    assert main(["smoke", "--model", str(tiny_llama_dir), "--max-tokens", "3"]) == 0
+def test_generate_answers_every_prompt_concurrently(tiny_llama_dir, capsys):
+    questions = ["What is 3 + 4?", "What is 12 - 5?", "What is 6 * 7?"]
+    argv = ["generate", "--model", str(tiny_llama_dir), "--max-tokens", "3", "--temperature", "0"]
+    assert main(argv + [a for q in questions for a in ("--prompt", q)]) == 0
     out = capsys.readouterr().out
-    assert all(f"Q: {q}" in out for q in SMOKE_QUESTIONS) and "concurrent requests" in out
+    assert out.count("finish:") == len(questions) and "3 concurrent requests" in out.splitlines()[-1]
 
 
 def _error(capsys, argv) -> str:

@@ -6,7 +6,10 @@ from pathlib import Path
 import pytest
 
 from molt.algo import estimator_spec
-from molt.config import MoltConfig, load_config, override, resolve, save_config, to_dict, validate
+from molt.cli import load_config
+from molt.config import MoltConfig
+from molt.config_resolve import override, resolve, save_config, to_dict
+from molt.config_validate import validate
 
 
 def _files(tmp_path):

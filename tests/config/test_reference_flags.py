@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from molt.config import load_config
+from molt.cli import load_config
 from molt.flags import TABLE, VLLM_ARGS
 
 DATA = Path(__file__).parents[1] / "data"

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from molt.agents import load_agent
-from molt.config import MoltConfig, validate
+from molt.config import MoltConfig
+from molt.config_validate import validate
 from molt.testing.scripted import ScriptedEngine, live_capture_server
 from molt.types import SamplingParams
 

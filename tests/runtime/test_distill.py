@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from molt.config import MoltConfig, load_config, resolve, validate
+from molt.cli import load_config
+from molt.config import MoltConfig
+from molt.config_resolve import resolve
+from molt.config_validate import validate
 
 DATA = Path(__file__).parents[2] / "recipes" / "math" / "data"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from molt.config import load_config
+from molt.cli import load_config
 from molt.runtime.loop import Run, run_training
 from molt.runtime.pool import RolloutOutcome, RolloutTask, RunStopped
 from molt.types import Experience, RolloutStatus, SamplingParams

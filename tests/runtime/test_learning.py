@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from molt.config import MoltConfig, validate
+from molt.config import MoltConfig
+from molt.config_validate import validate
 from molt.runtime.loop import run_training
 
 AGENTS = Path(__file__).parent / "agents"

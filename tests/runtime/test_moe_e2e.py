@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from molt.config import load_config
+from molt.cli import load_config
 from molt.runtime.loop import run_training
 
 HERE = Path(__file__).parent

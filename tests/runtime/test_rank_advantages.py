@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from molt.algo import AdvantageBatch, AdvantageParams, compute_advantages, estimator_spec
-from molt.config import MoltConfig, override, resolve
+from molt.config import MoltConfig
+from molt.config_resolve import override, resolve
 from molt.runtime.experience import assign_to_ranks
 from molt.runtime.trainer_group import TrainerGroup, terminal_rewards
 from molt.types import Experience, expand_actions

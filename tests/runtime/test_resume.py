@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from molt.config import load_config
+from molt.cli import load_config
 from molt.runtime.loop import run_training
 
 ROOT = Path(__file__).parents[2]

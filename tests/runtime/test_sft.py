@@ -100,7 +100,7 @@ def test_loss_is_the_cross_entropy_of_the_assistant_tokens(tiny_llama_dir, token
 def test_sft_run_lowers_heldout_loss_and_resumes(tiny_llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from molt.config import load_config
+    from molt.cli import load_config
     from molt.runtime.sft import run_sft
 
     train, test = _make_data(tmp_path / "data", n=96, tools=True)
@@ -151,7 +151,7 @@ def test_sft_run_lowers_heldout_loss_and_resumes(tiny_llama_dir, tmp_path):
 
 
 def test_sft_needs_a_batch_size():
-    from molt.config import load_config
+    from molt.cli import load_config
 
     with pytest.raises(ValueError, match="train.batch_size"):
         load_config(["--data.prompt_dataset", "x.jsonl"], prog="molt sft", sft=True, check_files=False)
@@ -162,7 +162,7 @@ def test_molt_train_starts_from_the_sft_export(tiny_llama_dir, tmp_path, ray_loc
     """The SFT export is a policy `molt train` loads (engine, capture, trainer) and trains further."""
     import asyncio
 
-    from molt.config import load_config
+    from molt.cli import load_config
     from molt.runtime.loop import run_training
     from molt.runtime.sft import run_sft
 

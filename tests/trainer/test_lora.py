@@ -275,7 +275,9 @@ def test_critic_adapters_and_value_head_train(tiny_llama_dir):
     ],
 )
 def test_config_errors_name_the_field(field, value, extra):
-    from molt.config import MoltConfig, override, validate
+    from molt.config import MoltConfig
+    from molt.config_resolve import override
+    from molt.config_validate import validate
 
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         validate(override(MoltConfig(), {field: value, **extra}), check_files=False)
@@ -286,7 +288,7 @@ def test_sft_with_lora_lowers_the_loss(tiny_llama_dir, tmp_path):
     import json
     from pathlib import Path
 
-    from molt.config import load_config
+    from molt.cli import load_config
     from molt.runtime.sft import run_sft
 
     spec = importlib.util.spec_from_file_location(

@@ -127,7 +127,8 @@ def test_every_family_replays_its_own_routes_exactly(family):
     exactly); other routes change the log-probs."""
     import transformers
 
-    from molt.config import MoltConfig, override
+    from molt.config import MoltConfig
+    from molt.config_resolve import override
     from molt.trainer.batching import collate
     from molt.trainer.logprobs import CausalLMLogProbs
     from molt.trainer.moe import Routing

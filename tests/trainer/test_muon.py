@@ -96,7 +96,7 @@ def test_muon_run_resumes_exactly(tiny_llama_dir, tmp_path):
 
 
 def test_bad_optimizer_names_the_field(tiny_llama_dir):
-    from molt.config import load_config
+    from molt.cli import load_config
     from molt.trainer import Actor
 
     with pytest.raises(ValueError, match="actor.optim"):

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from molt.config import MoltConfig, validate
+from molt.config import MoltConfig
+from molt.config_validate import validate
 from molt.runtime.loop import run_training
 
 RECIPE = Path(__file__).parents[2] / "recipes" / "shapes"
