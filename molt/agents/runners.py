@@ -12,6 +12,7 @@ import math
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import suppress
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -102,10 +103,7 @@ def _merge_params(
         return params
     if isinstance(override, SamplingParams):
         return override.copy()
-    unknown = set(override) - set(SamplingParams.__dataclass_fields__)
-    if unknown:
-        raise ValueError(f"Result.sampling_params has unknown field(s) {sorted(unknown)}")
-    return params.copy(**dict(override)).validate()
+    return SamplingParams.from_dict({**asdict(params), **override}).validate()
 
 
 class _Episode:

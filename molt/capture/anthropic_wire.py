@@ -30,50 +30,46 @@ text blocks as one user message. Block types other than those above (documents, 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from molt.capture.errors import ANSWERED, WireError, error_reply, output_schema
+from molt.capture.errors import WireError, output_schema
 from molt.capture.openai_wire import tool_choice
 from molt.capture.render import canonical_tools, content_parts, merge_leading_system
-from molt.capture.session import ChatRequest, Choice, Generation, Session, text_pieces
+from molt.capture.session import ChatRequest, Choice, Generation, Session
 from molt.capture.streaming import LiveReply
 from molt.capture.tools import tool_call
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class TextBlock(_Model):
+class TextBlock(BaseModel):
     type: Literal["text"]
     text: str
 
 
-class ToolUseBlock(_Model):
+class ToolUseBlock(BaseModel):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class ImageBlock(_Model):
+class ImageBlock(BaseModel):
     type: Literal["image"]
     source: dict[str, Any]  # {"type": "base64", "media_type", "data"} or {"type": "url", "url"}
 
 
-class ThinkingBlock(_Model):
+class ThinkingBlock(BaseModel):
     type: Literal["thinking"]
     thinking: str
 
 
-class RedactedThinkingBlock(_Model):
+class RedactedThinkingBlock(BaseModel):
     type: Literal["redacted_thinking"]
 
 
-class ToolResultBlock(_Model):
+class ToolResultBlock(BaseModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock | ImageBlock] | None = None
@@ -86,21 +82,20 @@ Block = Annotated[
 ]
 
 
-class Message(_Model):
+class Message(BaseModel):
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
-class Tool(_Model):
+class Tool(BaseModel):
     name: str
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
-    strict: bool | None = (
-        None  # strict tool use: the call's input follows input_schema (constrained decoding)
-    )
+    # strict tool use: the call's input follows input_schema (constrained decoding)
+    strict: bool | None = None
 
 
-class MessagesRequest(_Model):
+class MessagesRequest(BaseModel):
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
@@ -141,11 +136,9 @@ def _content(blocks: str | list[Any] | None, session: Session) -> str | list[dic
 
 
 def _url(src: dict[str, Any]) -> str:
-    return str(
-        src.get("url")
-        if src.get("type") == "url"
-        else f"data:{src.get('media_type')};base64,{src.get('data')}"
-    )
+    if src.get("type") == "url":
+        return str(src.get("url"))
+    return f"data:{src.get('media_type')};base64,{src.get('data')}"
 
 
 def _messages(req: MessagesRequest, session: Session) -> list[dict[str, Any]]:
@@ -204,23 +197,13 @@ def to_chat(req: MessagesRequest, data: dict[str, Any], session: Session) -> Cha
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k
     )
     history, thread_tools = _thread(req, session)
-    tools = (
-        thread_tools
-        if req.tools is None
-        else canonical_tools(
-            [
-                {
-                    "type": "function",
-                    "function": {
-                        "name": t.name,
-                        "parameters": t.input_schema,
-                        **({"description": t.description} if t.description else {}),
-                    },
-                }
-                for t in req.tools or []
-            ]
-        )
-    )
+    tools = thread_tools
+    if req.tools is not None:
+        functions = [
+            {"name": t.name, "parameters": t.input_schema, "description": t.description or None}
+            for t in req.tools
+        ]
+        tools = canonical_tools([{"type": "function", "function": f} for f in functions])
     choice, name = tool_choice(req.tool_choice)
     return ChatRequest(
         history + _messages(req, session),
@@ -253,9 +236,9 @@ def _stop_reason(ch: Choice) -> str:
 
 
 def _blocks(ch: Choice) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = (
-        [{"type": "text", "text": ch.content}] if ch.content or not ch.tool_calls else []
-    )
+    blocks: list[dict[str, Any]] = []
+    if ch.content or not ch.tool_calls:
+        blocks.append({"type": "text", "text": ch.content})
     for c in ch.tool_calls:
         args = c["function"]["arguments"]
         blocks.append(
@@ -287,9 +270,7 @@ def _event(kind: str, data: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
 
 
-async def stream(
-    live: LiveReply, req: MessagesRequest, session: Session | None = None
-) -> AsyncIterator[bytes]:
+def stream(live: LiveReply, req: MessagesRequest, session: Session | None = None) -> AsyncIterator[bytes]:
     """message_start; the text block's deltas while the engine samples (streaming.py), then the rest of it;
     tool_use blocks; message_delta (stop reason, usage); message_stop. A failure after the first byte ends the
     stream with an error event."""
@@ -303,48 +284,33 @@ async def stream(
         "stop_sequence": None,
         "usage": {"input_tokens": live.prompt_tokens, "output_tokens": 0},
     }
-    yield _event("message_start", {"message": start})
-    text_open = False
-    async for piece in live.deltas():
-        if not text_open:
-            yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-            text_open = True
-        yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": piece}})
-    try:
-        gen = await live.result()
-    except ANSWERED as e:
-        yield _event("error", {"error": error_reply(e).anthropic_body()["error"]})
-        return
-    body = response_body(gen, req)
-    shift = 0
-    if text_open and (not body["content"] or body["content"][0]["type"] != "text"):
-        yield _event("content_block_stop", {"index": 0})  # only after a stream mismatch: keep the order valid
-        shift = 1
-    for i, block in enumerate(body["content"], start=shift):
-        if block["type"] == "text":
-            if not text_open:
-                yield _event(
-                    "content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}}
-                )
-            for piece in text_pieces(live.rest(gen.choices[0])):
-                yield _event(
-                    "content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": piece}}
-                )
-        else:
-            yield _event("content_block_start", {"index": i, "content_block": {**block, "input": {}}})
-            yield _event(
-                "content_block_delta",
-                {
-                    "index": i,
-                    "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])},
-                },
-            )
-        yield _event("content_block_stop", {"index": i})
-    yield _event(
-        "message_delta",
-        {
-            "delta": {"stop_reason": body["stop_reason"], "stop_sequence": body["stop_sequence"]},
-            "usage": {"output_tokens": body["usage"]["output_tokens"]},
-        },
+
+    def end(gen: Generation, text: Iterator[bytes]) -> Iterator[bytes]:
+        body = response_body(gen, req)
+        shift = 0
+        if live.sent and body["content"][0]["type"] != "text":  # a stream mismatch: close the text sent
+            yield _event("content_block_stop", {"index": 0})
+            shift = 1
+        for i, block in enumerate(body["content"], start=shift):
+            if block["type"] == "text":
+                yield from text
+            else:
+                yield _event("content_block_start", {"index": i, "content_block": {**block, "input": {}}})
+                delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+                yield _event("content_block_delta", {"index": i, "delta": delta})
+            yield _event("content_block_stop", {"index": i})
+        delta = {"stop_reason": body["stop_reason"], "stop_sequence": body["stop_sequence"]}
+        yield _event(
+            "message_delta", {"delta": delta, "usage": {"output_tokens": body["usage"]["output_tokens"]}}
+        )
+        yield _event("message_stop", {})
+
+    return live.sse(
+        [_event("message_start", {"message": start})],
+        lambda: [_event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})],
+        lambda piece: _event(
+            "content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": piece}}
+        ),
+        lambda e: _event("error", {"error": e.anthropic_body()["error"]}),
+        end,
     )
-    yield _event("message_stop", {})

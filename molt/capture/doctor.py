@@ -84,20 +84,21 @@ class Finding:
 def play(renderer: ChatRenderer, eos_ids: list[int], tools: list | None, turns: list) -> list[str]:
     """Break reasons of each turn after the first ("" = continued the segment)."""
     tracker = SegmentTracker(renderer, eos_ids)
+    tools = canonical_tools(tools)
     messages: list[dict] = []
     reasons = []
     for i, (appended, reply) in enumerate(turns):
         messages = messages + canonical_messages(appended)
-        plan = tracker.plan(messages, canonical_tools(tools), 1.0)
+        plan = tracker.plan(messages, tools, 1.0)
         if i:
             reasons.append("" if plan.branch is not None else plan.break_reason)
-        text = renderer.render(messages + canonical_messages([reply]), canonical_tools(tools), False)
-        prompt = renderer.render(messages, canonical_tools(tools), True)  # (a continued plan may not hold it)
+        replied = messages + canonical_messages([reply])
+        text = renderer.render(replied, tools, False)
+        prompt = renderer.render(messages, tools, True)  # (a continued plan may not hold it)
+        # the reply's tokens as the model would sample them: its text up to the end of turn, then EOS
         sampled = renderer.encode(text[len(prompt) :].split(renderer.decode([eos_ids[0]]))[0]) + eos_ids[:1]
-        tracker.commit(
-            plan, [Action(sampled, [0.0] * len(sampled), [0] * len(sampled))], canonical_messages([reply])
-        )
-        messages = messages + canonical_messages([reply])
+        tracker.commit(plan, [Action(sampled, [0.0] * len(sampled), [0] * len(sampled))], replied[-1:])
+        messages = replied
     return reasons
 
 

@@ -67,13 +67,11 @@ def output_schema(fmt: Any, param: str) -> dict[str, Any] | None:
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if fmt is None or kind == "text":
         return None
-    schema = (
-        {"type": "object"}
-        if kind == "json_object"
-        else fmt.get("schema", (fmt.get("json_schema") or {}).get("schema"))
-        if kind == "json_schema"
-        else None
-    )
+    schema = None
+    if kind == "json_object":
+        schema = {"type": "object"}
+    elif kind == "json_schema":
+        schema = fmt.get("schema", (fmt.get("json_schema") or {}).get("schema"))
     try:
         if schema is None:
             raise ValueError(f"type {kind!r} is not one of text, json_object, json_schema (with a schema)")

@@ -20,48 +20,44 @@ the official SDK assembles into the same message a non-streaming request returns
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from molt.capture.errors import ANSWERED, WireError, error_reply, output_schema
+from molt.capture.errors import WireError, output_schema
 from molt.capture.render import canonical_messages, canonical_tools
-from molt.capture.session import ChatRequest, Choice, Generation, Session, text_pieces
-from molt.capture.streaming import LiveReply
+from molt.capture.session import ChatRequest, Choice, Generation, Session
+from molt.capture.streaming import LiveReply, text_pieces
 from molt.capture.tools import arguments_json
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class TextPart(_Model):
+class TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(_Model):
+class ImageURL(BaseModel):
     url: str
 
 
-class ImagePart(_Model):
+class ImagePart(BaseModel):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class FunctionCall(_Model):
+class FunctionCall(BaseModel):
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCall(_Model):
+class ToolCall(BaseModel):
     id: str = ""
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(_Model):
+class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
@@ -69,22 +65,22 @@ class Message(_Model):
     tool_call_id: str | None = None
 
 
-class FunctionDef(_Model):
+class FunctionDef(BaseModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
-class Tool(_Model):
+class Tool(BaseModel):
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
-class StreamOptions(_Model):
+class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Model):
+class ChatCompletionRequest(BaseModel):
     model: str
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
@@ -224,7 +220,7 @@ def response_body(gen: Generation, req: ChatCompletionRequest, session: Session)
     }
 
 
-async def stream(live: LiveReply, req: ChatCompletionRequest, session: Session) -> AsyncIterator[bytes]:
+def stream(live: LiveReply, req: ChatCompletionRequest, session: Session) -> AsyncIterator[bytes]:
     """Role chunk, content deltas while the engine samples (streaming.py), then the rest of the content,
     tool-call deltas (id and name first, then the arguments), the finish chunk (with the logprobs when asked),
     the usage chunk when asked, `[DONE]`. A failure after the first byte ends the stream with an error event."""
@@ -237,6 +233,9 @@ async def stream(live: LiveReply, req: ChatCompletionRequest, session: Session) 
         "system_fingerprint": None,
     }
 
+    def data(body: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
         body = {
             **head,
@@ -244,39 +243,36 @@ async def stream(live: LiveReply, req: ChatCompletionRequest, session: Session) 
         }
         if include_usage:
             body["usage"] = None
-        return b"data: " + json.dumps(body).encode() + b"\n\n"
+        return data(body)
 
-    yield chunk(0, {"role": "assistant", "content": ""})
-    async for piece in live.deltas():
-        yield chunk(0, {"content": piece})
-    try:
-        gen = await live.result()
-    except ANSWERED as e:
-        yield b"data: " + json.dumps(error_reply(e).openai_body()).encode() + b"\n\n"
-        return
-    for i, ch in enumerate(gen.choices):
-        if i:
-            yield chunk(i, {"role": "assistant", "content": ""})
-        for piece in text_pieces(live.rest(ch) if i == 0 else ch.content):
-            yield chunk(i, {"content": piece})
-        for j, call in enumerate(_calls(ch)):
+    def role(i: int) -> bytes:
+        return chunk(i, {"role": "assistant", "content": ""})
+
+    def end(gen: Generation, rest: Iterator[bytes]) -> Iterator[bytes]:
+        for i, ch in enumerate(gen.choices):
+            if i:
+                yield role(i)
+                rest = (chunk(i, {"content": piece}) for piece in text_pieces(ch.content))
+            yield from rest
+            for j, call in enumerate(_calls(ch)):
+                function = call["function"]
+                yield chunk(
+                    i, {"tool_calls": [{"index": j, **call, "function": {**function, "arguments": ""}}]}
+                )
+                yield chunk(
+                    i, {"tool_calls": [{"index": j, "function": {"arguments": function["arguments"]}}]}
+                )
             yield chunk(
-                i,
-                {
-                    "tool_calls": [
-                        {
-                            "index": j,
-                            "id": call["id"],
-                            "type": "function",
-                            "function": {"name": call["function"]["name"], "arguments": ""},
-                        }
-                    ]
-                },
+                i, {}, finish=ch.finish_reason, logprobs=_logprobs(ch, session) if req.logprobs else None
             )
-            yield chunk(
-                i, {"tool_calls": [{"index": j, "function": {"arguments": call["function"]["arguments"]}}]}
-            )
-        yield chunk(i, {}, finish=ch.finish_reason, logprobs=_logprobs(ch, session) if req.logprobs else None)
-    if include_usage:
-        yield b"data: " + json.dumps({**head, "choices": [], "usage": _usage(gen)}).encode() + b"\n\n"
-    yield b"data: [DONE]\n\n"
+        if include_usage:
+            yield data({**head, "choices": [], "usage": _usage(gen)})
+        yield b"data: [DONE]\n\n"
+
+    return live.sse(
+        [role(0)],
+        list,  # nothing more opens the text: the role chunk did
+        lambda piece: chunk(0, {"content": piece}),
+        lambda e: data(e.openai_body()),
+        end,
+    )

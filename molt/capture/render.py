@@ -68,9 +68,8 @@ class ChatRenderer:
         self.max_image_pixels, self.allow_remote_images = max_image_pixels, allow_remote_images
         self.reasoning = "reasoning_content" in self.template  # the template renders an assistant's reasoning
         self._token_text: dict[int, str] = {}
-        self._hidden: set[int] | None = (
-            None  # special tokens reply text leaves out when some are kept (keep_special)
-        )
+        # special tokens reply text leaves out when some are kept (keep_special)
+        self._hidden: set[int] | None = None
         # The Rust tokenizer directly when decoding needs no Python post-processing: the per-call overhead of
         # the transformers wrapper is larger than the tokenization itself at chat-turn sizes.
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -160,10 +159,9 @@ class ChatRenderer:
         (True), all of it (False), or a window where the template is prefix-stable (None): then a turn's
         rendering does not grow with the history (docs/internals.md)."""
         if window is None and self.prefix_stable and known > 4:
-            with contextlib.suppress(
-                RenderError
-            ):  # refused for the window (roles a template checks), not for
-                return self.extension(messages, tools, known, "", True)  # the conversation: render all of it
+            # refused for the window (roles a template checks), not for the conversation: render all of it
+            with contextlib.suppress(RenderError):
+                return self.extension(messages, tools, known, "", True)
         if window:  # the first message, the reply, the one or two before it (an even number left out between,
             cut = known - 2 - (known - 3) % 2  # so that roles keep their index parity) and all after it
             messages, known = messages[:1] + messages[cut:], known - cut + 1

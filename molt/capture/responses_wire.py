@@ -44,21 +44,20 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from molt.capture.errors import ANSWERED, WireError, error_reply, output_schema
+from molt.capture.errors import WireError, output_schema
 from molt.capture.openai_wire import stop_list, tool_choice
 from molt.capture.render import canonical_messages, canonical_tools, merge_leading_system
-from molt.capture.session import ChatRequest, Generation, Session, text_pieces
+from molt.capture.session import ChatRequest, Generation, Session
 from molt.capture.streaming import LiveReply
 from molt.capture.tools import arguments_json, tool_call
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -116,14 +115,13 @@ def _messages(items: list[dict[str, Any]], session: Session, raw: Any = ()) -> l
                 out[-1]["reasoning_content"] = reasoning
             reasoning = "" if out[-1]["role"] == "assistant" else reasoning
             if kind != "message":
-                args = (
-                    (item.get("arguments") or "{}")
-                    if kind == "function_call"
-                    else item.get("input") or ""
-                    if item["name"] in raw
-                    else {"input": item.get("input") or ""}
-                )
-                call = tool_call(item.get("call_id", ""), item["name"], args, item["name"] in raw)
+                grammar = item["name"] in raw
+                args = item.get("input") or ""
+                if kind == "function_call":
+                    args = item.get("arguments") or "{}"
+                elif not grammar:
+                    args = {"input": args}
+                call = tool_call(item.get("call_id", ""), item["name"], args, grammar)
                 out[-1].setdefault("tool_calls", []).append(call)
         elif kind != "additional_tools":  # its tools join the request's (`request_tools`)
             raise WireError(400, f"input: items of type {kind!r} are not supported here", param="input")
@@ -188,44 +186,28 @@ def _functions(
     return found
 
 
-def _grammar(tool: dict[str, Any]) -> dict[str, Any] | None:
-    fmt = tool.get("format") or {}
-    return fmt if tool.get("type") == "custom" and fmt.get("type") == "grammar" else None
-
-
-def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-    return canonical_tools(
-        [
-            {
-                "type": "function",
-                "function": {
-                    "name": t.get("name"),
-                    "description": t.get("description"),
-                    "parameters": t.get("parameters")
-                    if t.get("type") == "function"
-                    else FREE_TEXT
-                    if not _grammar(t)
-                    else {
-                        "type": "string",
-                        "description": f"raw text in this {_grammar(t).get('syntax')} grammar, not JSON:\n"
-                        f"{_grammar(t).get('definition')}",
-                    },
-                },
-            }
-            for t, _ in _functions(tools)
-        ]
-    )
-
-
-def _formats(tools: list[dict[str, Any]], strict: bool) -> dict[str, dict[str, Any]]:
-    """Tool name -> how its calls are constrained (`ChatRequest.formats`): a grammar tool by its grammar, a
-    function tool by its schema where `strict` is true; left out, `strict` is true (the Responses API's default)
-    where the server's tool parser has a grammar, false where it has none (docs/harnesses.md)."""
-    return {
-        t["name"]: _grammar(t) or {"schema": t.get("parameters") or {"type": "object"}}
-        for t, _ in _functions(tools)
-        if _grammar(t) or (t.get("type") == "function" and t.get("strict", strict))
-    }
+def _offer(tools: list[dict[str, Any]], strict: bool) -> tuple[list[dict[str, Any]] | None, dict[str, Any]]:
+    """(the tools as the model is offered them, tool name -> how its calls are constrained: `ChatRequest.formats`).
+    A grammar tool is offered as a function of one string whose description holds the grammar, and its calls
+    follow the grammar; a function tool's calls follow its schema where `strict` is true; left out, `strict` is
+    true (the Responses API's default) where the server's tool parser has a grammar, false where it has none
+    (docs/harnesses.md)."""
+    offered, formats = [], {}
+    for t, _ in _functions(tools):
+        fmt = t.get("format") or {}
+        if t.get("type") == "function":
+            parameters = t.get("parameters")
+            if t.get("strict", strict):
+                formats[t["name"]] = {"schema": parameters or {"type": "object"}}
+        elif fmt.get("type") == "grammar":
+            grammar = f"raw text in this {fmt.get('syntax')} grammar, not JSON:\n{fmt.get('definition')}"
+            parameters = {"type": "string", "description": grammar}
+            formats[t["name"]] = fmt
+        else:
+            parameters = FREE_TEXT
+        function = {"name": t.get("name"), "description": t.get("description"), "parameters": parameters}
+        offered.append({"type": "function", "function": function})
+    return canonical_tools(offered), formats
 
 
 def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> ChatRequest:
@@ -244,13 +226,14 @@ def to_chat(req: ResponsesRequest, data: dict[str, Any], session: Session) -> Ch
     if system and history and history[0]["role"] == "system":  # new instructions replace the recorded ones
         history = history[1:]
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else data["input"]
-    formats = _formats(request_tools(req), getattr(session.parser, "grammar", None) is not None)
+    offered = request_tools(req)
+    offered_tools, formats = _offer(offered, getattr(session.parser, "grammar", None) is not None)
     raw = {name for name, f in formats.items() if "schema" not in f}
     messages = merge_leading_system(
         system + history + canonical_messages(_messages(items, session, raw), session.renderer.image, raw)
     )
-    if req.tools is not None or request_tools(req):
-        tools = _tools(request_tools(req))
+    if req.tools is not None or offered:
+        tools = offered_tools
     choice, name = tool_choice(req.tool_choice)
     params = session.sampling(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p)
     return ChatRequest(
@@ -314,17 +297,12 @@ def response_body(gen: Generation, req: ResponsesRequest, session: Session | Non
     for c in ch.tool_calls:
         kind, ns = known.get(c["function"]["name"], ("function", None))
         args = c["function"]["arguments"]
-        item = (
-            {"type": "function_call", "id": f"fc_{c['id']}", "arguments": arguments_json(c)}
-            if kind == "function"
-            else {
-                "type": "custom_tool_call",
-                "id": f"ctc_{c['id']}",
-                "input": args["input"]
-                if isinstance(args, dict) and isinstance(args.get("input"), str)
-                else arguments_json(c),
-            }
-        )
+        if kind == "function":
+            item = {"type": "function_call", "id": f"fc_{c['id']}", "arguments": arguments_json(c)}
+        else:
+            free_text = isinstance(args, dict) and isinstance(args.get("input"), str)
+            text = args["input"] if free_text else arguments_json(c)
+            item = {"type": "custom_tool_call", "id": f"ctc_{c['id']}", "input": text}
         output.append(
             item
             | {"call_id": c["id"], "name": c["function"]["name"], "status": "completed"}
@@ -342,74 +320,56 @@ def response_body(gen: Generation, req: ResponsesRequest, session: Session | Non
     return _body(req, gen.id, gen.created, status, output, usage)
 
 
-async def stream(
-    live: LiveReply, req: ResponsesRequest, session: Session | None = None
-) -> AsyncIterator[bytes]:
+def stream(live: LiveReply, req: ResponsesRequest, session: Session | None = None) -> AsyncIterator[bytes]:
     """The event sequence of the module docstring. A failure after the first byte ends it with an error event."""
     seq = itertools.count()
 
     def event(kind: str, **data: Any) -> bytes:
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(seq), **data})}\n\n".encode()
+        body = {"type": kind, "sequence_number": next(seq), **data}
+        return f"event: {kind}\ndata: {json.dumps(body)}\n\n".encode()
 
-    msg_id, opened = f"msg_{live.id}", False
+    msg_id = f"msg_{live.id}"
     text_at = {"item_id": msg_id, "output_index": 0, "content_index": 0}
 
     def open_text() -> list[bytes]:
+        item = {**_message(msg_id, "", "in_progress"), "content": []}
+        part = _message(msg_id, "")["content"][0]
         return [
-            event(
-                "response.output_item.added",
-                output_index=0,
-                item={**_message(msg_id, "", "in_progress"), "content": []},
-            ),
-            event("response.content_part.added", **text_at, part=_message(msg_id, "")["content"][0]),
+            event("response.output_item.added", output_index=0, item=item),
+            event("response.content_part.added", **text_at, part=part),
         ]
 
+    def delta(piece: str) -> bytes:
+        return event("response.output_text.delta", **text_at, delta=piece, logprobs=[])
+
+    def error(e: WireError) -> bytes:
+        body = e.openai_body()["error"]
+        return event("error", code=body["code"], message=body["message"], param=body["param"])
+
+    def end(gen: Generation, text: Iterator[bytes]) -> Iterator[bytes]:
+        body = response_body(gen, req)
+        if live.sent and body["output"][0]["type"] != "message":  # a stream mismatch: the text sent
+            body["output"].insert(0, _message(msg_id, live.sent))
+        for i, item in enumerate(body["output"]):
+            if item["type"] == "message":
+                yield from text
+                part = item["content"][0]
+                yield event("response.output_text.done", **text_at, text=part["text"], logprobs=[])
+                yield event("response.content_part.done", **text_at, part=part)
+            else:
+                field = "arguments" if "arguments" in item else "input"
+                kind = "function_call_arguments" if "arguments" in item else "custom_tool_call_input"
+                at = {"item_id": item["id"], "output_index": i}
+                yield event(
+                    "response.output_item.added",
+                    output_index=i,
+                    item={**item, field: "", "status": "in_progress"},
+                )
+                yield event(f"response.{kind}.delta", **at, delta=item[field])
+                yield event(f"response.{kind}.done", **at, name=item["name"], **{field: item[field]})
+            yield event("response.output_item.done", output_index=i, item=item)
+        yield event(f"response.{body['status']}", response=body)
+
     head = _body(req, live.id, live.created, "in_progress", [], None)
-    yield event("response.created", response=head)
-    yield event("response.in_progress", response=head)
-    async for piece in live.deltas():
-        for chunk in [] if opened else open_text():
-            yield chunk
-        opened = True
-        yield event("response.output_text.delta", **text_at, delta=piece, logprobs=[])
-    try:
-        gen = await live.result()
-    except ANSWERED as e:
-        error = error_reply(e).openai_body()["error"]
-        yield event("error", code=error["code"], message=error["message"], param=error["param"])
-        return
-    body = response_body(gen, req)
-    if opened and not (
-        body["output"] and body["output"][0]["type"] == "message"
-    ):  # only after a stream mismatch
-        body["output"].insert(0, _message(msg_id, live.sent))
-    for i, item in enumerate(body["output"]):
-        if item["type"] == "message":
-            for chunk in [] if opened else open_text():
-                yield chunk
-            for piece in text_pieces(live.rest(gen.choices[0])):
-                yield event("response.output_text.delta", **text_at, delta=piece, logprobs=[])
-            part = item["content"][0]
-            yield event("response.output_text.done", **text_at, text=part["text"], logprobs=[])
-            yield event("response.content_part.done", **text_at, part=part)
-        else:
-            field, kind = (
-                ("arguments", "function_call_arguments")
-                if "arguments" in item
-                else ("input", "custom_tool_call_input")
-            )
-            yield event(
-                "response.output_item.added",
-                output_index=i,
-                item={**item, field: "", "status": "in_progress"},
-            )
-            yield event(f"response.{kind}.delta", item_id=item["id"], output_index=i, delta=item[field])
-            yield event(
-                f"response.{kind}.done",
-                item_id=item["id"],
-                output_index=i,
-                name=item["name"],
-                **{field: item[field]},
-            )
-        yield event("response.output_item.done", output_index=i, item=item)
-    yield event(f"response.{body['status']}", response=body)
+    start = [event("response.created", response=head), event("response.in_progress", response=head)]
+    return live.sse(start, open_text, delta, error, end)

@@ -30,9 +30,8 @@ class Action:
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
-    routes: Any = (
-        None  # MoE: the completion's routed experts (prompt and action, `Completion.routed_experts`)
-    )
+    # MoE: the completion's routed experts (prompt and action, `Completion.routed_experts`)
+    routes: Any = None
 
 
 @dataclass
@@ -198,9 +197,8 @@ def _extend(segment: Segment, context: Any, action: Action) -> None:
         [segment.behavior_logprobs, np.asarray(action.logprobs, np.float32)]
     )
     segment.versions = np.concatenate([segment.versions, np.asarray(action.versions, np.int32)])
-    if (
-        action.routes is not None
-    ):  # aligned with token_ids (0 where never run); rows already there keep theirs
+    # routes aligned with token_ids (0 where never run); rows already there keep theirs
+    if action.routes is not None:
         routes = np.zeros((len(segment.token_ids), *action.routes.shape[1:]), action.routes.dtype)
         routes[: len(action.routes)] = action.routes[: len(routes)]
         if segment.routed_experts is not None:

@@ -25,6 +25,7 @@ functions, which the capture library itself never does.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from typing import Any
 
@@ -96,9 +97,6 @@ def add_service_routes(server: CaptureServer) -> None:
         return JSONResponse({"session_id": session_id, "reward": session.reward})
 
 
-_SERVER_OPTIONS = ("strict_model", "max_request_mb", "max_chars_per_token", "tool_parser")  # CaptureServer's
-
-
 async def serve(
     model: str,
     host: str = "127.0.0.1",
@@ -107,30 +105,28 @@ async def serve(
     engine_kind: str = "hf",
     ready: Any = print,
     allow_remote_images: bool = False,
-    **engine_options: Any,
+    server_options: dict[str, Any] | None = None,
+    engine_options: dict[str, Any] | None = None,
 ) -> None:
     """Run the service until SIGINT/SIGTERM. `engine` defaults to an HFEngine on `model` (a path) in a process
     of its own (`molt.engine.process`), leaving one core to the server, or with `engine_kind="vllm"` a VLLMEngine,
-    built with the `engine_options` other than the capture server's own (`_SERVER_OPTIONS`: strict_model, max_request_mb,
+    built with `engine_options`; `server_options` are the `CaptureServer`'s (strict_model, max_request_mb,
     max_chars_per_token, tool_parser)."""
     from molt.capture.render import ChatRenderer
 
-    server_options = {k: engine_options.pop(k) for k in _SERVER_OPTIONS if k in engine_options}
+    engine_options = dict(engine_options or {})
     owned = engine is None
     if owned and engine_kind == "vllm":  # vLLM runs its engine core in a process of its own
         from molt.engine.vllm import VLLMEngine
 
+        # vLLM's prefix cache lives in its KV cache, sized by VLLM_CPU_KVCACHE_SPACE or GPU memory
         cache_mb = engine_options.pop("prefix_cache_mb", None)
-        if (
-            cache_mb
-        ):  # vLLM's prefix cache lives in its KV cache, sized by VLLM_CPU_KVCACHE_SPACE or GPU memory
+        if cache_mb:
             raise ValueError(
                 "--prefix-cache-mb: vLLM sizes its prefix cache itself; only 0 (off) applies to it"
             )
         engine = VLLMEngine(model, enable_prefix_caching=cache_mb != 0, **engine_options)
     elif owned:
-        import os
-
         from molt.engine.process import EngineProcess
 
         engine = EngineProcess(
@@ -140,7 +136,7 @@ async def serve(
             **engine_options,
         )
     renderer = ChatRenderer.from_pretrained(model, allow_remote_images=allow_remote_images)
-    server = CaptureServer(engine, renderer, host=host, port=port, **server_options)
+    server = CaptureServer(engine, renderer, host=host, port=port, **(server_options or {}))
     add_service_routes(server)
     await server.start()
     loop = asyncio.get_running_loop()
@@ -161,20 +157,22 @@ async def serve(
 
 
 def serve_main(args: Any) -> int:
-    """Entry point for `molt serve` (args: model, host, port, strict_model, prefix_cache_mb)."""
+    """Entry point for `molt serve` (args: model, host, port and the command's options, absent or None: the
+    default)."""
     from molt.models import resolve_model
 
-    options = {
-        k: getattr(args, k, None) for k in (*_SERVER_OPTIONS, "allow_remote_images", "prefix_cache_mb")
-    }
-    options = {k: v for k, v in options.items() if v is not None}  # absent or None: the default
+    def given(*names: str) -> dict[str, Any]:
+        return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+
     asyncio.run(
         serve(
             str(resolve_model(args.model)),
             args.host,
             args.port,
             engine_kind=getattr(args, "engine", "hf"),
-            **options,
+            allow_remote_images=getattr(args, "allow_remote_images", False),
+            server_options=given("strict_model", "max_request_mb", "max_chars_per_token", "tool_parser"),
+            engine_options=given("prefix_cache_mb"),
         )
     )
     return 0

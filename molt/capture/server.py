@@ -95,10 +95,8 @@ class CaptureServer:
         self.host, self.port = host, port
         self.parser = choose_tool_parser(tool_parser, renderer.template, renderer.tokenizer)
         renderer.keep_special(self.parser.markers)  # type: ignore[attr-defined]
-        self.model_names = {
-            engine.model_name,
-            *served_names,
-        }  # names /v1/models lists (the only ones, if strict)
+        # the names /v1/models lists (the only ones, if strict)
+        self.model_names = {engine.model_name, *served_names}
         self.strict_model = strict_model
         self.max_request_mb, self.max_chars_per_token = max_request_mb, max_chars_per_token
         self.sessions: dict[str, Session] = {}
@@ -106,9 +104,8 @@ class CaptureServer:
             title="molt capture", openapi_url=None, docs_url=None, redoc_url=None, **_NO_TELEMETRY
         )
         self.app.add_exception_handler(WireError, self._wire_error)
-        self.app.add_exception_handler(
-            StarletteHTTPException, self._http_error
-        )  # unknown routes, wrong methods
+        # unknown routes, wrong methods
+        self.app.add_exception_handler(StarletteHTTPException, self._http_error)
         self._routes()
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
@@ -116,10 +113,8 @@ class CaptureServer:
     # ------------------------------------------------------------------------------------- lifecycle
     @property
     def url(self) -> str:
-        host = (
-            "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        )  # a wildcard bind is not an address
-        return f"http://{host}:{self.port}"
+        wildcard = self.host in ("0.0.0.0", "::", "")  # a wildcard bind is not an address
+        return f"http://{'127.0.0.1' if wildcard else self.host}:{self.port}"
 
     async def start(self) -> None:
         # agents pause between calls (tools, thinking) longer than uvicorn's 5 s default keep-alive; a
@@ -222,19 +217,14 @@ class CaptureServer:
                 }
             )
 
-        # plain Starlette routes for the two hot endpoints: no FastAPI dependency solving per request
-        async def chat_completions(request: Request) -> Response:
-            return await self._handle(request, "openai", openai_wire)
-
-        async def messages(request: Request) -> Response:
-            return await self._handle(request, "anthropic", anthropic_wire)
-
-        async def responses(request: Request) -> Response:
-            return await self._handle(request, "responses", responses_wire)
-
-        app.add_route("/s/{session_id}/v1/chat/completions", chat_completions, methods=["POST"])
-        app.add_route("/s/{session_id}/v1/messages", messages, methods=["POST"])
-        app.add_route("/s/{session_id}/v1/responses", responses, methods=["POST"])
+        # plain Starlette routes for the wires: no FastAPI dependency solving per request
+        for path, wire in (
+            ("chat/completions", openai_wire),
+            ("messages", anthropic_wire),
+            ("responses", responses_wire),
+        ):
+            handle = functools.partial(self._handle, wire=wire)
+            app.add_route(f"/s/{{session_id}}/v1/{path}", handle, methods=["POST"])
 
         @app.post("/s/{session_id}/v1/messages/count_tokens")
         async def count_tokens(session_id: str, request: Request) -> JSONResponse:
@@ -251,11 +241,11 @@ class CaptureServer:
                 raise WireError(404, f"unknown or closed session {session_id!r}", code="session_not_found")
             return JSONResponse({"status": "ok", "model": self.engine.model_name})
 
-    async def _handle(self, request: Request, wire: str, module: Any) -> Response:
+    async def _handle(self, request: Request, wire: Any) -> Response:
         """Shared by the wires: a wire module has SCHEMA, to_chat, response_body and stream."""
         session = self.session_for(request.path_params["session_id"], request)
         raw = await self._body(request)
-        req, data = parse_body(module.SCHEMA, raw)
+        req, data = parse_body(wire.SCHEMA, raw)
         if self.strict_model and req.model not in self.model_names:
             raise WireError(
                 400,
@@ -263,23 +253,23 @@ class CaptureServer:
                 code="model_not_found",
                 param="model",
             )
-        key, lookup = cache_key(wire, raw, request.headers)
+        key, lookup = cache_key(wire.__name__, raw, request.headers)
         try:
-            chat = module.to_chat(req, data, session)  # ValueError: e.g. an image that cannot be decoded
+            chat = wire.to_chat(req, data, session)  # ValueError: e.g. an image that cannot be decoded
             chat.body_bytes = len(raw)
             if req.stream:  # tokens go out as they are sampled (streaming.py); errors before the first byte
                 live = LiveReply(session, chat, key, lookup)
                 await live.begin()
                 # run after the stream, or once the client went away mid-stream: its engine request stops
                 return StreamingResponse(
-                    module.stream(live, req, session),
+                    wire.stream(live, req, session),
                     media_type="text/event-stream",
                     background=BackgroundTask(live.cancel),
                 )
             gen = await session.complete(chat, key, lookup)
         except ANSWERED as e:
             raise error_reply(e) from None
-        return JSONResponse(module.response_body(gen, req, session))
+        return JSONResponse(wire.response_body(gen, req, session))
 
     async def _body(self, request: Request) -> bytes:
         """The request's body, refused (413) over max_request_mb: by its declared length before it is read."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-import re
 import time
 import uuid
 from bisect import bisect_left
@@ -51,16 +50,13 @@ class ChatRequest:
     parse_tools: bool = True
     tool_choice: str = "auto"  # "auto" | "none" | "required" (some tool) | "function" (the one in tool_name)
     tool_name: str | None = None
-    formats: dict[str, dict[str, Any]] = field(
-        default_factory=dict
-    )  # tool name -> {"schema"} (strict) or a grammar
+    # tool name -> {"schema"} (strict) or a grammar
+    formats: dict[str, dict[str, Any]] = field(default_factory=dict)
     output: dict[str, Any] | None = None  # the JSON schema of a text reply (structured outputs)
-    id: str = field(
-        default_factory=lambda: uuid.uuid4().hex[:24]
-    )  # its reply's id (hex; the wires prefix it)
-    body_bytes: int | None = (
-        None  # its wire body's length, a bound on its characters (`_fits` walks it above)
-    )
+    # its reply's id (hex; the wires prefix it)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    # its wire body's length, a bound on its characters (`_fits` walks it above)
+    body_bytes: int | None = None
 
 
 @dataclass
@@ -128,9 +124,8 @@ class Session:
         self.model_name, self.max_model_len = engine.model_name, engine.max_model_len
         self.can_stream = can_stream(engine)  # see streaming.py
         self.defaults = defaults
-        self.max_chars = (
-            max_chars_per_token * self.max_model_len
-        )  # refused before tokenizing above it (0: off)
+        # a request of more characters is refused before it is tokenized (0: off)
+        self.max_chars = max_chars_per_token * self.max_model_len
         self.tracker = SegmentTracker(renderer, engine.eos_token_ids)
         self.closed = False
         self.reward: float | None = None  # set through `molt serve`'s POST /s/{id}/reward
@@ -189,9 +184,8 @@ class Session:
         """Answer one request: from the retry cache (when `lookup`), or plan -> generate -> record (and cache
         under `cache_key`). `listener` (a `streaming.LiveReply`, n == 1 only) hears the planned prompt and
         the sampled tokens as they come."""
-        if (
-            request.body_bytes is None or request.body_bytes > self.max_chars > 0
-        ):  # within it: no O(history) walk
+        # a body within the limit: no O(history) walk
+        if request.body_bytes is None or request.body_bytes > self.max_chars > 0:
             self._fits(request.messages, request.tools)
         async with self._lock:
             self._check_open()
@@ -238,20 +232,20 @@ class Session:
                 f"this conversation is {len(plan.prompt_ids)} tokens but the context window of {self.model_name} "
                 f"is {self.max_model_len} tokens (prompt and completion); shorten the messages"
             )
-        seed = (
-            request.params.seed
-        )  # the request's own, or this call's of the rollout's (molt.types docstring)
+        # the request's own, or this call's of the rollout's (molt.types docstring)
+        seed = request.params.seed
         if seed is None and self.defaults.seed is not None:
             seed = sub_seed(self.defaults.seed, self._count)
         self._count += 1
         ids = [f"{self.session_id}-{self._count}-{i}" for i in range(request.n)]
         params = [base if seed is None else base.copy(seed=seed + i) for i in range(request.n)]
         self._inflight.update(ids)
-        stream: dict[str, Any] = (
-            {"images": plan.images, "sources": [i.image for i in message_images(plan.messages or [])]}
-            if plan.images
-            else {}
-        )  # sources: the decoded images (vLLM processes them itself)
+        stream: dict[str, Any] = {}
+        if plan.images:  # sources: the decoded images (vLLM processes them itself)
+            stream = {
+                "images": plan.images,
+                "sources": [i.image for i in message_images(plan.messages or [])],
+            }
         if listener is not None:
             listener.started(plan.prompt_ids)
             stream["on_tokens"] = listener.tokens
@@ -290,9 +284,9 @@ class Session:
         def chars(x: Any) -> int:
             if isinstance(x, str):
                 return len(x)
-            return (
-                sum(map(chars, x.values() if isinstance(x, dict) else x)) if isinstance(x, dict | list) else 0
-            )
+            if isinstance(x, dict):
+                x = list(x.values())
+            return sum(map(chars, x)) if isinstance(x, list) else 0
 
         n = chars(list(parts))
         if self.max_chars and n > self.max_chars:
@@ -310,28 +304,23 @@ class Session:
         the parser's format (text or `output`, or calls; a forced call's rest). ValueError (400) for a choice that
         cannot be honoured, where the parser has no grammar or llguidance cannot compile it."""
         names = [t["function"]["name"] for t in request.tools or []]
-        name = {"function": request.tool_name, "required": ""}.get(
-            request.tool_choice
-        )  # None: no call forced
+        # the function forced: "" for any, None: no call forced
+        name = {"function": request.tool_name, "required": ""}.get(request.tool_choice)
         opening = "" if name is None else call_opening(self.parser, name or None)
         build = getattr(self.parser, "grammar", None)
-        why = (
-            None
-            if name is None
-            else "needs at least one tool in `tools`"
-            if not names
-            else f"names the function {name!r}, which is not among the tools {names}"
-            if name and name not in names
-            else "cannot be honoured: this server's tool parser cannot force a call"
-            if opening is None
-            else None
-        )
+        why = None
+        if name is not None and not names:
+            why = "needs at least one tool in `tools`"
+        elif name and name not in names:
+            why = f"names the function {name!r}, which is not among the tools {names}"
+        elif opening is None:
+            why = "cannot be honoured: this server's tool parser cannot force a call"
         if why:
             raise ValueError(f"tool_choice {request.tool_choice!r} {why}")
         if not (request.parse_tools and (request.formats or request.output or opening and build)):
-            return opening, request.params if request.output is None else request.params.copy(
-                grammar=json_grammar(request.output)
-            )
+            if request.output is None:
+                return opening, request.params
+            return opening, request.params.copy(grammar=json_grammar(request.output))
         if build is None:
             raise ValueError(
                 "strict or grammar tools and structured outputs beside tools need a grammar of the "
@@ -405,11 +394,3 @@ def _put(cache: OrderedDict, key: str, value: Any, size: int) -> None:
     cache[key] = value
     while len(cache) > size:
         cache.popitem(last=False)
-
-
-_PIECES = re.compile(r"\s*\S+\s*|\s+")
-
-
-def text_pieces(text: str) -> list[str]:
-    """Word-sized pieces of a reply, for stream deltas (the engine returns whole completions)."""
-    return _PIECES.findall(text)

@@ -25,14 +25,16 @@ that goes away mid-stream cancels the request (`cancel`): its engine requests ar
 from __future__ import annotations
 
 import asyncio
+import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING
 
+from molt.capture.errors import ANSWERED, error_reply
 from molt.capture.tools import call_opening
 
 if TYPE_CHECKING:
-    from molt.capture.session import ChatRequest, Choice, Generation, Session
+    from molt.capture.session import ChatRequest, Choice, Session
 
 
 class LiveReply:
@@ -79,10 +81,8 @@ class LiveReply:
             waiter.cancel()
         if self.task.done():
             gen = self.task.result()
-            self.prompt_tokens, self.id = (
-                len(gen.prompt_ids),
-                gen.id,
-            )  # a retry answered from the cache: its id
+            self.prompt_tokens = len(gen.prompt_ids)
+            self.id = gen.id  # a retry answered from the cache: its id
 
     async def deltas(self) -> AsyncIterator[str]:
         ids: list[int] = []
@@ -106,8 +106,38 @@ class LiveReply:
                 piece, self.sent = safe[len(self.sent) :], safe
                 yield piece
 
-    async def result(self) -> Generation:
-        return await self.task
+    async def sse(
+        self,
+        start: list[bytes],
+        open_text: Callable,
+        delta: Callable,
+        error: Callable,
+        end: Callable,
+    ) -> AsyncIterator[bytes]:
+        """A wire's event stream: `start`, the text part opened once (`open_text() -> list[bytes]`) and its
+        deltas (`delta(piece) -> bytes`) while the engine samples, then `end(gen, text) -> Iterable[bytes]`,
+        where `text` yields the rest of the text part (its opening if nothing was sent). A failure after the
+        first byte ends the stream with the event `error(WireError) -> bytes`."""
+        for event in start:
+            yield event
+        async for piece in self.deltas():
+            if piece == self.sent:  # the first
+                for event in open_text():
+                    yield event
+            yield delta(piece)
+        try:
+            gen = await self.task
+        except ANSWERED as e:
+            yield error(error_reply(e))
+            return
+
+        def text() -> Iterator[bytes]:
+            if not self.sent:
+                yield from open_text()
+            yield from map(delta, text_pieces(self.rest(gen.choices[0])))
+
+        for event in end(gen, text()):
+            yield event
 
     async def cancel(self) -> None:
         self.task.cancel()  # a no-op once the reply is recorded; aborts its engine requests before that
@@ -146,3 +176,11 @@ def _partial(text: str, s: str) -> int:
         if text.endswith(s[:k]):
             return k
     return 0
+
+
+_PIECES = re.compile(r"\s*\S+\s*|\s+")
+
+
+def text_pieces(text: str) -> list[str]:
+    """Word-sized pieces of a reply, for stream deltas (the engine returns whole completions)."""
+    return _PIECES.findall(text)

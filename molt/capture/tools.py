@@ -87,9 +87,8 @@ _LARK = re.compile(
     r'//[^\n]*|"(?:\\.|[^"\\])*"i?|/(?:\\.|[^/\\\n])+/[imsux]*|%import\s+(?P<path>[\w.]+?)(?:\.(?P<one>\w+)(?!\.)'
     r"(?:[ \t]*->[ \t]*(?P<to>\w+))?|\s*\((?P<names>[\w\s,]*)\))|%\w+|(?P<alias>->\s*\w+)|(?P<name>[A-Za-z_]\w*)"
 )
-_RAW = re.compile(
-    r'\s*\{"name": "([^"]+)", "arguments": (.*)\}\s*', re.DOTALL
-)  # a raw-input call (module docstring)
+# a raw-input call (module docstring)
+_RAW = re.compile(r'\s*\{"name": "([^"]+)", "arguments": (.*)\}\s*', re.DOTALL)
 
 
 def _json_call(obj: Any, call_id: str | None = None) -> dict[str, Any]:
@@ -151,20 +150,19 @@ def _inline(tool: str, i: int, spec: dict[str, Any], close: str, raw: bool) -> l
             f"tools[{tool}]: %ignore is not supported in a grammar tool (its input is one terminal)"
         )
 
+    def new(name: str) -> str:
+        return f"T{i}{'_' if name.isupper() else 'R_'}{name.upper()}"
+
     def rename(m: re.Match) -> str:
-        new = lambda n: f"T{i}{'_' if n.isupper() else 'R_'}{n.upper()}"
-        names = (
-            [(m["one"], m["to"])] if m["one"] else [(n, None) for n in re.findall(r"\w+", m["names"] or "")]
-        )
-        return (
-            "\n".join(f"%import {m['path']}.{n} -> {new(to or n)}" for n, to in names)
-            if m["path"]
-            else ""
-            if m["alias"]
-            else new(m["name"])
-            if m["name"]
-            else m[0]
-        )
+        if m["path"]:
+            if m["one"]:
+                names = [(m["one"], m["to"])]
+            else:
+                names = [(n, None) for n in re.findall(r"\w+", m["names"] or "")]
+            return "\n".join(f"%import {m['path']}.{n} -> {new(to or n)}" for n, to in names)
+        if m["alias"]:
+            return ""
+        return new(m["name"]) if m["name"] else m[0]
 
     return [
         _LARK.sub(rename, re.sub(r"^(\s*)[?!]", r"\1", source, flags=re.MULTILINE)),
@@ -211,12 +209,13 @@ def call_grammar(
         think: bool = False,
     ) -> str:
         def lark(*pieces: Any) -> str:
-            return " ".join(
-                f"/{p.pattern}/"
-                if isinstance(p, re.Pattern)
-                else " ".join(s in markers and token(s) or json.dumps(s) for s in split.split(p) if s)
-                for p in pieces
-            )
+            out = []
+            for p in pieces:
+                if isinstance(p, re.Pattern):
+                    out.append(f"/{p.pattern}/")
+                else:
+                    out += [s in markers and token(s) or json.dumps(s) for s in split.split(p) if s]
+            return " ".join(out)
 
         head, rules = opening(None), []
         for i, (tool, spec) in enumerate(tools.items()):
@@ -228,18 +227,13 @@ def call_grammar(
             rules += [*mine, f"call{i}: {lark(opening(tool)[len(head) :])} args{i}"]
             check_grammar("\n".join([f"start: args{i}", *mine]), f"tools[{tool}]")  # a 400 naming the tool
         calls = f"call ({lark(*sep)} call)* {lark(*end)}" if sep else f"call {lark(*end)}"
-        reply = (
-            f"{text} | {lark(head)} {calls}"
-            if text
-            else f"TEXT | {'PROSE? ' * bool(prose)}{lark(head)} {calls}"
-        )
-        start = (
-            f"args{list(tools).index(name)} {lark(*end)}"
-            if name
-            else calls
-            if name == ""
-            else f"{'think? ' * think}({reply})"
-        )
+        if name:
+            start = f"args{list(tools).index(name)} {lark(*end)}"
+        elif name == "":
+            start = calls
+        else:
+            free = f"{text} | " if text else f"TEXT | {'PROSE? ' * bool(prose)}"
+            start = f"{'think? ' * think}({free}{lark(head)} {calls})"
         return "\n".join(
             [
                 f"start: {start}",
@@ -260,10 +254,9 @@ def call_grammar(
 
 def _hermes_read(match: re.Match, tools: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     found = _RAW.fullmatch(match.group(1))
-    if found and "schema" not in tools.get(
-        found[1], _JSON
-    ):  # a grammar tool's raw input: the string it is (a
-        return [tool_call(new_call_id(), found[1], found[2], raw=True)]  # template prints a string verbatim)
+    # a grammar tool's raw input: the string it is (a template prints a string verbatim)
+    if found and "schema" not in tools.get(found[1], _JSON):
+        return [tool_call(new_call_id(), found[1], found[2], raw=True)]
     return [_json_call(json.loads(match.group(1)))]
 
 

@@ -76,7 +76,7 @@ async def test_serve_in_process_stops_on_sigint(tiny_llama_dir, tokenizer):
             port=0,
             engine=ScriptedEngine(tokenizer, ["hi"]),
             ready=lambda text, **_: lines.append(text),
-            strict_model=True,
+            server_options={"strict_model": True},
         )
     )
     while not lines:
@@ -105,7 +105,7 @@ async def test_serve_refuses_a_prefix_cache_size_for_vllm(tiny_llama_dir):
     """vLLM sizes its prefix cache from its KV cache: a size given for it would be ignored, so it is refused
     (before vLLM is imported: this runs where vLLM is not installed)."""
     with pytest.raises(ValueError, match="--prefix-cache-mb"):
-        await serve(str(tiny_llama_dir), port=0, engine_kind="vllm", prefix_cache_mb=64)
+        await serve(str(tiny_llama_dir), port=0, engine_kind="vllm", engine_options={"prefix_cache_mb": 64})
 
 
 def test_doctor(tokenizer, think_tokenizer, capsys, tiny_llama_dir):

@@ -397,9 +397,7 @@ async def test_molt_serve_on_vllm(models):
             port=0,
             engine_kind="vllm",
             ready=lambda t, **_: lines.append(t),
-            dtype="float32",
-            max_model_len=512,
-            enforce_eager=True,
+            engine_options={"dtype": "float32", "max_model_len": 512, "enforce_eager": True},
         )
     )
     await until(lambda: lines or task.done(), timeout=1200)
