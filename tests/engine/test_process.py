@@ -49,10 +49,16 @@ def test_errors_cancel_and_refit_cross_the_process(proc_engine, tiny_llama_dir):
     async def main():
         with pytest.raises(RequestError, match="context window"):
             await proc_engine.generate([1] * (proc_engine.max_model_len + 1), SamplingParams(max_tokens=4))
+        # cancelled once its first tokens have streamed back, so it cannot have finished (a fixed sleep raced
+        # the tiny model's whole generation on a quiet machine)
+        started = asyncio.Event()
+        n = proc_engine.max_model_len - 2
         long = asyncio.create_task(
-            proc_engine.generate([3, 4], SamplingParams(max_tokens=400, min_tokens=400))
+            proc_engine.generate(
+                [3, 4], SamplingParams(max_tokens=n, min_tokens=n), on_tokens=lambda ids: started.set()
+            )
         )
-        await asyncio.sleep(0.3)
+        await started.wait()
         long.cancel()  # aborts in the child; the engine keeps serving
         with pytest.raises(asyncio.CancelledError):
             await long
