@@ -86,7 +86,7 @@ class HFEngine(InProcessWeightReceiver):
 
     @property
     def num_requests(self) -> int:
-        """Requests waiting or running (the router balances on this)."""
+        """Requests waiting or running."""
         return len(self._active)
 
     async def generate(
