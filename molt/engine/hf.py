@@ -261,7 +261,7 @@ class HFEngine(InProcessWeightReceiver):
         for job, start, end in self.scheduler.plan(runner.plan(step.admitted)):
             runner.prefill(job, start, end)
             if end == job.columns:
-                self._emit(job.requests, runner.prefilled(job, version), version)
+                self._emit(job.requests, runner.prefilled(job), version)
         if runner.graph_error:  # decoding eagerly from now on: arrivals no longer wait for company
             self.scheduler.hold_steps = 0
         runner.store(self.scheduler.running)  # the finished rows' keys/values, before they leave
@@ -277,7 +277,7 @@ class HFEngine(InProcessWeightReceiver):
             if req.matcher is not None:  # a finished grammar allows only EOS: the request then stops below
                 req.matcher.consume_token(token)
             req.logprobs.append(logprob)
-            req.versions.append(min(version, req.kv_version))  # older only over a stale prefix
+            req.versions.append(version)
             if req.on_tokens is not None:
                 req.loop.call_soon_threadsafe(req.on_tokens, [token])
             if req.params.top_logprobs:

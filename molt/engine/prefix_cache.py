@@ -22,7 +22,6 @@ class Prefix:
     layers: list[
         tuple[torch.Tensor, torch.Tensor]
     ]  # per layer (keys, values) [1, kv_heads, len(tokens), head_dim]
-    version: int  # policy version of the oldest keys/values
     nbytes: int
     routes: Any = None  # MoE: the experts each token was routed to [len(tokens), layers, k] (molt.engine.hf)
 
@@ -33,11 +32,10 @@ MAX_ENTRIES_PER_SESSION = 4
 
 
 class PrefixCache:
-    def __init__(self, budget_mb: float, stale: bool = False):
+    def __init__(self, budget_mb: float):
         if budget_mb < 0:
             raise ValueError(f"prefix_cache_mb must be >= 0 (0 turns the cache off), got {budget_mb}")
         self.budget = int(budget_mb * 2**20)
-        self.stale = stale
         # sessions in LRU order (oldest first); a session's entries least recently stored or used first
         self.entries: OrderedDict[str, list[Prefix]] = OrderedDict()
         self.nbytes = 0
@@ -65,7 +63,6 @@ class PrefixCache:
         session_id: str,
         tokens: list[int],
         layers: list[tuple[torch.Tensor, torch.Tensor]],
-        version: int,
         routes: list[torch.Tensor] | None = None,
     ) -> None:
         """Keep a finished request's keys/values; the session's entries it extends (its earlier turns) go."""
@@ -79,7 +76,7 @@ class PrefixCache:
             max(0, len(kept) + 1 - MAX_ENTRIES_PER_SESSION) :
         ]  # the most recent ones, with room for this
         self.nbytes += nbytes - sum(e.nbytes for e in entries if e not in kept)
-        entry = Prefix(tokens, layers, version, nbytes, torch.cat(routes) if routes else None)
+        entry = Prefix(tokens, layers, nbytes, torch.cat(routes) if routes else None)
         self.entries[session_id] = kept + [entry]
         while (
             self.nbytes > self.budget
@@ -95,10 +92,9 @@ class PrefixCache:
             del self.entries[session_id]
 
     def refit(self) -> None:
-        """New weights were loaded: forget every entry unless stale prefixes are allowed."""
-        if not self.stale:
-            self.entries.clear()
-            self.nbytes = 0
+        """New weights were loaded: keys/values computed with the old ones are wrong, every entry goes."""
+        self.entries.clear()
+        self.nbytes = 0
 
     def stats(self) -> dict[str, int]:
         return {

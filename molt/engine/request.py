@@ -78,7 +78,6 @@ class Request(RequestRecord):
     future: asyncio.Future
     images: Any = None  # processor inputs of the prompt's images (vision-language models)
     session_id: str | None = None  # key of the prefix cache
-    kv_version: int = 0  # policy version of the oldest keys/values in this request's cache (stale prefixes)
     rope_offset: int = 0  # M-RoPE: next position = tokens so far + rope_offset (`rope_positions`)
     routes: list[Any] = field(default_factory=list)  # MoE: [n, layers, k] tensors of positions 0..routed
     routed: int = 0

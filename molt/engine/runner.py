@@ -32,7 +32,6 @@ class ModelRunner:
         dtype: str = "float32",
         device: str = "cpu",
         prefix_cache_mb: float = 1024,
-        prefix_cache_stale: bool = False,
         cuda_graphs: bool = True,
         lora: dict[str, Any] | None = None,
     ):
@@ -71,7 +70,7 @@ class ModelRunner:
             and not spec.dynamic_rope
         )  # the decoder itself once the slots exist
         self.graph_error: str | None = None  # why graphs were given up, if they were (`_graph_decode`)
-        self.prefixes = PrefixCache(prefix_cache_mb, prefix_cache_stale)
+        self.prefixes = PrefixCache(prefix_cache_mb)
         self.slots: Slots | None = None  # row i holds the scheduler's running[i] (made at the first prefill)
 
     def decode(self, rows: list[Request]) -> torch.Tensor:
@@ -154,7 +153,7 @@ class ModelRunner:
         )
         s.routes.append(routes)
 
-    def prefilled(self, job: Prefill, version: int) -> torch.Tensor:
+    def prefilled(self, job: Prefill) -> torch.Tensor:
         """A finished prefill's first-token logits, a row per request (a copy takes its leader's); its rows join
         the running batch."""
         s = job.state
@@ -168,7 +167,6 @@ class ModelRunner:
                 layer.keys, layer.values = layer.keys[index], layer.values[index]
         for i, r in enumerate(job.requests):
             entry, n = s.reused[r]
-            r.kv_version = min(entry.version, version) if n else version
             r.route(0, entry.routes[:n] if n and entry.routes is not None else None)
             r.route(
                 n, None if routes is None else routes[i, s.ids.shape[1] - len(r.prompt) - len(r.tokens) + n :]
@@ -207,9 +205,7 @@ class ModelRunner:
                 and r.session_id is not None
                 and not r.images
             ):
-                self.prefixes.store(
-                    r.session_id, (r.prompt + r.tokens)[:-1], self.slots.row(i), r.kv_version, r.routes
-                )
+                self.prefixes.store(r.session_id, (r.prompt + r.tokens)[:-1], self.slots.row(i), r.routes)
 
     def _graph_decode(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The decode step's logits from a CUDA graph; None without graphs, or (and eager decode from then on)
