@@ -21,7 +21,7 @@ def pack(named_tensors: Iterable[tuple[str, Any]]) -> list[tuple[str, bytes, str
 
 
 def layerwise_reload() -> tuple[Any, Any]:
-    """(initialize_layerwise_reload, finalize_layerwise_reload) of vLLM (vllm/model_executor/model_loader/reload)."""
+    """(initialize_layerwise_reload, finalize_layerwise_reload): vllm/model_executor/model_loader/reload."""
     from vllm.model_executor.model_loader import reload
 
     return reload.initialize_layerwise_reload, reload.finalize_layerwise_reload
