@@ -65,9 +65,8 @@ def unpack_weights(bucket: list[tuple]) -> list[tuple[str, Any]]:
     """`pack_weights`' inverse without a copy; (name, tensor) pairs pass unchanged."""
     import torch
 
-    with (
-        warnings.catch_warnings()
-    ):  # the object store's buffers are read-only: the tensors are only read from
+    # the object store's buffers are read-only: the tensors are only read from
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return [
             entry
@@ -107,8 +106,8 @@ def token_list(ids: Any) -> list[int]:
 
 
 def can_stream(engine: Any) -> bool:
-    """Whether `engine.generate` accepts `on_tokens`. A wrapper (router, refit gate) answers for the engines it
-    wraps through a boolean `can_stream` attribute, since its own signature always has the parameter."""
+    """Whether `engine.generate` accepts `on_tokens`. A wrapper (refit gate, recording engine) answers for the
+    engines it wraps through a boolean `can_stream` attribute, since its own signature always has the parameter."""
     declared = getattr(engine, "can_stream", None)
     if isinstance(declared, bool):
         return declared
@@ -125,8 +124,7 @@ class Engine(Protocol):
         self,
         prompt_ids: list[int],  # or an int32 numpy array (capture's): engines take `token_list(prompt_ids)`
         params: SamplingParams,
-        session_id: str
-        | None = None,  # requests of one session may be routed to the same engine (prefix cache)
+        session_id: str | None = None,  # requests of one session share the engine's prefix cache
         request_id: str | None = None,  # for abort(); cancelling the awaiting task aborts as well
         *,
         on_tokens: Callable[[list[int]], None] | None = None,  # new token ids as they are sampled

@@ -54,18 +54,11 @@ class HFEngine(InProcessWeightReceiver):
             max_prefill_tokens=max_prefill_tokens,
             **options,
         )
-        self.model, self.spec, self.device, self.prefixes = (
-            runner.model,
-            runner.spec,
-            runner.device,
-            runner.prefixes,
-        )
+        self.model, self.spec, self.device = runner.model, runner.spec, runner.device
+        self.prefixes = runner.prefixes
         self.tokenizer = tf.AutoTokenizer.from_pretrained(model_path)
-        self.max_model_len, self.vocab_size, self.eos_token_ids = (
-            self.spec.max_model_len,
-            self.spec.vocab_size,
-            list(self.spec.eos_token_ids),
-        )
+        self.max_model_len, self.vocab_size = self.spec.max_model_len, self.spec.vocab_size
+        self.eos_token_ids = list(self.spec.eos_token_ids)
         # with graphs a decode step is cheap and an eager prefill is not: arrivals wait up to this many steps for
         # company (or a full batch) before they prefill
         self.scheduler = Scheduler(max_batch_size, max_prefill_tokens, hold_steps=8 if runner.graphs else 0)
@@ -86,7 +79,7 @@ class HFEngine(InProcessWeightReceiver):
 
     @property
     def num_requests(self) -> int:
-        """Requests waiting or running (the router balances on this)."""
+        """Requests waiting or running."""
         return len(self._active)
 
     async def generate(
@@ -98,8 +91,8 @@ class HFEngine(InProcessWeightReceiver):
         *,
         on_tokens: Any = None,
         images: Any = None,
-        sources: Any = None,
-    ) -> Completion:  # sources: for engines that process images (vLLM)
+        sources: Any = None,  # for engines that process images (vLLM)
+    ) -> Completion:
         req = self._make_request(token_list(prompt_ids), params, request_id)
         if images and not self.spec.vision:
             raise RequestError(f"{self.model_name} takes no images")
@@ -132,9 +125,8 @@ class HFEngine(InProcessWeightReceiver):
     async def pause(self) -> None:
         """Stop scheduling new tokens, keeping every request; returns once the current step has finished."""
         self._tell(Scheduler.pause)
-        await asyncio.to_thread(
-            self._wait_for, lambda: self.scheduler.state is not State.PAUSING
-        )  # or resumed
+        # paused, or resumed meanwhile
+        await asyncio.to_thread(self._wait_for, lambda: self.scheduler.state is not State.PAUSING)
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         """Copy (HF parameter name, tensor) pairs into the model; may be called several times (buckets)."""
@@ -171,7 +163,8 @@ class HFEngine(InProcessWeightReceiver):
     def _make_request(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> Request:
         # draws on the host (a GPU step would launch a kernel per row); Random(s) seeds from abs(s): the modulus
         # keeps s and -s apart
-        seed, loop = None if params.seed is None else params.seed % 2**64, asyncio.get_running_loop()
+        seed = None if params.seed is None else params.seed % 2**64
+        loop = asyncio.get_running_loop()
         return Request.admit(
             self,
             prompt,
@@ -261,7 +254,7 @@ class HFEngine(InProcessWeightReceiver):
         for job, start, end in self.scheduler.plan(runner.plan(step.admitted)):
             runner.prefill(job, start, end)
             if end == job.columns:
-                self._emit(job.requests, runner.prefilled(job, version), version)
+                self._emit(job.requests, runner.prefilled(job), version)
         if runner.graph_error:  # decoding eagerly from now on: arrivals no longer wait for company
             self.scheduler.hold_steps = 0
         runner.store(self.scheduler.running)  # the finished rows' keys/values, before they leave
@@ -277,7 +270,7 @@ class HFEngine(InProcessWeightReceiver):
             if req.matcher is not None:  # a finished grammar allows only EOS: the request then stops below
                 req.matcher.consume_token(token)
             req.logprobs.append(logprob)
-            req.versions.append(min(version, req.kv_version))  # older only over a stale prefix
+            req.versions.append(version)
             if req.on_tokens is not None:
                 req.loop.call_soon_threadsafe(req.on_tokens, [token])
             if req.params.top_logprobs:

@@ -19,10 +19,8 @@ import torch.nn.functional as F
 @dataclass(slots=True, eq=False)  # entries are told apart by identity
 class Prefix:
     tokens: list[int]  # the token ids the keys/values cover
-    layers: list[
-        tuple[torch.Tensor, torch.Tensor]
-    ]  # per layer (keys, values) [1, kv_heads, len(tokens), head_dim]
-    version: int  # policy version of the oldest keys/values
+    # per layer (keys, values) [1, kv_heads, len(tokens), head_dim]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
     nbytes: int
     routes: Any = None  # MoE: the experts each token was routed to [len(tokens), layers, k] (molt.engine.hf)
 
@@ -33,11 +31,10 @@ MAX_ENTRIES_PER_SESSION = 4
 
 
 class PrefixCache:
-    def __init__(self, budget_mb: float, stale: bool = False):
+    def __init__(self, budget_mb: float):
         if budget_mb < 0:
             raise ValueError(f"prefix_cache_mb must be >= 0 (0 turns the cache off), got {budget_mb}")
         self.budget = int(budget_mb * 2**20)
-        self.stale = stale
         # sessions in LRU order (oldest first); a session's entries least recently stored or used first
         self.entries: OrderedDict[str, list[Prefix]] = OrderedDict()
         self.nbytes = 0
@@ -65,7 +62,6 @@ class PrefixCache:
         session_id: str,
         tokens: list[int],
         layers: list[tuple[torch.Tensor, torch.Tensor]],
-        version: int,
         routes: list[torch.Tensor] | None = None,
     ) -> None:
         """Keep a finished request's keys/values; the session's entries it extends (its earlier turns) go."""
@@ -75,15 +71,13 @@ class PrefixCache:
             return
         entries = self.entries.pop(session_id, [])
         kept = [e for e in entries if common_prefix(e.tokens, tokens) < len(e.tokens)]
-        kept = kept[
-            max(0, len(kept) + 1 - MAX_ENTRIES_PER_SESSION) :
-        ]  # the most recent ones, with room for this
+        # the most recent ones, with room for this
+        kept = kept[max(0, len(kept) + 1 - MAX_ENTRIES_PER_SESSION) :]
         self.nbytes += nbytes - sum(e.nbytes for e in entries if e not in kept)
-        entry = Prefix(tokens, layers, version, nbytes, torch.cat(routes) if routes else None)
+        entry = Prefix(tokens, layers, nbytes, torch.cat(routes) if routes else None)
         self.entries[session_id] = kept + [entry]
-        while (
-            self.nbytes > self.budget
-        ):  # least recently used sessions first; never the new entry (it fits alone)
+        # least recently used sessions first; never the new entry (it fits alone)
+        while self.nbytes > self.budget:
             oldest = next(iter(self.entries))
             self._remove(oldest, self.entries[oldest][0])
 
@@ -95,10 +89,9 @@ class PrefixCache:
             del self.entries[session_id]
 
     def refit(self) -> None:
-        """New weights were loaded: forget every entry unless stale prefixes are allowed."""
-        if not self.stale:
-            self.entries.clear()
-            self.nbytes = 0
+        """New weights were loaded: keys/values computed with the old ones are wrong, every entry goes."""
+        self.entries.clear()
+        self.nbytes = 0
 
     def stats(self) -> dict[str, int]:
         return {
@@ -166,15 +159,13 @@ def prefill_inputs(
     if width:
         template = next(entry for entry, n in reused if n)  # rows without reuse: its tensors cut to 0 columns
         for layer in range(len(template.layers)):
-            keys, values = (
-                [
+            keys_values = []
+            for kv in (0, 1):
+                parts = [
                     left_pad((entry if n else template).layers[layer][kv][..., :n, :], width)
                     for entry, n in reused
                 ]
-                for kv in (0, 1)
-            )
-            cache.update(
-                *(x[0] if len(x) == 1 else torch.cat(x) for x in (keys, values)), layer
-            )  # (update copies)
+                keys_values.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+            cache.update(*keys_values, layer)  # (it copies them)
     positions = (mask.cumsum(1) - 1).clamp(min=0)[:, width:]
     return ids, mask, positions

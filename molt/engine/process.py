@@ -1,34 +1,34 @@
-"""An engine in a child process: `EngineProcess("molt.engine.hf:HFEngine", path, ...)` is an `Engine` whose
-model runs in a spawned process, so the decode loop and the capture server (HTTP, rendering, the agents'
-coroutines) no longer share one GIL. vLLM's `AsyncLLM` is built the same way (its EngineCore is a process);
-this gives the embedded engine that property.
+"""An engine in a child process: `EngineProcess("molt.engine.hf:HFEngine", path, ...)` is an `Engine` whose model
+runs in a spawned process, so the decode loop and the capture server (HTTP, rendering, the agents' coroutines) no
+longer share one GIL. vLLM's `AsyncLLM` is built the same way (its EngineCore is a process); this gives the embedded
+engine that property.
 
-Why. With the engine as a thread of the rollout worker, every request's HTTP parsing, chat rendering and
-JSON encoding competes with the decode loop's Python for the GIL; on the 2-core development machine this made
-requests through the capture server much slower than direct engine calls at 32 concurrent sessions
-(docs/benchmarks.md). In a process of its own the engine keeps a core while the server works on the other.
+Why. With the engine as a thread of the rollout worker, every request's HTTP parsing, chat rendering and JSON
+encoding competes with the decode loop's Python for the GIL; on the 2-core development machine this made requests
+through the capture server much slower than direct engine calls at 32 concurrent sessions (docs/benchmarks.md). In a
+process of its own the engine keeps a core while the server works on the other.
 
 Wire. One `multiprocessing` pipe (spawn context). The parent sends ("generate", id, prompt, params, session),
-("abort", id) and ("call", id, method, args); the child answers ("ok", id, result) or ("error", id, exception)
-from its own event loop, where the real engine runs exactly as in-process. A reader thread in the parent
-resolves the waiting futures. The prompt goes as the caller gave it: capture's int32 array pickles as its bytes
-(a list of 31K ids took 0.34 ms to pickle and 0.5 ms to unpickle into as many objects; the array 0.006 ms each
-way), and the child's engine makes its own list (`token_list`, 0.17 ms). Tensors sent with `update_weights` travel through shared memory (torch registers
-its tensor reductions with multiprocessing's pickler), so a refit costs no pickle of the bytes. A CPU engine
-goes further: its child moves the model's tensors into shared memory at start-up and hands them to the parent
-(`shared_weights`), which copies a refit's tensors straight into them while the child is paused (one copy;
-through the pipe each bucket was copied into a new shared segment, then again into the model: 0.65 s of
-SmolLM2-135M's 1.2 s refit on the 2-core machine).
-The collective refit (`join_weight_group` / `receive_weights`) is forwarded: the child joins the group. Its
-methods are `HFEngine`'s, each named (no `__getattr__` forwarding): one client interface, in process or not.
-Streaming: a request with `on_tokens` gets ("tokens", id, ids) messages before its answer.
+("abort", id) and ("call", id, method, args); the child answers ("ok", id, result) or ("error", id, exception) from
+its own event loop, where the real engine runs exactly as in-process. A reader thread in the parent resolves the
+waiting futures. The prompt goes as the caller gave it: capture's int32 array pickles as its bytes (a list of 31K
+ids took 0.34 ms to pickle and 0.5 ms to unpickle into as many objects; the array 0.006 ms each way), and the
+child's engine makes its own list (`token_list`, 0.17 ms). Tensors sent with `update_weights` travel through shared
+memory (torch registers its tensor reductions with multiprocessing's pickler), so a refit costs no pickle of the
+bytes. A CPU engine goes further: its child moves the model's tensors into shared memory at start-up and hands them
+to the parent (`shared_weights`), which copies a refit's tensors straight into them while the child is paused (one
+copy; through the pipe each bucket was copied into a new shared segment, then again into the model: 0.65 s of
+SmolLM2-135M's 1.2 s refit on the 2-core machine). The collective refit (`join_weight_group` / `receive_weights`) is
+forwarded: the child joins the group. Its methods are `HFEngine`'s, each named (no `__getattr__` forwarding): one
+client interface, in process or not. Streaming: a request with `on_tokens` gets ("tokens", id, ids) messages before
+its answer.
 
-Decisions: `torch_threads` sets the child's intra-op threads (a spawned process does not inherit the
-parent's setting). The child is a daemon (it dies with its parent); if it exits, every waiting request and every later call fails
-with `EngineGone` naming the exit code, and `exitcode` is that code before any of them fails (the rollout worker
-then starts a new engine: `molt.runtime.worker`). `close()` closes the engine in the child, then the child itself, which
-leaves with `os._exit` (the interpreter's teardown of torch took 1.7 s of every close). A rollout worker starts
-the child first (`wait=False`) and waits for it (`started()`) after its own imports.
+Decisions: `torch_threads` sets the child's intra-op threads (a spawned process does not inherit the parent's
+setting). The child is a daemon (it dies with its parent); if it exits, every waiting request and every later call
+fails with `EngineGone` naming the exit code, and `exitcode` is that code before any of them fails (the rollout
+worker then starts a new engine: `molt.runtime.worker`). `close()` closes the engine in the child, then the child
+itself, which leaves with `os._exit` (the interpreter's teardown of torch took 1.7 s of every close). A rollout
+worker starts the child first (`wait=False`) and waits for it (`started()`) after its own imports.
 """
 
 from __future__ import annotations
@@ -274,9 +274,8 @@ def _child_main(conn: Any, factory: str, args: tuple, kwargs: dict, torch_thread
     import torch
     import torch.multiprocessing
 
-    signal.signal(
-        signal.SIGINT, signal.SIG_IGN
-    )  # a terminal's Ctrl-C reaches the whole group: the parent decides
+    # a terminal's Ctrl-C reaches the whole group: the parent decides
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     if torch_threads:
         torch.set_num_threads(torch_threads)
@@ -299,21 +298,16 @@ async def _serve(conn: Any, factory: str, args: tuple, kwargs: dict) -> None:
     except Exception as e:  # noqa: BLE001 - the parent re-raises it
         conn.send(("error", None, e if _picklable(e) else EngineError(repr(e))))
         return
-    conn.send(
-        (
-            "ok",
-            None,
-            {
-                "model_name": engine.model_name,
-                "max_model_len": engine.max_model_len,
-                "eos_token_ids": list(engine.eos_token_ids),
-                "vocab_size": getattr(engine, "vocab_size", 0),
-                "weight_group_size": getattr(engine, "weight_group_size", 1),
-                "version": engine.version,
-                "shared": engine.shared_weights() if hasattr(engine, "shared_weights") else None,
-            },
-        )
-    )
+    info = {
+        "model_name": engine.model_name,
+        "max_model_len": engine.max_model_len,
+        "eos_token_ids": list(engine.eos_token_ids),
+        "vocab_size": getattr(engine, "vocab_size", 0),
+        "weight_group_size": getattr(engine, "weight_group_size", 1),
+        "version": engine.version,
+        "shared": engine.shared_weights() if hasattr(engine, "shared_weights") else None,
+    }
+    conn.send(("ok", None, info))
     loop = asyncio.get_running_loop()
     requests: dict[str, asyncio.Task] = {}
 
@@ -336,17 +330,12 @@ async def _serve(conn: Any, factory: str, args: tuple, kwargs: dict) -> None:
         if kind == "generate":
             request_id, prompt, params, session_id, stream, images = payload
             on_tokens = (lambda ids, key=key: conn.send(("tokens", key, ids))) if stream else None
-            extra = dict(
-                zip(("images", "sources"), images or ())
-            )  # engines without images take no such argument
-            task = loop.create_task(
-                run(
-                    key,
-                    engine.generate(
-                        prompt, params, session_id, request_id=request_id, on_tokens=on_tokens, **extra
-                    ),
-                )
+            # engines without images take no such argument
+            extra = dict(zip(("images", "sources"), images or ()))
+            coro = engine.generate(
+                prompt, params, session_id, request_id=request_id, on_tokens=on_tokens, **extra
             )
+            task = loop.create_task(run(key, coro))
             requests[request_id] = task
             task.add_done_callback(lambda _, rid=request_id: requests.pop(rid, None))
         elif kind == "abort":

@@ -78,13 +78,11 @@ class Request(RequestRecord):
     future: asyncio.Future
     images: Any = None  # processor inputs of the prompt's images (vision-language models)
     session_id: str | None = None  # key of the prefix cache
-    kv_version: int = 0  # policy version of the oldest keys/values in this request's cache (stale prefixes)
     rope_offset: int = 0  # M-RoPE: next position = tokens so far + rope_offset (`rope_positions`)
     routes: list[Any] = field(default_factory=list)  # MoE: [n, layers, k] tensors of positions 0..routed
     routed: int = 0
-    matcher: Any = (
-        None  # a constrained request's llguidance matcher, at its tokens so far (`HFEngine._matcher`)
-    )
+    # a constrained request's llguidance matcher, at its tokens so far (`HFEngine._matcher`)
+    matcher: Any = None
 
     def route(self, start: int, rows: Any) -> None:
         """Routes of context positions start...; a position keeps the first one it got (see module doc)."""

@@ -15,7 +15,14 @@ import torch
 from molt.engine.prefix_cache import PrefixCache, copies_of, prefill_groups, prefill_inputs
 from molt.engine.request import Request
 from molt.engine.scheduler import Prefill
-from molt.engine.slots import GraphDecoder, Slots, adapt_model, engine_device, prefill_bias
+from molt.engine.slots import (
+    GraphDecoder,
+    Slots,
+    engine_device,
+    fp32_logits,
+    prefill_bias,
+    use_grouped_attention,
+)
 from molt.types import FinishReason, ModelSpec, join_inputs, rope_positions
 
 
@@ -32,7 +39,6 @@ class ModelRunner:
         dtype: str = "float32",
         device: str = "cpu",
         prefix_cache_mb: float = 1024,
-        prefix_cache_stale: bool = False,
         cuda_graphs: bool = True,
         lora: dict[str, Any] | None = None,
     ):
@@ -49,29 +55,26 @@ class ModelRunner:
 
             inject_adapter_in_model(LoraConfig(**lora), self.model)
         self.model.eval()
-        adapt_model(self.model, text=not spec.vision)  # its decode attention and output head
+        if not spec.vision:
+            use_grouped_attention(self.model)
+        fp32_logits(self.model)
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
         self._new_cache = lambda: tf.DynamicCache(config=self.model.config.get_text_config())
         layer_types = {type(layer).__name__ for layer in self._new_cache().layers}
         if layer_types != {"DynamicLayer"}:  # sliding-window layers cannot be left-padded and merged
             raise ValueError(f"HFEngine supports full-attention caches only, got {sorted(layer_types)}")
-        self._routes: list[
-            torch.Tensor
-        ] = []  # MoE: each router's top-k experts in this forward, in layer order
+        # MoE: each router's top-k experts in this forward, in layer order
+        self._routes: list[torch.Tensor] = []
         routers = [m for m in self.model.modules() if type(m).__name__.endswith("TopKRouter")]
         for router in routers:
             router.register_forward_hook(lambda _m, _a, out: self._routes.append(out[2]))
         self._route_dtype = torch.uint8 if all(r.weight.shape[0] <= 256 for r in routers) else torch.int16
-        # CUDA graphs for the decode step (molt.engine.slots), not where a step needs Python (route hooks, images)
-        self.graphs: GraphDecoder | bool = (
-            cuda_graphs
-            and self.device.type == "cuda"
-            and not routers
-            and not spec.vision
-            and not spec.dynamic_rope
-        )  # the decoder itself once the slots exist
+        # CUDA graphs for the decode step (molt.engine.slots), not where a step needs Python (route hooks, images);
+        # the decoder itself once the slots exist
+        python_steps = routers or spec.vision or spec.dynamic_rope
+        self.graphs: GraphDecoder | bool = cuda_graphs and self.device.type == "cuda" and not python_steps
         self.graph_error: str | None = None  # why graphs were given up, if they were (`_graph_decode`)
-        self.prefixes = PrefixCache(prefix_cache_mb, prefix_cache_stale)
+        self.prefixes = PrefixCache(prefix_cache_mb)
         self.slots: Slots | None = None  # row i holds the scheduler's running[i] (made at the first prefill)
 
     def decode(self, rows: list[Request]) -> torch.Tensor:
@@ -104,15 +107,9 @@ class ModelRunner:
         jobs = []
         for group in prefill_groups(list(copies), work, self.max_prefill_tokens):
             cache = self._new_cache()
-            ids, mask, positions = (
-                t.to(self.device)
-                for t in prefill_inputs(
-                    [r.prompt + r.tokens for r in group],
-                    [reused[r] for r in group],
-                    self.spec.pad_token_id,
-                    cache,
-                )
-            )
+            contexts = [r.prompt + r.tokens for r in group]
+            inputs = prefill_inputs(contexts, [reused[r] for r in group], self.spec.pad_token_id, cache)
+            ids, mask, positions = (t.to(self.device) for t in inputs)
             images = join_inputs(*(r.images for r in group))
             positions, offsets = rope_positions(self.model, ids, mask, positions, images)
             for r, offset in zip(group, offsets):
@@ -134,11 +131,8 @@ class ModelRunner:
                 logits=None,
                 routes=[],
             )
-            jobs.append(
-                Prefill(
-                    [c for r in group for c in copies[r]], len(group), ids.shape[1], bool(images), 0, state
-                )
-            )
+            requests = [c for r in group for c in copies[r]]
+            jobs.append(Prefill(requests, len(group), ids.shape[1], bool(images), 0, state))
         return jobs
 
     def prefill(self, job: Prefill, start: int, end: int) -> None:
@@ -146,15 +140,14 @@ class ModelRunner:
         chunk x context at most, never one over the whole prompt (docs/internals.md)."""
         s = job.state
         past = s.mask.shape[1] - s.ids.shape[1]
-        attend = prefill_bias(
-            s.mask[:, : past + end], end - start, None if self.spec.vision else self.model.dtype
-        )
+        dtype = None if self.spec.vision else self.model.dtype
+        attend = prefill_bias(s.mask[:, : past + end], end - start, dtype)
         s.logits, routes = self._forward(
             s.ids[:, start:end], attend, s.positions[..., start:end], s.cache, **s.images
         )
         s.routes.append(routes)
 
-    def prefilled(self, job: Prefill, version: int) -> torch.Tensor:
+    def prefilled(self, job: Prefill) -> torch.Tensor:
         """A finished prefill's first-token logits, a row per request (a copy takes its leader's); its rows join
         the running batch."""
         s = job.state
@@ -168,11 +161,9 @@ class ModelRunner:
                 layer.keys, layer.values = layer.keys[index], layer.values[index]
         for i, r in enumerate(job.requests):
             entry, n = s.reused[r]
-            r.kv_version = min(entry.version, version) if n else version
             r.route(0, entry.routes[:n] if n and entry.routes is not None else None)
-            r.route(
-                n, None if routes is None else routes[i, s.ids.shape[1] - len(r.prompt) - len(r.tokens) + n :]
-            )
+            first = s.ids.shape[1] - len(r.prompt) - len(r.tokens) + n  # the row's first column not reused
+            r.route(n, None if routes is None else routes[i, first:])
         if self.slots is None:
             keys = cache.layers[0].keys
             self.slots = Slots(
@@ -207,9 +198,7 @@ class ModelRunner:
                 and r.session_id is not None
                 and not r.images
             ):
-                self.prefixes.store(
-                    r.session_id, (r.prompt + r.tokens)[:-1], self.slots.row(i), r.kv_version, r.routes
-                )
+                self.prefixes.store(r.session_id, (r.prompt + r.tokens)[:-1], self.slots.row(i), r.routes)
 
     def _graph_decode(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The decode step's logits from a CUDA graph; None without graphs, or (and eager decode from then on)

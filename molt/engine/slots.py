@@ -85,9 +85,7 @@ class Slots:
         between prefix and suffix, so that every row is contiguous and the width stays within the context."""
         g = mask.shape[0]
         m = int(mask.sum(1).max())
-        if bool(
-            (mask[:, 1:] >= mask[:, :-1]).all()
-        ):  # contiguous already (a turn over its cached prefix): a view
+        if bool((mask[:, 1:] >= mask[:, :-1]).all()):  # contiguous already (a turn over its prefix): a view
             mask, layers = mask[:, -m:], [(k[:, :, -m:], v[:, :, -m:]) for k, v in layers]
         else:
             order = mask.argsort(dim=1, stable=True)[:, -m:]  # padding first, then the tokens in their order
@@ -179,9 +177,8 @@ def prefill_bias(mask: torch.Tensor, queries: int, dtype: torch.dtype | None) ->
         return mask
     low = torch.finfo(dtype).min
     bias = torch.zeros(rows, 1, queries, width, dtype=dtype, device=mask.device)
-    bias[..., width - queries :] = torch.full((queries, queries), low, dtype=dtype, device=mask.device).triu_(
-        1
-    )
+    causal = torch.full((queries, queries), low, dtype=dtype, device=mask.device).triu_(1)
+    bias[..., width - queries :] = causal
     if not bool(mask.all()):
         bias.masked_fill_(mask[:, None, None, :] == 0, low)
     return bias
@@ -230,9 +227,8 @@ def grouped_attention(
         or kwargs.get("position_bias") is not None
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if (
-        n != 1
-    ):  # a prefill on a CPU, whose flash kernel takes grouped heads with a mask (CUDA's falls back to math)
+    # a prefill on a CPU, whose flash kernel takes grouped heads with a mask (CUDA's falls back to math)
+    if n != 1:
         out = F.scaled_dot_product_attention(
             query, key, value, attention_mask, scale=kwargs.get("scaling"), enable_gqa=True
         )
@@ -244,9 +240,8 @@ def grouped_attention(
         attn_mask=attention_mask,
         scale=kwargs.get("scaling"),
     )
-    return out.reshape(
-        rows, 1, heads, -1
-    ), None  # head h reads key/value head h // groups, as repeat_kv has it
+    # head h reads key/value head h // groups, as repeat_kv has it
+    return out.reshape(rows, 1, heads, -1), None
 
 
 def use_grouped_attention(model: Any) -> bool:
@@ -279,13 +274,6 @@ def fp32_logits(model: Any) -> None:
         return (out if head.bias is None else out + head.bias.float()).view(*x.shape[:-1], -1)
 
     head.forward = forward
-
-
-def adapt_model(model: Any, text: bool) -> None:
-    """The engine's changes to its model: decode attention without copies (text models) and fp32 logits."""
-    if text:
-        use_grouped_attention(model)
-    fp32_logits(model)
 
 
 def engine_device(device: str) -> torch.device:

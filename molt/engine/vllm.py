@@ -1,4 +1,4 @@
-"""The production engine: vLLM's V1 `AsyncLLM` behind the `Engine` protocol (targets vLLM >= 0.10.2, public API only).
+"""The production engine: vLLM's V1 `AsyncLLM` behind the `Engine` protocol (vLLM >= 0.18, public API only).
 
 Design notes and decisions: docs/internals.md, section `molt/engine/vllm.py`.
 """
@@ -6,12 +6,11 @@ Design notes and decisions: docs/internals.md, section `molt/engine/vllm.py`.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import math
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +20,10 @@ from molt.engine.request import RequestRecord
 from molt.types import Completion, FinishReason, ModelSpec, SamplingParams
 
 log = logging.getLogger(__name__)
-MIN_VLLM = (0, 10, 2)  # "processed_logprobs" means after top-k/top-p from here on (vllm-project/vllm#22387)
-CPU_KV_CACHE_GIB = (
-    2  # vLLM's CPU build: KV cache size unless VLLM_CPU_KVCACHE_SPACE or kv_cache_memory_bytes say
-)
+# pause_generation(mode="keep") (vllm-project/vllm#32351) and layerwise reload (model_loader.reload)
+MIN_VLLM = (0, 18)
+# vLLM's CPU build: KV cache size unless VLLM_CPU_KVCACHE_SPACE or kv_cache_memory_bytes say
+CPU_KV_CACHE_GIB = 2
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 # engine args vLLM's CPU build (0.32, vllm/platforms/cpu.py) overrides without an error: (what it uses, the values
 # it replaces, None: all others, why). None changes what is sampled: a start-up warning says so (docs/internals.md)
@@ -39,24 +38,22 @@ CPU_OVERRIDES = {
 
 
 def sampling_kwargs(
-    params: SamplingParams, max_new: int, stops: list[int], generated: int = 0, banned: list[int] = ()
+    params: SamplingParams, max_new: int, stops: list[int], banned: list[int] = ()
 ) -> dict[str, Any]:
-    """Keyword arguments of `vllm.SamplingParams` for a request (or its continuation after `generated` tokens);
-    `banned`: token ids never sampled (a VLM's vision tokens), a -inf logit bias, which vLLM applies before
-    temperature, top-k/top-p and the processed log-probs (docs/vision.md); `structured_outputs`: the arguments of
-    vLLM's `StructuredOutputsParams` (the engine's backend: guidance, which takes llguidance's Lark as it is)."""
-    assert 0 <= generated < max_new, "a finished request is never continued"
-    if generated and params.grammar is not None:  # vLLM's grammar would restart after the tokens so far
-        raise EngineError("a constrained request cannot be continued after a refit without vLLM's keep mode")
-    seed = params.seed if params.seed is None or not generated else (params.seed + generated) % (1 << 63)
+    """Keyword arguments of `vllm.SamplingParams` for a request; `banned`: token ids never sampled (a VLM's vision
+    tokens), a -inf logit bias, which vLLM applies before temperature, top-k/top-p and the processed log-probs
+    (docs/vision.md); `structured_outputs`: the arguments of vLLM's `StructuredOutputsParams` (the engine's
+    backend: guidance, which takes llguidance's Lark as it is)."""
     return {
         "temperature": params.temperature,
         "top_p": params.top_p,
-        "top_k": params.top_k if params.top_k > 0 else -1,  # -1 disables in every vLLM version
-        "max_tokens": max_new - generated,  # vLLM rejects min_tokens > max_tokens; ours caps silently
-        "min_tokens": min(max(params.min_tokens - generated, 0), max_new - generated),
+        "top_k": params.top_k if params.top_k > 0 else -1,  # -1 disables
+        "max_tokens": max_new,
+        "min_tokens": min(
+            params.min_tokens, max_new
+        ),  # vLLM rejects min_tokens > max_tokens; ours caps silently
         "stop_token_ids": list(stops),
-        "seed": seed,
+        "seed": params.seed,
         "logprobs": params.top_logprobs,
         "detokenize": False,
         **({"logit_bias": dict.fromkeys(banned, float("-inf"))} if banned else {}),
@@ -76,11 +73,10 @@ def mm_prompt(
         return {"prompt_token_ids": prompt}
     grid = images.get("image_grid_thw")
     n = len(grid if grid is not None else images["pixel_values"])  # images in the processor inputs
-    counts = (
-        [int(g) // merge**2 for g in grid.prod(-1)]
-        if grid is not None
-        else [prompt.count(placeholder) // n] * n
-    )
+    if grid is not None:
+        counts = [int(g) // merge**2 for g in grid.prod(-1)]
+    else:
+        counts = [prompt.count(placeholder) // n] * n
     error = RequestError(
         f"the prompt's image tokens do not match its {n} images (or their {len(sources or ())} sources)"
     )
@@ -111,9 +107,8 @@ def read_output(out: Any, n_top: int) -> tuple[list[int], list[float], list[list
         "vLLM returned no per-token logprobs"
     )
     logprobs = [float(d[t].logprob) for d, t in zip(out.logprobs, tokens)]
-    if any(
-        math.isnan(lp) for lp in logprobs
-    ):  # never into training (vLLM 0.32's CPU build with speculation did)
+    # never into training (vLLM 0.32's CPU build with speculation did)
+    if any(math.isnan(lp) for lp in logprobs):
         raise EngineError("vLLM returned a NaN log-prob for a sampled token")
     tops: list[list[tuple[int, float]]] = []
     if n_top:
@@ -125,24 +120,12 @@ def read_output(out: Any, n_top: int) -> tuple[list[int], list[float], list[list
     return tokens, logprobs, tops
 
 
-def _keeps_requests(llm: Any) -> bool:
-    """Whether this AsyncLLM pauses with requests kept and can drop their cache blocks (see module doc)."""
-    pause = getattr(llm, "pause_generation", None)
-    return (
-        pause is not None
-        and "mode" in inspect.signature(pause).parameters
-        and "reset_running_requests" in inspect.signature(llm.reset_prefix_cache).parameters
-    )
-
-
 # ------------------------------------------------------------------------------ the engine
 
 
 @dataclass(eq=False, kw_only=True)
 class _Request(RequestRecord):
-    segments: int = 0  # vLLM requests submitted so far (one per refit crossed, plus one)
-    task: asyncio.Task | None = None  # streams the current vLLM request
-    mm: dict = field(default_factory=dict)  # `mm_prompt` of the prompt
+    task: asyncio.Task | None = None  # streams the vLLM request
     routes: Any = None  # MoE, with enable_return_routed_experts: vLLM's latest [positions, layers, k] routes
 
     def receive(self, out: Any, version: int) -> list[int]:
@@ -232,17 +215,13 @@ class VLLMEngine:
                     "(molt.engine.weight_group) has one rank per tensor-parallel worker only"
                 )
         vllm, AsyncLLM = _import_vllm()
-        if engine_args.get("quantization") and vllm_worker.layerwise_reload() is None:
-            raise ValueError(
-                "a quantized VLLMEngine needs a vLLM with layerwise reload (vllm.model_executor."
-                "model_loader.reload, e.g. v0.18): without it refits skip vLLM's post-load processing"
-            )
         self._vllm = vllm
         self.model_name = model_name or Path(model_path).name
         engine_args.setdefault("disable_log_stats", True)
+        # SamplingParams.grammar is llguidance's Lark
         engine_args.setdefault(
             "structured_outputs_config", vllm.config.StructuredOutputsConfig(backend="guidance")
-        )  # SamplingParams.grammar is llguidance's Lark
+        )
         self.spec = spec = ModelSpec.from_pretrained(model_path)  # EOS ids the way molt.engine.hf reads them
         if engine_args.get("speculative_config") and spec.banned:  # vLLM rejects every such request otherwise
             raise ValueError(
@@ -274,16 +253,9 @@ class VLLMEngine:
         self.eos_token_ids = list(spec.eos_token_ids)
         self._version = self._serving = version  # of the loaded weights; given to the tokens arriving now
         self._active: dict[str, _Request] = {}
-        self._paused = self._closed = self._refitted = (
-            False  # refitted: weights loaded since the last resume()
-        )
+        self._paused = self._closed = False
+        self._refitted = False  # weights loaded since the last resume()
         self._cond = asyncio.Condition()  # requests wait on it while paused
-        self._keep = _keeps_requests(self._llm)
-        log.info(
-            "VLLMEngine: a refit %s; weights load %s",
-            "keeps requests in vLLM (keep mode)" if self._keep else "resubmits requests (no keep mode)",
-            "in vLLM's layerwise reload" if vllm_worker.layerwise_reload() else "with load_weights alone",
-        )
 
     @property
     def version(self) -> int:
@@ -305,25 +277,19 @@ class VLLMEngine:
         sources: Any = None,
     ) -> Completion:
         req = self._admit(token_list(prompt_ids), params, request_id)
-        spec = self.spec
-        req.on_tokens, req.mm = (
-            on_tokens,
-            mm_prompt(req.prompt, images, sources, spec.image_token_id, spec.merge_size),
-        )
+        req.on_tokens = on_tokens
+        prompt = mm_prompt(req.prompt, images, sources, self.spec.image_token_id, self.spec.merge_size)
         self._active[req.id] = req
         try:
-            while req.finish is None:
-                async with self._cond:  # held here while paused; abort() and close() wake us
-                    await self._cond.wait_for(lambda: req.aborted or not self._paused)
-                if req.aborted:
-                    req.finish = FinishReason.ABORT
-                    break
-                # no await between the check above and the task's creation: pause() sees every task
-                task = req.task = asyncio.create_task(self._stream(req))
-                await asyncio.wait([task])  # returns whether it finished or pause()/abort() cancelled it
-                req.task = None
+            async with self._cond:  # held here while paused; abort() and close() wake us
+                await self._cond.wait_for(lambda: req.aborted or not self._paused)
+            if not req.aborted:
+                # no await between the check above and the task's creation: abort() and close() see every task
+                task = req.task = asyncio.create_task(self._stream(req, prompt))
+                await asyncio.wait([task])  # returns whether it finished or abort() cancelled it
                 if not task.cancelled() and task.exception() is not None:
                     raise task.exception()
+            req.finish = req.finish or FinishReason.ABORT
             return req.completion()
         except asyncio.CancelledError:  # the caller gave up: cancelling the stream makes vLLM abort
             if req.task is not None:
@@ -333,20 +299,15 @@ class VLLMEngine:
         finally:
             self._active.pop(req.id, None)
 
-    async def _stream(self, req: _Request) -> None:
-        """Run one vLLM request (the prompt plus everything generated so far) and keep each output on arrival."""
-        req.segments += 1
+    async def _stream(self, req: _Request, prompt: dict[str, Any]) -> None:
+        """Run the vLLM request of `prompt` (a TokensPrompt) and keep each output on arrival."""
+        vllm_params = self._vllm.sampling_params
         try:
-            kw = sampling_kwargs(req.params, req.max_new, req.stops, len(req.tokens), self.spec.banned)
+            kw = sampling_kwargs(req.params, req.max_new, req.stops, self.spec.banned)
             if "structured_outputs" in kw:
-                kw["structured_outputs"] = self._vllm.sampling_params.StructuredOutputsParams(
-                    **kw["structured_outputs"]
-                )
-            params = self._vllm.SamplingParams(
-                **kw, output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA
-            )
-            prompt = {**req.mm, "prompt_token_ids": req.mm["prompt_token_ids"] + req.tokens}  # a TokensPrompt
-            async for output in self._llm.generate(prompt, params, request_id=f"{req.id}-{req.segments}"):
+                kw["structured_outputs"] = vllm_params.StructuredOutputsParams(**kw["structured_outputs"])
+            params = self._vllm.SamplingParams(**kw, output_kind=vllm_params.RequestOutputKind.DELTA)
+            async for output in self._llm.generate(prompt, params, request_id=req.id):
                 tokens = req.receive(output.outputs[0], self._serving)
                 if req.on_tokens is not None and tokens:
                     req.on_tokens(tokens)
@@ -355,9 +316,8 @@ class VLLMEngine:
         except ValueError as e:  # vLLM's request validation
             raise RequestError(f"vLLM rejected the request: {e}") from e
         except Exception as e:  # vLLM failed: not the request's fault
-            if getattr(
-                self._llm, "errored", False
-            ):  # its engine core died (EngineDeadError): as molt.engine.process
+            # its engine core died (EngineDeadError): as molt.engine.process
+            if getattr(self._llm, "errored", False):
                 raise EngineGone(f"the vLLM engine is gone: {e!r}") from e
             raise EngineError(f"vLLM failed the request: {e!r}") from e
         assert req.finish is not None, "vLLM's stream ended before the request finished"
@@ -375,13 +335,8 @@ class VLLMEngine:
     async def pause(self) -> None:
         """Stop generating; returns once vLLM generates nothing. Molt requests are kept (see module doc)."""
         self._paused = True
-        if self._keep:  # vLLM freezes its requests and has sent their outputs so far when this returns
-            await self._llm.pause_generation(mode="keep", clear_cache=True)
-            return
-        tasks = [r.task for r in self._active.values() if r.task is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # vLLM freezes its requests and has sent their outputs so far when this returns
+        await self._llm.pause_generation(mode="keep", clear_cache=True)
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         """Load (HF parameter name, tensor) pairs into every worker; may be called several times (buckets)."""
@@ -412,9 +367,8 @@ class VLLMEngine:
         """End a refit (vLLM's post-load processing, then the prefix cache dropped) and continue the requests."""
         if self._refitted:
             await self._llm.collective_rpc("molt_finish_weights")
-            # cached blocks hold old-weight keys and values; in keep mode the kept requests' blocks too
-            reset = self._llm.reset_prefix_cache(**({"reset_running_requests": True} if self._keep else {}))
-            if await reset is False:  # None on versions that do not report
+            # cached blocks hold old-weight keys and values, the kept requests' blocks too
+            if not await self._llm.reset_prefix_cache(reset_running_requests=True):
                 raise RuntimeError(
                     "vLLM could not reset its prefix cache after a weight update: cached entries "
                     "computed by the old weights would serve new requests"
@@ -422,7 +376,7 @@ class VLLMEngine:
             self._refitted = False
         async with self._cond:
             self._serving = self._version  # before vLLM continues: later tokens come from the new weights
-            if self._keep and self._paused:
+            if self._paused:
                 await self._llm.resume_generation()
             self._paused = False
             self._cond.notify_all()
@@ -434,9 +388,8 @@ class VLLMEngine:
         self._closed = True
         for req in list(self._active.values()):
             await self.abort(req.id)
-        await asyncio.gather(
-            *[r.task for r in self._active.values() if r.task is not None], return_exceptions=True
-        )
+        tasks = [r.task for r in self._active.values() if r.task is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._llm.shutdown()
 
     def _admit(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> _Request:

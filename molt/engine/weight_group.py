@@ -53,9 +53,8 @@ class WeightGroup:
             raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
             flat[offset : offset + raw.numel()].copy_(raw)
         self._pg.broadcast(flat, 0).wait()
-        if (
-            self.device.type == "cuda"
-        ):  # NCCL's wait() only orders streams: keep one bucket's buffer alive at a time
+        # NCCL's wait() only orders streams: keep one bucket's buffer alive at a time
+        if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
     def receive(self, plan: BucketPlan) -> list[tuple[str, torch.Tensor]]:

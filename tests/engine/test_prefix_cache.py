@@ -75,30 +75,23 @@ async def test_rewritten_history_reuses_the_common_prefix(engine):
         assert_same(cached, await engine.generate(prompt, turn(1)))
 
 
-async def test_refit_drops_the_cache_unless_stale_prefixes_are_allowed(tiny_llama_dir, tmp_path):
+async def test_refit_drops_the_cache(tiny_llama_dir, tmp_path):
     from molt.testing.models import build_tiny_llama
 
     new_weights = HFEngine(str(build_tiny_llama(tmp_path / "v1", seed=1)), prefix_cache_mb=0)
-    named = list(new_weights.model.state_dict().items())
-    for stale in (False, True):
-        engine = HFEngine(str(tiny_llama_dir), prefix_cache_stale=stale)
-        first = await engine.generate(HISTORIES[2], turn(0), "s")
-        await engine.pause()
-        await engine.update_weights(named, version=1)
-        await engine.resume()
-        second = HISTORIES[2] + first.token_ids + USER
-        before = await reused(engine)
-        cached = await engine.generate(second, turn(1), "s")
-        cold = await new_weights.generate(second, turn(1))
-        if stale:  # old keys/values under the new weights: the versions say so
-            assert await reused(engine) - before == len(second) - len(USER) - 1
-            assert cached.versions == [0] * 10 and cold.versions == [0] * 10
-            assert torch.tensor(cached.logprobs).sub(torch.tensor(cold.logprobs)).abs().max() > 1e-3
-        else:
-            assert await reused(engine) == before and cached.versions == [1] * 10
-            assert cached.token_ids == cold.token_ids
-            assert torch.tensor(cached.logprobs).sub(torch.tensor(cold.logprobs)).abs().max() <= 1e-5
-        await engine.close()
+    engine = HFEngine(str(tiny_llama_dir))
+    first = await engine.generate(HISTORIES[2], turn(0), "s")
+    await engine.pause()
+    await engine.update_weights(list(new_weights.model.state_dict().items()), version=1)
+    await engine.resume()
+    second = HISTORIES[2] + first.token_ids + USER
+    before = await reused(engine)
+    cached = await engine.generate(second, turn(1), "s")
+    cold = await new_weights.generate(second, turn(1))
+    assert await reused(engine) == before and cached.versions == [1] * 10
+    assert cached.token_ids == cold.token_ids
+    assert torch.tensor(cached.logprobs).sub(torch.tensor(cold.logprobs)).abs().max() <= 1e-5
+    await engine.close()
     await new_weights.close()
 
 
@@ -142,7 +135,7 @@ async def test_aborted_requests_store_nothing_and_the_cache_can_be_off(tiny_llam
 def test_lookup_takes_the_longest_common_prefix_but_never_the_last_token():
     cache = PrefixCache(1)
     kv = [(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4))]
-    cache.store("s", [1, 2, 3, 4, 5], kv, version=0)
+    cache.store("s", [1, 2, 3, 4, 5], kv)
     assert cache.lookup("s", [1, 2, 9])[1] == 2
     assert cache.lookup("s", [1, 2, 3, 4, 5])[1] == 4
     assert cache.lookup("s", [1, 2, 3, 4, 5, 6, 7])[1] == 5
@@ -174,17 +167,16 @@ async def test_a_side_request_does_not_evict_the_conversation(engine):
 def test_entries_per_session_are_bounded_and_a_longer_turn_replaces_its_prefix():
     kv = lambda n: [(torch.zeros(1, 2, n, 4), torch.zeros(1, 2, n, 4))]  # 64 bytes a token
     cache = PrefixCache(1000 * 64 / 2**20)  # room for 1,000 tokens
-    cache.store("s", [1, 2, 3], kv(3), version=0)
-    cache.store("s", [1, 2, 3, 4, 5], kv(5), version=0)  # the next turn: the shorter entry goes
+    cache.store("s", [1, 2, 3], kv(3))
+    cache.store("s", [1, 2, 3, 4, 5], kv(5))  # the next turn: the shorter entry goes
     assert cache.stats()["entries"] == 1 and cache.lookup("s", [1, 2, 3, 4, 5, 6])[1] == 5
     for first in range(10, 10 + MAX_ENTRIES_PER_SESSION):  # side requests: each its own entry, up to the cap
-        cache.store("s", [first, 2, 3], kv(3), version=0)
+        cache.store("s", [first, 2, 3], kv(3))
     assert cache.stats()["entries"] == MAX_ENTRIES_PER_SESSION
     assert cache.lookup("s", [1, 2, 3, 4, 5, 6])[1] == 0  # the oldest went first
     assert cache.lookup("s", [13, 2, 3, 7])[1] == 3
-    cache.store(
-        "t", list(range(990)), kv(990), version=0
-    )  # the byte budget: the least recent session's oldest
+    # the byte budget: the least recent session's oldest
+    cache.store("t", list(range(990)), kv(990))
     assert cache.nbytes <= 1000 * 64 and cache.stats()["entries"] == MAX_ENTRIES_PER_SESSION
     assert cache.lookup("s", [13, 2, 3, 7])[1] == 3 and cache.lookup("s", [10, 2, 3, 7])[1] == 0
     assert common_prefix(list(range(2000)), list(range(1500)) + [0]) == 1500 and common_prefix([], [1]) == 0

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fake_vllm import FakeAsyncLLM, FakeKeepAsyncLLM, lp
+from fake_vllm import FakeAsyncLLM, fake_reload, lp
 
 from molt.engine import vllm as mv
 from molt.engine import vllm_worker as vw
@@ -31,7 +31,7 @@ def test_import_is_light_and_construction_says_what_to_install():
             mv.VLLMEngine("/nonexistent")
 
 
-def test_sampling_kwargs_first_request_and_continuation():
+def test_sampling_kwargs():
     p = SamplingParams(
         max_tokens=10,
         temperature=0.7,
@@ -53,25 +53,15 @@ def test_sampling_kwargs_first_request_and_continuation():
         "logprobs": 2,
         "detokenize": False,
     }
-    after4 = mv.sampling_kwargs(p, 10, [2, 7], generated=4)  # continuation after a refit at token 4
-    assert (after4["max_tokens"], after4["min_tokens"], after4["seed"]) == (6, 1, 7)
-    after6 = mv.sampling_kwargs(p, 10, [2, 7], generated=6)
-    assert (after6["max_tokens"], after6["min_tokens"]) == (4, 0)
-    assert mv.sampling_kwargs(p.copy(top_k=5, seed=None), 10, [2], generated=3)["top_k"] == 5
-    assert mv.sampling_kwargs(p.copy(seed=None), 10, [2], generated=3)["seed"] is None
+    assert mv.sampling_kwargs(p.copy(top_k=5, seed=None), 10, [2])["top_k"] == 5
+    assert mv.sampling_kwargs(p.copy(seed=None), 10, [2])["seed"] is None
     assert mv.sampling_kwargs(p.copy(min_tokens=50), 10, [2])["min_tokens"] == 10  # vLLM needs min <= max
     assert mv.sampling_kwargs(p, 10, [2])["logprobs"] == 2
     assert mv.sampling_kwargs(p.copy(top_logprobs=0), 10, [2])["logprobs"] == 0  # 0: the sampled token only
-    with pytest.raises(AssertionError):
-        mv.sampling_kwargs(p, 10, [2], generated=10)
     schema = {"type": "object"}
     assert mv.sampling_kwargs(p.copy(grammar=json_grammar(schema)), 10, [2])["structured_outputs"] == {
         "grammar": json_grammar(schema)
     }
-    with pytest.raises(
-        EngineError, match="constrained request cannot be continued"
-    ):  # vLLM's grammar restarts
-        mv.sampling_kwargs(p.copy(grammar=json_grammar(schema)), 10, [2], generated=4)
 
 
 def test_finish_reason_mapping():
@@ -106,7 +96,7 @@ def test_receive_versions_across_a_refit():
     req = mv._Request(
         id="r", prompt=[1, 2], params=SamplingParams(max_tokens=8, top_logprobs=1), max_new=8, stops=[0]
     )
-    # first vLLM request: two DELTA outputs under version 4, then pause() cancels it
+    # two DELTA outputs under version 4, then a refit
     assert req.receive(
         SimpleNamespace(token_ids=[11], finish_reason=None, logprobs=[{11: lp(-0.5, 1)}]), 4
     ) == [11]
@@ -117,7 +107,7 @@ def test_receive_versions_across_a_refit():
         4,
     )
     assert req.finish is None and req.versions == [4, 4, 4]
-    # its continuation under version 5 ends with the stop token, which stays in the output
+    # under version 5 it ends with the stop token, which stays in the output
     req.receive(
         SimpleNamespace(
             token_ids=[14, 0],
@@ -133,7 +123,7 @@ def test_receive_versions_across_a_refit():
     assert out.prompt_tokens == 2
 
 
-def test_pack_unpack_and_worker_extension_roundtrip():
+def test_pack_unpack_and_worker_extension_roundtrip(monkeypatch):
     tensors = [
         ("a", torch.randn(3, 4)),
         ("b", torch.randn(5).to(torch.bfloat16)),
@@ -141,14 +131,15 @@ def test_pack_unpack_and_worker_extension_roundtrip():
         ("d", torch.zeros(0, 2, dtype=torch.float16)),
         ("e", torch.arange(6).reshape(2, 3).t()),
     ]
-    packed = vw.pack(tensors)
-    assert all(type(x) is tuple and [type(v) for v in x] == [str, str, list, bytes] for x in packed)
+    packed = vw.pack(iter(tensors))
+    assert all([type(v) for v in x] == [str, bytes, str, tuple] for x in packed)
     loaded = {}
-    model = SimpleNamespace(load_weights=lambda weights: loaded.update(weights))
+    model = SimpleNamespace(load_weights=lambda weights: loaded.update(weights), loads=[])
     worker = type("Worker", (vw.WorkerExtension,), {})()
-    worker.model_runner = SimpleNamespace(get_model=lambda: model)
-    worker.molt_load_weights(packed)
-    assert list(loaded) == ["a", "b", "c", "d", "e"]
+    worker.model_runner, worker.device = SimpleNamespace(get_model=lambda: model), "cpu"
+    fake_reload(monkeypatch)
+    worker.molt_load_weights([list(x[:3]) + [list(x[3])] for x in packed])  # as msgpack delivers it
+    assert list(loaded) == ["a", "b", "c", "d", "e"] and model.loads == ["start"]
     for name, t in tensors:
         assert (
             loaded[name].dtype == t.dtype and loaded[name].shape == t.shape and torch.equal(loaded[name], t)
@@ -158,11 +149,12 @@ def test_pack_unpack_and_worker_extension_roundtrip():
 # ------------------------------------------------------------------------------ engine logic, stand-in AsyncLLM
 
 
-@pytest.fixture(params=[FakeAsyncLLM, FakeKeepAsyncLLM], ids=["resubmit", "keep"])
-def fake(request, monkeypatch, tmp_path):
-    """A VLLMEngine on the stand-in (both refit paths); the checkpoint directory only holds a config (EOS id 2)."""
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    """A VLLMEngine on the stand-in; the checkpoint directory only holds a config (EOS id 2)."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 2}))
-    monkeypatch.setattr(mv, "_import_vllm", lambda: (_fake_vllm(), request.param))
+    monkeypatch.setattr(mv, "_import_vllm", lambda: (_fake_vllm(), FakeAsyncLLM))
+    fake_reload(monkeypatch)
     return mv.VLLMEngine(str(tmp_path), model_name="tiny", tensor_parallel_size=2, max_num_seqs=8)
 
 
@@ -254,10 +246,6 @@ def test_cpu_overrides_are_said_and_speculation_refused_where_it_breaks_logprobs
         mv.VLLMEngine(str(tmp_path), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
 
 
-def keeps(engine) -> bool:
-    return isinstance(engine._llm, FakeKeepAsyncLLM)
-
-
 async def until(predicate, turns=10_000):
     for _ in range(turns):
         if predicate():
@@ -302,9 +290,9 @@ async def test_streaming_sends_every_token_once_in_order(fake):
 
 async def test_refit_keeps_request_and_marks_versions(fake):
     llm = fake._llm
-    llm.hold["r-1"] = 4
+    llm.hold["r"] = 4
     task = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=30, seed=5), request_id="r"))
-    await until(lambda: llm.produced.get("r-1") == 4)
+    await until(lambda: llm.produced.get("r") == 4)
     await fake.pause()
     llm.hold.clear()
     for _ in range(50):  # nothing is generated or submitted while paused
@@ -318,35 +306,25 @@ async def test_refit_keeps_request_and_marks_versions(fake):
     assert out.token_ids == list(range(11, 41)) and out.finish_reason is FinishReason.LENGTH
     assert out.versions == [0] * 4 + [1] * 26
     assert out.logprobs == [0.0] * 4 + [-2.0] * 26  # later tokens come from the new weights
-    if keeps(fake):  # vLLM kept the request: no second one, its cache dropped once after loading
-        assert len(llm.requests) == 1 and not llm.cancelled and llm.pause_args == ("keep", True)
-        assert llm.resets == ["reset running"]
-    else:
-        assert llm.cancelled == ["r-1"] and llm.resets == ["reset"]
-        rid, prompt, params = llm.requests[1]  # the continuation
-        assert rid == "r-2" and prompt == [10, 11, 12, 13, 14]
-        assert params["max_tokens"] == 26 and params["seed"] == 9
+    # vLLM kept the request: no second one, its cache dropped once after loading
+    assert len(llm.requests) == 1 and not llm.cancelled and llm.pause_args == ("keep", True)
+    assert llm.resets == ["reset running"]
     assert fake.num_requests == 0
 
 
 async def test_grammar_goes_to_vllms_structured_outputs(fake):
-    """vLLM's guidance backend takes the Lark grammar as it is; a refit in the middle continues the grammar
-    in keep mode and, without it, fails the request rather than restart the grammar after its tokens."""
+    """vLLM's guidance backend takes the Lark grammar as it is; a refit in the middle continues the grammar."""
     assert fake._llm.args["structured_outputs_config"] == ("config", {"backend": "guidance"})
     llm, schema = fake._llm, {"type": "object"}
-    llm.hold["j-1"] = 4
+    llm.hold["j"] = 4
     task = asyncio.create_task(
         fake.generate([10], SamplingParams(max_tokens=30, grammar=json_grammar(schema)), request_id="j")
     )
-    await until(lambda: llm.produced.get("j-1") == 4)
+    await until(lambda: llm.produced.get("j") == 4)
     assert llm.requests[0][2]["structured_outputs"] == ("params", {"grammar": json_grammar(schema)})
     await refit(fake, 1.0)
     llm.hold.clear()
-    if keeps(fake):
-        assert len((await task).token_ids) == 30
-    else:
-        with pytest.raises(EngineError, match="keep mode"):
-            await task
+    assert len((await task).token_ids) == 30
 
 
 @pytest.mark.parametrize(
@@ -357,11 +335,11 @@ async def test_a_pause_racing_the_last_token_keeps_the_true_finish(fake, max_tok
     what was received is kept, so the request ends there once, with its true finish reason; it neither
     generates past EOS nor is continued past max_tokens."""
     llm = fake._llm
-    llm.hold["r-1"] = 4
+    llm.hold["r"] = 4
     task = asyncio.create_task(
         fake.generate([10], SamplingParams(max_tokens=max_tokens, stop_token_ids=stop), request_id="r")
     )
-    await until(lambda: llm.produced.get("r-1") == 4)
+    await until(lambda: llm.produced.get("r") == 4)
     await fake.pause()
     llm.hold.clear()
     await fake.update_weights([("w", torch.tensor(1.0))], version=1)
@@ -369,8 +347,7 @@ async def test_a_pause_racing_the_last_token_keeps_the_true_finish(fake, max_tok
     out = await asyncio.wait_for(task, 5)
     assert out.token_ids == [11, 12, 13, 14, 15] and out.finish_reason is finish
     assert out.versions == [0, 0, 0, 0, 1] and out.logprobs == [0.0] * 4 + [-1.0]
-    submitted = [max_tokens] if keeps(fake) else [max_tokens, max_tokens - 4]  # the continuation: 1 token
-    assert [p["max_tokens"] for _, _, p in llm.requests] == submitted
+    assert [p["max_tokens"] for _, _, p in llm.requests] == [max_tokens]
 
 
 async def test_on_tokens_streams_across_a_refit(fake):
@@ -385,28 +362,22 @@ async def test_on_tokens_streams_across_a_refit(fake):
     assert set(out.versions) == {0, 1}
 
 
-async def test_weights_load_through_vllms_layerwise_reload(fake, monkeypatch):
-    """Where vLLM has layerwise reload, one refit is one reload: opened by the first bucket, finished (vLLM's
-    post-load processing) once on resume, before the prefix cache is dropped; otherwise plain load_weights."""
+async def test_weights_load_through_vllms_layerwise_reload(fake):
+    """One refit is one vLLM layerwise reload: opened by the first bucket, finished (vLLM's post-load
+    processing) once on resume, before the prefix cache is dropped."""
     llm = fake._llm
     await refit(fake, 1.0, 2.0)
-    assert llm.loads == ["load", "load"] and llm.weight == 2.0
-    llm.loads.clear()
-    monkeypatch.setattr(
-        vw,
-        "layerwise_reload",
-        lambda: (lambda model: llm.loads.append("start"), lambda model, config: llm.loads.append(config)),
+    assert (
+        llm.loads == ["start", "load", "load", "model config"] and llm.weight == 2.0 and len(llm.resets) == 1
     )
-    await refit(fake, 3.0, 4.0, version=2)
-    assert llm.loads == ["start", "load", "load", "model config"] and len(llm.resets) == 2
-    await refit(fake, 5.0, version=3)  # the next refit opens a new reload
-    assert llm.loads[4:] == ["start", "load", "model config"] and fake.version == 3
+    await refit(fake, 3.0, version=2)  # the next refit opens a new reload
+    assert llm.loads[4:] == ["start", "load", "model config"] and fake.version == 2
 
 
 async def test_abort_while_paused_and_while_running(fake):
     llm = fake._llm
     paused = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=40), request_id="a"))
-    await until(lambda: llm.produced.get("a-1", 0) > 0)
+    await until(lambda: llm.produced.get("a", 0) > 0)
     await fake.pause()
     await fake.abort("a")  # returns without a resume
     out = await asyncio.wait_for(paused, 5)
@@ -414,20 +385,20 @@ async def test_abort_while_paused_and_while_running(fake):
     assert out.token_ids == list(range(11, 11 + len(out.token_ids)))
     await fake.resume()
     running = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=40), request_id="b"))
-    await until(lambda: llm.produced.get("b-1", 0) > 0)
+    await until(lambda: llm.produced.get("b", 0) > 0)
     await fake.abort("b")
     out = await running
-    assert out.finish_reason is FinishReason.ABORT and "b-1" in llm.cancelled
+    assert out.finish_reason is FinishReason.ABORT and "b" in llm.cancelled
     await fake.abort("unknown")  # a no-op
 
 
 async def test_cancelling_the_caller_aborts_the_vllm_request(fake):
     task = asyncio.create_task(fake.generate([10], SamplingParams(max_tokens=40), request_id="c"))
-    await until(lambda: fake._llm.produced.get("c-1", 0) > 0)
+    await until(lambda: fake._llm.produced.get("c", 0) > 0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert fake._llm.cancelled == ["c-1"] and fake.num_requests == 0
+    assert fake._llm.cancelled == ["c"] and fake.num_requests == 0
 
 
 async def test_bad_requests_raise_engine_error(fake):
@@ -483,8 +454,3 @@ async def test_what_vllm_rejects_or_fails_is_an_error(fake, monkeypatch):
 def test_parallelism_the_refit_group_cannot_serve_is_refused(arg):
     with pytest.raises(ValueError, match=f"{arg}=2: the refit group"):
         mv.VLLMEngine("/nonexistent", **{arg: 2})
-
-
-def test_a_quantized_engine_needs_layerwise_reload(fake, tmp_path):
-    with pytest.raises(ValueError, match="layerwise reload"):  # the stand-in's vLLM has none
-        mv.VLLMEngine(str(tmp_path), quantization="fp8")
