@@ -123,7 +123,10 @@ def controller_memory(mb: int, offload: bool, rollouts: int = 32) -> float:
                 else np.full(mb << 20, i % 251, dtype=np.uint8)
             )
             seg = Segment(list(range(256)), [1] * 256, [-0.5] * 256, [0] * 256, images=images)
-            return outcome_from_trajectory(Trajectory(f"r{i}", "g", [seg]), offload=offload)
+            out = outcome_from_trajectory(Trajectory(f"r{i}", "g", [seg]))
+            for e in out.experiences if offload else []:
+                e.payload_ref = ray.put(e.split())
+            return out
 
     @ray.remote(num_cpus=0)
     class Rank:

@@ -55,7 +55,7 @@ def _steps(args) -> dict:
     from transformers import AutoModelForCausalLM
 
     from molt.trainer.batching import collate
-    from molt.trainer.logprobs import CausalLMLogProbs, action_index, action_logprobs
+    from molt.trainer.logprobs import CausalLMLogProbs, action_logprobs
     from molt.types import Experience
 
     torch.manual_seed(0)
@@ -64,7 +64,7 @@ def _steps(args) -> dict:
     ids = torch.randint(0, vocab, (b, length))
     mask = torch.ones(b, length, dtype=torch.bool)
     mask[:, 0] = False  # every token but the first is an action: no advantage from skipping prompts
-    act_index, act_temp = action_index(mask), torch.ones(int(mask.sum()))
+    act_index, act_temp = mask.flatten().nonzero()[:, 0], torch.ones(int(mask.sum()))
     g = torch.randn(b, length)  # upstream per-token gradient, as a loss would give
 
     def naive_loss(logits):

@@ -15,8 +15,10 @@ import enum
 import functools
 import json
 import re
+import sys
 import zlib
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 
@@ -45,25 +47,20 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables
     top_k: int = -1  # <= 0 disables
-    min_tokens: int = (
-        0  # stop tokens are suppressed until this many were generated (unless a grammar allows only them)
-    )
+    # stop tokens are suppressed until this many were generated (unless a grammar allows only them)
+    min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens besides the model's EOS
-    seed: int | None = (
-        None  # per-request seed for reproducible sampling (a rollout's calls: module docstring)
-    )
+    # per-request seed for reproducible sampling (a rollout's calls: module docstring)
+    seed: int | None = None
     top_logprobs: int = 0  # also return this many most likely alternatives per position
-    grammar: str | None = (
-        None  # the reply follows it (constrained decoding): llguidance's Lark, e.g. json_grammar
-    )
+    grammar: str | None = None  # the reply follows it (constrained decoding): llguidance's Lark, json_grammar
 
     def validate(self) -> SamplingParams:
         """Raise ValueError naming the field on a bad value; return self."""
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 (got {self.max_tokens})")
-        if self.temperature is None or not (
-            self.temperature == 0 or self.temperature >= 1e-30
-        ):  # logits / T: finite
+        # logits / T must stay finite
+        if self.temperature is None or not (self.temperature == 0 or self.temperature >= 1e-30):
             raise ValueError(f"temperature must be 0 (greedy) or at least 1e-30 (got {self.temperature})")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
@@ -131,6 +128,21 @@ def sub_seed(seed: int, key: Any) -> int:
     return zlib.crc32(f"{seed}/{key}".encode()) & 0x7FFFFFFF
 
 
+def import_file(path: Path, prefix: str, *, once: bool = False) -> Any:
+    """Import the `.py` file at `path` (resolved) as module `{prefix}_{stem}_{hash of the path}` (two files may
+    share a basename), kept in `sys.modules`, where dataclasses and pickling look a module up by name; `once`:
+    a file this process imported before is not run again."""
+    import importlib.util
+
+    name = f"{prefix}_{path.stem}_{zlib.crc32(str(path).encode()):08x}"
+    if once and name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    sys.modules[name] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @dataclass(slots=True)
 class Completion:
     """What an engine returns for one request: one behavior log-probability and one policy version per
@@ -147,6 +159,31 @@ class Completion:
     routed_experts: Any = None
 
 
+def per_token(record: Any) -> None:
+    """`__post_init__` of Segment and Experience: their per-token fields as arrays, in place: int32 ids, a
+    bool mask, float32 log-probs and int32 versions of the action tokens. Log-probs or versions given one per
+    token (aligned with the ids) keep the action tokens' entries. None stays None (an offloaded experience)."""
+    import numpy as np  # not at the top: `molt --help` and `import molt.agents` stay light
+
+    if record.token_ids is not None:
+        record.token_ids = np.asarray(record.token_ids, np.int32)
+    mask = None if record.action_mask is None else np.asarray(record.action_mask, bool)
+    record.action_mask = mask
+    for name, dtype in (("behavior_logprobs", np.float32), ("versions", np.int32)):
+        values = getattr(record, name)
+        if values is None:
+            continue
+        values = np.asarray(values, dtype)
+        if mask is not None and len(values) != mask.sum():
+            if len(values) != len(mask):
+                raise ValueError(
+                    f"{name} has {len(values)} entries for {len(mask)} tokens, {mask.sum()} of them actions: "
+                    "give one per action token (or one per token)"
+                )
+            values = values[mask]
+        setattr(record, name, values)
+
+
 @dataclass(slots=True)
 class Segment:
     """One token-exact context of a rollout. Per-token data are numpy arrays (lists are converted on entry,
@@ -156,57 +193,19 @@ class Segment:
     action_mask: Any  # numpy [n] bool, True on tokens the policy sampled
     behavior_logprobs: Any  # numpy [num_actions] float32 log-prob of each sampled token when it was sampled
     versions: Any  # numpy [num_actions] int32 policy version that sampled each action token
-    break_reason: str = (
-        "start"  # why this segment began: start, compaction, template_rewrite, tools_changed, ...
-    )
+    # why this segment began: start, compaction, template_rewrite, tools_changed, ...
+    break_reason: str = "start"
     temperature: float = 1.0  # temperature of its action tokens; capture seals the segment when it changes
-    routed_experts: Any = (
-        None  # MoE: numpy [len(token_ids), layers, k] expert ids (0 on the last token: never run)
-    )
-    images: Any = (
-        None  # processor inputs of its images in order ({"pixel_values": [n_images, ...], ...}) or None
-    )
+    # MoE: numpy [len(token_ids), layers, k] expert ids (0 on the last token: never run)
+    routed_experts: Any = None
+    # processor inputs of its images in order ({"pixel_values": [n_images, ...], ...}) or None
+    images: Any = None
 
-    def __post_init__(self) -> None:
-        self.token_ids, self.action_mask, self.behavior_logprobs, self.versions = per_token(
-            self.token_ids, self.action_mask, self.behavior_logprobs, self.versions
-        )
+    __post_init__ = per_token
 
     @property
     def num_actions(self) -> int:
         return int(self.action_mask.sum())
-
-    def check(self) -> None:
-        assert len(self.action_mask) == len(self.token_ids), "action_mask must align with token_ids"
-        assert len(self.behavior_logprobs) == len(self.versions) == self.action_mask.sum(), (
-            "behavior_logprobs and versions must hold one entry per action token"
-        )
-
-
-def per_token(token_ids: Any, action_mask: Any, logprobs: Any, versions: Any) -> tuple[Any, ...]:
-    """The per-token fields of a segment or experience as arrays: int32 ids, a bool mask, float32 log-probs and
-    int32 versions of the action tokens. Log-probs or versions given one per token (aligned with the ids) keep
-    the action tokens' entries. None stays None (an offloaded experience)."""
-    import numpy as np  # not at the top: `molt --help` and `import molt.agents` stay light
-
-    ids = None if token_ids is None else np.asarray(token_ids, np.int32)
-    mask = None if action_mask is None else np.asarray(action_mask, bool)
-    out = []
-    for name, values, dtype in (
-        ("behavior_logprobs", logprobs, np.float32),
-        ("versions", versions, np.int32),
-    ):
-        values = None if values is None else np.asarray(values, dtype)
-        k = None if mask is None else int(mask.sum())
-        if values is not None and k is not None and len(values) != k:
-            if len(values) != len(mask):
-                raise ValueError(
-                    f"{name} has {len(values)} entries for {len(mask)} tokens, {k} of them actions: "
-                    "give one per action token (or one per token)"
-                )
-            values = values[mask]
-        out.append(values)
-    return ids, mask, *out
 
 
 def expand_actions(values: Any, mask: Any, fill: float) -> Any:
@@ -230,23 +229,8 @@ def token_lists(ids: Any, mask: Any, logprobs: Any, versions: Any) -> dict[str, 
     }
 
 
-class RolloutRecord:
-    """What a record of one rollout (`Trajectory`, `molt.runtime.pool.RolloutOutcome`) tells from its `status`,
-    `reward` and `score`."""
-
-    __slots__ = ()
-
-    @property
-    def ok(self) -> bool:
-        return self.status is RolloutStatus.OK
-
-    @property
-    def effective_score(self) -> float:
-        return self.reward if self.score is None else self.score
-
-
 @dataclass(slots=True)
-class Trajectory(RolloutRecord):
+class Trajectory:
     """One rollout: one or more segments sharing `rollout_id` and the terminal reward."""
 
     rollout_id: str
@@ -259,6 +243,14 @@ class Trajectory(RolloutRecord):
     error: str = ""  # human-readable reason when status is not OK
     traceback: str = ""  # the agent's exception as Python prints it, when it raised
     truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status is RolloutStatus.OK
+
+    @property
+    def effective_score(self) -> float:
+        return self.reward if self.score is None else self.score
 
 
 def join_inputs(*parts: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -325,16 +317,14 @@ class ModelSpec:
     vision: bool  # a vision-language model (the config has a vision tower): AutoModelForImageTextToText, AutoProcessor
     eos_token_ids: tuple[int, ...]  # generation config's (generation_config.json, else the model config's)
     pad_token_id: int  # generation config's, else the first EOS, else 0
-    banned: tuple[
-        int, ...
-    ]  # a VLM's image/video placeholder and marker ids: never sampled nor trained (docs/vision.md)
+    # a VLM's image/video placeholder and marker ids: never sampled nor trained (docs/vision.md)
+    banned: tuple[int, ...]
     image_token_id: int | None  # the image placeholder (LLaVA's `image_token_index`)
     merge_size: int  # image patches merged per side into one token (Qwen2-VL's `spatial_merge_size`; else 1)
     max_model_len: int  # context window: the text config's max_position_embeddings
     vocab_size: int
-    dynamic_rope: (
-        bool  # dynamic or long RoPE: a Python `if` on the largest position (a host sync, no CUDA graphs)
-    )
+    # dynamic or long RoPE: a Python `if` on the largest position (a host sync, no CUDA graphs)
+    dynamic_rope: bool
     sliding: bool  # some layer attends over a sliding window only
     config: Any = field(repr=False, compare=False, default=None)  # the transformers config it was read from
 
@@ -413,8 +403,8 @@ PAYLOAD_FIELDS = (
 
 @dataclass(slots=True)
 class Experience:
-    """One segment ready for training. Light fields stay on the record; `offload()` moves the payload (the
-    fields in PAYLOAD_FIELDS) into the local Ray object store and keeps only a reference."""
+    """One segment ready for training. Light fields stay on the record; the payload (the fields in
+    PAYLOAD_FIELDS) travels through the Ray object store (`split`, then `payload_ref`) until `reload()`."""
 
     rollout_id: str
     group_id: str
@@ -424,9 +414,8 @@ class Experience:
     num_actions: int
     min_version: int  # oldest policy version among its action tokens
     temperature: float = 1.0
-    token_ids: Any = (
-        None  # per-token data as in `Segment` (lists are converted on entry); None when offloaded
-    )
+    # per-token data as in `Segment` (lists are converted on entry); None when offloaded
+    token_ids: Any = None
     action_mask: Any = None
     behavior_logprobs: Any = None
     versions: Any = None
@@ -437,10 +426,7 @@ class Experience:
     images: Any = None
     payload_ref: Any = None  # ray.ObjectRef of the payload dict while offloaded
 
-    def __post_init__(self) -> None:
-        self.token_ids, self.action_mask, self.behavior_logprobs, self.versions = per_token(
-            self.token_ids, self.action_mask, self.behavior_logprobs, self.versions
-        )
+    __post_init__ = per_token
 
     @classmethod
     def from_segment(cls, traj: Trajectory, index: int) -> Experience:
@@ -472,14 +458,6 @@ class Experience:
         for k in PAYLOAD_FIELDS:
             setattr(self, k, None)
         return payload
-
-    def offload(self) -> Experience:
-        """Put the payload into this node's object store and clear it from the record."""
-        import ray
-
-        assert not self.offloaded, "experience already offloaded"
-        self.payload_ref = ray.put(self.split())
-        return self
 
     def reload(self) -> Experience:
         """Fetch the payload back (from whichever node holds it)."""

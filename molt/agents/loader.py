@@ -8,13 +8,12 @@ agent `Generate` (one model turn, reward 0) of on-policy distillation, whose sig
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import sys
 from pathlib import Path
 
 from molt.agents.contract import Env, Result, Runner
 from molt.agents.runners import StepEnvRunner
+from molt.types import import_file
 
 
 class Generate(Env):
@@ -32,12 +31,7 @@ def load_agent(path: str | Path) -> Runner:
     folder = str(file.parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    name = f"molt_agent_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
-    spec = importlib.util.spec_from_file_location(name, file)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pickling look the module up by name
-    spec.loader.exec_module(module)
+    module = import_file(file, "molt_agent")
     runner_cls = getattr(module, "AgentRunner", None)
     if not (isinstance(runner_cls, type) and issubclass(runner_cls, Runner)):
         raise ValueError(  # noqa: TRY004 - a user mistake, which the CLI reports as such

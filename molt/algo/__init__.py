@@ -26,7 +26,6 @@ from molt.algo.advantages import (
     rollout_stats,
     to_tokens,
 )
-from molt.algo.filters import FilterResult, filter_groups
 from molt.algo.importance import importance_weights
 from molt.algo.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_divergence, register_kl
 from molt.algo.losses import POLICY_LOSSES, PolicyLossParams, policy_loss, register_policy_loss, value_loss

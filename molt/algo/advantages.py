@@ -5,8 +5,9 @@ Design notes and decisions: docs/internals.md, section `molt/algo/advantages.py`
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -15,9 +16,7 @@ from molt.algo.ops import (
     Registry,
     as_mask,
     check_shape,
-    detach_all,
     discounted_reverse_cumsum,
-    masked_mean,
     masked_whiten,
 )
 from molt.types import Experience
@@ -30,12 +29,12 @@ KINDS = ("group", "token")
 class EstimatorSpec:
     """How a run computes an estimator (`molt.runtime.trainer_group`), as its registration declares it."""
 
-    kind: str  # group: one advantage per rollout from its group's rewards, by the controller; token: per token on
-    # the trainer ranks, each over its own rollouts (KL rewards, critic values)
-    centred: bool = (
-        False  # token: the controller subtracts each rollout's group mean from its reward (a group
-    )
-    # may span ranks) and the ranks run the estimator with `AdvantageParams.centred`
+    # group: one advantage per rollout from its group's rewards, by the controller; token: per token on the
+    # trainer ranks, each over its own rollouts (KL rewards, critic values)
+    kind: str
+    # token: the controller subtracts each rollout's group mean from its reward (a group may span ranks) and
+    # the ranks run the estimator with `AdvantageParams.centred`
+    centred: bool = False
     critic: bool = False  # token: needs critic values (a run builds a critic)
 
 
@@ -136,10 +135,8 @@ class AdvantageBatch:
 @dataclass(slots=True)
 class AdvantageResult:
     advantages: Tensor  # [N, T], 0 off action tokens
-    returns: Tensor | None = (
-        None  # [N, T] unwhitened returns (gae: the critic's targets); None for group ones
-    )
-    metrics: dict = field(default_factory=dict)
+    # [N, T] unwhitened returns (gae: the critic's targets); None for group ones
+    returns: Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -250,7 +247,9 @@ def _float_like(batch: AdvantageBatch) -> Tensor:
     return torch.zeros(batch.action_mask.shape, dtype=batch.rewards.dtype, device=batch.action_mask.device)
 
 
-def _reinforce(batch: AdvantageBatch, params: AdvantageParams, baseline: bool) -> AdvantageResult:
+def reinforce(batch: AdvantageBatch, params: AdvantageParams, baseline: bool = False) -> AdvantageResult:
+    """REINFORCE++: discounted token returns (KL penalty as token reward), globally whitened. REINFORCE++-baseline
+    (`baseline`): the same with the group mean subtracted from each rollout's reward."""
     stats = rollout_stats(batch)
     seqs = ActionSequences.build(batch, stats)
     terminal = stats.reward - stats.group_mean if baseline and not params.centred else stats.reward
@@ -262,16 +261,8 @@ def _reinforce(batch: AdvantageBatch, params: AdvantageParams, baseline: bool) -
     return AdvantageResult(adv, returns)
 
 
-@register_estimator("reinforce", "token")
-def reinforce(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
-    """REINFORCE++: discounted token returns (KL penalty as token reward), globally whitened."""
-    return _reinforce(batch, params, baseline=False)
-
-
-@register_estimator("reinforce_baseline", "token", centred=True)
-def reinforce_baseline(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
-    """REINFORCE++-baseline: as reinforce, with the group mean subtracted from each rollout's reward."""
-    return _reinforce(batch, params, baseline=True)
+register_estimator("reinforce", "token")(reinforce)
+register_estimator("reinforce_baseline", "token", centred=True)(functools.partial(reinforce, baseline=True))
 
 
 @register_estimator("gae", "token", critic=True)
@@ -332,11 +323,9 @@ def rloo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
 def compute_advantages(
     name: str, batch: AdvantageBatch, params: AdvantageParams | None = None
 ) -> AdvantageResult:
-    """Run the estimator registered as `name` on `batch` and add common metrics:
-    "advantage/mean", "advantage/abs_mean" (over action tokens), "advantage/num_rollouts",
-    "advantage/degenerate_group_frac" (groups of one or with all-equal rewards)."""
+    """Run the estimator registered as `name` on `batch`, checking what it returns."""
     params, fn = (params or AdvantageParams()).validate(), ESTIMATORS.get_fn(name)
-    if SPECS[name].kind == "group" and params.kl_coef > 0:  # it sees one reward per rollout, no token rewards
+    if SPECS[name].kind == "group" and params.kl_coef > 0:  # one reward per rollout, no token rewards
         raise ValueError(
             f"kl_coef: {name} takes no KL token reward; put KL in the loss (kl placement 'loss')"
         )
@@ -346,18 +335,4 @@ def compute_advantages(
             f"estimator {name!r} returned advantages of shape {tuple(result.advantages.shape)}, "
             f"expected {tuple(batch.action_mask.shape)}"
         )
-    stats = rollout_stats(batch)
-    degenerate = ((stats.group_size < 2) | (stats.group_std == 0)).double()
-    num_groups = int(stats.group.max()) + 1 if len(stats.group) else 0
-    per_group = degenerate.new_zeros(num_groups).scatter_reduce(0, stats.group, degenerate, "amax")
-    m = batch.action_mask
-    result.metrics = detach_all(
-        {
-            "advantage/mean": masked_mean(result.advantages, m),
-            "advantage/abs_mean": masked_mean(result.advantages.abs(), m),
-            "advantage/num_rollouts": float(len(stats.reward)),
-            "advantage/degenerate_group_frac": per_group.mean() if len(per_group) else torch.zeros(()),
-            **result.metrics,
-        }
-    )
     return result

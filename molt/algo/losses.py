@@ -5,6 +5,7 @@ Design notes and decisions: docs/internals.md, section `molt/algo/losses.py`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,11 +64,10 @@ def _clipped_surrogate(
 def _ratio_metrics(log_ratio: Tensor, mask: Tensor) -> dict:
     return {
         "policy/ratio_mean": masked_mean(log_ratio.exp(), mask),
-        "policy/approx_kl": masked_mean(0.5 * log_ratio.square(), mask),
-    }  # k2 of old vs current
+        "policy/approx_kl": masked_mean(0.5 * log_ratio.square(), mask),  # k2 of old vs current
+    }
 
 
-@register_policy_loss("ppo")
 def ppo(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -75,27 +75,19 @@ def ppo(
     mask: Tensor,
     params: PolicyLossParams,
     seq_ids: Tensor | None = None,
+    sequence: bool = False,
 ) -> tuple[Tensor, dict]:
-    """Token-level clipped surrogate with asymmetric clip and optional dual clip. [N, T] -> [N, T]."""
+    """Token-level clipped surrogate with asymmetric clip and optional dual clip. [N, T] -> [N, T]. GSPO
+    (`sequence`): on the sequence ratio exp(mean_t log r_t), broadcast to the sequence's tokens."""
     log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
+    if sequence:
+        log_ratio = seq_mean(log_ratio, mask, seq_ids)
     loss, metrics = _clipped_surrogate(log_ratio.exp(), advantages, mask, params)
     return loss, {**metrics, **_ratio_metrics(log_ratio, mask)}
 
 
-@register_policy_loss("gspo")
-def gspo(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    params: PolicyLossParams,
-    seq_ids: Tensor | None = None,
-) -> tuple[Tensor, dict]:
-    """Clipped surrogate on the sequence ratio exp(mean_t log r_t), broadcast to the sequence's tokens."""
-    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
-    seq_log_ratio = seq_mean(log_ratio, mask, seq_ids)
-    loss, metrics = _clipped_surrogate(seq_log_ratio.exp(), advantages, mask, params)
-    return loss, {**metrics, **_ratio_metrics(seq_log_ratio, mask)}
+register_policy_loss("ppo")(ppo)
+register_policy_loss("gspo")(functools.partial(ppo, sequence=True))
 
 
 @register_policy_loss("cispo")

@@ -6,14 +6,14 @@ Design notes and decisions: docs/internals.md, section `molt/algo/ops.py`.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 from torch import Tensor
+
+from molt.types import import_file
 
 F = TypeVar("F", bound=Callable)
 
@@ -34,7 +34,9 @@ class Registry(dict):
 
         def deco(fn: F) -> F:
             if name in self:
-                raise ValueError(f"{self.kind} {name!r} is already registered (by {self[name].__qualname__})")
+                raise ValueError(
+                    f"{self.kind} {name!r} is already registered (by {getattr(self[name], '__qualname__', self[name])})"
+                )
             self[name] = fn
             return fn
 
@@ -51,14 +53,9 @@ def import_files(paths: list[str], what: str = "plugins") -> None:
     on import, and the controller and every trainer rank need the same names."""
     for entry in paths:
         path = Path(entry).resolve()
-        name = f"molt_plugin_{path.stem}_{abs(hash(str(path)))}"
-        if name in sys.modules:
-            continue
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or not path.is_file():
+        if not path.is_file() or path.suffix != ".py":
             raise ValueError(f"{what}: cannot import {entry}")
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        import_file(path, "molt_plugin", once=True)
 
 
 def as_mask(action_mask: Tensor, like: Tensor | None = None, name: str = "action_mask") -> Tensor:

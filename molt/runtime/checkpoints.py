@@ -39,6 +39,7 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 class RunControl:
     def __init__(self, ckpt: Any, on_stop: Callable[[], None] = lambda: None):
         self.ckpt, self.on_stop = ckpt, on_stop  # on_stop: wakes the loop's waits (molt train's pool)
+        self.root = Path(ckpt.path or Path(ckpt.output_dir) / "checkpoints")
         self.stopping: BaseException | None = None
         self.saved()
 
@@ -103,6 +104,17 @@ class RunControl:
 
     def saved(self) -> None:
         self._saved = time.perf_counter()
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step_{step}"
+
+    def checkpointed(self, step: int, state: dict[str, Any] | None) -> None:
+        """Step `step`'s checkpoint is written but for `state.json`: write it, which marks the checkpoint
+        complete, and rotate (`state` None: a rank that writes neither)."""
+        if state is not None:
+            (self.step_dir(step) / "state.json").write_text(json.dumps({"step": step, **state}))
+            rotate(self.root, self.ckpt.max_num, self.ckpt.best_metric_key)
+        self.saved()
 
     def finish(self, step: int) -> None:
         """After the last checkpoint: raise the stop's reason, if the run was stopped."""

@@ -125,3 +125,22 @@ def load_prompts(
                 )
         out.append(row)
     return out
+
+
+def run_prompts(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A run's rows: `data.prompt_dataset`'s and `eval.dataset`'s (none without one), read with the `data` keys."""
+    d = cfg.data
+    keys = {
+        "input_key": d.input_key,
+        "label_key": d.label_key,
+        "tools_key": d.tools_key,
+        "seed": cfg.train.seed,
+        "image_key": d.image_key,
+        "max_images": d.max_images_per_prompt,
+    }
+    rows = load_prompts(
+        d.prompt_dataset, split=d.prompt_split, probs=d.prompt_probs, max_samples=d.max_samples, **keys
+    )
+    if not cfg.eval.dataset:
+        return rows, []
+    return rows, load_prompts(cfg.eval.dataset, split=cfg.eval.split, what="eval.dataset", **keys)

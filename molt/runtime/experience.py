@@ -1,37 +1,29 @@
-"""From a captured trajectory to offloaded experiences, and from experiences to data-parallel ranks.
+"""From a captured trajectory to experiences, and from experiences to data-parallel ranks.
 
-The producing worker turns each segment into an `Experience` and offloads its payload into its node's Ray
-object store (`Experience.offload`); the `RolloutOutcome` that travels back to the controller carries only
-light fields and object references. `assign_to_ranks` balances token counts over data-parallel ranks
-(longest first onto the least-loaded rank), so each rank `reload()`s only its own experiences.
+The producing worker turns each segment into an `Experience` and hands each payload (`Experience.split`) back
+as a streamed Ray return, which the caller owns (`RolloutWorker.run`, `Workers.run`): the `RolloutOutcome`
+that travels to the controller carries only light fields and object references. `assign_to_ranks` balances
+token counts over data-parallel ranks (longest first onto the least-loaded rank), so each rank `reload()`s
+only its own experiences.
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import fields
 
 from molt.runtime.pool import RolloutOutcome
 from molt.types import Experience, Trajectory
 
 
-def outcome_from_trajectory(traj: Trajectory, *, offload: bool = True) -> RolloutOutcome:
+def outcome_from_trajectory(traj: Trajectory) -> RolloutOutcome:
+    """The rollout's light fields and one experience per segment (none for a failed rollout)."""
     experiences = [Experience.from_segment(traj, i) for i in range(len(traj.segments))] if traj.ok else []
-    response_tokens = sum(e.num_actions for e in experiences)
-    if offload:
-        experiences = [e.offload() for e in experiences]
     return RolloutOutcome(
-        rollout_id=traj.rollout_id,
-        group_id=traj.group_id,
-        status=traj.status,
-        reward=traj.reward,
-        score=traj.score,
-        error=traj.error,
-        traceback=traj.traceback,
-        info=dict(traj.info),
-        truncated=traj.truncated,
+        **{f.name: getattr(traj, f.name) for f in fields(Trajectory) if f.name != "segments"},
         experiences=experiences,
         break_reasons=[s.break_reason for s in traj.segments],
-        response_tokens=response_tokens,
+        response_tokens=sum(e.num_actions for e in experiences),
     )
 
 

@@ -16,28 +16,16 @@ from typing import Any
 
 from molt.config import MoltConfig
 from molt.config_resolve import optimizer_windows, resolve, save_config, to_dict
-from molt.runtime.checkpoints import RunControl, resume_point, rotate, truncate_after
+from molt.runtime.checkpoints import RunControl, resume_point, truncate_after
 from molt.runtime.cluster import init_ray, torch_threads
-from molt.runtime.data import load_prompts
+from molt.runtime.data import run_prompts
 from molt.runtime.experience import assign_to_ranks
 from molt.runtime.metrics import MetricsLogger, rollout_metrics
 from molt.runtime.pool import Group, PromptStream, RolloutPool, RolloutTask, RunStopped
+from molt.runtime.refit import WeightSync
 from molt.runtime.trainer_group import TrainerGroup, rollout_advantages, spread, terminal_rewards
 from molt.runtime.worker import RolloutWorker, Workers
 from molt.types import SamplingParams
-
-BUCKET_BYTES = 64 << 20
-
-
-def _dynamic_filter(group_size: int, score_range: tuple[float, float]):
-    """DAPO filtering through `molt.algo.filter_groups`, adapted to the pool's groups."""
-    from molt.algo import filter_groups
-
-    def keep(groups: list[Group]) -> tuple[list[Group], dict[str, int]]:
-        result = filter_groups({g.group_id: g.outcomes for g in groups}, group_size, score_range=score_range)
-        return [g for g in groups if g.group_id in result.kept], result.dropped
-
-    return keep
 
 
 def _same_tokenizer(student: str, teacher: str) -> None:
@@ -56,10 +44,8 @@ class Run:
     def __init__(self, cfg: MoltConfig):
         self.cfg = cfg
         self.dir = Path(cfg.ckpt.output_dir)
-        self.ckpt_dir = Path(cfg.ckpt.path) if cfg.ckpt.path else self.dir / "checkpoints"
         self.kl_coef = cfg.algo.kl.init_coef
-        self.version = 0
-        self.step = 0
+        self.step = 0  # also the policy version: one refit a step
         self.generated_tokens = 0
         self.stream: dict[str, Any] | None = None  # the prompt stream's checkpoint state (PromptStream.state)
         self.counters: dict[str, int] = {}  # the pool's, restored on resume
@@ -76,30 +62,13 @@ class Run:
         from molt.models import resolve_model
 
         cfg = self.cfg
-        self._resume_from = resume_point(self.dir, self.ckpt_dir, cfg.ckpt.resume)
-        import_files(
-            cfg.algo.plugins, "algo.plugins"
-        )  # as load_config did: a run built in Python may not have
+        self._resume_from = resume_point(self.dir, self.control.root, cfg.ckpt.resume)
+        # as load_config did: a run built in Python may not have
+        import_files(cfg.algo.plugins, "algo.plugins")
         self.spec = estimator_spec(cfg.algo.advantage.estimator)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model_path = str(resolve_model(cfg.actor.model_name_or_path))
-        d = cfg.data
-        keys = {
-            "input_key": d.input_key,
-            "label_key": d.label_key,
-            "tools_key": d.tools_key,
-            "seed": cfg.train.seed,
-            "image_key": d.image_key,
-            "max_images": d.max_images_per_prompt,
-        }
-        self.rows = load_prompts(
-            d.prompt_dataset, split=d.prompt_split, probs=d.prompt_probs, max_samples=d.max_samples, **keys
-        )
-        self.eval_rows = (
-            load_prompts(cfg.eval.dataset, split=cfg.eval.split, what="eval.dataset", **keys)
-            if cfg.eval.dataset
-            else []
-        )
+        self.rows, self.eval_rows = run_prompts(cfg)
         self.cfg = cfg = resolve(cfg, len(self.rows))  # the run's own copy, derived values filled in
         save_config(cfg, self.dir / "config.yaml")
         # the trainer's copy names local checkpoints (an alias or hub id resolved once, here)
@@ -120,9 +89,8 @@ class Run:
             "prefix_cache_mb": cfg.rollout.prefix_cache_mb,
             "cuda_graphs": cfg.rollout.cuda_graphs,
         }
-        if (
-            cfg.actor.lora_rank
-        ):  # the engine holds the policy's adapters: a refit sends them alone (docs/lora.md)
+        # the engine holds the policy's adapters: a refit sends them alone (docs/lora.md)
+        if cfg.actor.lora_rank:
             engine_options["lora"] = cfg.actor.lora_options()
         n_workers, gpus = cfg.rollout.num_workers, 0
         if cfg.rollout.engine == "vllm":  # one worker per vLLM engine, holding its tensor-parallel GPUs
@@ -149,59 +117,39 @@ class Run:
         await asyncio.gather(
             *[w.start.remote() for w in self.workers.actors], self.trainer.setup(self.trainer_cfg)
         )
+        self.sync = WeightSync(self.trainer, self.workers, cfg.train.partial_rollout_enable)
         sync = cfg.train.weight_sync
-        self._weight_plan = None
         if sync == "collective" or (sync == "auto" and cfg.rollout.engine == "vllm"):
-            await self._join_weight_group()
-
-    async def _join_weight_group(self) -> None:
-        """Trainer rank 0 (the sender, rank 0) and every engine process form the refit group."""
-        rank0, workers = self.trainer.ranks[0], self.workers.actors
-        address = await rank0.master_address.remote()
-        sizes = await asyncio.gather(*[w.weight_group_size.remote() for w in workers])
-        world, offsets = 1 + sum(sizes), [1 + sum(sizes[:i]) for i in range(len(sizes))]
-        self.workers.max_restarts = 0  # a new worker could not join the group
-        await asyncio.gather(
-            self.trainer.same("join_weight_group", address, world),
-            *[w.join_weight_group.remote(address, o, world) for w, o in zip(workers, offsets)],
-        )
-        self._weight_plan = await rank0.weight_plan.remote(BUCKET_BYTES)
+            await self.sync.join()
 
     async def _load_checkpoint(self) -> None:
         path = self._resume_from
         state = json.loads((path / "state.json").read_text())
         print(f"molt: resuming from {path} (step {state['step']})", file=sys.stderr)
         await self.trainer.same("load", str(path / "trainer"))
-        self.step = self.version = state["step"]
-        self.stream = state.get("stream")
-        if self.stream is None:  # a checkpoint written before the stream kept a state of its own
-            old = PromptStream(self.rows, self.cfg.train.seed)
-            self.stream = {"next": 0, "done": [old.position(k) for k in state["ledger"]]}
+        self.step, self.stream = state["step"], state["stream"]
         self.generated_tokens, self.counters = state["generated_tokens"], state.get("counters", {})
         if state.get("kl_coef") is not None and self.cfg.algo.kl.target is not None:
             self.kl_coef = state["kl_coef"]
             await self.trainer.same("set_kl_coef", self.kl_coef)
         for name in ("ledger.jsonl", "metrics.jsonl"):  # forget steps after the checkpoint: they are redone
             truncate_after(self.dir / name, self.step)
-        await self._refit()
+        await self.sync.refit(self.step)
 
     async def _save_checkpoint(self, pool: RolloutPool, metrics: dict[str, float]) -> None:
-        path = self.ckpt_dir / f"step_{self.step}"
+        path = self.control.step_dir(self.step)
         await self.trainer.same("save", str(path / "trainer"))
         if self.cfg.ckpt.save_hf:
             await self.trainer.same("export_hf", str(path / "hf"))
         # its size does not grow with the run: the stream's state is bounded by the groups in flight
         state = {
-            "step": self.step,
             "stream": pool.prompts.state(),
             "generated_tokens": self.generated_tokens,
             "counters": dict(pool.counters),
             "kl_coef": self.kl_coef,
             "metrics": metrics,
         }
-        (path / "state.json").write_text(json.dumps(state))  # written last: marks the checkpoint complete
-        rotate(self.ckpt_dir, self.cfg.ckpt.max_num, self.cfg.ckpt.best_metric_key)
-        self.control.saved()
+        self.control.checkpointed(self.step, state)
 
     # ------------------------------------------------------------------------------------------ rollouts
     def _params(self, *, eval: bool = False) -> SamplingParams:
@@ -225,8 +173,8 @@ class Run:
             raise
 
     async def evaluate(self) -> dict[str, float]:
-        """pass@n and avg@n on the eval set (correct = score or reward > 0; avg = mean score)."""
-        from molt.runtime.metrics import agent_metrics, info_means, pass_at_n
+        """pass@n and avg@n on the eval set (`molt.runtime.metrics.eval_metrics`)."""
+        from molt.runtime.metrics import eval_metrics
 
         n = self.cfg.eval.n_samples_per_prompt
         tasks = [
@@ -234,9 +182,8 @@ class Run:
                 row,
                 (-1, p),
                 f"eval-p{p}",
-                f"eval-v{self.version}-p{p}-s{s}",
+                f"eval-v{self.step}-p{p}-s{s}",
                 s,
-                self.version,
                 seed=self.cfg.train.seed * 1000 + p * n + s,
             )
             for p, row in enumerate(self.eval_rows)
@@ -244,60 +191,27 @@ class Run:
         ]
         t0 = time.perf_counter()
         outcomes = await asyncio.gather(*[self._run_on_worker(t, train=False) for t in tasks])
-        correct: list[list[bool]] = [[] for _ in self.eval_rows]
-        failed = 0
-        for task, o in zip(tasks, outcomes):
-            correct[task.key[1]].append(o.ok and o.effective_score > 0)
-            failed += not o.ok
-        pass_n, avg_n = pass_at_n(correct)
         name = Path(self.cfg.eval.dataset).stem
-        out = {
-            f"eval_{name}_pass{n}": pass_n,
-            f"eval_{name}_avg{n}": avg_n,
-            "eval/accuracy": avg_n,
-            "eval/failed": float(failed),
-            "timing/eval": time.perf_counter() - t0,
-            **agent_metrics(outcomes, "eval/agent/"),
-            **info_means(outcomes, "eval/info/"),
-        }
+        out = eval_metrics(outcomes, [t.key[1] for t in tasks], name, n)
+        out["timing/eval"] = time.perf_counter() - t0
+        agent = {k[5:]: v for k, v in out.items() if k.startswith("eval/agent/")}
         self.evals.append(
             {
                 "step": self.step,
-                "accuracy": avg_n,
-                "pass": pass_n,
-                **{k[5:]: v for k, v in out.items() if k.startswith("eval/agent/")},
+                "accuracy": out["eval/accuracy"],
+                "pass": out[f"eval_{name}_pass{n}"],
+                **agent,
             }
         )
         return out
 
     # ------------------------------------------------------------------------------------------ training
-    async def _refit(self) -> float:
-        t0, partial_rollout, workers = (
-            time.perf_counter(),
-            self.cfg.train.partial_rollout_enable,
-            self.workers.actors,
-        )
-        if self._weight_plan is None:  # the buckets go into the object store while the workers drain
-            refs = asyncio.ensure_future(self.trainer.same("weight_refs", BUCKET_BYTES))
-            await self.workers.refit(partial_rollout, refs, self.version)
-            return time.perf_counter() - t0
-        try:  # collective: every engine is paused before rank 0 enters the broadcast (no rank waits on a drain)
-            await asyncio.gather(*[w.begin_refit.remote(partial_rollout) for w in workers])
-            await asyncio.gather(
-                self.trainer.same("broadcast_weights", BUCKET_BYTES),
-                *[w.receive_weights.remote(self._weight_plan, self.version) for w in workers],
-            )
-        finally:
-            await asyncio.gather(*[w.end_refit.remote() for w in workers])
-        return time.perf_counter() - t0
-
     async def _train_step(self, groups: list[Group]) -> dict[str, float]:
         cfg, (low, high) = self.cfg, self.cfg.reward.clip_range
         estimator = cfg.algo.advantage.estimator
         rows = [(o.rollout_id, g.group_id, min(max(o.reward, low), high)) for g in groups for o in g.outcomes]
-        group = (
-            self.spec.kind == "group"
-        )  # one advantage per rollout here, else the ranks' from terminal rewards
+        # one advantage per rollout here, else the ranks' from terminal rewards
+        group = self.spec.kind == "group"
         advantages = rollout_advantages(estimator, rows) if group else None
         rewards = None if group else terminal_rewards(self.spec.centred, rows)
         # optimizer windows of whole groups; each rank gets its balanced share of every window
@@ -367,9 +281,6 @@ class Run:
 
     async def _loop(self, logger: MetricsLogger) -> None:
         cfg = self.cfg
-        filt = None
-        if cfg.algo.dynamic_filtering_enable:
-            filt = _dynamic_filter(cfg.rollout.n_samples_per_prompt, tuple(cfg.algo.dynamic_filtering_range))
         pool = RolloutPool(
             PromptStream(self.rows, cfg.train.seed, self.stream),
             self._run_on_worker,
@@ -377,14 +288,14 @@ class Run:
             groups_per_step=cfg.rollout.batch_size,
             max_staleness=cfg.train.max_staleness,
             max_retries=cfg.rollout.max_failed_retries,
-            group_filter=filt,
+            group_filter=self._dapo if cfg.algo.dynamic_filtering_enable else None,
             seed=cfg.train.seed,
             stall_timeout_s=cfg.train.stall_timeout_s,
             failure_window=cfg.rollout.failure_window,
             max_failed_share=cfg.rollout.max_failed_share,
         )
         pool.counters.update(self.counters)
-        pool.set_version(self.version)
+        pool.set_version(self.step)
         pool.start()
         metrics: dict[str, float] = {}
         try:
@@ -401,18 +312,16 @@ class Run:
                 metrics = await self._train_step(groups)
                 self.control.skipped(metrics["train/skipped_in_a_row"], cfg.train.max_skipped_steps)
                 t_train = time.perf_counter() - t0 - t_gen
-                trained_version = self.version
-                self.version += 1
+                trained_version = self.step
                 self.step += 1
-                self._record(
-                    groups, pool.prompts
-                )  # before the refit: a crash loop there still saves the step
+                # before the refit: a crash loop there still saves the step
+                self._record(groups, pool.prompts)
                 try:
-                    t_refit = await self._refit()
+                    t_refit = await self.sync.refit(self.step)
                 except RunStopped as e:
                     self.control.stop(e)
                     t_refit = 0.0
-                pool.set_version(self.version)
+                pool.set_version(self.step)
                 metrics.update(rollout_metrics(groups, trained_version))
                 metrics.update({f"rollout/{k}": float(v) for k, v in pool.counters.items()})
                 metrics.update(
@@ -422,7 +331,7 @@ class Run:
                         "timing/broadcast": t_refit,
                         "timing/step_total": time.perf_counter() - t0,
                         "rollout/generated_tokens": float(self.generated_tokens),
-                        "version": self.version,
+                        "version": self.step,
                     }
                 )
                 if cfg.train.dump_trajectories_steps and self.step % cfg.train.dump_trajectories_steps == 0:
@@ -446,10 +355,16 @@ class Run:
         finally:
             await pool.stop()
         if not (
-            self.ckpt_dir / f"step_{self.step}" / "state.json"
+            self.control.step_dir(self.step) / "state.json"
         ).is_file():  # stopped while waiting for rollouts
             await self._save_checkpoint(pool, metrics)
         self.control.finish(self.step)
+
+    def _dapo(self, group: Group) -> str | None:
+        """DAPO dynamic filtering (`algo.dynamic_filtering_enable`): why the pool drops `group`, or None."""
+        from molt.algo.filters import dapo_drop
+
+        return dapo_drop([o.effective_score for o in group.outcomes], self.cfg.algo.dynamic_filtering_range)
 
     def _record(self, groups: list[Group], stream: PromptStream) -> None:
         with open(self.dir / "ledger.jsonl", "a") as f:

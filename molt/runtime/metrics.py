@@ -80,6 +80,23 @@ def pass_at_n(correct: list[list[bool]]) -> tuple[float, float]:
     )
 
 
+def eval_metrics(outcomes: list[Any], prompts: list[int], name: str, n: int) -> dict[str, float]:
+    """An eval set's line: pass@n and avg@n (`prompts`: each rollout's prompt index; correct = ok with score or
+    reward > 0; avg = the mean of that), failures, the agents' metrics and info means."""
+    correct: list[list[bool]] = [[] for _ in range(max(prompts, default=-1) + 1)]
+    for p, o in zip(prompts, outcomes):
+        correct[p].append(o.ok and o.effective_score > 0)
+    pass_n, avg_n = pass_at_n(correct)
+    return {
+        f"eval_{name}_pass{n}": pass_n,
+        f"eval_{name}_avg{n}": avg_n,
+        "eval/accuracy": avg_n,
+        "eval/failed": float(sum(not o.ok for o in outcomes)),
+        **agent_metrics(outcomes, "eval/agent/"),
+        **info_means(outcomes, "eval/info/"),
+    }
+
+
 def _fmt(value: float) -> str:
     return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
 

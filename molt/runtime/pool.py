@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from molt.types import Experience, RolloutRecord, RolloutStatus, sub_seed
+from molt.types import Experience, RolloutStatus, Trajectory, sub_seed
 
 
 class RunStopped(RuntimeError):
@@ -35,23 +35,14 @@ class RolloutTask:
     group_id: str
     rollout_id: str
     sample_index: int
-    dispatch_version: int
     seed: int = 0
 
 
 @dataclass(slots=True)
-class RolloutOutcome(RolloutRecord):
-    """What a worker returns for one rollout: light fields plus offloaded experiences (one per segment)."""
+class RolloutOutcome(Trajectory):
+    """What a worker returns for one rollout: its trajectory's light fields (no segments) plus offloaded
+    experiences (one per segment)."""
 
-    rollout_id: str
-    group_id: str
-    status: RolloutStatus
-    reward: float = 0.0
-    score: float | None = None
-    error: str = ""
-    traceback: str = ""  # the agent's exception, formatted (`Trajectory.traceback`)
-    info: dict[str, float] = field(default_factory=dict)
-    truncated: bool = False
     experiences: list[Experience] = field(default_factory=list)
     break_reasons: list[str] = field(default_factory=list)
     response_tokens: int = 0  # action tokens over all segments
@@ -101,9 +92,6 @@ class PromptStream:
             random.Random(self.seed + epoch).shuffle(order)
         return self._orders[epoch]
 
-    def position(self, key: tuple[int, int]) -> int:
-        return key[0] * len(self.rows) + self.order(key[0]).index(key[1])
-
     def __iter__(self) -> Iterator[tuple[tuple[int, int], dict[str, Any]]]:
         while True:
             n, self._next = self._next, self._next + 1
@@ -124,9 +112,6 @@ class PromptStream:
         return {"next": min(self._open.values(), default=self._next), "done": sorted(self._done)}
 
 
-GroupFilter = Callable[[list[Group]], tuple[list[Group], dict[str, int]]]
-
-
 class RolloutPool:
     def __init__(
         self,
@@ -137,7 +122,7 @@ class RolloutPool:
         groups_per_step: int,
         max_staleness: int,
         max_retries: int = 2,
-        group_filter: GroupFilter | None = None,
+        group_filter: Callable[[Group], str | None] | None = None,
         seed: int = 0,
         stall_timeout_s: float = 0.0,
         failure_window: int = 0,
@@ -231,7 +216,7 @@ class RolloutPool:
     def _task(self, key: tuple[int, int], row: dict, group_id: str, index: int, attempt: int) -> RolloutTask:
         # Ids and seeds are deterministic so that a seeded run is reproducible.
         rid = f"{group_id}-s{index}-a{attempt}"
-        return RolloutTask(row, key, group_id, rid, index, self.version, sub_seed(self._seed, rid))
+        return RolloutTask(row, key, group_id, rid, index, sub_seed(self._seed, rid))
 
     async def _run_group(self, key: tuple[int, int], row: dict[str, Any]) -> None:
         group_id = f"e{key[0]}-p{key[1]}"
@@ -262,13 +247,11 @@ class RolloutPool:
             if pending:
                 await asyncio.wait(pending)
         group = Group(key, group_id, row, sorted(done, key=lambda o: o.sample_index))
-        if self._filter is not None:
-            kept, reasons = self._filter([group])
-            if not kept:
-                reason = next((r for r, n in reasons.items() if n), "filtered")
-                self._drop(reason, key)
-                return
-        self._ready.put_nowait(group)
+        reason = self._filter(group) if self._filter else None  # e.g. DAPO's: why the group is dropped
+        if reason:
+            self._drop(reason, key)
+        else:
+            self._ready.put_nowait(group)
 
     def _count(self, outcome: RolloutOutcome) -> None:
         """Count a failure by status, print the first of each status, and judge the last rollouts' failed share."""
@@ -299,15 +282,11 @@ class RolloutPool:
 
     def _why(self) -> str:
         """The failure and drop counts so far, and the first error of the most frequent failure."""
-        counts = (
-            ", ".join(f"{k} {n}" for k, n in sorted(self.counters.items()) if n)
-            or "nothing failed or dropped"
-        )
-        reason = max(
-            self._first, key=lambda r: self.counters[f"failed/{r}"], default=None
-        )  # not a resumed count's
+        counts = ", ".join(f"{k} {n}" for k, n in sorted(self.counters.items()) if n)
+        # among this process's failures: a resumed run's counts have no first error here
+        reason = max(self._first, key=lambda r: self.counters[f"failed/{r}"], default=None)
         if reason is None:
-            return counts
+            return counts or "nothing failed or dropped"
         return f"{counts}; first {reason} (rollout {self._first[reason].rollout_id}): {self._first[reason].error}"
 
     @staticmethod
@@ -315,13 +294,13 @@ class RolloutPool:
         """A worker crash is a failed rollout, never a crashed pool."""
         rid, group_id = rollout.rollout_id, rollout.group_id
         if task.cancelled():
-            return RolloutOutcome(rid, group_id, RolloutStatus.ABORTED, error="cancelled")
+            return RolloutOutcome(rid, group_id, status=RolloutStatus.ABORTED, error="cancelled")
         exc = task.exception()
         if exc is not None:
             return RolloutOutcome(
                 rid,
                 group_id,
-                RolloutStatus.AGENT_ERROR,
+                status=RolloutStatus.AGENT_ERROR,
                 error=f"{type(exc).__name__}: {exc}",
                 traceback="".join(traceback.format_exception(exc)),
             )

@@ -82,46 +82,25 @@ def run_sft(cfg: Any) -> dict[str, Any]:
 
     from molt.config_resolve import override, resolve, save_config, to_dict
     from molt.models import resolve_model
-    from molt.runtime.checkpoints import RunControl, resume_point, rotate, truncate_after
-    from molt.runtime.data import load_prompts
+    from molt.runtime.checkpoints import RunControl, resume_point, truncate_after
+    from molt.runtime.data import run_prompts
     from molt.runtime.metrics import MetricsLogger
     from molt.trainer import Actor
 
-    t0, d, out = time.perf_counter(), cfg.data, Path(cfg.ckpt.output_dir)
+    t0, out = time.perf_counter(), Path(cfg.ckpt.output_dir)
     model_path = str(resolve_model(cfg.actor.model_name_or_path))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    keys = {"input_key": d.input_key, "label_key": None, "tools_key": d.tools_key}
-    train = chat_experiences(
-        load_prompts(
-            d.prompt_dataset,
-            split=d.prompt_split,
-            probs=d.prompt_probs,
-            max_samples=d.max_samples,
-            seed=cfg.train.seed,
-            **keys,
-        ),
-        tokenizer,
-        d.max_len,
-        "data.prompt_dataset",
-    )
-    held = (
-        chat_experiences(
-            load_prompts(cfg.eval.dataset, split=cfg.eval.split, what="eval.dataset", **keys),
-            tokenizer,
-            d.max_len,
-            "eval.dataset",
-        )
-        if cfg.eval.dataset
-        else []
-    )
+    rows, eval_rows = run_prompts(cfg)
+    train = chat_experiences(rows, tokenizer, cfg.data.max_len, "data.prompt_dataset")
+    held = chat_experiences(eval_rows, tokenizer, cfg.data.max_len, "eval.dataset")
     cfg = resolve(cfg, len(train), sft=True)  # the schedule's length, policy loss sft (molt.config_resolve)
     size, steps = cfg.train.batch_size, cfg.train.max_steps
     actor = Actor(override(cfg, {"actor.model_name_or_path": model_path}))
-    rank0, ckpt_dir = actor.rank == 0, Path(cfg.ckpt.path) if cfg.ckpt.path else out / "checkpoints"
+    rank0, control = actor.rank == 0, RunControl(cfg.ckpt)
     rng, order = random.Random(cfg.train.seed), []
     while len(order) < steps * size:  # one seeded shuffle per epoch: a resume finds the same order
         order += rng.sample(range(len(train)), len(train))
-    resume = resume_point(out, ckpt_dir, cfg.ckpt.resume)
+    resume = resume_point(out, control.root, cfg.ckpt.resume)
     if resume is not None:
         actor.load(str(resume / "trainer"))
     step = actor.step
@@ -154,7 +133,7 @@ def run_sft(cfg: Any) -> dict[str, Any]:
     evals = [eval_loss()] if held and step == 0 else []
     if evals and log:
         log.log(0, {"eval/loss": evals[0]}, advance=False)
-    control = RunControl(cfg.ckpt)
+    control.saved()  # the time between checkpoints counts from here
     with control.signals():
         while step < steps and control.stopping is None:
             t = time.perf_counter()
@@ -185,13 +164,8 @@ def run_sft(cfg: Any) -> dict[str, Any]:
             if agreed["stop"] and control.stopping is None:
                 control.stop(RuntimeError("another rank was stopped"))
             if agreed["due"] or agreed["stop"]:
-                actor.save(str(ckpt_dir / f"step_{step}" / "trainer"))
-                if rank0:
-                    (ckpt_dir / f"step_{step}" / "state.json").write_text(
-                        json.dumps({"step": step, "metrics": metrics})
-                    )
-                    rotate(ckpt_dir, cfg.ckpt.max_num, cfg.ckpt.best_metric_key)
-                control.saved()
+                actor.save(str(control.step_dir(step) / "trainer"))
+                control.checkpointed(step, {"metrics": metrics} if rank0 else None)
     if log:
         log.close()
     control.finish(step)

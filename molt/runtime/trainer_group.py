@@ -77,9 +77,8 @@ class TrainerRank:
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
-        import_files(
-            cfg.algo.plugins, "algo.plugins"
-        )  # the user's estimators and losses, registered here too
+        # the user's estimators and losses, registered here too
+        import_files(cfg.algo.plugins, "algo.plugins")
         self.cfg, self.spec = cfg, estimator_spec(cfg.algo.advantage.estimator)
         self.actor = Actor(cfg)
         # the KL as a token reward (token-level estimators, `algo.kl.use_loss` false): its coefficient, adapted
@@ -122,9 +121,8 @@ class TrainerRank:
             else:
                 metrics = model.train_step(w, [targets[id(e)][0] for e in w], [targets[id(e)][1] for e in w])
             for key, value in metrics.items():  # means over the steps; times and skipped steps add up
-                sums[key] += (
-                    value if key.startswith(("timing/", "train/skipped_steps")) else value / count[model]
-                )
+                adds_up = key.startswith(("timing/", "train/skipped_steps"))
+                sums[key] += value if adds_up else value / count[model]
         streak = max(m.skipped_in_a_row for m in (self.actor, self.critic) if m is not None)
         return {**sums, **self.kl_metrics, "train/skipped_in_a_row": float(streak)}
 
@@ -156,6 +154,7 @@ class TrainerRank:
         # KL reward: behavior (sampling-time) log-probs against the reference's, per action token (collective)
         ref = self.actor.compute_logprobs(experiences, reference=True) if self.kl_reward_coef > 0 else []
         a = self.cfg.algo.advantage
+        # whitened below, over every rank; centred (a spec's `centred`) by the controller
         params = AdvantageParams(
             gamma=a.gamma,
             lam=a.lam,
@@ -163,7 +162,7 @@ class TrainerRank:
             whiten=False,
             reward_coef=a.reward_coef,
             centred=self.spec.centred,
-        )  # centred by the controller
+        )
         adv = mask = None
         returns: list = []
         if experiences:
@@ -258,9 +257,6 @@ class TrainerRank:
 
     def export_hf(self, path: str) -> None:
         self.actor.export_hf(path)
-
-    def step(self) -> int:
-        return self.actor.step
 
 
 def _reload(experiences: list[Experience]) -> list[Experience]:

@@ -20,6 +20,25 @@ from molt.types import Completion, RolloutStatus, SamplingParams
 RESTART_WINDOW_S = 600.0
 
 
+class RestartBudget:
+    """At most `limit` deaths of an engine or a worker within RESTART_WINDOW_S, each one replaced."""
+
+    def __init__(self, limit: int):
+        self.limit, self.deaths = limit, []
+
+    def died(self, what: str, setting: str) -> None:
+        """Count a death of `what`: RunStopped past the limit (the config field `setting`), else say a new one
+        starts."""
+        now = time.monotonic()
+        self.deaths = [t for t in self.deaths if now - t < RESTART_WINDOW_S] + [now]
+        if len(self.deaths) > self.limit:
+            raise RunStopped(
+                f"{what}, {len(self.deaths)} time(s) within {RESTART_WINDOW_S:.0f} s; the run survives "
+                f"{self.limit} ({setting}; none with the collective refit group)"
+            )
+        print(f"molt: {what}; starting a new one", file=sys.stderr)
+
+
 class RefitGate:
     """What the capture server calls the engine: it holds new requests back and waits for the ones in flight (the
     refit without partial rollout), and a revived engine takes the old one's place behind it (`engine`). It
@@ -87,13 +106,14 @@ class RolloutWorker:
         tool_parser: str = "auto",
     ):
         self.model_path, self.agent_path, self.engine_kind = model_path, agent_path, engine_kind
-        self.torch_threads, self.max_restarts, self.tool_parser = torch_threads, max_restarts, tool_parser
+        self.torch_threads, self.tool_parser = torch_threads, tool_parser
         self.runner_options = runner_options or {}
         self.engine_options = engine_options or {}
         self.engine: Any = None
         self.server: Any = None
         self.runner: Any = None
-        self.restarts, self._deaths, self._joined, self._refitting = 0, [], False, False
+        self.restarts, self._refitting = 0, False
+        self._budget = RestartBudget(max_restarts)
         self._restart_lock = asyncio.Lock()
         self._weights: tuple[list, int] | None = None  # the last refit's buckets and version
 
@@ -125,7 +145,8 @@ class RolloutWorker:
     def _new_engine(self, wait: bool = True) -> Engine:
         """`wait=False`: an engine process is returned as soon as it is spawned (`EngineProcess.started`)."""
         options, spawned = dict(self.engine_options), None
-        if self.engine_kind == "hf" and options.pop("process", True):  # the default: see molt.engine.process
+        # first, an engine process (the default: see molt.engine.process): its start-up overlaps our imports
+        if self.engine_kind == "hf" and options.pop("process", True):
             from molt.engine.process import EngineProcess
 
             spawned = EngineProcess(
@@ -134,12 +155,11 @@ class RolloutWorker:
                 torch_threads=self.torch_threads,
                 wait=wait,
                 **options,
-            )  # first: its start-up overlaps this process's imports
+            )
         import torch
 
-        if (
-            self.torch_threads
-        ):  # this process's pool: an in-process engine decodes in it, a refit copies in it
+        # this process's pool: an in-process engine decodes in it, a refit copies in it
+        if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         if spawned is not None:
             return spawned
@@ -159,18 +179,9 @@ class RolloutWorker:
     async def _revive(self) -> bool:
         code = getattr(self.engine.engine, "exitcode", None)
         while code is not None:
-            self._deaths = [t for t in self._deaths if time.monotonic() - t < RESTART_WINDOW_S] + [
-                time.monotonic()
-            ]
-            if len(self._deaths) > self.max_restarts or self._joined:
-                raise RunStopped(
-                    f"the engine process died (exit code {code}), {len(self._deaths)} time(s) within "
-                    f"{RESTART_WINDOW_S:.0f} s; rollout.engine_max_restarts is {self.max_restarts}"
-                )
-            print(
-                f"molt: the engine process died (exit code {code}){' in a refit' if self._refitting else ''}; "
-                "starting a new one",
-                file=sys.stderr,
+            self._budget.died(
+                f"the engine process died (exit code {code}){' in a refit' if self._refitting else ''}",
+                "rollout.engine_max_restarts",
             )
             new = await asyncio.to_thread(self._new_engine, False)
             try:
@@ -216,7 +227,7 @@ class RolloutWorker:
         )
         if not traj.ok and (await self.revive() or self.restarts != restarts):
             traj.status = RolloutStatus.ENGINE_RESTART
-        outcome = outcome_from_trajectory(traj, offload=False)
+        outcome = outcome_from_trajectory(traj)
         payloads = [e.split() for e in outcome.experiences] if train else []
         outcome.experiences, outcome.sample_index = outcome.experiences if train else [], task.sample_index
         yield outcome
@@ -256,7 +267,7 @@ class RolloutWorker:
 
     async def join_weight_group(self, address: str, rank: int, world: int) -> None:
         """Join the collective refit group (`molt.engine.weight_group`) as ranks rank .. rank + size - 1."""
-        self._joined = True
+        self._budget.limit = 0  # a new engine could not join the group
         await self.engine.engine.join_weight_group(address, rank, world)
 
     async def receive_weights(self, plan: list, version: int) -> None:
@@ -282,12 +293,10 @@ class Workers:
 
     def __init__(self, spawn: Callable[[int, int], Any], n: int, max_restarts: int):
         """spawn(i, n): a new actor for worker i of n."""
-        self.spawn, self.max_restarts = spawn, max_restarts  # max_restarts 0 with the collective refit group
+        self.spawn, self.budget = spawn, RestartBudget(max_restarts)
         self.actors, self.inflight = [spawn(i, n) for i in range(n)], [0] * n
-        self.weights: tuple[asyncio.Future, int] | None = (
-            None  # the last refit's (trainer ranks' refs, version)
-        )
-        self._deaths: list[float] = []
+        # the last refit's (trainer ranks' refs, version)
+        self.weights: tuple[asyncio.Future, int] | None = None
         self._lock = asyncio.Lock()  # held by refits and replacements; a dispatch waits for them
 
     async def run(self, task: RolloutTask, params: SamplingParams, train: bool) -> RolloutOutcome:
@@ -304,15 +313,14 @@ class Workers:
             for e in outcome.experiences:
                 e.payload_ref = await stream.__anext__()
             return outcome
-        except (
-            asyncio.CancelledError
-        ):  # a dropped rollout: end it on the worker too (its agent, its engine requests)
+        # a dropped rollout: end it on the worker too (its agent, its engine requests)
+        except asyncio.CancelledError:
             ray.cancel(stream)
             raise
         except RayActorError as e:
             await self._replace(i, actor, e)
             return RolloutOutcome(
-                task.rollout_id, task.group_id, RolloutStatus.WORKER_RESTART, error=repr(e)[:500]
+                task.rollout_id, task.group_id, status=RolloutStatus.WORKER_RESTART, error=repr(e)[:500]
             )
         finally:
             self.inflight[i] -= 1
@@ -346,17 +354,9 @@ class Workers:
         async with self._lock:
             if self.actors[i] is not dead:
                 return  # another of its rollouts found out first
-            self._deaths = [t for t in self._deaths if time.monotonic() - t < RESTART_WINDOW_S] + [
-                time.monotonic()
-            ]
-            if len(self._deaths) > self.max_restarts:
-                raise RunStopped(
-                    f"rollout worker {i} died ({type(error).__name__}), {len(self._deaths)} time(s) within "
-                    f"{RESTART_WINDOW_S:.0f} s; the run survives {self.max_restarts} (rollout."
-                    "worker_max_restarts; none with the collective refit group)"
-                )
-            print(
-                f"molt: rollout worker {i} died ({type(error).__name__}); starting a new one", file=sys.stderr
+            self.budget.died(
+                f"rollout worker {i} died ({type(error).__name__})",
+                "rollout.worker_max_restarts",
             )
             ray.kill(dead)  # in case it was only unreachable
             self.actors[i] = new = self.spawn(i, len(self.actors))

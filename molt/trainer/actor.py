@@ -44,9 +44,8 @@ class Actor(ShardedModelTrainer):
         self.lm = self.load_lm(a.model_name_or_path)
         self.routing = Routing(self.lm, cfg)
         self.routing = self.routing if self.routing.routers else None  # a dense model
-        blocks = (
-            parallel.decoder_layers(self.lm) if a.optim == "muon" else ()
-        )  # before FSDP2 renames their classes
+        # before FSDP2 renames their classes
+        blocks = parallel.decoder_layers(self.lm) if a.optim == "muon" else ()
         self.model = self.wrap(
             CausalLMLogProbs(self.lm, a.logprob_chunk_size, self.routing), self.lm, trainable=True
         )
@@ -65,9 +64,8 @@ class Actor(ShardedModelTrainer):
         self.nan_windows = {int(w) for w in os.environ.get("MOLT_FAULT_NAN_LOSS", "").split(",") if w}
         if kl.init_coef > 0 and a.lora_rank and cfg.ref.model_name_or_path in (None, a.model_name_or_path):
             self.ref = self.model  # the base model is this one with the adapters off (`_reference`): no copy
-        elif (
-            kl.init_coef > 0
-        ):  # a reference model: the KL's, in the loss or (the runtime's) in the token rewards
+        elif kl.init_coef > 0:
+            # a reference model: the KL's, in the loss or (the runtime's) in the token rewards
             ref_lm = self.load_lm(cfg.ref.model_name_or_path or a.model_name_or_path)
             self.ref = self.wrap(CausalLMLogProbs(ref_lm, a.logprob_chunk_size), ref_lm, trainable=False)
 

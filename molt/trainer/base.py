@@ -156,9 +156,8 @@ class ShardedModelTrainer:
         stats[1 + (self.mesh["dp"].get_local_rank() if self.mesh is not None else 0)] = len(plan)
         # gloo reduces CPU tensors, NCCL device tensors: the compute device fits both
         stats = parallel.all_reduce_sum(stats.to(self.device), self.mesh)
-        host = (
-            stats.tolist()
-        )  # the one read-back of the step's start: the window's count, every schedule's length
+        # the one read-back of the step's start: the window's count, every schedule's length
+        host = stats.tolist()
         n_passes, self.window_tokens = int(max(host[1:])), host[0]
         if n_passes == 0:
             raise ValueError("experiences: the window is empty on every rank")

@@ -54,7 +54,7 @@ Decisions:
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -135,18 +135,16 @@ class MicroBatch:
     act_index: Tensor  # [A] int64 flat positions (into R * L) of the action tokens
     act_temperature: Tensor  # [A] fp32 sampling temperature of each action token
     num_actions: int  # A, known on the host (0 for a ghost)
-    spans: list[
-        tuple[int, int, int, int]
-    ]  # per experience (row, start, length, skip): its tokens from `skip`
-    # on lie at row[start : start + length - skip]; the first `skip` are a prefix shared with other rows
+    # per experience (row, start, length, skip): its tokens from `skip` on lie at row[start : start + length -
+    # skip]; the first `skip` are a prefix shared with other rows
+    spans: list[tuple[int, int, int, int]]
     extra: dict[str, Tensor] | None = None  # more [R, L] fp32 per-token inputs (old_logprobs, returns, ...)
     ghost: bool = False  # a stand-in that keeps collectives in step; its loss is multiplied by 0
     prefix: SharedPrefix | None = None  # rows that share their first tokens (share_prefix=True)
     seq_ids: Tensor | None = None  # [1, T] int64 sequence index of each token (packed)
     packing: dict | None = None  # packed: position_ids and the attention's arguments (`_pack`)
-    routes: Tensor | None = (
-        None  # [R, L, layers, k] int64 experts the engine routed to (`Segment.routed_experts`)
-    )
+    # [R, L, layers, k] int64 experts the engine routed to (`Segment.routed_experts`)
+    routes: Tensor | None = None
     images: dict | None = None  # processor inputs of the rows' images in row order (module docstring)
     blank: dict | None = None  # a VLM's micro-batch without images on several ranks: `blank_image`'s inputs
 
@@ -224,8 +222,9 @@ def collate(
     ghost = not t["action_mask"].numpy().any()  # numpy: its any and flatnonzero are much cheaper on the host
     if ghost and t["action_mask"].shape[1] < 2:
         return ghost_batch(pad_id, device, extra or {}, pack)
-    if ghost:  # mark one token as an action so that every parameter (the output head included) joins the
-        # backward, as FSDP2 expects the same parameters to receive gradients on every rank; the loss is zeroed
+    if ghost:
+        # mark one token as an action so that every parameter (the output head included) joins the backward, as
+        # FSDP2 expects the same parameters to receive gradients on every rank; the loss is zeroed
         t["action_mask"][0, 1] = True
     act_index = torch.from_numpy(np.flatnonzero(t["action_mask"].numpy()))  # host arrays: no device sync
     mb = MicroBatch(
@@ -245,9 +244,7 @@ def collate(
     )
     if pack:
         mb.seq_ids, mb.packing = t["seq_ids"], packing
-    elif (
-        share_prefix and not ghost and mb.routes is None and not images
-    ):  # one decoder call: the routes' layout
+    elif share_prefix and not ghost and mb.routes is None and not images:  # routes need one decoder call
         mb.prefix = shared_prefix([e.token_ids for e in exps], [e.action_mask for e in exps])
     return to_device(mb, device)
 
@@ -338,18 +335,8 @@ def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
             return x
         return (x.pin_memory() if device.type == "cuda" else x).to(device, non_blocking=True)
 
-    for name in (
-        "input_ids",
-        "attention_mask",
-        "action_mask",
-        "behavior_logprobs",
-        "advantages",
-        "act_index",
-        "act_temperature",
-        "seq_ids",
-        "routes",
-    ):
-        setattr(mb, name, move(getattr(mb, name)))
+    for f in fields(mb):  # the [R, L] and [A] tensors
+        setattr(mb, f.name, move(getattr(mb, f.name)))
     mb.extra = {k: move(v) for k, v in (mb.extra or {}).items()}
     mb.images = mb.images and {k: move(v) for k, v in mb.images.items()}
     if mb.packing is not None:

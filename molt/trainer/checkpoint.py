@@ -32,9 +32,8 @@ class _TrainState(Stateful):
         return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
     def state_dict(self) -> dict:
-        model_sd, optim_sd = get_state_dict(
-            self.t.model, self.t.optimizers, options=self.options()
-        )  # AdamW, Muon
+        # optimizers: AdamW, Muon
+        model_sd, optim_sd = get_state_dict(self.t.model, self.t.optimizers, options=self.options())
         return {
             "model": model_sd,
             "optim": optim_sd,

@@ -85,9 +85,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
             cdtype,
             hidden.dtype,
         )
-        ctx.set_materialize_grads(
-            False
-        )  # an unused output (entropy as a mere metric) then costs no backward work
+        # an unused output (entropy as a mere metric) then costs no backward work
+        ctx.set_materialize_grads(False)
         return lp, (ent if with_entropy else lp.new_empty(0))
 
     @staticmethod
@@ -154,15 +153,6 @@ def gathered_logprobs(
     return lp, (ent if with_entropy else None)
 
 
-def action_index(action_mask: Tensor) -> Tensor:
-    """[A] flat positions (into B * L) of the action tokens of a [B, L] mask, in row-major order. Host-side
-    helper (it reads the mask): collation builds this once, so the step itself never calls `nonzero`."""
-    mask = action_mask.bool()
-    if mask[:, 0].any():
-        raise ValueError("action_mask[:, 0] must be 0: the first token of a sequence has no prediction")
-    return mask.flatten().nonzero()[:, 0]
-
-
 def action_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -177,7 +167,7 @@ def action_logprobs(
     """Per-token log-probs (and entropy) of the action tokens of a batch.
 
     hidden: [B, L, H] final hidden states; input_ids: [B, L]; act_index: [A] flat positions of the action
-    tokens (`action_index`; position t is predicted by row t - 1 of the same sequence); act_temperature: [A].
+    tokens (`MicroBatch.act_index`; position t is predicted by row t - 1 of the same sequence); act_temperature: [A].
     Index tensors instead of boolean masks: gathers and scatters whose backward needs no device sync.
     Returns [B, L] fp32 tensors, zero off the action tokens."""
     flat_h = hidden.flatten(0, 1)
@@ -252,9 +242,8 @@ class CausalLMLogProbs(nn.Module):
             hidden = self._hidden_with_shared_prefix(decoder, mb.input_ids, mb.prefix)
         head = self.lm.get_output_embeddings()
         bias = head.bias
-        if (
-            self.banned
-        ):  # -1e9 (not -inf: no inf * 0 in the backward) puts exactly 0 mass on them in fp32 and bf16
+        # -1e9 (not -inf: no inf * 0 in the backward) puts exactly 0 mass on them in fp32 and bf16
+        if self.banned:
             if self._ban is None or self._ban.device != head.weight.device:
                 self._ban = torch.zeros(head.weight.shape[0], device=head.weight.device).index_fill_(
                     0, torch.tensor(self.banned, device=head.weight.device), -1e9
@@ -284,8 +273,6 @@ class CausalLMLogProbs(nn.Module):
                 f"{type(decoder).__name__} did not fill its KV cache; set --train.share_prefix false"
             )
         cache.batch_select_indices(prefix.index)
-        rest = decoder(
-            input_ids=input_ids[:, p:], use_cache=True, **{kw: cache}
-        )  # no mask: as `decoder_inputs`
+        rest = decoder(input_ids=input_ids[:, p:], use_cache=True, **{kw: cache})  # no mask: `decoder_inputs`
         hidden = rest.last_hidden_state
         return torch.cat([hidden.new_zeros(hidden.shape[0], p, hidden.shape[2]), hidden], dim=1)

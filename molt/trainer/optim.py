@@ -58,8 +58,9 @@ def build_optimizer(params, cfg: OptimConfig, *, tp_size: int = 1, blocks=()):
         and all(p.dtype in (torch.float32, torch.bfloat16) for p in adam)
     )
     a, m = cfg.adam, cfg.muon
-    opts = (
-        [
+    opts = []
+    if adam:  # none with LoRA + Muon: all 2-D
+        opts.append(
             torch.optim.AdamW(
                 adam,
                 lr=a.lr,
@@ -69,10 +70,7 @@ def build_optimizer(params, cfg: OptimConfig, *, tp_size: int = 1, blocks=()):
                 foreach=foreach,
                 fused=fused or None,
             )
-        ]
-        if adam
-        else []
-    )  # LoRA + Muon: all 2-D
+        )
     if hidden:
         opts.append(
             torch.optim.Muon(

@@ -66,13 +66,11 @@ def varlen_attention(
     """query [1, Hq, T, D], key/value [1, Hkv, T, D] of one packed row -> ([1, T, Hq, D], None); a padded
     micro-batch (no `molt_bounds`) goes to transformers' SDPA (module docstring)."""
     if "molt_bounds" not in kwargs:
-        p = (
-            key.shape[2] - query.shape[2]
-        )  # > 0 after a shared prefix's cached keys: queries padded in front so
-        # that SDPA's causal flag (top-left aligned) lines them up with their keys, no [q, k] mask; outputs dropped
-        query = (
-            torch.cat([query.new_zeros(*query.shape[:2], p, query.shape[3]), query], 2) if p > 0 else query
-        )
+        # > 0 after a shared prefix's cached keys: queries padded in front so that SDPA's causal flag (top-left
+        # aligned) lines them up with their keys, no [q, k] mask; those outputs are dropped
+        p = key.shape[2] - query.shape[2]
+        if p > 0:
+            query = torch.cat([query.new_zeros(*query.shape[:2], p, query.shape[3]), query], 2)
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         return out[:, p:], None
     if getattr(module, "sliding_window", None):

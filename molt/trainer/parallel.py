@@ -168,9 +168,8 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     total = 0.0
     for mesh, sq in per_mesh.items():
         if mesh is not None:
-            if (
-                dist.get_backend() == "nccl"
-            ):  # offloaded gradients sit on CPU; NCCL reduces device tensors only
+            # offloaded gradients sit on CPU; NCCL reduces device tensors only
+            if dist.get_backend() == "nccl":
                 sq = sq.cuda()
             for dim in range(mesh.ndim):  # a sum over every dimension is the sum over the whole mesh
                 dist.all_reduce(sq, group=mesh.get_group(dim))

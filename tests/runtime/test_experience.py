@@ -1,4 +1,4 @@
-"""Experiences: segment -> offloaded payload in Ray's object store -> reload; balanced rank assignment."""
+"""Experiences: segment -> payload in Ray's object store -> reload; balanced rank assignment."""
 
 import pickle
 
@@ -31,8 +31,8 @@ def test_segment_fields_become_arrays_of_the_action_tokens():
         Segment([1, 2, 3], [0, 0, 1], [-0.5, -0.25], [3])
 
 
-def test_outcome_without_offload_keeps_payload_and_light_fields():
-    out = outcome_from_trajectory(_traj(), offload=False)
+def test_an_outcome_keeps_payload_and_light_fields():
+    out = outcome_from_trajectory(_traj())
     assert out.status is RolloutStatus.OK and out.reward == 1.5 and out.response_tokens == 4
     assert out.break_reasons == ["start", "compaction"]
     assert [e.min_version for e in out.experiences] == [3, 4] and out.min_version == 3
@@ -41,13 +41,15 @@ def test_outcome_without_offload_keeps_payload_and_light_fields():
 
 def test_failed_trajectory_has_no_experiences():
     traj = Trajectory("r", "g", [], status=RolloutStatus.TIMEOUT, error="too slow")
-    out = outcome_from_trajectory(traj, offload=False)
+    out = outcome_from_trajectory(traj)
     assert out.experiences == [] and out.error == "too slow"
 
 
 def test_offload_and_reload_through_ray(ray_local):
-    out = outcome_from_trajectory(_traj(), offload=True)
-    exp = out.experiences[0]
+    import ray
+
+    exp = outcome_from_trajectory(_traj()).experiences[0]
+    exp.payload_ref = ray.put(exp.split())  # as `Workers.run` keeps a worker's streamed payload
     assert exp.offloaded and exp.token_ids is None and exp.behavior_logprobs is None
     assert exp.num_tokens == 4 and exp.reward == 1.5  # light fields stay
     exp.reload()
@@ -69,7 +71,7 @@ async def test_a_recorded_sessions_payload_pickles_to_at_most_8_bytes_a_token(to
             messages.append({"role": "user", "content": words(60)})
             messages.append((await session.chat(messages, SamplingParams(max_tokens=64))).message)
         (segment,) = await session.close()
-    (exp,) = outcome_from_trajectory(Trajectory("r", "g", [segment], reward=1.0), offload=False).experiences
+    (exp,) = outcome_from_trajectory(Trajectory("r", "g", [segment], reward=1.0)).experiences
     payload = exp.split()
     n, k = len(payload["token_ids"]), len(payload["versions"])
     assert n > 1000 and 0 < k < n / 4 and k == payload["action_mask"].sum()

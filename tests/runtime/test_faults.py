@@ -118,7 +118,7 @@ async def test_worker_restarts_a_dead_engine_with_its_weights_and_version(tiny_l
         await worker.end_refit()
         sums = await worker.weight_sums()
         params = SamplingParams(max_tokens=200, min_tokens=200)
-        task = RolloutTask(ROW, (0, 0), "g", "g-s0-a0", 0, 3, seed=1)
+        task = RolloutTask(ROW, (0, 0), "g", "g-s0-a0", 0, seed=1)
         running = asyncio.create_task(rollout(worker, task, params))
         while worker.engine.engine.num_requests == 0:  # the rollout is generating: kill its engine
             assert not running.done(), running.result()
@@ -131,7 +131,7 @@ async def test_worker_restarts_a_dead_engine_with_its_weights_and_version(tiny_l
         assert worker.engine.engine is not first and first.exitcode == -signal.SIGKILL
         assert await worker.version() == 3 and await worker.weight_sums() == sums  # the weights it had
         again, payloads = await rollout(
-            worker, RolloutTask(ROW, (0, 0), "g", "g-s0-a1", 0, 3, seed=1), SamplingParams(max_tokens=4)
+            worker, RolloutTask(ROW, (0, 0), "g", "g-s0-a1", 0, seed=1), SamplingParams(max_tokens=4)
         )
         assert again.ok and len(payloads) == len(again.experiences) >= 1
         assert {v for p in payloads for v in p["versions"] if v >= 0} == {3}
@@ -140,9 +140,7 @@ async def test_worker_restarts_a_dead_engine_with_its_weights_and_version(tiny_l
         while worker.engine.engine.exitcode is None:  # the worker learns of it from the engine's pipe
             await asyncio.sleep(0.01)
         with pytest.raises(RunStopped, match=r"died \(exit code -9\), 2 time\(s\)"):
-            await rollout(
-                worker, RolloutTask(ROW, (0, 1), "h", "h-s0-a0", 0, 3), SamplingParams(max_tokens=4)
-            )
+            await rollout(worker, RolloutTask(ROW, (0, 1), "h", "h-s0-a0", 0), SamplingParams(max_tokens=4))
     finally:
         await worker.stop()
 
@@ -166,7 +164,7 @@ async def test_an_engine_dead_at_any_call_of_a_refit_is_revived_with_the_refit(t
         running = asyncio.create_task(
             rollout(
                 worker,
-                RolloutTask(ROW, (0, 0), "g", "g-s0-a0", 0, 0, seed=1),
+                RolloutTask(ROW, (0, 0), "g", "g-s0-a0", 0, seed=1),
                 SamplingParams(max_tokens=200, min_tokens=200),
             )
         )
@@ -207,13 +205,13 @@ async def test_an_engine_dead_at_any_call_of_a_refit_is_revived_with_the_refit(t
         await worker.end_refit()  # the resume meets a dead engine
         outcome, _ = await running
         assert outcome.status is RolloutStatus.ENGINE_RESTART and worker.restarts == 3, outcome.error
-        assert len(worker._deaths) == 4
+        assert len(worker._budget.deaths) == 4
         sums = await worker.weight_sums()
         assert await worker.version() == 4 and [sums[n] for n in names] == [
             float(b[0][1].double().sum()) for b in buckets
         ]
         again, payloads = await rollout(
-            worker, RolloutTask(ROW, (0, 0), "g", "g-s0-a1", 0, 4, seed=1), SamplingParams(max_tokens=4)
+            worker, RolloutTask(ROW, (0, 0), "g", "g-s0-a1", 0, seed=1), SamplingParams(max_tokens=4)
         )
         assert again.ok and {v for p in payloads for v in p["versions"] if v >= 0} == {4}
     finally:
@@ -407,7 +405,6 @@ def test_workers_replace_a_dead_actor_with_the_last_weights_and_keep_its_payload
             yield RolloutOutcome(
                 task.rollout_id,
                 task.group_id,
-                RolloutStatus.OK,
                 experiences=[Experience(task.rollout_id, task.group_id, 0, 1.0, 1, 1, 0)],
             )
             yield {"token_ids": [len(task.rollout_id)]}
@@ -425,7 +422,7 @@ def test_workers_replace_a_dead_actor_with_the_last_weights_and_keep_its_payload
             return self.started, self.loaded
 
     def task(rid, **row):
-        return RolloutTask(row, (0, 0), "g", rid, 0, 0)
+        return RolloutTask(row, (0, 0), "g", rid, 0)
 
     async def hung(workers):
         running = asyncio.create_task(workers.run(task("hung", hang=True), SamplingParams(), True))
@@ -505,7 +502,7 @@ def test_a_rollout_cancelled_on_the_controller_ends_on_its_worker(tiny_llama_dir
         try:
             running = asyncio.create_task(
                 workers.run(
-                    RolloutTask(ROW, (0, 0), "g", "g-s0-a0", 0, 0),
+                    RolloutTask(ROW, (0, 0), "g", "g-s0-a0", 0),
                     SamplingParams(max_tokens=400, min_tokens=400),
                     True,
                 )

@@ -32,7 +32,7 @@ async def test_each_call_of_a_worker_rollout_has_its_own_seed(tokenizer):
     await worker.server.start()
     try:
         for train in (True, False, True):
-            task = RolloutTask({"prompt": "hi"}, (0, 0), "g", "g-s0-a0", 0, 0, seed=11)
+            task = RolloutTask({"prompt": "hi"}, (0, 0), "g", "g-s0-a0", 0, seed=11)
             outcome, *_ = [item async for item in worker.run(task, SamplingParams(max_tokens=4), train)]
             assert outcome.status.value == "ok"
     finally:

@@ -8,7 +8,7 @@ import pytest
 from molt.runtime.dump import dump_groups
 from molt.runtime.metrics import pass_at_n, rollout_metrics
 from molt.runtime.pool import Group, RolloutOutcome
-from molt.types import Experience, RolloutStatus
+from molt.types import Experience
 
 
 def _exp(rid, seg, n_actions, min_version, ids=None, mask=None):
@@ -32,7 +32,6 @@ def _outcome(rid, reward, exps, *, breaks=None, truncated=False, info=None):
     return RolloutOutcome(
         rid,
         rid[0],
-        RolloutStatus.OK,
         reward=reward,
         experiences=exps,
         truncated=truncated,

@@ -23,7 +23,10 @@ class Producer:
             [0] * n_tokens,
             images=np.ones(image_mb << 20, dtype=np.uint8),
         )
-        return outcome_from_trajectory(Trajectory("r0", "g0", [seg], reward=1.0), offload=True)
+        out = outcome_from_trajectory(Trajectory("r0", "g0", [seg], reward=1.0))
+        for e in out.experiences:  # in this node's object store
+            e.payload_ref = ray.put(e.split())
+        return out
 
     def node(self):
         return ray.get_runtime_context().get_node_id()

@@ -6,7 +6,7 @@ carries keys/values across images, the engine's behavior log-probs and the train
 import numpy as np
 import pytest
 import torch
-from vision_helpers import png, two_turn_rollouts, user
+from vision_helpers import offload, png, two_turn_rollouts, user
 
 from molt.capture.render import canonical_messages, message_images
 from molt.trainer import Actor
@@ -68,7 +68,7 @@ async def test_engine_and_trainer_logprobs_agree_on_image_replies(
 ):
     segments = await two_turn_rollouts(vlm_engine, vlm_renderer, ["red", "green"])
     exps = [
-        Experience.from_segment(Trajectory(f"r{i}", "g", [s]), 0).offload() for i, s in enumerate(segments)
+        offload(Experience.from_segment(Trajectory(f"r{i}", "g", [s]), 0)) for i, s in enumerate(segments)
     ]
     assert all(e.images is None for e in exps)  # the pixels travel with the payload
     exps = [e.reload() for e in exps]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
-from vision_helpers import png, two_turn_rollouts, user
+from vision_helpers import offload, png, two_turn_rollouts, user
 
 from molt.capture.render import ChatRenderer, canonical_messages, message_images
 from molt.testing.models import build_tiny_qwen2_vl
@@ -115,7 +115,7 @@ async def test_engine_and_trainer_logprobs_agree(
         assert (seg.token_ids == image_id).sum() == 8 and seg.images["image_grid_thw"].shape == (2, 3)
         assert not set(banned) & set(seg.token_ids[seg.action_mask].tolist())
     exps = [
-        Experience.from_segment(Trajectory(f"r{i}", "g", [s]), 0).offload().reload()
+        offload(Experience.from_segment(Trajectory(f"r{i}", "g", [s]), 0)).reload()
         for i, s in enumerate(segments)
     ]
     actor = Actor.from_pretrained(str(qwen_dir), **FP32)

@@ -169,3 +169,11 @@ def fsdp_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) 
     torch.set_num_threads(1)
     torch.save(fsdp_run(model_dir, rank), f"{out_dir}/rank{rank}.pt")
     torch.distributed.destroy_process_group()
+
+
+def offload(exp):
+    """`exp` with its payload in this node's object store, as a trainer rank receives it."""
+    import ray
+
+    exp.payload_ref = ray.put(exp.split())
+    return exp
