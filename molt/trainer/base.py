@@ -53,15 +53,13 @@ class ShardedModelTrainer:
                 cfg.train.share_prefix and self.mesh is None and not cfg.actor.gradient_checkpoint
             )
         self.step = 0  # optimizer steps taken
-        self.skipped = self.skipped_in_a_row = (
-            0  # optimizer steps skipped (non-finite): in all, and the last run
-        )
+        # optimizer steps skipped (non-finite): in all, and the last run
+        self.skipped = self.skipped_in_a_row = 0
         self.window_tokens = 0.0  # action tokens of the last scheduled window (all ranks), on the host
         self.pad_id = 0
         self.blank = None  # see `molt.trainer.batching.blank_image`
-        self.ref: nn.Module | None = (
-            None  # a frozen model the window runs besides `model` (the actor's reference)
-        )
+        # a frozen model the window runs besides `model` (the actor's reference)
+        self.ref: nn.Module | None = None
 
     @classmethod
     def from_pretrained(cls, model_name_or_path: str, **overrides: Any):

@@ -48,9 +48,8 @@ class Critic(ShardedModelTrainer):
 
         c = cfg.critic
         super().__init__(cfg, c)
-        self.share_prefix = (
-            False  # the value model runs whole rows: finding shared prefixes would be wasted work
-        )
+        # the value model runs whole rows: finding shared prefixes would be wasted work
+        self.share_prefix = False
         self.value_clip = c.value_clip or None
         backbone = self.load_lm(c.model_name_or_path or cfg.actor.model_name_or_path, AutoModel)
         blocks = parallel.decoder_layers(backbone) if c.optim == "muon" else ()  # before FSDP2 renames them
