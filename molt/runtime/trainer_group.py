@@ -67,9 +67,12 @@ class TrainerRank:
             MASTER_ADDR=addr,
             MASTER_PORT=port,
         )
-        ifname = _interface_of(ray.util.get_node_ip_address())
-        if "GLOO_SOCKET_IFNAME" not in os.environ and ifname:
-            os.environ["GLOO_SOCKET_IFNAME"] = ifname  # else gloo takes the hostname's address, or loopback
+        if "GLOO_SOCKET_IFNAME" not in os.environ:
+            ifname = _interface_of(ray.util.get_node_ip_address())
+            if ifname:
+                os.environ["GLOO_SOCKET_IFNAME"] = (
+                    ifname  # else gloo takes the hostname's address, or loopback
+                )
         import torch
 
         from molt.algo import estimator_spec, import_files
