@@ -69,10 +69,8 @@ class TrainerRank:
         )
         if "GLOO_SOCKET_IFNAME" not in os.environ:
             ifname = _interface_of(ray.util.get_node_ip_address())
-            if ifname:
-                os.environ["GLOO_SOCKET_IFNAME"] = (
-                    ifname  # else gloo takes the hostname's address, or loopback
-                )
+            if ifname:  # else gloo takes the hostname's address, or loopback
+                os.environ["GLOO_SOCKET_IFNAME"] = ifname
         import torch
 
         from molt.algo import estimator_spec, import_files
