@@ -49,7 +49,7 @@ def register_estimator(name: str, kind: str, *, centred: bool = False, critic: b
     register = ESTIMATORS.register(name)
 
     def deco(fn: Callable) -> Callable:
-        register(fn)  # refuses a name already taken
+        register(fn)  # refuses a name another function took
         SPECS[name] = EstimatorSpec(kind, centred, critic)
         return fn
 

@@ -6,6 +6,7 @@ Design notes and decisions: docs/internals.md, section `molt/algo/ops.py`.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -33,11 +34,11 @@ class Registry(dict):
             raise ValueError(f"{self.kind} name must be a non-empty string (got {name!r})")
 
         def deco(fn: F) -> F:
-            if name in self:
+            taken = self.setdefault(name, fn)
+            if _origin(taken) != _origin(fn):
                 raise ValueError(
-                    f"{self.kind} {name!r} is already registered (by {getattr(self[name], '__qualname__', self[name])})"
+                    f"{self.kind} {name!r} is already registered (by {getattr(taken, '__qualname__', taken)})"
                 )
-            self[name] = fn
             return fn
 
         return deco
@@ -46,6 +47,14 @@ class Registry(dict):
         if name not in self:
             raise ValueError(f"unknown {self.kind} {name!r}; known: {sorted(self)}")
         return self[name]
+
+
+def _origin(fn: Callable) -> object:
+    """Where a function was defined. A file imported again (a second load, another module name, a Ray worker's
+    copy) makes new function objects with the same file and name: those register once, as the first."""
+    fn = inspect.unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    return fn if code is None else (code.co_filename, fn.__qualname__)
 
 
 def import_files(paths: list[str], what: str = "plugins") -> None:

@@ -15,7 +15,7 @@ from molt.algo import (
     rollout_stats,
     to_tokens,
 )
-from molt.types import Experience, Segment, Trajectory
+from molt.types import Experience, Segment, Trajectory, import_file
 
 T = torch.tensor
 
@@ -225,6 +225,33 @@ def test_a_new_estimator_registered_by_name():
         assert per_row_value(adv, batch.action_mask) == [0, 0, 0, -1, -1, -2, 0]
     finally:
         del ESTIMATORS["test_max_baseline"]
+
+
+PLUGIN = """from molt.algo import register_estimator
+
+
+@register_estimator("test_again", "group")
+def again(batch, params):
+    return None
+"""
+
+
+def test_a_plugin_loaded_again_registers_once_and_a_clash_is_still_refused(tmp_path):
+    """The same function from the same file, imported again under another module name (a second load, an
+    agent file that imports it too), registers once; another file's function under that name is refused."""
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text(PLUGIN)
+    try:
+        first = import_file(plugin, "first").again
+        import_file(plugin, "second")
+        assert ESTIMATORS["test_again"] is first
+        other = tmp_path / "other.py"
+        other.write_text(PLUGIN)
+        with pytest.raises(ValueError, match="'test_again' is already registered"):
+            import_file(other, "third")
+        assert ESTIMATORS["test_again"] is first
+    finally:
+        del ESTIMATORS["test_again"]
 
 
 def test_from_experiences_keeps_segments_of_a_rollout_together():
