@@ -292,7 +292,8 @@ def _message(item_id: str, text: str, status: str = "completed") -> dict[str, An
 
 def response_body(gen: Generation, req: ResponsesRequest, session: Session | None = None) -> dict[str, Any]:
     ch = gen.choices[0]
-    output = [_message(f"msg_{gen.id}", ch.content)] if ch.content or not ch.tool_calls else []
+    status = "incomplete" if ch.finish_reason == "length" else "completed"
+    output = [_message(f"msg_{gen.id}", ch.content, status)] if ch.content or not ch.tool_calls else []
     known = {t["name"]: (t["type"], space) for t, space in _functions(request_tools(req))}
     for c in ch.tool_calls:
         kind, ns = known.get(c["function"]["name"], ("function", None))
@@ -316,7 +317,6 @@ def response_body(gen: Generation, req: ResponsesRequest, session: Session | Non
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
     }
-    status = "incomplete" if ch.finish_reason == "length" else "completed"
     return _body(req, gen.id, gen.created, status, output, usage)
 
 
@@ -349,7 +349,7 @@ def stream(live: LiveReply, req: ResponsesRequest, session: Session | None = Non
     def end(gen: Generation, text: Iterator[bytes]) -> Iterator[bytes]:
         body = response_body(gen, req)
         if live.sent and body["output"][0]["type"] != "message":  # a stream mismatch: the text sent
-            body["output"].insert(0, _message(msg_id, live.sent))
+            body["output"].insert(0, _message(msg_id, live.sent, body["status"]))
         for i, item in enumerate(body["output"]):
             if item["type"] == "message":
                 yield from text

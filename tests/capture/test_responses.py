@@ -124,6 +124,22 @@ async def test_function_call_loop(tokenizer, stream, stateful):
     assert segment.num_actions == len(tokenizer.encode(CALL_TEXT + "It is 84.", add_special_tokens=False)) + 2
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_reply_cut_by_max_output_tokens_has_an_incomplete_message(tokenizer, stream):
+    """As the OpenAI API does: the response and its message item say `incomplete`, with the reason."""
+    engine = ScriptedEngine(tokenizer, ["One two three four five six seven eight nine ten."])
+    async with live_capture_server(engine, tokenizer) as server:
+        session = await server.open_session()
+        reply = await respond(client(session), stream, model="m", input="Count.", max_output_tokens=3)
+    (message,) = reply.output
+    assert (reply.status, message.status, reply.incomplete_details.reason) == (
+        "incomplete",
+        "incomplete",
+        "max_output_tokens",
+    )
+    assert reply.usage.output_tokens == 3
+
+
 async def test_rewritten_history_breaks_the_segment(tokenizer):
     engine = ScriptedEngine(tokenizer, ["Seven.", "Yes."])
     async with live_capture_server(engine, tokenizer) as server:
