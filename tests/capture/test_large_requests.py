@@ -2,6 +2,7 @@
 tokenizing), and one session's large request does not hold up another session's small one."""
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -51,6 +52,14 @@ async def test_a_large_request_does_not_hold_up_another_session(hf_engine, token
     is tokenized and then refused by the window); session B's small requests meanwhile are answered within
     about twice their usual latency on a quiet machine, and in a small fraction of A's time on a loaded one."""
     async with live_capture_server(hf_engine, tokenizer, max_chars_per_token=0) as server:
+        rendering, render = threading.Event(), server.renderer.render
+
+        def watched(*args, **kwargs):
+            if len(repr(args)) > 1_000_000:  # A's
+                rendering.set()
+            return render(*args, **kwargs)
+
+        server.renderer.render = watched
         a, b = [await server.open_session(r, SamplingParams(max_tokens=4)) for r in "ab"]
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
 
@@ -62,7 +71,7 @@ async def test_a_large_request_does_not_hold_up_another_session(hf_engine, token
             usual = min([await small() for _ in range(5)])
             start = time.perf_counter()
             large = asyncio.create_task(post(http, a, chat("hello world, many words. " * 100_000)))  # 2.5 MB
-            await asyncio.sleep(0.3)  # A is being rendered and tokenized
+            assert await asyncio.to_thread(rendering.wait, 60), "A never reached the renderer"
             during = [await small() for _ in range(3)]
             assert not large.done(), "the large request should still be tokenizing"
             refused = await large

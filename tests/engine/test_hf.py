@@ -225,7 +225,8 @@ async def test_abort_and_cancel(engine):
     task = asyncio.create_task(
         engine.generate(PROMPTS[3], SamplingParams(max_tokens=400, min_tokens=400), request_id="p")
     )
-    await asyncio.sleep(0.01)
+    while "p" not in engine._active:  # the engine holds it: an abort before would find nothing to end
+        await asyncio.sleep(0)
     await engine.abort("p")
     out = await asyncio.wait_for(task, 5)
     assert out.finish_reason is FinishReason.ABORT and out.token_ids == []

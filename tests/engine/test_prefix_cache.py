@@ -193,7 +193,8 @@ async def test_requests_with_one_prompt_prefill_it_once(engine):
     )
     await engine.pause()
     batch = [asyncio.ensure_future(engine.generate(p, turn(i))) for i, p in enumerate(prompts)]
-    await asyncio.sleep(0.1)
+    while engine.num_requests < len(prompts):  # all of them wait in the paused engine
+        await asyncio.sleep(0)
     await engine.resume()
     together = await asyncio.gather(*batch)
     assert rows == [2]
