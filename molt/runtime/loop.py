@@ -129,6 +129,7 @@ class Run:
         await self.trainer.same("load", str(path / "trainer"))
         self.step, self.stream = state["step"], state["stream"]
         self.generated_tokens, self.counters = state["generated_tokens"], state.get("counters", {})
+        self.workers.restarts.update(state.get("restarts", {}))
         if state.get("kl_coef") is not None and self.cfg.algo.kl.target is not None:
             self.kl_coef = state["kl_coef"]
             await self.trainer.same("set_kl_coef", self.kl_coef)
@@ -146,6 +147,7 @@ class Run:
             "stream": pool.prompts.state(),
             "generated_tokens": self.generated_tokens,
             "counters": dict(pool.counters),
+            "restarts": self.workers.restarts,
             "kl_coef": self.kl_coef,
             "metrics": metrics,
         }
@@ -295,6 +297,7 @@ class Run:
             max_failed_share=cfg.rollout.max_failed_share,
         )
         pool.counters.update(self.counters)
+        self.counters = pool.counters  # live, for the summary
         pool.set_version(self.step)
         pool.start()
         metrics: dict[str, float] = {}
@@ -324,6 +327,7 @@ class Run:
                 pool.set_version(self.step)
                 metrics.update(rollout_metrics(groups, trained_version))
                 metrics.update({f"rollout/{k}": float(v) for k, v in pool.counters.items()})
+                metrics.update(self.workers.restarts)
                 metrics.update(
                     {
                         "timing/generation": t_gen,
@@ -392,6 +396,14 @@ class Run:
             "seconds": round(time.perf_counter() - self._created, 1),  # wall time, set-up included
             "train_seconds": round(time.perf_counter() - t_start, 1),  # evaluations and steps
             "evals": self.evals,
+            # faults survived: restarts, and the rollouts they failed (each re-run or its group dropped)
+            "faults": {
+                **self.workers.restarts,
+                **{
+                    f"rollout/failed/{k}": self.counters.get(f"failed/{k}", 0)
+                    for k in ("engine_restart", "worker_restart")
+                },
+            },
         }
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary

@@ -185,9 +185,9 @@ class MetricsLogger:
             self._wandb.log(clean, step=step)
         parts = [f"{label} {_fmt(clean[key])}" for key, label in _CONSOLE if key in clean]
         counts = " ".join(
-            f"{k[8:]} {v:.0f}"
-            for k, v in clean.items()  # failures and drops by reason, so far
-            if k.startswith(("rollout/failed/", "rollout/dropped/"))
+            f"{k.removeprefix('rollout/')} {v:.0f}"
+            for k, v in clean.items()  # failures, drops and restarts so far
+            if k.startswith(("rollout/failed/", "rollout/dropped/")) or (k.endswith("/restarts") and v)
         )
         parts += [counts] if counts else []
         parts += [

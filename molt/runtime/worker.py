@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -26,17 +28,23 @@ class RestartBudget:
     def __init__(self, limit: int):
         self.limit, self.deaths = limit, []
 
-    def died(self, what: str, setting: str) -> None:
-        """Count a death of `what`: RunStopped past the limit (the config field `setting`), else say a new one
-        starts."""
+    def died(self, what: str, setting: str) -> str:
+        """Count a death of `what`: RunStopped past the limit (the config field `setting`), else the warning
+        line that says a new one starts."""
         now = time.monotonic()
         self.deaths = [t for t in self.deaths if now - t < RESTART_WINDOW_S] + [now]
-        if len(self.deaths) > self.limit:
+        n, window = len(self.deaths), f"within {RESTART_WINDOW_S:.0f} s"
+        if n > self.limit:
             raise RunStopped(
-                f"{what}, {len(self.deaths)} time(s) within {RESTART_WINDOW_S:.0f} s; the run survives "
-                f"{self.limit} ({setting}; none with the collective refit group)"
+                f"{what}, {n} time(s) {window}; the run survives {self.limit} ({setting}; none with the "
+                "collective refit group)"
             )
-        print(f"molt: {what}; starting a new one", file=sys.stderr)
+        return f"molt: warning: {what}; starting a new one (restart {n} of {self.limit} {window}, {setting})"
+
+
+def exit_status(code: int) -> str:
+    """A process's exit code as people read it: a negative one is the signal that killed it."""
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 class RefitGate:
@@ -113,6 +121,7 @@ class RolloutWorker:
         self.server: Any = None
         self.runner: Any = None
         self.restarts, self._refitting = 0, False
+        self.news: list[str] = []  # warning lines for the controller, handed over at the next refit
         self._budget = RestartBudget(max_restarts)
         self._restart_lock = asyncio.Lock()
         self._weights: tuple[list, int] | None = None  # the last refit's buckets and version
@@ -179,10 +188,9 @@ class RolloutWorker:
     async def _revive(self) -> bool:
         code = getattr(self.engine.engine, "exitcode", None)
         while code is not None:
-            self._budget.died(
-                f"the engine process died (exit code {code}){' in a refit' if self._refitting else ''}",
-                "rollout.engine_max_restarts",
-            )
+            during = " in a refit" if self._refitting else ""
+            died = f"the engine process died ({exit_status(code)}){during}"
+            self.news.append(self._budget.died(died, "rollout.engine_max_restarts"))
             new = await asyncio.to_thread(self._new_engine, False)
             try:
                 await asyncio.to_thread(getattr(new, "started", lambda: None))
@@ -242,12 +250,15 @@ class RolloutWorker:
         self._refitting = True
         await self._engine("pause")
 
-    async def end_refit(self) -> None:
+    async def end_refit(self) -> list[str]:
+        """Resume; the warnings since the last refit (engine restarts), which this process cannot show."""
         self._refitting = False
         try:
             await self._engine("resume")
         finally:  # admitted requests fail rather than wait forever at a closed gate
             self.engine.reopen()
+        news, self.news = self.news, []
+        return news
 
     async def update_weights(self, bucket_refs: Iterable[Any], version: int) -> None:
         """Between begin_refit and end_refit: object refs (or plain lists) of [(name, tensor), ...]."""
@@ -291,10 +302,21 @@ class RolloutWorker:
 class Workers:
     """The controller's rollout worker actors: least-loaded dispatch, refits, a new actor for a dead one."""
 
-    def __init__(self, spawn: Callable[[int, int], Any], n: int, max_restarts: int):
-        """spawn(i, n): a new actor for worker i of n."""
-        self.spawn, self.budget = spawn, RestartBudget(max_restarts)
+    def __init__(
+        self,
+        spawn: Callable[[int, int], Any],
+        n: int,
+        max_restarts: int,
+        stopping: asyncio.Event | None = None,
+    ):
+        """spawn(i, n): a new actor for worker i of n; once `stopping` is set a dead one is not replaced."""
+        self.spawn, self.budget, self.stopping = (
+            spawn,
+            RestartBudget(max_restarts),
+            stopping or asyncio.Event(),
+        )
         self.actors, self.inflight = [spawn(i, n) for i in range(n)], [0] * n
+        self.restarts = {"engine/restarts": 0, "worker/restarts": 0}  # cumulative, in the run's checkpoints
         # the last refit's (trainer ranks' refs, version)
         self.weights: tuple[asyncio.Future, int] | None = None
         self._lock = asyncio.Lock()  # held by refits and replacements; a dispatch waits for them
@@ -339,14 +361,22 @@ class Workers:
                 await self._replace(i, actor, result)
             elif isinstance(result, BaseException):
                 raise result
+            else:  # the worker's engine restarts since the last refit
+                for line in result:
+                    print(
+                        line.replace("molt: warning: ", f"molt: warning: rollout worker {i}: "),
+                        file=sys.stderr,
+                    )
+                self.restarts["engine/restarts"] += len(result)
 
     @staticmethod
-    async def _refit(actor: Any, partial: bool, refs: Awaitable[list], version: int) -> None:
+    async def _refit(actor: Any, partial: bool, refs: Awaitable[list], version: int) -> list[str]:
         await actor.begin_refit.remote(partial)
         try:
             await actor.update_weights.remote((await refs)[0], version)
         finally:
-            await actor.end_refit.remote()
+            news = await actor.end_refit.remote()
+        return news
 
     async def _replace(self, i: int, dead: Any, error: Exception) -> None:
         import ray
@@ -354,10 +384,10 @@ class Workers:
         async with self._lock:
             if self.actors[i] is not dead:
                 return  # another of its rollouts found out first
-            self.budget.died(
-                f"rollout worker {i} died ({type(error).__name__})",
-                "rollout.worker_max_restarts",
-            )
+            why = re.search(r"exit detail: ([^.]*)", str(error))  # Ray's words for how its process ended
+            died = f"rollout worker {i} died ({type(error).__name__}{f': {why[1]}' if why else ''})"
+            print(self.budget.died(died, "rollout.worker_max_restarts"), file=sys.stderr)
+            self.restarts["worker/restarts"] += 1
             ray.kill(dead)  # in case it was only unreachable
             self.actors[i] = new = self.spawn(i, len(self.actors))
             await new.start.remote()

@@ -139,7 +139,7 @@ async def test_worker_restarts_a_dead_engine_with_its_weights_and_version(tiny_l
         os.kill(worker.engine.engine._proc.pid, signal.SIGKILL)
         while worker.engine.engine.exitcode is None:  # the worker learns of it from the engine's pipe
             await asyncio.sleep(0.01)
-        with pytest.raises(RunStopped, match=r"died \(exit code -9\), 2 time\(s\)"):
+        with pytest.raises(RunStopped, match=r"died \(killed by SIGKILL\), 2 time\(s\)"):
             await rollout(worker, RolloutTask(ROW, (0, 1), "h", "h-s0-a0", 0), SamplingParams(max_tokens=4))
     finally:
         await worker.stop()
@@ -266,9 +266,12 @@ def killer_args(model_dir, tmp_path, kill_at, steps, *extra):
     return args(model_dir, tmp_path / "run", steps, "--train.agent_path", str(agent), *extra)
 
 
-def test_engine_killed_mid_rollout_is_restarted_and_the_run_goes_on(tiny_llama_dir, tmp_path, ray_local):
-    # step 3's first env step (4 rollouts of 2 turns a step) kills the engine: that rollout's next model call
-    # fails, and so does whatever else was in flight on the engine
+def test_engine_killed_mid_rollout_is_restarted_and_the_run_goes_on(
+    tiny_llama_dir, tmp_path, ray_local, capfd
+):
+    """Step 3's first env step (4 rollouts of 2 turns a step) kills the engine: that rollout's next model call
+    fails, and so does whatever else was in flight on the engine. The restart is said once on the console and
+    counted in metrics.jsonl, the step lines and summary.json."""
     out = tmp_path / "run"
     summary = asyncio.run(
         run_training(
@@ -288,6 +291,21 @@ def test_engine_killed_mid_rollout_is_restarted_and_the_run_goes_on(tiny_llama_d
         r["step"] >= 3 for r in ledger(out) if set(r["rollouts"]) & set(retried)
     )
     assert (out / "checkpoints" / "step_5" / "state.json").is_file()  # the final checkpoint
+    assert [m["engine/restarts"] for m in metrics] == [0, 0, 1, 1, 1]  # told at step 3's refit
+    assert summary["faults"] == {
+        "engine/restarts": 1,
+        "worker/restarts": 0,
+        "rollout/failed/engine_restart": counted,
+        "rollout/failed/worker_restart": 0,
+    }
+    console = capfd.readouterr()
+    warnings = [line for line in console.err.splitlines() if line.startswith("molt: warning:")]
+    restarted = "starting a new one (restart 1 of 3 within 600 s, rollout.engine_max_restarts)"
+    assert warnings == [
+        f"molt: warning: rollout worker 0: the engine process died (killed by SIGKILL); {restarted}"
+    ]
+    step_lines = [line for line in console.out.splitlines() if line.startswith("step ")]
+    assert ["engine/restarts 1" in line for line in step_lines] == [False, False, True, True, True]
 
 
 def test_engine_killed_at_each_call_of_a_refit_the_run_goes_on(
@@ -315,7 +333,8 @@ def test_engine_killed_at_each_call_of_a_refit_the_run_goes_on(
             await actor.update_weights.remote((await refs)[0], version)
             kill(3)
         finally:
-            await actor.end_refit.remote()
+            news = await actor.end_refit.remote()
+        return news
 
     monkeypatch.setattr(Workers, "_refit", staticmethod(refit))
     out = tmp_path / "run"
@@ -331,6 +350,7 @@ def test_engine_killed_at_each_call_of_a_refit_the_run_goes_on(
 
     summary, version = asyncio.run(main())
     assert summary["steps"] == 5 and version == 5 and len(calls) >= 4 and len(killed) == 3
+    assert summary["faults"]["engine/restarts"] == 3
     check_exactly_once(out, 5)
 
 
@@ -341,7 +361,7 @@ def test_an_engine_crash_loop_stops_the_run_with_a_checkpoint(tiny_llama_dir, tm
         killer_args(tiny_llama_dir, tmp_path, range(9, 999), 6, "--rollout.engine_max_restarts", "1")
     )
     with pytest.raises(
-        RunStopped, match=r"died \(exit code -9\), 2 time\(s\) within 600 s.*step 1 is checkpointed"
+        RunStopped, match=r"died \(killed by SIGKILL\), 2 time\(s\) within 600 s.*step 1 is checkpointed"
     ):
         asyncio.run(run_training(cfg))
     # 8 env steps a step: step 2's wait for rollouts is abandoned, step 1 is the checkpoint
@@ -561,6 +581,7 @@ def test_a_killed_worker_actor_is_replaced_and_the_run_goes_on(tiny_llama_dir, t
     assert [
         (k, v) for k, v in metrics[-1].items() if k.startswith(("rollout/failed", "rollout/dropped"))
     ] == [("rollout/failed/worker_restart", 1)]
+    assert (metrics[-1]["worker/restarts"], summary["faults"]["worker/restarts"]) == (1, 1)
     # the hung rollout was re-run on the new worker; the 3 done before the kill were trained from their payloads
     (retried,) = [(r["step"], rid) for r in ledger(out) for rid in r["rollouts"] if not rid.endswith("-a0")]
     assert retried[0] == 3 and retried[1].endswith("-a1")
@@ -574,7 +595,7 @@ def test_a_worker_death_past_the_limit_stops_the_run_with_a_checkpoint(tiny_llam
     out = tmp_path / "run"
     with pytest.raises(
         RunStopped,
-        match=r"rollout worker 0 died \(ActorDiedError\), 1 time\(s\) within 600 s; "
+        match=r"rollout worker 0 died \(ActorDiedError.*\), 1 time\(s\) within 600 s; "
         r"the run survives 0 .*step 2 is checkpointed",
     ):
         run_killing_a_worker(tiny_llama_dir, tmp_path, 6, "--rollout.worker_max_restarts", "0", IN_WORKER)
