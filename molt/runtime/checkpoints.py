@@ -131,18 +131,39 @@ def complete(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("_")[1]))
 
 
-def resume_point(run_dir: Path, root: Path, resume: bool) -> Path | None:
+def resume_point(run_dir: Path, root: Path, resume: bool, config: dict | None = None) -> Path | None:
     """The checkpoint to resume from, if any. A run directory holds one run: one with a ledger but nothing to
-    resume (or `ckpt.resume` off) is refused rather than appended to."""
+    resume (or `ckpt.resume` off) is refused rather than appended to, unless it is this run (its saved
+    config.yaml is `config`, the Ray section aside) stopped before its first checkpoint (a Slurm requeue in
+    the first minutes): that one starts over in place."""
     ckpts = complete(root)
     ledger = run_dir / "ledger.jsonl"
     if ckpts and resume or not (ledger.is_file() and ledger.stat().st_size):
         return ckpts[-1] if ckpts and resume else None
+    if not ckpts and config is not None and _same_run(run_dir / "config.yaml", config):
+        print(
+            f"molt: warning: {run_dir} holds this run (the same config.yaml), stopped before its first "
+            "checkpoint: starting it over",
+            file=sys.stderr,
+        )
+        for name in ("ledger.jsonl", "metrics.jsonl"):
+            (run_dir / name).unlink(missing_ok=True)
+        return None
     why = "ckpt.resume is off" if ckpts else f"no complete checkpoint under {root} to resume it"
     raise ValueError(
         f"ckpt.output_dir {run_dir} holds another run (ledger.jsonl) and {why}: pass a new "
         "ckpt.output_dir or remove the old run"
     )
+
+
+def _same_run(saved: Path, config: dict) -> bool:
+    import yaml
+
+    if not saved.is_file():
+        return False
+    # through YAML as the saved one went (tuples become lists); where the run's processes run may change
+    ours, theirs = yaml.safe_load(yaml.safe_dump(config)), yaml.safe_load(saved.read_text())
+    return {**ours, "ray": None} == {**theirs, "ray": None}
 
 
 def rotate(root: Path, max_num: int, best_metric_key: str = "") -> list[Path]:

@@ -62,7 +62,6 @@ class Run:
         from molt.models import resolve_model
 
         cfg = self.cfg
-        self._resume_from = resume_point(self.dir, self.control.root, cfg.ckpt.resume)
         # as load_config did: a run built in Python may not have
         import_files(cfg.algo.plugins, "algo.plugins")
         self.spec = estimator_spec(cfg.algo.advantage.estimator)
@@ -70,6 +69,7 @@ class Run:
         self.model_path = str(resolve_model(cfg.actor.model_name_or_path))
         self.rows, self.eval_rows = run_prompts(cfg)
         self.cfg = cfg = resolve(cfg, len(self.rows))  # the run's own copy, derived values filled in
+        self._resume_from = resume_point(self.dir, self.control.root, cfg.ckpt.resume, to_dict(cfg))
         save_config(cfg, self.dir / "config.yaml")
         # the trainer's copy names local checkpoints (an alias or hub id resolved once, here)
         self.trainer_cfg = copy.deepcopy(cfg)
@@ -110,7 +110,7 @@ class Run:
             max_restarts=cfg.rollout.engine_max_restarts,
             tool_parser=cfg.rollout.tool_parser,
         )
-        self.workers = Workers(spawn, n_workers, cfg.rollout.worker_max_restarts)
+        self.workers = Workers(spawn, n_workers, cfg.rollout.worker_max_restarts, self._stop)
         self.trainer = TrainerGroup(
             cfg.train.num_ranks, torch_threads=trainer_threads, num_gpus_per_rank=1 if gpus else 0
         )
@@ -319,11 +319,12 @@ class Run:
                 self.step += 1
                 # before the refit: a crash loop there still saves the step
                 self._record(groups, pool.prompts)
-                try:
-                    t_refit = await self.sync.refit(self.step)
-                except RunStopped as e:
-                    self.control.stop(e)
-                    t_refit = 0.0
+                t_refit = 0.0
+                if self.control.stopping is None:  # else the checkpoint needs no engine: a resume refits them
+                    try:
+                        t_refit = await self.sync.refit(self.step)
+                    except RunStopped as e:
+                        self.control.stop(e)
                 pool.set_version(self.step)
                 metrics.update(rollout_metrics(groups, trained_version))
                 metrics.update({f"rollout/{k}": float(v) for k, v in pool.counters.items()})
@@ -350,7 +351,8 @@ class Run:
                         self._trainer_logprobs,
                         (a.is_correction_level, a.is_correction_mode, *a.is_correction_threshold),
                     )
-                if self.eval_rows and cfg.eval.steps > 0 and self.step % cfg.eval.steps == 0:
+                evals = self.eval_rows and cfg.eval.steps > 0 and self.step % cfg.eval.steps == 0
+                if evals and self.control.stopping is None:
                     metrics.update(await self.evaluate())
                 # the step's line first: a checkpoint then implies its line (a resume drops later lines)
                 logger.log(self.step, metrics)

@@ -309,12 +309,9 @@ class Workers:
         max_restarts: int,
         stopping: asyncio.Event | None = None,
     ):
-        """spawn(i, n): a new actor for worker i of n; once `stopping` is set a dead one is not replaced."""
-        self.spawn, self.budget, self.stopping = (
-            spawn,
-            RestartBudget(max_restarts),
-            stopping or asyncio.Event(),
-        )
+        """spawn(i, n): a new actor for worker i of n; `stopping`: the run's stop (no new actor then)."""
+        self.spawn, self.budget = spawn, RestartBudget(max_restarts)
+        self.stopping = stopping or asyncio.Event()
         self.actors, self.inflight = [spawn(i, n) for i in range(n)], [0] * n
         self.restarts = {"engine/restarts": 0, "worker/restarts": 0}  # cumulative, in the run's checkpoints
         # the last refit's (trainer ranks' refs, version)
@@ -340,6 +337,10 @@ class Workers:
             ray.cancel(stream)
             raise
         except RayActorError as e:
+            # stopping, a new worker would only delay the run's end (a Slurm requeue's TERM reaches every
+            # worker), and failing at once would dispatch the next rollout to the dead one: wait to be dropped
+            if self.stopping.is_set():
+                await asyncio.Future()
             await self._replace(i, actor, e)
             return RolloutOutcome(
                 task.rollout_id, task.group_id, status=RolloutStatus.WORKER_RESTART, error=repr(e)[:500]
@@ -382,8 +383,8 @@ class Workers:
         import ray
 
         async with self._lock:
-            if self.actors[i] is not dead:
-                return  # another of its rollouts found out first
+            if self.actors[i] is not dead or self.stopping.is_set():
+                return  # another of its rollouts found out first, or a refit found it while stopping
             why = re.search(r"exit detail: ([^.]*)", str(error))  # Ray's words for how its process ended
             died = f"rollout worker {i} died ({type(error).__name__}{f': {why[1]}' if why else ''})"
             print(self.budget.died(died, "rollout.worker_max_restarts"), file=sys.stderr)
