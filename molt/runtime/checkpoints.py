@@ -13,8 +13,8 @@ it (the reference keeps its best checkpoint the same way).
 so the two cannot drift apart: when a checkpoint is due (every `ckpt.save_steps` steps, after a step ending
 `ckpt.save_interval_s` or more after the last checkpoint, after the last step, and when the run stops), and
 stopping: SIGINT/SIGTERM or a condition the loop finds fatal stop the run after the step in progress; the loop
-checkpoints that step and `finish` raises `RunStopped` with the exit code (128 + the signal's number); a second
-signal exits at once.
+checkpoints that step and `finish` raises `RunStopped` with the exit code (128 + the signal's number); a SIGINT
+after that exits at once (Ctrl-C twice), a repeated SIGTERM changes nothing.
 """
 
 from __future__ import annotations
@@ -62,10 +62,13 @@ class RunControl:
 
     def _on_signal(self, signum: int, *_: Any) -> None:
         if self.stopping is not None:
-            os._exit(128 + signum)
+            # SIGTERM again asks the same: a Slurm job's TERM reaches `molt train` directly and through its script
+            if signum == signal.SIGINT:
+                os._exit(128 + signum)
+            return
         name = signal.Signals(signum).name
         print(
-            f"molt: {name}: stopping after the step in progress with a checkpoint (again: exit now)",
+            f"molt: {name}: stopping after the step in progress with a checkpoint (SIGINT again: exit now)",
             file=sys.stderr,
         )
         self.stop(RunStopped(f"stopped by {name}", 128 + signum))

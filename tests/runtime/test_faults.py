@@ -759,7 +759,7 @@ def test_sigterm_checkpoints_without_the_rollout_side(tiny_llama_dir, tmp_path):
     check_exactly_once(out, stopped + 2)
 
 
-def test_a_second_signal_exits_at_once(tiny_llama_dir, tmp_path):
+def test_a_repeated_sigterm_changes_nothing_a_sigint_then_exits_at_once(tiny_llama_dir, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "molt.cli", "train", *args(tiny_llama_dir, out, 400, IN_WORKER)],
@@ -769,8 +769,11 @@ def test_a_second_signal_exits_at_once(tiny_llama_dir, tmp_path):
         text=True,
     )
     when(lambda: len(ledger(out)) >= 2, lambda: proc.send_signal(signal.SIGTERM))
-    for line in proc.stderr:  # the first signal is acknowledged; the second one ends the process
+    for (
+        line
+    ) in proc.stderr:  # the first signal is acknowledged; a second SIGTERM changes nothing, SIGINT ends it
         if "stopping after the step in progress" in line:
+            proc.send_signal(signal.SIGTERM)  # as Slurm's TERM to the job does, through its script
             proc.send_signal(signal.SIGINT)
             break
     proc.wait(timeout=120)
