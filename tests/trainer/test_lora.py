@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from trainer_helpers import BASE, make_window, rank_share, reference_logprobs
+from trainer_helpers import BASE, end_rank, make_window, rank_share, reference_logprobs
 
 from molt.trainer import Actor, Critic
 from molt.types import Experience, SamplingParams
@@ -213,7 +213,7 @@ def lora_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> N
     result["merged"] = {n: t for b in actor.iter_weights() for n, t in b}
     if rank == 0:
         torch.save(result, out)
-    torch.distributed.destroy_process_group()
+    end_rank()
 
 
 def test_two_fsdp2_ranks_match_one_process(tiny_llama_dir, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from pathlib import Path
 
 import torch
@@ -135,7 +136,20 @@ def dist_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) 
     results["tp"] = {"metrics": [tp_actor.train_step(w1)], "params": full_params(tp_actor)}
     if rank == 0:
         torch.save(results, out / "results.pt")
+    end_rank()
+
+
+def end_rank() -> None:
+    """Leave a spawned rank once its results are written: both ranks past their last collective and store call
+    (rank 0 holds the store), the process group destroyed, then out without the interpreter's teardown. Gloo's
+    threads (four run loops and two transport loops a rank, rank 0's store too) outlive destroy_process_group,
+    held from C++; a teardown beside them is what can abort a rank after its work is done (issue 46: rank 1,
+    SIGABRT, "terminate called without an active exception", and no traceback, so its function had returned)."""
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def trainer_state(trainer) -> dict[str, torch.Tensor]:
@@ -200,4 +214,4 @@ def nonfinite_worker(rank: int, world: int, port: int, model_dir: str, out_dir: 
     out["moved"] = not same_state(trainer_state(actor), before)
     out["step"] = actor.step
     torch.save(out, Path(out_dir) / f"rank{rank}.pt")
-    torch.distributed.destroy_process_group()
+    end_rank()
