@@ -139,6 +139,7 @@ def test_chaos_engine_then_run_killed_resumes_exactly_once(tiny_llama_dir, tmp_p
                         "resumed_from": resumed_from,
                         "steps_redone": stopped_at - resumed_from,
                         "engine_restart_failures": engine_failures,
+                        "faults": summary["faults"],  # restarts counted up to the last checkpoint
                         "final_rc": again.returncode,
                         "final_steps": summary["steps"],
                         "optimizer_steps": state["train"]["step"],
