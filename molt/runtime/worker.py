@@ -47,6 +47,20 @@ def exit_status(code: int) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
+def logged_cause() -> str:
+    """The last exception line in this process's output files (a Ray worker's logs, where vLLM's processes
+    print why they died), "?" if none."""
+    text = ""
+    for fd in (1, 2):
+        path = os.path.realpath(f"/proc/self/fd/{fd}")
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                f.seek(max(0, os.path.getsize(path) - 65536))
+                text += f.read().decode(errors="replace")
+    found = re.findall(r"\b([A-Z]\w*(?:Error|Exception): .+)$", text, re.MULTILINE)
+    return next((line for line in reversed(found) if "EngineDead" not in line), "?")
+
+
 class RefitGate:
     """What the capture server calls the engine: it holds new requests back and waits for the ones in flight (the
     refit without partial rollout), and a revived engine takes the old one's place behind it (`engine`). It
@@ -66,6 +80,7 @@ class RefitGate:
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self.gone: EngineGone | None = None  # the engine said it is gone (a dead process is revived)
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
@@ -87,6 +102,9 @@ class RefitGate:
         self._idle.clear()
         try:
             return await self.engine.generate(prompt_ids, params, session_id, request_id, **kw)
+        except EngineGone as e:
+            self.gone = e
+            raise
         finally:
             self._inflight -= 1
             if self._inflight == 0:
@@ -235,6 +253,12 @@ class RolloutWorker:
         )
         if not traj.ok and (await self.revive() or self.restarts != restarts):
             traj.status = RolloutStatus.ENGINE_RESTART
+        elif self.engine.gone is not None and not hasattr(self.engine.engine, "exitcode"):
+            # no process of ours to revive (vLLM's EngineCore died, or an in-process engine's loop): the run
+            # ends, with the cause its processes printed to this one's output, Ray's log files no one reads
+            raise RunStopped(
+                f"the engine is gone for good ({self.engine.gone}); its last error: {logged_cause()}"
+            )
         outcome = outcome_from_trajectory(traj)
         payloads = [e.split() for e in outcome.experiences] if train else []
         outcome.experiences, outcome.sample_index = outcome.experiences if train else [], task.sample_index

@@ -219,6 +219,31 @@ async def test_an_engine_dead_at_any_call_of_a_refit_is_revived_with_the_refit(t
         await worker.stop()
 
 
+async def test_an_engine_gone_for_good_stops_the_run_with_its_root_cause(tiny_llama_dir, tmp_path):
+    """An engine with no process of the worker's to revive (vLLM's EngineCore died: EngineDeadError; here the
+    in-process engine closed) ends the run, naming the last error its processes wrote to the worker's stderr,
+    which under Ray is a log file (here a file too)."""
+    from molt.runtime.worker import RolloutWorker
+
+    log, saved = tmp_path / "worker.err", os.dup(2)
+    log.write_text("RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2\n")
+    worker = RolloutWorker(str(tiny_llama_dir), str(AGENT), engine_options={"process": False})
+    await worker.start()
+    try:
+        await worker.engine.engine.close()
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+        os.dup2(fd, 2)
+        os.close(fd)
+        with pytest.raises(
+            RunStopped, match=r"gone for good .*closed.*last error: RuntimeError: Unsupported CPU"
+        ):
+            await rollout(worker, RolloutTask(ROW, (0, 0), "g", "g-s0-a0", 0), SamplingParams(max_tokens=4))
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        await worker.stop()
+
+
 async def rollout(worker, task, params):
     """A rollout as the runtime streams it from the worker: the outcome, then its experiences' payloads."""
     outcome, *payloads = [item async for item in worker.run(task, params)]
