@@ -190,6 +190,10 @@ def load_config(
             for entry in (e.strip() for e in spec.split(",")):
                 if Path(entry).suffix in (".jsonl", *BUILDERS) and not Path(entry).is_file():
                     raise ValueError(f"{name}: no such file: {entry}")
+        from molt.envs import env_specs, load_hub
+
+        for spec, env_args in env_specs(cfg.env.id, cfg.env.args):  # a hub's package, id and arguments
+            load_hub(spec, env_args)
     return cfg
 
 

@@ -314,6 +314,21 @@ class DataConfig:
 
 
 @dataclass
+class EnvConfig:
+    id: str = ""
+    """Environments of a hub by name, HUB:ID (reasoning_gym, gem, textarena, skyrl_gym, openenv, verifiers),
+    instead of an agent file; several, comma-separated, are mixed (molt.envs)."""
+    args: str = ""
+    """Keyword arguments of the environment as a JSON object (several ids: a JSON list, one object per id)."""
+    probs: str = ""
+    """Mixing probabilities of the env.id entries, comma-separated (empty: equal)."""
+    train_size: int = 1000
+    """Tasks generated for training where the environment generates them (reasoning_gym, gem, textarena)."""
+    eval_size: int = 0
+    """Held-out tasks generated for evaluation (another seed), evaluated per environment (0: none)."""
+
+
+@dataclass
 class EvalConfig:
     dataset: str = ""
     """Held-out prompts (JSONL); empty disables evaluation."""
@@ -402,6 +417,7 @@ class MoltConfig:
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -106,11 +106,13 @@ def _merge_params(
     return SamplingParams.from_dict({**asdict(params), **override}).validate()
 
 
-class _Episode:
-    """Accumulates what an episode returns into the trajectory."""
+class Episode:
+    """Accumulates what an episode returns into the trajectory; `sessions` opens further capture sessions for
+    the rollout (an opponent's, whose segments the runner does not keep)."""
 
-    def __init__(self, traj: Trajectory):
+    def __init__(self, traj: Trajectory, sessions: SessionProvider):
         self.traj = traj  # its reward: the sum of the episode's rewards
+        self.sessions = sessions
 
     def add(self, result: Any, what: str) -> Result:
         if not isinstance(result, Result):
@@ -125,7 +127,7 @@ class _Episode:
         return result
 
 
-class _RunnerBase(Runner):
+class SessionRunner(Runner):
     """Opens the session, runs `_episode` under the timeout, turns failures into statuses, closes the session."""
 
     timeout: float | None = None
@@ -143,7 +145,7 @@ class _RunnerBase(Runner):
         traj = Trajectory(rollout_id=rollout_id, group_id=group_id)
         session = await sessions.open_session(rollout_id, params)
         try:
-            await self._guarded(self._episode(row, session, params, _Episode(traj)), traj)
+            await self._guarded(self._episode(row, session, params, Episode(traj, sessions)), traj)
         finally:
             traj.segments = await session.close()
             traj.info.update({f"capture/{k}": float(v) for k, v in session.stats.items()})
@@ -173,12 +175,12 @@ class _RunnerBase(Runner):
             traj.status, traj.error = RolloutStatus.AGENT_ERROR, f"{type(error).__name__}: {error}"
 
     async def _episode(
-        self, row: Mapping[str, Any], session: CaptureSession, params: SamplingParams, episode: _Episode
+        self, row: Mapping[str, Any], session: CaptureSession, params: SamplingParams, episode: Episode
     ) -> None:
         raise NotImplementedError
 
 
-class ChatAgentRunner(_RunnerBase):
+class ChatAgentRunner(SessionRunner):
     """Runs a `ChatAgent` class (a fresh instance per rollout) against its own capture session."""
 
     def __init__(self, agent_cls: Callable[[], Any], *, timeout: float | None = None):
@@ -204,7 +206,7 @@ class ChatAgentRunner(_RunnerBase):
         episode.add(await self.agent_cls().run(ctx), f"{getattr(self.agent_cls, '__name__', 'agent')}.run")
 
 
-class StepEnvRunner(_RunnerBase):
+class StepEnvRunner(SessionRunner):
     """Drives generation for an `Env` class (a fresh instance per episode); see the module docstring."""
 
     def __init__(

@@ -99,7 +99,13 @@ class Run:
             gpus = v.tensor_parallel_size if ray.cluster_resources().get("GPU") else 0
             n_workers = v.num_engines
         worker_cls = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=10_000)(RolloutWorker)
-        agent = cfg.train.agent_path and str(Path(cfg.train.agent_path).resolve())  # "": the built-in agent
+        agent: Any = cfg.train.agent_path and str(
+            Path(cfg.train.agent_path).resolve()
+        )  # "": the built-in one
+        if cfg.env.id:
+            from molt.envs import env_specs
+
+            agent = env_specs(cfg.env.id, cfg.env.args)
         spawn = lambda i, n: worker_cls.options(**spread(i, n, gpus)).remote(
             self.model_path,
             agent,
@@ -191,8 +197,9 @@ class Run:
         ]
         t0 = time.perf_counter()
         outcomes = await asyncio.gather(*[self._run_on_worker(t, train=False) for t in tasks])
-        name = Path(self.cfg.eval.dataset).stem
-        out = eval_metrics(outcomes, [t.key[1] for t in tasks], name, n)
+        name = Path(self.cfg.eval.dataset).stem or "env"
+        envs = [t.row["env"] for t in tasks] if self.cfg.env.id else None
+        out = eval_metrics(outcomes, [t.key[1] for t in tasks], name, n, envs)
         out["timing/eval"] = time.perf_counter() - t0
         agent = {k[5:]: v for k, v in out.items() if k.startswith("eval/agent/")}
         self.evals.append(

@@ -96,7 +96,7 @@ class RolloutWorker:
     def __init__(
         self,
         model_path: str,
-        agent_path: str,
+        agent_path: str | list,  # an agent file, or hub environments (molt.envs.env_specs)
         *,
         engine_kind: str = "hf",
         torch_threads: int = 0,
@@ -136,6 +136,11 @@ class RolloutWorker:
         self.engine = RefitGate(engine)
         self.server = CaptureServer(self.engine, renderer, tool_parser=self.tool_parser)
         await self.server.start()
+        if isinstance(self.agent_path, list):  # hub environments: (env.id entry, its arguments) each
+            from molt.envs import EnvRunner
+
+            self.runner = EnvRunner(self.agent_path, **self.runner_options)
+            return self.server.url
         self.runner = load_agent(self.agent_path)
         for name, value in self.runner_options.items():
             if hasattr(self.runner, name) and value is not None:
