@@ -69,8 +69,9 @@ class Hub:
         return GameRunner(self.game, max_turns=max_turns, timeout=timeout)
 
 
-def seeds(hub: Hub, size: int, seed: int) -> list[dict[str, Any]]:
-    return [{"prompt": f"{hub.spec} seed {s}", "label": {"seed": s}} for s in range(seed, seed + size)]
+def first_seed(seed: int, eval: bool) -> int:
+    # held-out tasks far from the training ones: reasoning-gym seeds entry i with seed + i
+    return seed + 1_000_003 * eval
 
 
 class ReasoningGym(Hub):
@@ -90,7 +91,7 @@ class ReasoningGym(Hub):
     def rows(self, size, seed, eval):
         return [
             {"messages": [{"role": "system", "content": self.system}, *user(e["question"])], "label": dict(e)}
-            for e in self.make(size, seed + eval)
+            for e in self.make(size, first_seed(seed, eval))
         ]
 
     def extract(self, text: str) -> str | None:
@@ -121,19 +122,24 @@ class GymGame(Game):
         return Move(user(f"{obs}\n{suffix}" if suffix else obs), reward, terminated or truncated, info)
 
 
-class Gem(Hub):
-    module, package = "gem", "gem-llm"
+class SeededHub(Hub):
+    """A hub whose `make(id)` builds an environment that `reset(seed=)` starts (GEM, TextArena): a task a seed."""
 
     def __init__(self, lib, spec, args):
         super().__init__(lib, spec, args)
-        known(spec, importlib.import_module("gem.envs.registration").ENV_REGISTRY)
-        checked(self.spec, self.make)
+        known(spec, importlib.import_module(f"{self.module}.envs.registration").ENV_REGISTRY)
+        self.env = checked(self.spec, self.make)
 
     def make(self) -> Any:
         return self.lib.make(self.name, **self.args)
 
     def rows(self, size, seed, eval):
-        return seeds(self, size, seed + 1_000_003 * eval)
+        first = first_seed(seed, eval)
+        return [{"prompt": f"{self.spec} seed {s}", "label": {"seed": s}} for s in range(first, first + size)]
+
+
+class Gem(SeededHub):
+    module, package = "gem", "gem-llm"
 
     def game(self, row):
         return GymGame(self.make(), row["label"]["seed"])
@@ -162,29 +168,21 @@ class ArenaGame(Game):
         return self.observe(done)
 
 
-class TextArena(Hub):
+class TextArena(SeededHub):
     module, package = "textarena", "textarena"
 
     def __init__(self, lib, spec, args):
-        super().__init__(lib, spec, args)
-        known(spec, importlib.import_module("textarena.envs.registration").ENV_REGISTRY)
-        self.players = self.args.pop("num_players", None)
-        env = checked(self.spec, self.make)
-        for n in [self.players] if self.players else [1, 2, 3, 4, 6]:
+        players = args.get("num_players")
+        super().__init__(lib, spec, {k: v for k, v in args.items() if k != "num_players"})
+        for n in [players] if players else [1, 2, 3, 4, 6]:
             try:
-                env.reset(num_players=n, seed=0)
+                self.env.reset(num_players=n, seed=0)
                 self.players = n
                 break
             except (AssertionError, ValueError, TypeError) as e:
                 error = e
         else:
             raise ValueError(f"env.args of {self.spec}: the game refuses num_players {n}: {error}")
-
-    def make(self) -> Any:
-        return self.lib.make(self.name, **self.args)
-
-    def rows(self, size, seed, eval):
-        return seeds(self, size, seed + 1_000_003 * eval)
 
     def game(self, row):
         return ArenaGame(self.make(), self.players, row["label"]["seed"])

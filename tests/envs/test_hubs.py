@@ -63,12 +63,11 @@ def test_reasoning_gym_reward_is_the_datasets_score(tokenizer):
         )
         assert traj.reward == expected
     assert traj.reward == 0.0 and expected == 0.0
-    assert (
-        play(tokenizer, "reasoning_gym:chain_sum", row, [f"<answer>{entry['answer']}</answer>"], args)[
-            0
-        ].reward
-        == 1
-    )
+    right = f"<answer>{entry['answer']}</answer>"
+    assert play(tokenizer, "reasoning_gym:chain_sum", row, [right], args)[0].reward == 1.0
+    args = {**args, "answer": "-?[0-9]+"}  # the last number of the reply is the answer
+    for text, expected in ((f"it is 12, no: {entry['answer']}", 1.0), (f"{entry['answer']} or 12", 0.0)):
+        assert play(tokenizer, "reasoning_gym:chain_sum", row, [text], args)[0].reward == expected
 
 
 def test_gem_game_reward_is_the_games_own_over_the_same_guesses(tokenizer):
