@@ -329,6 +329,15 @@ class EnvConfig:
 
 
 @dataclass
+class MultiAgentConfig:
+    roles: str = ""
+    """Agent roles, comma-separated: a request names its role by its `model` field or an `x-molt-role` header;
+    each role gets its own reward and advantages (docs/algo.md, "Several agents")."""
+    train_roles: str = ""
+    """The roles that learn, comma-separated (empty: all); the others are recorded and served, not trained."""
+
+
+@dataclass
 class EvalConfig:
     dataset: str = ""
     """Held-out prompts (JSONL); empty disables evaluation."""
@@ -418,6 +427,7 @@ class MoltConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     data: DataConfig = field(default_factory=DataConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    multiagent: MultiAgentConfig = field(default_factory=MultiAgentConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -107,17 +107,21 @@ def _merge_params(
 
 
 class Episode:
-    """Accumulates what an episode returns into the trajectory; `sessions` opens further capture sessions for
-    the rollout (an opponent's, whose segments the runner does not keep)."""
+    """Accumulates what an episode returns into the trajectory."""
 
-    def __init__(self, traj: Trajectory, sessions: SessionProvider):
+    def __init__(self, traj: Trajectory):
         self.traj = traj  # its reward: the sum of the episode's rewards
-        self.sessions = sessions
 
     def add(self, result: Any, what: str) -> Result:
         if not isinstance(result, Result):
             raise InvalidReward(f"{what} must return molt.agents.Result, got {type(result).__name__}")
-        self.traj.reward += to_float(result.reward, f"{what}: Result.reward")
+        if isinstance(result.reward, Mapping):  # one reward per role; the rollout's is their mean
+            parts = {k: to_float(v, f"{what}: Result.reward[{k!r}]") for k, v in result.reward.items()}
+            for role, value in parts.items():
+                self.traj.rewards[role] = self.traj.rewards.get(role, 0.0) + value
+            self.traj.reward += sum(parts.values()) / max(1, len(parts))
+        else:
+            self.traj.reward += to_float(result.reward, f"{what}: Result.reward")
         for key, value in (result.info or {}).items():
             with suppress(InvalidReward):  # info is for dashboards only: a non-numeric entry is dropped
                 self.traj.info[key] = to_float(value, f"info[{key!r}]")
@@ -145,7 +149,7 @@ class SessionRunner(Runner):
         traj = Trajectory(rollout_id=rollout_id, group_id=group_id)
         session = await sessions.open_session(rollout_id, params)
         try:
-            await self._guarded(self._episode(row, session, params, Episode(traj, sessions)), traj)
+            await self._guarded(self._episode(row, session, params, Episode(traj)), traj)
         finally:
             traj.segments = await session.close()
             traj.info.update({f"capture/{k}": float(v) for k, v in session.stats.items()})

@@ -57,6 +57,7 @@ class ChatRequest:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     # its wire body's length, a bound on its characters (`_fits` walks it above)
     body_bytes: int | None = None
+    role: str = ""  # the agent's (multiagent.roles): its segments are that role's
 
 
 @dataclass
@@ -148,12 +149,14 @@ class Session:
         messages: list[dict[str, Any]],
         params: SamplingParams,
         tools: list[dict[str, Any]] | None = None,
+        role: str = "",
     ) -> Turn:
         request = ChatRequest(
             canonical_messages(messages, self.renderer.image),
             canonical_tools(tools),
             params,
             parse_tools=bool(tools),
+            role=role,
         )
         return _turn(await self.complete(request))
 
@@ -195,7 +198,7 @@ class Session:
                 return self._cache[cache_key]
             # rendering and tokenizing grow with the conversation: in a thread, so other sessions go on meanwhile
             plan = await asyncio.to_thread(
-                self.tracker.plan, request.messages, request.tools, request.params.temperature
+                self.tracker.plan, request.messages, request.tools, request.params.temperature, request.role
             )
             gen = await self._generate(plan, request, listener)
             if cache_key is not None:

@@ -10,8 +10,9 @@ Decisions:
   hub's parser expects; the recorded tokens are the exact ones sampled, as for every rollout.
 - Rewards add up over the episode (per-step rewards: GEM, SkyRL-gym, OpenEnv; one final reward: the others).
   Numeric `info` entries become `rollout/info/<key>`, so the parts of a hub's reward are logged.
-- Seats other than 0 of a multi-player game are played by the same policy in their own capture session,
-  whose segments are not kept: seat 0 learns against the current policy (self-play with one trained seat).
+- Every seat of a multi-player game is played by the policy (self-play), each as a role of its own ("seat0",
+  "seat1", ...) with its own reward and advantages (molt.runtime.loop); `--multiagent.train_roles seat0`
+  trains one seat against the current policy.
 - A hub's calls are synchronous (and some are slow: a game engine, a code checker), so they run in a thread,
   off the worker's event loop.
 """
@@ -28,13 +29,13 @@ from molt.agents.runners import Episode, Result, SessionRunner
 
 @dataclass
 class Move:
-    """What an environment answers: the next messages of `seat`, the reward of the step, whether it ended."""
+    """What an environment answers: the next messages of `role`, the reward of the step, whether it ended."""
 
     messages: list[dict[str, Any]] = field(default_factory=list)
-    reward: float = 0.0
+    reward: float | dict[str, float] = 0.0  # a dict: one per role (`Result.reward`)
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)
-    seat: int = 0
+    role: str = ""  # the player who moves next, as a role ("" for a one-player game)
     replace: bool = False
     score: float | None = None  # what eval counts as correct when > 0 (None: the reward)
 
@@ -79,18 +80,14 @@ class GameRunner(SessionRunner):
     async def _episode(self, row, session, params, episode: Episode):
         params = params.copy(seed=None)  # the session seeds each turn from the rollout's seed (molt.types)
         game = await asyncio.to_thread(self.make_game, row)
-        move = await asyncio.to_thread(game.reset)
-        sessions, chats = {0: session}, {}
         try:
+            move = await asyncio.to_thread(game.reset)
+            chats: dict[str, list[dict[str, Any]]] = {}
             for _ in range(self.max_turns):
-                seat = move.seat
-                kept = [] if move.replace else chats.get(seat, [])
-                chats[seat] = kept + move.messages
-                if seat not in sessions:
-                    opened = episode.sessions.open_session(f"{episode.traj.rollout_id}-seat{seat}", params)
-                    sessions[seat] = await opened
-                turn = await sessions[seat].chat(chats[seat], params.copy())
-                chats[seat] = chats[seat] + [turn.message]
+                role = move.role
+                chats[role] = ([] if move.replace else chats.get(role, [])) + move.messages
+                turn = await session.chat(chats[role], params.copy(), role=role)
+                chats[role] = chats[role] + [turn.message]
                 if len(turn.prompt_ids) + len(turn.action_ids) >= session.max_model_len:
                     break  # the context is exhausted
                 move = await asyncio.to_thread(game.step, turn.message.get("content") or "")
@@ -100,5 +97,3 @@ class GameRunner(SessionRunner):
             episode.traj.truncated = True
         finally:
             await asyncio.to_thread(game.close)
-            for seat in set(sessions) - {0}:
-                await sessions[seat].close()

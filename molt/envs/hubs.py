@@ -26,11 +26,13 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import signal
 import sys
 import types
 import typing
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from molt.agents.runners import Result, SessionRunner
 from molt.envs.games import Game, GameRunner, Move, SingleTurn, user
@@ -154,14 +156,20 @@ class ArenaGame(Game):
         return self.observe()
 
     def observe(self, done: bool = False) -> Move:
-        if done:
-            rewards, info = self.env.close()
-            ours = info.get(0, {}) if isinstance(info, dict) else {}
+        seats = (lambda pid: f"seat{pid}") if self.players > 1 else (lambda pid: "")
+        if not done:
+            pid, text = self.env.get_observation()
+            return Move(user(text), role=seats(pid), replace=True)
+        rewards, info = self.env.close()
+        invalid = {
+            f"invalid_move/{seats(p) or 'seat0'}": float(bool(i.get("invalid_move"))) for p, i in info.items()
+        }
+        score = rewards[0]  # what eval counts: seat 0's win
+        if self.players > 1:
             return Move(
-                reward=rewards[0], done=True, info={"invalid_move": float(bool(ours.get("invalid_move")))}
+                reward={seats(p): r for p, r in rewards.items()}, done=True, info=invalid, score=score
             )
-        seat, text = self.env.get_observation()
-        return Move(user(text), seat=seat, replace=True)
+        return Move(reward=score, done=True, info=invalid)
 
     def step(self, text):
         done, _ = self.env.step(text)
@@ -323,7 +331,10 @@ class Verifiers(Hub):
             raise ValueError(
                 "verifiers >= 0.4 dropped load_environment (the classic API): pip install verifiers==0.3.1"
             )
-        self.env = checked(self.spec, lambda: lib.load_environment(self.name, **self.args))
+        # an Environment installs a SIGINT handler: it would replace Molt's (a checkpoint on a signal), and in
+        # a rollout worker's thread it fails ("signal only works in main thread")
+        with mock.patch.object(signal, "signal"):
+            self.env = checked(self.spec, lambda: lib.load_environment(self.name, **self.args))
 
     def rows(self, size, seed, eval):
         data = self.env.get_eval_dataset() if eval else self.env.get_dataset()

@@ -23,7 +23,13 @@ from molt.runtime.experience import assign_to_ranks
 from molt.runtime.metrics import MetricsLogger, rollout_metrics
 from molt.runtime.pool import Group, PromptStream, RolloutPool, RolloutTask, RunStopped
 from molt.runtime.refit import WeightSync
-from molt.runtime.trainer_group import TrainerGroup, rollout_advantages, spread, terminal_rewards
+from molt.runtime.trainer_group import (
+    TrainerGroup,
+    credit_rows,
+    rollout_advantages,
+    spread,
+    terminal_rewards,
+)
 from molt.runtime.worker import RolloutWorker, Workers
 from molt.types import SamplingParams
 
@@ -115,6 +121,7 @@ class Run:
             engine_options=engine_options,
             max_restarts=cfg.rollout.engine_max_restarts,
             tool_parser=cfg.rollout.tool_parser,
+            roles=cfg.multiagent.roles,
         )
         self.workers = Workers(spawn, n_workers, cfg.rollout.worker_max_restarts)
         self.trainer = TrainerGroup(
@@ -216,7 +223,8 @@ class Run:
     async def _train_step(self, groups: list[Group]) -> dict[str, float]:
         cfg, (low, high) = self.cfg, self.cfg.reward.clip_range
         estimator = cfg.algo.advantage.estimator
-        rows = [(o.rollout_id, g.group_id, min(max(o.reward, low), high)) for g in groups for o in g.outcomes]
+        rows = credit_rows(groups, low, high)
+        trained = set(filter(None, cfg.multiagent.train_roles.split(","))) or None
         # one advantage per rollout here, else the ranks' from terminal rewards
         group = self.spec.kind == "group"
         advantages = rollout_advantages(estimator, rows) if group else None
@@ -225,7 +233,13 @@ class Run:
         size = len(groups) // optimizer_windows(cfg)
         windows = [
             assign_to_ranks(
-                [e for g in groups[i : i + size] for o in g.outcomes for e in o.experiences],
+                [
+                    e
+                    for g in groups[i : i + size]
+                    for o in g.outcomes
+                    for e in o.experiences
+                    if trained is None or e.role in trained  # the other roles are recorded, not trained
+                ],
                 cfg.train.num_ranks,
             )
             for i in range(0, len(groups), size)

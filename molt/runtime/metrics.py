@@ -38,6 +38,14 @@ def rollout_metrics(groups: Iterable[Group], version: int) -> dict[str, float]:
         "rollout/count": float(len(outcomes)),
     }
     out.update({f"rollout/break/{reason}": float(n) for reason, n in breaks.items()})
+    for role in sorted({e.role for o in outcomes for e in o.experiences} - {""}):  # several agents
+        mine = [(o, [e for e in o.experiences if e.role == role]) for o in outcomes]
+        mine = [(o, exps) for o, exps in mine if exps]
+        out[f"rollout/role/{role}/reward_mean"] = statistics.fmean(
+            o.rewards.get(role, o.reward) for o, _ in mine
+        )
+        out[f"rollout/role/{role}/tokens"] = statistics.fmean(sum(e.num_actions for e in x) for _, x in mine)
+        out[f"rollout/role/{role}/segments"] = statistics.fmean(len(x) for _, x in mine)
     for env in sorted({g.row["env"] for g in groups if "env" in g.row}):  # a run on hub environments
         mine = [o.reward for g in groups if g.row.get("env") == env for o in g.outcomes]
         out[f"rollout/env/{env}/reward_mean"] = statistics.fmean(mine)

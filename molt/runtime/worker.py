@@ -104,9 +104,10 @@ class RolloutWorker:
         engine_options: dict[str, Any] | None = None,
         max_restarts: int = 3,
         tool_parser: str = "auto",
+        roles: str = "",
     ):
         self.model_path, self.agent_path, self.engine_kind = model_path, agent_path, engine_kind
-        self.torch_threads, self.tool_parser = torch_threads, tool_parser
+        self.torch_threads, self.tool_parser, self.roles = torch_threads, tool_parser, roles
         self.runner_options = runner_options or {}
         self.engine_options = engine_options or {}
         self.engine: Any = None
@@ -134,7 +135,7 @@ class RolloutWorker:
         from molt.capture.server import CaptureServer
 
         self.engine = RefitGate(engine)
-        self.server = CaptureServer(self.engine, renderer, tool_parser=self.tool_parser)
+        self.server = CaptureServer(self.engine, renderer, tool_parser=self.tool_parser, roles=self.roles)
         await self.server.start()
         if isinstance(self.agent_path, list):  # hub environments: (env.id entry, its arguments) each
             from molt.envs import EnvRunner

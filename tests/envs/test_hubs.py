@@ -88,7 +88,7 @@ def test_gem_game_reward_is_the_games_own_over_the_same_guesses(tokenizer):
         assert len(traj.segments) == 1  # feedback continues the conversation: one segment
 
 
-def test_textarena_seat_zero_gets_its_reward_and_only_its_tokens(tokenizer):
+def test_textarena_seats_are_roles_each_with_its_reward(tokenizer):
     ta = need("textarena")
 
     moves = ["[4]", "[0]", "[8]", "[2]", "[1]", "[6]", "[3]", "[5]", "[7]"]
@@ -103,11 +103,13 @@ def test_textarena_seat_zero_gets_its_reward_and_only_its_tokens(tokenizer):
             if env.step(move)[0]:
                 break
         rewards, _ = env.close()
-        assert traj.reward == rewards[0] and len(engine.calls) == played
-        ours = {c["session_id"] for c in engine.calls[::2]}
-        theirs = {c["session_id"] for c in engine.calls[1::2]}
-        assert len(ours) == 1 and not ours & theirs  # seat 1 played in a session of its own
-        assert len(traj.segments) == (played + 1) // 2  # each turn of seat 0 a segment, seat 1's dropped
+        assert traj.rewards == {"seat0": rewards[0], "seat1": rewards[1]} and traj.score == rewards[0]
+        assert len(engine.calls) == played and len({c["session_id"] for c in engine.calls}) == 1
+        # each turn is its own segment (the observation is the player's whole history), the seats alternate
+        assert [s.role for s in traj.segments] == ["seat0", "seat1"] * (played // 2) + ["seat0"] * (
+            played % 2
+        )
+        assert {s.break_reason for s in traj.segments[1:]} == {"role"}
 
 
 def test_skyrl_gym_reward_is_the_envs_own(tokenizer):
