@@ -19,6 +19,8 @@ Decisions:
   refuses ends the episode with reward 0 and `info.invalid_action` 1.
 - verifiers' classic API (0.3.x, `load_environment`): the environment calls the model through an OpenAI client
   on the rollout's capture session; its rubric's weighted sum is the reward and each function's score a metric.
+- NeMo Gym (Python 3.12) runs apart: a resources server by URL scores, with `/verify`, the reply Molt generates
+  on the Responses wire to the row's `responses_create_params`.
 """
 
 from __future__ import annotations
@@ -348,6 +350,52 @@ class Verifiers(Hub):
         return VerifiersRunner(self, timeout)
 
 
+class NemoRunner(SessionRunner):
+    def __init__(self, hub: NemoGym, timeout: float | None):
+        self.hub, self.timeout = hub, timeout
+
+    async def _episode(self, row, session, params, episode):
+        import httpx
+        from openai import AsyncOpenAI
+
+        openai = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        limits = {"max_output_tokens": params.max_tokens} if params.max_tokens else {}
+        create = {**limits, **row["label"]["responses_create_params"], "model": session.model_name}
+        response = await openai.responses.create(**create)
+        body = {**row["label"], "response": response.model_dump(mode="json")}
+        async with httpx.AsyncClient(timeout=self.timeout) as client:
+            reply = await client.post(f"{self.hub.name}/verify", json=body)
+        if reply.status_code != 200:
+            raise RuntimeError(f"NeMo Gym /verify answered {reply.status_code}: {reply.text[:300]}")
+        verdict = reply.json()
+        numbers = {k: v for k, v in verdict.items() if isinstance(v, (int, float)) and k != "reward"}
+        episode.add(Result(reward=verdict["reward"], info=numbers), f"{self.hub.spec} /verify")
+
+
+class NemoGym(Hub):
+    """A NeMo Gym resources server by URL (it needs Python 3.12: it runs in a venv of its own, nothing of
+    nemo_gym is imported here); its rows come from a JSONL of NeMo Gym's own (`env.args {"data": PATH}`)."""
+
+    module, package = "httpx", "httpx"
+
+    def __init__(self, lib, spec, args):
+        super().__init__(lib, spec, args)
+        if not re.match(r"https?://", self.name) or "data" not in self.args:
+            raise ValueError(
+                f'env.id {spec}: nemo_gym:URL of a resources server, with env.args {{"data": PATH}}'
+            )
+
+    def rows(self, size, seed, eval):
+        path = self.args.get("eval_data" if eval else "data")
+        if not path:
+            return None
+        data = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        return [{"messages": r["responses_create_params"]["input"], "label": r} for r in data[:size]]
+
+    def runner(self, max_turns, timeout):
+        return NemoRunner(self, timeout)
+
+
 ADAPTERS = {
     "reasoning_gym": ReasoningGym,
     "gem": Gem,
@@ -355,4 +403,5 @@ ADAPTERS = {
     "skyrl_gym": SkyRL,
     "openenv": OpenEnv,
     "verifiers": Verifiers,
+    "nemo_gym": NemoGym,
 }

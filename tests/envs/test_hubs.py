@@ -5,6 +5,8 @@ The model's replies are scripted so that both right and wrong answers occur; `te
 tiny model through `molt train`."""
 
 import asyncio
+import socket
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -163,6 +165,37 @@ def test_verifiers_rubric_over_the_capture_server(tokenizer):
         assert traj.reward == expected  # weights 1.0 and 0.5 (vf_sums)
         assert traj.info["correct"] == float(expected > 0) and traj.info["short"] == float(expected > 0)
         assert len(traj.segments) == 1 and engine.calls  # the env's own request, captured
+
+
+def test_nemo_gym_reward_is_its_resources_servers_verify(tokenizer):
+    """NeMo Gym needs Python 3.12: its shipped mcqa resources server runs in the venv of `make nemo-gym`."""
+    import httpx
+
+    python = Path(__file__).parents[2] / ".cache" / "nemo" / "bin" / "python"
+    site = next(python.parents[1].glob("lib/python3.*/site-packages"), None)
+    if site is None or not (site / "nemo_gym").is_dir():
+        pytest.skip("NeMo Gym's Python 3.12 venv (`make nemo-gym`) is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([str(python), str(HERE / "nemo_gym_server.py"), "mcqa", str(port)])
+    try:
+        for _ in range(600):  # its start-up: imports of a few seconds
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
+                break
+            except httpx.TransportError:
+                threading.Event().wait(0.1)
+        spec = f"nemo_gym:http://127.0.0.1:{port}"
+        args = {"data": str(site / "resources_servers" / "mcqa" / "data" / "example.jsonl")}
+        row = load_hub(spec, args).rows(5, 0, False)[0]
+        assert row["label"]["expected_answer"] == "B"
+        for text, expected in (("So \\boxed{B}", 1.0), ("\\boxed{A}", 0.0), ("B", 0.0)):  # strict: boxed only
+            traj, engine = play(tokenizer, spec, row, [text], args)
+            assert traj.reward == expected and len(engine.calls) == 1
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 def test_errors_name_the_package_the_ids_and_the_field(monkeypatch):
