@@ -101,3 +101,26 @@ def test_two_roles_end_to_end_train_only_the_planner(tiny_llama_dir, tmp_path, r
     assert metrics[0]["actor_window_tokens"] == planner  # the coder's tokens were recorded, not trained
     for role in ("planner", "coder"):
         assert f"rollout/role/{role}/reward_mean" in metrics[0]
+
+
+async def test_a_request_names_its_role_by_model_or_header_and_an_unknown_header_is_refused(tokenizer):
+    import openai
+
+    from molt.testing.scripted import ScriptedEngine, live_capture_server
+
+    engine = ScriptedEngine(tokenizer, ["plan", "work", "more"])
+    async with live_capture_server(engine, tokenizer, roles="planner,coder") as server:
+        session = await server.open_session()
+        api = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        ask = [{"role": "user", "content": "go"}]
+        await api.chat.completions.create(model="planner", messages=ask)
+        await api.chat.completions.create(model="other", messages=ask, extra_headers={"x-molt-role": "coder"})
+        await api.chat.completions.create(model="other", messages=ask)  # no declared role: as before
+        with pytest.raises(openai.BadRequestError, match="x-molt-role 'judge' is not one of"):
+            await api.chat.completions.create(model="m", messages=ask, extra_headers={"x-molt-role": "judge"})
+        segments = await session.close()
+    assert [(s.role, s.break_reason) for s in segments] == [
+        ("planner", "start"),
+        ("coder", "role"),
+        ("", "role"),
+    ]
