@@ -136,7 +136,7 @@ class SegmentTracker:
                 branch = plan.branch
                 # the conversation goes on after others began: those ran beside it (a harness's subagents)
                 for later in self.branches[self.branches.index(branch) + 1 :]:
-                    if later.segment.break_reason == "compaction":
+                    if later.segment.break_reason in ("compaction", "tools_changed"):
                         later.segment.break_reason = "subagent"
                 _extend(branch.segment, plan.context_ids, action)
                 branch.segment.images = plan.images

@@ -174,6 +174,7 @@ class CaptureServer:
             rollout_id=rollout_id,
             max_chars_per_token=self.max_chars_per_token,
             on_close=lambda s: self.sessions.pop(s.session_id, None),
+            subagent_role="subagent" if "subagent" in self.roles else "",
         )
         self.sessions[session_id] = session
         return session

@@ -117,8 +117,10 @@ class Session:
         history_size: int = 64,
         max_chars_per_token: float = 16,
         on_close: Callable[[Session], None] | None = None,
+        subagent_role: str = "",
     ):
         self.session_id, self.api_key, self.rollout_id = session_id, api_key, rollout_id
+        self.subagent_role = subagent_role  # given to segments that ran beside the main conversation
         self.session_url = f"{root_url}/s/{session_id}"
         self.base_url = f"{self.session_url}/v1"
         self.engine, self.renderer, self.parser = engine, renderer, parser
@@ -178,7 +180,11 @@ class Session:
                 await self.engine.abort(request_id)
             if self._on_close is not None:
                 self._on_close(self)
-        return self.tracker.segments()
+        segments = self.tracker.segments()
+        for segment in segments:  # known only now: a subagent is a conversation the main one went on after
+            if segment.break_reason == "subagent" and not segment.role:
+                segment.role = self.subagent_role
+        return segments
 
     # ---------------------------------------------------------------------- the capture path
     async def complete(
