@@ -27,6 +27,7 @@ from molt.runtime.trainer_group import (
     TrainerGroup,
     credit_rows,
     rollout_advantages,
+    running_baselines,
     spread,
     terminal_rewards,
 )
@@ -55,6 +56,9 @@ class Run:
         self.generated_tokens = 0
         self.stream: dict[str, Any] | None = None  # the prompt stream's checkpoint state (PromptStream.state)
         self.counters: dict[str, int] = {}  # the pool's, restored on resume
+        self.baselines: dict[
+            str, float
+        ] = {}  # role_baseline: the running baseline of each (environment, role)
         self.evals: list[dict[str, float]] = []
         self._created = time.perf_counter()
         self._stop = asyncio.Event()
@@ -142,6 +146,7 @@ class Run:
         await self.trainer.same("load", str(path / "trainer"))
         self.step, self.stream = state["step"], state["stream"]
         self.generated_tokens, self.counters = state["generated_tokens"], state.get("counters", {})
+        self.baselines = state.get("baselines", {})
         if state.get("kl_coef") is not None and self.cfg.algo.kl.target is not None:
             self.kl_coef = state["kl_coef"]
             await self.trainer.same("set_kl_coef", self.kl_coef)
@@ -160,6 +165,7 @@ class Run:
             "generated_tokens": self.generated_tokens,
             "counters": dict(pool.counters),
             "kl_coef": self.kl_coef,
+            "baselines": self.baselines,
             "metrics": metrics,
         }
         self.control.checkpointed(self.step, state)
@@ -227,7 +233,8 @@ class Run:
         trained = set(filter(None, cfg.multiagent.train_roles.split(","))) or None
         # one advantage per rollout here, else the ranks' from terminal rewards
         group = self.spec.kind == "group"
-        advantages = rollout_advantages(estimator, rows) if group else None
+        params = running_baselines(groups, rows, self.baselines) if estimator == "role_baseline" else None
+        advantages = rollout_advantages(estimator, rows, params) if group else None
         rewards = None if group else terminal_rewards(self.spec.centred, rows)
         # optimizer windows of whole groups; each rank gets its balanced share of every window
         size = len(groups) // optimizer_windows(cfg)

@@ -28,6 +28,29 @@ def credit_rows(groups: list[Any], low: float, high: float) -> list[tuple[tuple[
     ]
 
 
+def running_baselines(
+    groups: list[Any], rows: list[Any], baselines: dict[str, float], decay: float = 0.95
+) -> Any:
+    """`role_baseline`'s parameters for `credit_rows(groups)`: each row's baseline, the running mean of its
+    (environment, role)'s rewards before this step (0 at first); then each baseline moves to
+    decay * b + (1 - decay) * the step's mean reward of its (environment, role) (SPIRAL: decay 0.95)."""
+    import statistics
+
+    import torch
+
+    from molt.algo import AdvantageParams
+
+    envs = {g.group_id: g.row.get("env", "") for g in groups}
+    keys = [f"{envs[group.rsplit('/', 1)[0]]}/{credit[1]}" for credit, group, _ in rows]
+    params = AdvantageParams(
+        baselines=torch.tensor([baselines.get(k, 0.0) for k in keys], dtype=torch.float64)
+    )
+    for key in set(keys):
+        mean = statistics.fmean(r for k, (_, _, r) in zip(keys, rows) if k == key)
+        baselines[key] = decay * baselines.get(key, 0.0) + (1 - decay) * mean
+    return params
+
+
 def rollout_advantages(
     estimator: str, rollouts: list[tuple[Any, str, float]], params: Any = None
 ) -> dict[Any, float]:

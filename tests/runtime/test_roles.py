@@ -124,3 +124,32 @@ async def test_a_request_names_its_role_by_model_or_header_and_an_unknown_header
         ("coder", "role"),
         ("", "role"),
     ]
+
+
+def test_role_baseline_is_a_running_mean_per_environment_and_role():
+    from molt.runtime.trainer_group import running_baselines
+
+    def game(gid, seat0, seat1):
+        return Group(
+            (0, 0),
+            gid,
+            {"env": "ta"},
+            [outcome(gid + "r", ["seat0", "seat1"], rewards={"seat0": seat0, "seat1": seat1})],
+        )
+
+    baselines = {}
+    step1 = [game("g1", 1.0, -1.0), game("g2", 1.0, -1.0)]
+    rows = credit_rows(step1, -1, 1)
+    adv = rollout_advantages("role_baseline", rows, running_baselines(step1, rows, baselines, decay=0.9))
+    assert adv[("g1r", "seat0")] == 1.0 and adv[("g1r", "seat1")] == -1.0  # baselines start at 0
+    assert baselines == {
+        "ta/seat0": pytest.approx(0.1),
+        "ta/seat1": pytest.approx(-0.1),
+    }  # 0.9 * 0 + 0.1 * mean
+    step2 = [game("g3", -1.0, 1.0)]
+    rows = credit_rows(step2, -1, 1)
+    adv = rollout_advantages("role_baseline", rows, running_baselines(step2, rows, baselines, decay=0.9))
+    assert adv[("g3r", "seat0")] == pytest.approx(-1.1) and adv[("g3r", "seat1")] == pytest.approx(1.1)
+    assert baselines["ta/seat0"] == pytest.approx(
+        0.9 * 0.1 - 0.1
+    )  # a group of one still learns: no group mean
