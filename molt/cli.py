@@ -376,7 +376,7 @@ def _train_and_report(cfg) -> dict:
         "--prefix-cache-mb",
         type=int,
         default=None,
-        help="session prefix cache of the engine in MB, 0: off (default: the engine's, 1024)",
+        help="prefix cache of the engine in MB, shared by every session, 0: off (default: the engine's, 1024)",
     ),
     arg(
         "--allow-remote-images",
