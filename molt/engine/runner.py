@@ -55,9 +55,14 @@ class ModelRunner:
     ):
         import transformers as tf
 
-        if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
-            raise ValueError(f"unknown dtype {dtype!r} (use e.g. 'float32', 'bfloat16')")
         self.name, self.device = name, engine_device(device)
+        if (
+            dtype == "auto"
+        ):  # a CPU with avx512_bf16 (or AMX) computes bf16 natively: faster (docs/benchmarks.md)
+            native = self.device.type == "cuda" or torch.cpu._is_avx512_bf16_supported()
+            dtype = "bfloat16" if native else "float32"
+        if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r} (use auto, float32 or bfloat16)")
         self.spec = spec = ModelSpec.from_pretrained(model_path)
         self.banned = list(spec.banned)  # never sampled (docs/internals.md)
         self.model = spec.auto_class.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
