@@ -12,6 +12,7 @@ a 32K window (2 layers, hidden 64: the issue's `molt serve` measurement), `--mod
 
     .venv/bin/python bench/engine.py --cross-session [--model smollm2-135m-instruct --prompt-tokens 6000
         --system-tokens 4000] [--write]
+    .venv-vllm/bin/python bench/engine.py --cross-session --engine vllm [--write]   # vLLM's, the same workload
 """
 
 from __future__ import annotations
@@ -52,9 +53,16 @@ def prefill_counter(engine: HFEngine) -> list[int]:
 
 
 async def measure(args, model_path: str, dtype: str) -> dict[str, list[float]]:
-    on = HFEngine(model_path, dtype=dtype, prefix_cache_mb=1024)
-    off = HFEngine(model_path, dtype=dtype, prefix_cache_mb=0)
-    vocab, counted = on.vocab_size, prefill_counter(on)
+    if args.engine == "vllm":  # its automatic prefix caching, on and off (eager: a quick start-up)
+        from molt.engine.vllm import VLLMEngine
+
+        make = lambda cache: VLLMEngine(
+            model_path, dtype=dtype, enable_prefix_caching=cache, enforce_eager=True
+        )
+    else:
+        make = lambda cache: HFEngine(model_path, dtype=dtype, prefix_cache_mb=1024 if cache else 0)
+    on, off = make(True), make(False)
+    vocab, counted = on.vocab_size, prefill_counter(on) if args.engine == "hf" else [0]
     await on.generate([1, 2, 3], ONE)
     await off.generate([1, 2, 3], ONE)
     out: dict[str, list[float]] = {"first": [], "second": [], "cold group": [], "group": [], "tokens": []}
@@ -185,10 +193,20 @@ def cross_session(args, model_path: str | None, where: str) -> tuple[str, str, s
     ]
     lines = ["| workload | cache on s | reference s | ratio |", "| --- | ---: | ---: | ---: |"]
     lines += [f"| {what} | {m[a]:.3f} | {m[b]:.3f} | {m[a] / m[b]:.3f}x |" for what, a, b in rows]
-    note = (
-        f"One sampled token a request (the time is the prefill's), median of {args.repeats} rounds; the group's "
-        f"prefill forwards computed {m['tokens']:.3f}x its prompt tokens (1/{args.group} = "
-        f"{1 / args.group:.3f}: the system prompt once). {dtype}, {where}; the machine was shared with other "
-        "engineers' tests: ratios, not absolute times, are what carries over."
+    computed = (
+        f"the group's prefill forwards computed {m['tokens']:.3f}x its prompt tokens (1/{args.group} = "
+        f"{1 / args.group:.3f}: the system prompt once)"
+        if args.engine == "hf"
+        else "vLLM's automatic prefix caching on against off (vLLM's CPU build, eager)"
     )
-    return "Prefix cache across sessions (`bench/engine.py --cross-session`)", note, "\n".join(lines)
+    note = (
+        f"One sampled token a request (the time is the prefill's), median of {args.repeats} rounds; {computed}. "
+        f"{dtype}, {where}; the machine was shared with other engineers' tests: ratios, not absolute times, are "
+        "what carries over."
+    )
+    engine = "vLLM's" if args.engine == "vllm" else "the embedded engine's"
+    return (
+        f"Prefix cache across sessions, {engine} (`bench/engine.py --cross-session`)",
+        note,
+        "\n".join(lines),
+    )
