@@ -396,7 +396,7 @@ def main() -> None:
 
     if args.cross_session:  # the tiny 32K Llama unless --model
         if not args.model:
-            args.model_name = "tiny Llama (2 layers, hidden 64, 32K window)"
+            args.model_name = "tiny Llama (2 layers, hidden 256, 32K window)"
         return report(*engine_sessions.cross_session(args, model_path if args.model else None, _where(args)))
     if args.engine == "vllm":  # its own process layout: both engines in one event loop (bench/engine_vllm.py)
         import engine_vllm

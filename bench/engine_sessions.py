@@ -8,7 +8,8 @@ the prefix cache shared across sessions (molt.engine.prefix_cache):
   computed (rows x columns, a forward hook) against the group's prompt tokens, and the time against the same
   requests on an engine without the cache.
 Rounds alternate the engines; the table has the median of `--repeats` rounds. The default model is a tiny Llama with
-a 32K window (2 layers, hidden 64: the issue's `molt serve` measurement), `--model` another (SmolLM2: 8K window).
+a 32K window (2 layers, hidden 256: vLLM's CPU attention refuses head_dim 16), `--model` another (SmolLM2:
+8K window).
 
     .venv/bin/python bench/engine.py --cross-session [--model smollm2-135m-instruct --prompt-tokens 6000
         --system-tokens 4000] [--write]
@@ -172,7 +173,9 @@ def cross_session(args, model_path: str | None, where: str) -> tuple[str, str, s
     if model_path is None:
         from molt.testing.models import build_tiny_llama
 
-        model_path = str(build_tiny_llama(tempfile.mkdtemp() + "/tiny-32k", max_positions=32768))
+        model_path = str(
+            build_tiny_llama(tempfile.mkdtemp() + "/tiny-32k", hidden_size=256, max_positions=32768)
+        )
     args.prompt_tokens = args.prompt_tokens or 16384
     args.system_tokens = args.system_tokens or 8192
     args.repeats = args.repeats or 3
