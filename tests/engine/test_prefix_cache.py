@@ -3,6 +3,7 @@ computed it and gives the same tokens and log-probs as a cold prefill (an engine
 multi-turn sessions, rewrites, refits, eviction and aborts; a prefix in flight is computed once."""
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -219,6 +220,35 @@ async def test_rollouts_sharing_a_long_system_prompt_arriving_together_prefill_i
     rows = prefill_rows(engine)
     outs = await together(engine, *[engine.generate(p, turn(i), f"r{i}") for i, p in enumerate(prompts)])
     assert rows[0] == (1, len(prompts[0])) and sum(r * c for r, c in rows[1:]) <= 7 * (8 + BLOCK)
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        assert_same(out, await cold.generate(p, turn(i)))
+
+
+async def test_a_request_arriving_during_a_long_prefill_waits_for_its_blocks(tiny_llama_dir, cold):
+    """A second rollout arrives while the first one's system prompt is prefilled in chunks over several steps:
+    it waits, then computes only its own tokens (and the last partial block); both equal a cold prefill."""
+    engine = HFEngine(str(tiny_llama_dir), max_prefill_tokens=64)
+    seen, queued = [], threading.Event()
+
+    def hook(_module, _args, kwargs):
+        rows, columns = kwargs["input_ids"].shape
+        if columns > 1:
+            seen.append(rows * columns)
+            if len(seen) == 1:  # hold the first chunk until the second request is queued
+                queued.wait(10)
+
+    engine.model.register_forward_pre_hook(hook, with_kwargs=True)
+    prompts = [SYSTEM + [1], SYSTEM + [2, 3]]
+    first = asyncio.ensure_future(engine.generate(prompts[0], turn(0), "a"))
+    while not seen:
+        await asyncio.sleep(0.001)
+    second = asyncio.ensure_future(engine.generate(prompts[1], turn(1), "b"))
+    while engine.num_requests < 2:
+        await asyncio.sleep(0)
+    queued.set()
+    outs = await asyncio.gather(first, second)
+    await engine.close()
+    assert len(seen) > 2 and sum(seen) == len(prompts[0]) + len(prompts[1]) - blocks(len(prompts[1]))
     for i, (p, out) in enumerate(zip(prompts, outs)):
         assert_same(out, await cold.generate(p, turn(i)))
 
