@@ -31,6 +31,7 @@ class Prefix:
 class Block:
     kv: torch.Tensor  # [2 x layers, kv_heads, BLOCK, head_dim]: each layer's keys, then its values
     routes: torch.Tensor | None  # MoE [BLOCK, layers, k]
+    nbytes: int
 
 
 def block_keys(tokens: list[int]) -> list[int]:
@@ -80,20 +81,18 @@ class PrefixCache:
         assert all(k.shape[-2] == len(tokens) for k, _ in layers), "keys/values must cover exactly `tokens`"
         keys = block_keys(tokens)
         new = [i for i, key in enumerate(keys) if key not in self.blocks]
+        # one copy of the columns from the first new block on, then a clone of each new block (its own memory)
         if new:
-            start = (
-                new[0] * BLOCK
-            )  # one copy of the columns from the first new block on, each new block cloned
+            start = new[0] * BLOCK
             flat = torch.stack([t[0, :, start : len(keys) * BLOCK] for pair in layers for t in pair])
         for i in new:
             kv = flat[:, :, i * BLOCK - start : (i + 1) * BLOCK - start].clone()
             part = None if routes is None else routes[i * BLOCK : (i + 1) * BLOCK].clone()
-            self.blocks[keys[i]] = Block(kv, part)
-            self.nbytes += kv.nbytes + (0 if part is None else part.nbytes)
+            self.blocks[keys[i]] = Block(kv, part, kv.nbytes + (0 if part is None else part.nbytes))
+            self.nbytes += self.blocks[keys[i]].nbytes
         self._touch(keys)
         while self.nbytes > self.budget:
-            block = self.blocks.popitem(last=False)[1]
-            self.nbytes -= block.kv.nbytes + (0 if block.routes is None else block.routes.nbytes)
+            self.nbytes -= self.blocks.popitem(last=False)[1].nbytes
 
     def _touch(self, keys: list[int]) -> None:
         for key in reversed(keys):  # a chain's last block ends up oldest: it is evicted before its parents
