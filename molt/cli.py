@@ -380,7 +380,14 @@ def _train_and_report(cfg) -> dict:
         "--prefix-cache-mb",
         type=int,
         default=None,
-        help="session prefix cache of the engine in MB, 0: off (default: the engine's, 1024)",
+        help="prefix cache of the engine in MB, shared by every session, 0: off (default: the engine's, 1024)",
+    ),
+    arg(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default=None,
+        help="the engine's dtype (auto: bf16 on a GPU and, embedded, on a CPU that computes bf16 natively; "
+        "default: the engine's, float32 embedded, vLLM's own auto)",
     ),
     arg(
         "--allow-remote-images",

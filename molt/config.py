@@ -185,7 +185,11 @@ class RolloutConfig:
     engine_process: bool = True
     """Run the embedded (hf) engine in a process of its own, apart from the capture server and the agents."""
     prefix_cache_mb: int = 1024
-    """Embedded engine's session prefix cache in MB: a turn prefills only its new tokens; exact (0: off)."""
+    """Embedded engine's prefix cache in MB, shared by every request (blocks of 16 tokens, least recently used out
+    first): a prompt prefills only what no earlier request computed; exact (0: off)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "float32"
+    """Embedded engine's dtype, apart from the trainer's (auto: bfloat16 on a GPU and on a CPU that computes bf16
+    natively, else float32; vLLM takes vllm.dtype)."""
     cuda_graphs: bool = True
     """Embedded engine on a GPU: decode steps replay CUDA graphs (text models without expert routers)."""
     num_workers: int = 1

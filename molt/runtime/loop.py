@@ -97,6 +97,7 @@ class Run:
         engine_options: dict[str, Any] = {
             "process": cfg.rollout.engine_process,
             "prefix_cache_mb": cfg.rollout.prefix_cache_mb,
+            "dtype": cfg.rollout.dtype,
             "cuda_graphs": cfg.rollout.cuda_graphs,
         }
         # the engine holds the policy's adapters: a refit sends them alone (docs/lora.md)
