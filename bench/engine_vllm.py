@@ -8,7 +8,7 @@ both engines live in one process and one event loop, and every measurement alter
   top-k/top-p, as `bench/engine.py`; the median and the best of `--repeats` alternated rounds.
 - Multi-turn: `bench/engine.py --multi-turn`'s workload (S sessions, each a `--history`-token prompt, then per
   turn `--new-tokens` sampled and a `--user-tokens` message appended; the whole history resent). The embedded
-  engine keys its prefix cache by session; vLLM's automatic prefix caching finds the shared blocks itself.
+  engine's prefix cache and vLLM's automatic prefix caching both find the shared blocks by a hash of the prefix.
 
     .venv-vllm/bin/python bench/engine.py --engine vllm [--requests 64,256] [--sessions 1] [--eager] [--write]
     .venv-vllm/bin/python bench/engine.py --engine vllm --multi-turn [--turns 6] [--write]   # start-up, multi-turn

@@ -305,7 +305,7 @@ def table(result: dict, near: int) -> str:
         if side
         else "",
         (
-            f"Prefix cache at the end: {result['prefix']['entries']} entries, {result['prefix']['bytes'] / 2**20:.1f} MiB, "
+            f"Prefix cache at the end: {result['prefix']['blocks']} blocks, {result['prefix']['bytes'] / 2**20:.1f} MiB, "
             f"{result['prefix']['reused_tokens']:,} prompt tokens reused over the session."
         ),
         (

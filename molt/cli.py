@@ -190,6 +190,10 @@ def load_config(
             for entry in (e.strip() for e in spec.split(",")):
                 if Path(entry).suffix in (".jsonl", *BUILDERS) and not Path(entry).is_file():
                     raise ValueError(f"{name}: no such file: {entry}")
+        from molt.envs import env_specs, load_hub
+
+        for spec, env_args in env_specs(cfg.env.id, cfg.env.args):  # a hub's package, id and arguments
+            load_hub(spec, env_args)
     return cfg
 
 
@@ -376,7 +380,14 @@ def _train_and_report(cfg) -> dict:
         "--prefix-cache-mb",
         type=int,
         default=None,
-        help="session prefix cache of the engine in MB, 0: off (default: the engine's, 1024)",
+        help="prefix cache of the engine in MB, shared by every session, 0: off (default: the engine's, 1024)",
+    ),
+    arg(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default=None,
+        help="the engine's dtype (auto: bf16 on a GPU and, embedded, on a CPU that computes bf16 natively; "
+        "default: the engine's, float32 embedded, vLLM's own auto)",
     ),
     arg(
         "--allow-remote-images",

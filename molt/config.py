@@ -185,7 +185,11 @@ class RolloutConfig:
     engine_process: bool = True
     """Run the embedded (hf) engine in a process of its own, apart from the capture server and the agents."""
     prefix_cache_mb: int = 1024
-    """Embedded engine's session prefix cache in MB: a turn prefills only its new tokens; exact (0: off)."""
+    """Embedded engine's prefix cache in MB, shared by every request (blocks of 16 tokens, least recently used out
+    first): a prompt prefills only what no earlier request computed; exact (0: off)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "float32"
+    """Embedded engine's dtype, apart from the trainer's (auto: bfloat16 on a GPU and on a CPU that computes bf16
+    natively, else float32; vLLM takes vllm.dtype)."""
     cuda_graphs: bool = True
     """Embedded engine on a GPU: decode steps replay CUDA graphs (text models without expert routers)."""
     num_workers: int = 1
@@ -314,6 +318,30 @@ class DataConfig:
 
 
 @dataclass
+class EnvConfig:
+    id: str = ""
+    """Environments of a hub by name, HUB:ID (reasoning_gym, gem, textarena, skyrl_gym, openenv, verifiers),
+    instead of an agent file; several, comma-separated, are mixed (molt.envs)."""
+    args: str = ""
+    """Keyword arguments of the environment as a JSON object (several ids: a JSON list, one object per id)."""
+    probs: str = ""
+    """Mixing probabilities of the env.id entries, comma-separated (empty: equal)."""
+    train_size: int = 1000
+    """Tasks generated for training where the environment generates them (reasoning_gym, gem, textarena)."""
+    eval_size: int = 0
+    """Held-out tasks generated for evaluation (another seed), evaluated per environment (0: none)."""
+
+
+@dataclass
+class MultiAgentConfig:
+    roles: str = ""
+    """Agent roles, comma-separated: a request names its role by its `model` field or an `x-molt-role` header;
+    each role gets its own reward and advantages (docs/algo.md, "Several agents")."""
+    train_roles: str = ""
+    """The roles that learn, comma-separated (empty: all); the others are recorded and served, not trained."""
+
+
+@dataclass
 class EvalConfig:
     dataset: str = ""
     """Held-out prompts (JSONL); empty disables evaluation."""
@@ -402,6 +430,8 @@ class MoltConfig:
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    multiagent: MultiAgentConfig = field(default_factory=MultiAgentConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -159,9 +159,13 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
     for o in ("actor", "critic"):
         _check_lora(cfg, o)
     if check_files:
-        for name in ("train.agent_path", "data.prompt_dataset")[
-            distill or sft :
-        ]:  # distillation: a built-in agent
+        if cfg.env.id and cfg.train.agent_path:
+            raise ValueError(
+                "env.id and train.agent_path: give one (an environment of a hub, or an agent file)"
+            )
+        # distillation: a built-in agent; hub environments bring their own runner and, most of them, tasks
+        needed = () if cfg.env.id else ("train.agent_path", "data.prompt_dataset")[distill or sft :]
+        for name in needed:
             if not _get(cfg, name):
                 raise ValueError(f"{name} is required")
         files = (("train.agent_path", cfg.train.agent_path), *(("algo.plugins", p) for p in cfg.algo.plugins))

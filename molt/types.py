@@ -200,6 +200,7 @@ class Segment:
     routed_experts: Any = None
     # processor inputs of its images in order ({"pixel_values": [n_images, ...], ...}) or None
     images: Any = None
+    role: str = ""  # the agent that generated it (multiagent.roles; "" for a single agent)
 
     __post_init__ = per_token
 
@@ -236,7 +237,8 @@ class Trajectory:
     rollout_id: str
     group_id: str
     segments: list[Segment] = field(default_factory=list)
-    reward: float = 0.0
+    reward: float = 0.0  # with rewards per role: their mean (what rollout-level metrics count)
+    rewards: dict[str, float] = field(default_factory=dict)  # per role; a role not here gets `reward`
     score: float | None = None  # for filtering and dashboards; falls back to reward
     info: dict[str, float] = field(default_factory=dict)
     status: RolloutStatus = RolloutStatus.OK
@@ -425,8 +427,14 @@ class Experience:
     routed_experts: Any = None
     images: Any = None
     payload_ref: Any = None  # ray.ObjectRef of the payload dict while offloaded
+    role: str = ""
 
     __post_init__ = per_token
+
+    @property
+    def credit(self) -> tuple[str, str]:
+        """What its advantage belongs to: its rollout and role (groups are per prompt and role)."""
+        return self.rollout_id, self.role
 
     @classmethod
     def from_segment(cls, traj: Trajectory, index: int) -> Experience:
@@ -435,7 +443,7 @@ class Experience:
             rollout_id=traj.rollout_id,
             group_id=traj.group_id,
             segment_index=index,
-            reward=traj.reward,
+            reward=traj.rewards.get(seg.role, traj.reward),
             num_tokens=len(seg.token_ids),
             num_actions=seg.num_actions,
             min_version=int(seg.versions.min()) if seg.num_actions else -1,
@@ -446,6 +454,7 @@ class Experience:
             versions=seg.versions,
             routed_experts=seg.routed_experts,
             images=seg.images,
+            role=seg.role,
         )
 
     @property

@@ -31,6 +31,7 @@ LAYERS = {
     "inspect": 1,  # reads run directories: molt.types at most
     "capture": 2,
     "agents": 2,
+    "envs": 3,  # hub environments, on the agent contract
     "config": 3,  # config.py, config_resolve.py, config_validate.py
     "trainer": 4,
     "runtime": 5,

@@ -20,7 +20,8 @@ from molt.types import SamplingParams, Segment, Trajectory
 class Result:
     """What an agent or an environment step returns (fields and defaults of the public contract)."""
 
-    reward: Any = 0.0  # float, or a tensor/list whose first element is the reward; None is an error
+    # float, or a tensor/list whose first element is the reward; None is an error; {role: reward}: one per role
+    reward: Any = 0.0
     observation: str = ""  # next-turn observation (Env, multi-turn)
     terminated: bool = True  # the episode ended naturally (a plain Env is single-turn)
     truncated: bool = False  # cut off by a limit
@@ -97,6 +98,7 @@ class CaptureSession(Protocol):
         messages: list[dict[str, Any]],
         params: SamplingParams,
         tools: list[dict[str, Any]] | None = None,
+        role: str = "",
     ) -> Turn: ...
 
     async def extend(self, text: str, params: SamplingParams) -> Turn:

@@ -106,7 +106,7 @@ def _merge_params(
     return SamplingParams.from_dict({**asdict(params), **override}).validate()
 
 
-class _Episode:
+class Episode:
     """Accumulates what an episode returns into the trajectory."""
 
     def __init__(self, traj: Trajectory):
@@ -115,7 +115,13 @@ class _Episode:
     def add(self, result: Any, what: str) -> Result:
         if not isinstance(result, Result):
             raise InvalidReward(f"{what} must return molt.agents.Result, got {type(result).__name__}")
-        self.traj.reward += to_float(result.reward, f"{what}: Result.reward")
+        if isinstance(result.reward, Mapping):  # one reward per role; the rollout's is their mean
+            parts = {k: to_float(v, f"{what}: Result.reward[{k!r}]") for k, v in result.reward.items()}
+            for role, value in parts.items():
+                self.traj.rewards[role] = self.traj.rewards.get(role, 0.0) + value
+            self.traj.reward += sum(parts.values()) / max(1, len(parts))
+        else:
+            self.traj.reward += to_float(result.reward, f"{what}: Result.reward")
         for key, value in (result.info or {}).items():
             with suppress(InvalidReward):  # info is for dashboards only: a non-numeric entry is dropped
                 self.traj.info[key] = to_float(value, f"info[{key!r}]")
@@ -125,7 +131,7 @@ class _Episode:
         return result
 
 
-class _RunnerBase(Runner):
+class SessionRunner(Runner):
     """Opens the session, runs `_episode` under the timeout, turns failures into statuses, closes the session."""
 
     timeout: float | None = None
@@ -143,7 +149,7 @@ class _RunnerBase(Runner):
         traj = Trajectory(rollout_id=rollout_id, group_id=group_id)
         session = await sessions.open_session(rollout_id, params)
         try:
-            await self._guarded(self._episode(row, session, params, _Episode(traj)), traj)
+            await self._guarded(self._episode(row, session, params, Episode(traj)), traj)
         finally:
             traj.segments = await session.close()
             traj.info.update({f"capture/{k}": float(v) for k, v in session.stats.items()})
@@ -173,12 +179,12 @@ class _RunnerBase(Runner):
             traj.status, traj.error = RolloutStatus.AGENT_ERROR, f"{type(error).__name__}: {error}"
 
     async def _episode(
-        self, row: Mapping[str, Any], session: CaptureSession, params: SamplingParams, episode: _Episode
+        self, row: Mapping[str, Any], session: CaptureSession, params: SamplingParams, episode: Episode
     ) -> None:
         raise NotImplementedError
 
 
-class ChatAgentRunner(_RunnerBase):
+class ChatAgentRunner(SessionRunner):
     """Runs a `ChatAgent` class (a fresh instance per rollout) against its own capture session."""
 
     def __init__(self, agent_cls: Callable[[], Any], *, timeout: float | None = None):
@@ -204,7 +210,7 @@ class ChatAgentRunner(_RunnerBase):
         episode.add(await self.agent_cls().run(ctx), f"{getattr(self.agent_cls, '__name__', 'agent')}.run")
 
 
-class StepEnvRunner(_RunnerBase):
+class StepEnvRunner(SessionRunner):
     """Drives generation for an `Env` class (a fresh instance per episode); see the module docstring."""
 
     def __init__(

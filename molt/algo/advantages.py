@@ -71,6 +71,9 @@ class AdvantageParams:
     std_eps: float = 1e-6  # grpo: (r - mean) / (std + std_eps)
     reward_coef: float = 0.0  # on_policy_distill: weight of the reward next to the teacher's KL
     centred: bool = False  # rewards are already minus their group's mean (reinforce_baseline skips its own)
+    baselines: Tensor | None = (
+        None  # role_baseline: [N] the running baseline of each row's (environment, role)
+    )
 
     def validate(self) -> AdvantageParams:
         for name in ("gamma", "lam"):
@@ -318,6 +321,16 @@ def rloo(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
     return _group_result(
         batch, lambda s: (s.reward - s.group_mean) * s.group_size / (s.group_size - 1).clamp(min=1)
     )
+
+
+@register_estimator("role_baseline", "group")
+def role_baseline(batch: AdvantageBatch, params: AdvantageParams) -> AdvantageResult:
+    """SPIRAL's role-conditioned advantage: r - b, with b a running mean of the rewards of the row's
+    (environment, role) that the controller keeps across steps (`params.baselines`; docs/algo.md)."""
+    if params.baselines is None:
+        raise ValueError("role_baseline needs the baselines of the batch's rows (AdvantageParams.baselines)")
+    adv = batch.rewards.double() - params.baselines.double()
+    return AdvantageResult(torch.where(batch.action_mask, adv[:, None], 0.0))
 
 
 def compute_advantages(

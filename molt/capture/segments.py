@@ -50,6 +50,7 @@ class Plan:
     prompt_text: str = ""
     rewrite: bool = field(default=False, repr=False)
     images: Any = None  # processor inputs of the images of prompt_ids (what the engine and the segment get)
+    role: str = ""
 
 
 class SegmentTracker:
@@ -69,10 +70,14 @@ class SegmentTracker:
         return [b.segment for b in self.branches]
 
     def plan(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, temperature: float
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        temperature: float,
+        role: str = "",
     ) -> Plan:
         rewrite = False
-        for branch in reversed(self._by_start.get(_start(messages), ())):
+        for branch in reversed(self._by_start.get((role, *_start(messages)), ())):
             known = branch.messages
             if (
                 known is None
@@ -101,8 +106,10 @@ class SegmentTracker:
             break
         text_c = self.renderer.render(messages, tools, add_generation_prompt=True)
         ids, images = self.renderer.encode_images(text_c, message_images(messages))
-        reason = self._break_reason(messages, tools, temperature, rewrite)
-        return Plan(joined_ids(ids), ids, None, reason, messages, tools, temperature, text_c, rewrite, images)
+        reason = self._break_reason(messages, tools, temperature, rewrite, role)
+        return Plan(
+            joined_ids(ids), ids, None, reason, messages, tools, temperature, text_c, rewrite, images, role
+        )
 
     def plan_raw(self, text: str) -> Plan:
         if self._last is None:
@@ -127,6 +134,10 @@ class SegmentTracker:
             messages = None if plan.messages is None or replies is None else plan.messages + [replies[i]]
             if i == 0 and plan.branch is not None:
                 branch = plan.branch
+                # the conversation goes on after others began: those ran beside it (a harness's subagents)
+                for later in self.branches[self.branches.index(branch) + 1 :]:
+                    if later.segment.break_reason in ("compaction", "tools_changed"):
+                        later.segment.break_reason = "subagent"
                 _extend(branch.segment, plan.context_ids, action)
                 branch.segment.images = plan.images
                 branch.messages, branch.prompt_text, branch.ended_turn = messages, plan.prompt_text, ended
@@ -139,12 +150,13 @@ class SegmentTracker:
                     break_reason=plan.break_reason if i == 0 else "branch",
                     temperature=plan.temperature,
                     images=plan.images,
+                    role=plan.role,
                 )
                 _extend(segment, plan.prompt_ids, action)
                 branch = _Branch(segment, messages, plan.tools, plan.prompt_text, ended)
                 self.branches.append(branch)
                 if messages:
-                    self._by_start.setdefault(_start(messages), []).append(branch)
+                    self._by_start.setdefault((plan.role, *_start(messages)), []).append(branch)
             if i == 0:
                 self._last = branch
 
@@ -164,10 +176,13 @@ class SegmentTracker:
         tools: list[dict[str, Any]] | None,
         temperature: float,
         rewrite: bool,
+        role: str,
     ) -> str:
         last = self._last
         if last is None:
             return "start"
+        if role != last.segment.role:
+            return "role"  # another agent of the same rollout
         if rewrite:
             return "template_rewrite"
         if last.tools != tools:

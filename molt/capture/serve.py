@@ -1,7 +1,8 @@
 """`molt serve --model REF [--engine hf|vllm] [--host 127.0.0.1] [--port N] [--strict-model] [--prefix-cache-mb MB]
-[--allow-remote-images] [--max-request-mb MB] [--max-chars-per-token N] [--tool-parser NAME]`: the engine and capture server as a
-standalone service, for debugging agents and for external harnesses. The engine keeps each session's last turn in its prefix cache (`molt.engine.prefix_cache`),
-so an agent's next turn prefills only its new tokens. Remote image URLs are refused unless allowed.
+[--dtype auto|float32|bfloat16] [--allow-remote-images] [--max-request-mb MB] [--max-chars-per-token N] [--tool-parser NAME]`: the engine and capture server as a
+standalone service, for debugging agents and for external harnesses. The engine's prefix cache
+(`molt.engine.prefix_cache`) is shared by every session: an agent's next turn prefills only its new tokens, and a
+new session only what no earlier one computed (a harness's system prompt once). Remote image URLs are refused unless allowed.
 
 Routes added to the capture server's:
 - POST /sessions (body optional: {"rollout_id": str, "sampling_params": {...}}; max_tokens left out: the rest of
@@ -172,7 +173,7 @@ def serve_main(args: Any) -> int:
             engine_kind=getattr(args, "engine", "hf"),
             allow_remote_images=getattr(args, "allow_remote_images", False),
             server_options=given("strict_model", "max_request_mb", "max_chars_per_token", "tool_parser"),
-            engine_options=given("prefix_cache_mb"),
+            engine_options=given("prefix_cache_mb", "dtype"),
         )
     )
     return 0

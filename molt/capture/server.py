@@ -90,13 +90,16 @@ class CaptureServer:
         strict_model: bool = False,
         max_request_mb: float = 32,
         max_chars_per_token: float = 16,
+        roles: str = "",
     ):
         self.engine, self.renderer = engine, renderer
+        # the agents' roles (multiagent.roles): a request names its own by its model field or a header
+        self.roles = set(filter(None, roles.split(",")))
         self.host, self.port = host, port
         self.parser = choose_tool_parser(tool_parser, renderer.template, renderer.tokenizer)
         renderer.keep_special(self.parser.markers)  # type: ignore[attr-defined]
         # the names /v1/models lists (the only ones, if strict)
-        self.model_names = {engine.model_name, *served_names}
+        self.model_names = {engine.model_name, *served_names, *self.roles}
         self.strict_model = strict_model
         self.max_request_mb, self.max_chars_per_token = max_request_mb, max_chars_per_token
         self.sessions: dict[str, Session] = {}
@@ -171,6 +174,7 @@ class CaptureServer:
             rollout_id=rollout_id,
             max_chars_per_token=self.max_chars_per_token,
             on_close=lambda s: self.sessions.pop(s.session_id, None),
+            subagent_role="subagent" if "subagent" in self.roles else "",
         )
         self.sessions[session_id] = session
         return session
@@ -257,6 +261,7 @@ class CaptureServer:
         try:
             chat = wire.to_chat(req, data, session)  # ValueError: e.g. an image that cannot be decoded
             chat.body_bytes = len(raw)
+            chat.role = self.role_of(req.model, request.headers.get("x-molt-role"))
             if req.stream:  # tokens go out as they are sampled (streaming.py); errors before the first byte
                 live = LiveReply(session, chat, key, lookup)
                 await live.begin()
@@ -270,6 +275,14 @@ class CaptureServer:
         except ANSWERED as e:
             raise error_reply(e) from None
         return JSONResponse(wire.response_body(gen, req, session))
+
+    def role_of(self, model: str | None, header: str | None) -> str:
+        """A request's role: its header's (a declared role), else its model name if that is one, else none."""
+        if header and header not in self.roles:
+            raise WireError(
+                400, f"x-molt-role {header!r} is not one of multiagent.roles {sorted(self.roles)}"
+            )
+        return header or (model if model in self.roles else "")
 
     async def _body(self, request: Request) -> bytes:
         """The request's body, refused (413) over max_request_mb: by its declared length before it is read."""

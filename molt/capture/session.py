@@ -57,6 +57,7 @@ class ChatRequest:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     # its wire body's length, a bound on its characters (`_fits` walks it above)
     body_bytes: int | None = None
+    role: str = ""  # the agent's (multiagent.roles): its segments are that role's
 
 
 @dataclass
@@ -116,8 +117,10 @@ class Session:
         history_size: int = 64,
         max_chars_per_token: float = 16,
         on_close: Callable[[Session], None] | None = None,
+        subagent_role: str = "",
     ):
         self.session_id, self.api_key, self.rollout_id = session_id, api_key, rollout_id
+        self.subagent_role = subagent_role  # given to segments that ran beside the main conversation
         self.session_url = f"{root_url}/s/{session_id}"
         self.base_url = f"{self.session_url}/v1"
         self.engine, self.renderer, self.parser = engine, renderer, parser
@@ -148,12 +151,14 @@ class Session:
         messages: list[dict[str, Any]],
         params: SamplingParams,
         tools: list[dict[str, Any]] | None = None,
+        role: str = "",
     ) -> Turn:
         request = ChatRequest(
             canonical_messages(messages, self.renderer.image),
             canonical_tools(tools),
             params,
             parse_tools=bool(tools),
+            role=role,
         )
         return _turn(await self.complete(request))
 
@@ -175,7 +180,11 @@ class Session:
                 await self.engine.abort(request_id)
             if self._on_close is not None:
                 self._on_close(self)
-        return self.tracker.segments()
+        segments = self.tracker.segments()
+        for segment in segments:  # known only now: a subagent is a conversation the main one went on after
+            if segment.break_reason == "subagent" and not segment.role:
+                segment.role = self.subagent_role
+        return segments
 
     # ---------------------------------------------------------------------- the capture path
     async def complete(
@@ -195,7 +204,7 @@ class Session:
                 return self._cache[cache_key]
             # rendering and tokenizing grow with the conversation: in a thread, so other sessions go on meanwhile
             plan = await asyncio.to_thread(
-                self.tracker.plan, request.messages, request.tools, request.params.temperature
+                self.tracker.plan, request.messages, request.tools, request.params.temperature, request.role
             )
             gen = await self._generate(plan, request, listener)
             if cache_key is not None:

@@ -251,7 +251,11 @@ class HFEngine(InProcessWeightReceiver):
             runner.reset(refit=True)
         if step.decode:
             self._emit(step.decode, runner.decode(step.decode), version)
-        for job, start, end in self.scheduler.plan(runner.plan(step.admitted)):
+        jobs, deferred = runner.plan(step.admitted)
+        if deferred:  # they wait for a prefill in flight (`ModelRunner.plan`), first in line
+            with self._cv:
+                self.scheduler.waiting[:0] = deferred
+        for job, start, end in self.scheduler.plan(jobs):
             runner.prefill(job, start, end)
             if end == job.columns:
                 self._emit(job.requests, runner.prefilled(job), version)

@@ -1,6 +1,7 @@
-"""The embedded engine's session prefix cache: a multi-turn agent resends its whole history every turn, and the
-engine keeps the keys/values of the session's last turns (its conversation and its side requests) so that the next
-turn prefills only its new tokens.
+"""The embedded engine's prefix cache, shared by every request: keys/values kept in blocks of `BLOCK` tokens, each
+keyed by a hash of the whole token prefix it ends (vLLM's automatic prefix caching), so that a request reuses the
+longest cached prefix whichever session computed it: a multi-turn agent prefills only its new tokens, and every
+rollout of a harness its own part after the shared system prompt and tools.
 
 Design notes and decisions: docs/internals.md, section `molt/engine/prefix_cache.py`.
 """
@@ -15,19 +16,32 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+BLOCK = 16  # tokens a block (vLLM's default block size)
 
-@dataclass(slots=True, eq=False)  # entries are told apart by identity
+
+@dataclass(slots=True)
 class Prefix:
-    tokens: list[int]  # the token ids the keys/values cover
-    # per layer (keys, values) [1, kv_heads, len(tokens), head_dim]
-    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    """A lookup's find: the keys/values of a context's first n tokens."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [1, kv_heads, n, head_dim]
+    routes: torch.Tensor | None = None  # MoE: the experts each token was routed to [n, layers, k]
+
+
+@dataclass(slots=True)
+class Block:
+    kv: torch.Tensor  # [2 x layers, kv_heads, BLOCK, head_dim]: each layer's keys, then its values
+    routes: torch.Tensor | None  # MoE [BLOCK, layers, k]
     nbytes: int
-    routes: Any = None  # MoE: the experts each token was routed to [len(tokens), layers, k] (molt.engine.hf)
 
 
-# Entries kept per session: its main conversation plus the side requests harnesses send on the same session (a
-# title, a summary, a sub-agent with its own system prompt), so that one does not evict the other's keys/values.
-MAX_ENTRIES_PER_SESSION = 4
+def block_keys(tokens: list[int]) -> list[int]:
+    """The key of each whole block of `tokens`: a hash of its parent's key and its own tokens, hence of the whole
+    prefix it ends (a partial last block has none)."""
+    keys, key = [], 0
+    for i in range(BLOCK, len(tokens) + 1, BLOCK):
+        key = hash((key, *tokens[i - BLOCK : i]))
+        keys.append(key)
+    return keys
 
 
 class PrefixCache:
@@ -35,70 +49,62 @@ class PrefixCache:
         if budget_mb < 0:
             raise ValueError(f"prefix_cache_mb must be >= 0 (0 turns the cache off), got {budget_mb}")
         self.budget = int(budget_mb * 2**20)
-        # sessions in LRU order (oldest first); a session's entries least recently stored or used first
-        self.entries: OrderedDict[str, list[Prefix]] = OrderedDict()
+        self.blocks: OrderedDict[int, Block] = OrderedDict()  # least recently used first
         self.nbytes = 0
         self.reused_tokens = 0  # over the engine's life: how many prompt tokens were not prefilled again
 
-    def lookup(self, session_id: str | None, context: list[int]) -> tuple[Prefix | None, int]:
-        """The session's entry sharing the longest prefix with `context` and how many leading tokens of `context`
-        it covers (0: no reuse), never the last one (its logits are needed)."""
-        entries = self.entries.get(session_id) if session_id is not None else None
-        if not entries:
-            return None, 0
-        n, entry = max(
-            ((min(common_prefix(e.tokens, context), len(context) - 1), e) for e in entries),
-            key=lambda pair: pair[0],
-        )
-        if n:
-            self.entries.move_to_end(session_id)
-            entries.remove(entry)
-            entries.append(entry)
-            self.reused_tokens += n
-        return entry, n
+    def lookup(self, context: list[int]) -> tuple[list[int], int]:
+        """The keys of `context`'s whole blocks, never its last token (whose logits are needed), and how many of
+        them lead the context in the cache; changes nothing (`take` does)."""
+        keys = block_keys(context[:-1]) if self.budget else []
+        return keys, next((i for i, key in enumerate(keys) if key not in self.blocks), len(keys))
+
+    def take(self, keys: list[int]) -> Prefix | None:
+        """The keys/values of these cached blocks, the most recently used now."""
+        if not keys:
+            return None
+        self._touch(keys)
+        blocks = [self.blocks[key] for key in keys]
+        kv = torch.cat([b.kv for b in blocks], 2)
+        self.reused_tokens += len(keys) * BLOCK
+        routes = None if blocks[0].routes is None else torch.cat([b.routes for b in blocks])
+        return Prefix([(kv[i : i + 1], kv[i + 1 : i + 2]) for i in range(0, len(kv), 2)], routes)
 
     def store(
         self,
-        session_id: str,
         tokens: list[int],
         layers: list[tuple[torch.Tensor, torch.Tensor]],
-        routes: list[torch.Tensor] | None = None,
+        routes: torch.Tensor | None = None,
     ) -> None:
-        """Keep a finished request's keys/values; the session's entries it extends (its earlier turns) go."""
+        """Keep the whole blocks of `tokens` that the cache lacks, from their keys/values (per layer [1, kv_heads,
+        len(tokens), head_dim]) and MoE routes [len(tokens), layers, k]; the least recently used blocks go."""
         assert all(k.shape[-2] == len(tokens) for k, _ in layers), "keys/values must cover exactly `tokens`"
-        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
-        if nbytes > self.budget:
-            return
-        entries = self.entries.pop(session_id, [])
-        kept = [e for e in entries if common_prefix(e.tokens, tokens) < len(e.tokens)]
-        # the most recent ones, with room for this
-        kept = kept[max(0, len(kept) + 1 - MAX_ENTRIES_PER_SESSION) :]
-        self.nbytes += nbytes - sum(e.nbytes for e in entries if e not in kept)
-        entry = Prefix(tokens, layers, nbytes, torch.cat(routes) if routes else None)
-        self.entries[session_id] = kept + [entry]
-        # least recently used sessions first; never the new entry (it fits alone)
+        keys = block_keys(tokens)
+        new = [i for i, key in enumerate(keys) if key not in self.blocks]
+        # one copy of the columns from the first new block on, then a clone of each new block (its own memory)
+        if new:
+            start = new[0] * BLOCK
+            flat = torch.stack([t[0, :, start : len(keys) * BLOCK] for pair in layers for t in pair])
+        for i in new:
+            kv = flat[:, :, i * BLOCK - start : (i + 1) * BLOCK - start].clone()
+            part = None if routes is None else routes[i * BLOCK : (i + 1) * BLOCK].clone()
+            self.blocks[keys[i]] = Block(kv, part, kv.nbytes + (0 if part is None else part.nbytes))
+            self.nbytes += self.blocks[keys[i]].nbytes
+        self._touch(keys)
         while self.nbytes > self.budget:
-            oldest = next(iter(self.entries))
-            self._remove(oldest, self.entries[oldest][0])
+            self.nbytes -= self.blocks.popitem(last=False)[1].nbytes
 
-    def _remove(self, session_id: str, entry: Prefix) -> None:
-        entries = self.entries[session_id]
-        entries.remove(entry)
-        self.nbytes -= entry.nbytes
-        if not entries:
-            del self.entries[session_id]
+    def _touch(self, keys: list[int]) -> None:
+        for key in reversed(keys):  # a chain's last block ends up oldest: it is evicted before its parents
+            self.blocks.move_to_end(key)
 
     def refit(self) -> None:
-        """New weights were loaded: keys/values computed with the old ones are wrong, every entry goes."""
-        self.entries.clear()
+        """New weights were loaded: keys/values computed with the old ones are wrong, every block goes."""
+        self.blocks.clear()
         self.nbytes = 0
 
     def stats(self) -> dict[str, int]:
-        return {
-            "entries": sum(map(len, self.entries.values())),
-            "bytes": self.nbytes,
-            "reused_tokens": self.reused_tokens,
-        }
+        return {"blocks": len(self.blocks), "bytes": self.nbytes, "reused_tokens": self.reused_tokens}
 
 
 def common_prefix(a: list[int], b: list[int], block: int = 512) -> int:
@@ -110,14 +116,14 @@ def common_prefix(a: list[int], b: list[int], block: int = 512) -> int:
     return n if i >= n else next(j for j in range(i, n) if a[j] != b[j])
 
 
-def copies_of(new: list[Any], reused: dict[Any, tuple[Prefix | None, int]]) -> dict[Any, list[Any]]:
-    """Leader -> the new requests (itself first) that share its prefill: the same context (`prompt + tokens`), no
-    images and nothing from the prefix cache. A GRPO group's samples arrive together with one prompt; they
-    prefill it once, and `molt.engine.hf` copies the leader's keys/values and logits to the others."""
+def copies_of(new: list[Any]) -> dict[Any, list[Any]]:
+    """Leader -> the new requests (itself first) that share its prefill: the same context (`prompt + tokens`) and
+    no images. A GRPO group's samples arrive together with one prompt; they prefill it once, and
+    `molt.engine.hf` copies the leader's keys/values and logits to the others."""
     copies: dict[Any, list[Any]] = {}
     leaders: dict[tuple[int, ...], Any] = {}
     for r in new:
-        leader = r if r.images or reused[r][1] else leaders.setdefault(tuple(r.prompt + r.tokens), r)
+        leader = r if r.images else leaders.setdefault(tuple(r.prompt + r.tokens), r)
         copies.setdefault(leader, []).append(r)
     return copies
 

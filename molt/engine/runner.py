@@ -1,5 +1,5 @@
 """The embedded engine's model runner: the model, the running batch's key/value slots, the CUDA-graph decoder
-and the session prefix cache; it runs the forwards the scheduler (`molt.engine.scheduler`) plans.
+and the prefix cache; it runs the forwards the scheduler (`molt.engine.scheduler`) plans.
 
 Design notes and decisions: docs/internals.md, section `molt/engine/hf.py`.
 """
@@ -12,7 +12,14 @@ from typing import Any
 
 import torch
 
-from molt.engine.prefix_cache import PrefixCache, copies_of, prefill_groups, prefill_inputs
+from molt.engine.prefix_cache import (
+    BLOCK,
+    PrefixCache,
+    common_prefix,
+    copies_of,
+    prefill_groups,
+    prefill_inputs,
+)
 from molt.engine.request import Request
 from molt.engine.scheduler import Prefill
 from molt.engine.slots import (
@@ -24,6 +31,10 @@ from molt.engine.slots import (
     use_grouped_attention,
 )
 from molt.types import FinishReason, ModelSpec, join_inputs, rope_positions
+
+# A new request waits for a prefill in flight that computes at least this many of its tokens, and half of them: a
+# shorter prefill of its own costs less than the steps it would wait.
+DEFER_TOKENS = 256
 
 
 class ModelRunner:
@@ -44,9 +55,14 @@ class ModelRunner:
     ):
         import transformers as tf
 
-        if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
-            raise ValueError(f"unknown dtype {dtype!r} (use e.g. 'float32', 'bfloat16')")
         self.name, self.device = name, engine_device(device)
+        if (
+            dtype == "auto"
+        ):  # a CPU with avx512_bf16 (or AMX) computes bf16 natively: faster (docs/benchmarks.md)
+            native = self.device.type == "cuda" or torch.cpu._is_avx512_bf16_supported()
+            dtype = "bfloat16" if native else "float32"
+        if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r} (use auto, float32 or bfloat16)")
         self.spec = spec = ModelSpec.from_pretrained(model_path)
         self.banned = list(spec.banned)  # never sampled (docs/internals.md)
         self.model = spec.auto_class.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
@@ -75,6 +91,7 @@ class ModelRunner:
         self.graphs: GraphDecoder | bool = cuda_graphs and self.device.type == "cuda" and not python_steps
         self.graph_error: str | None = None  # why graphs were given up, if they were (`_graph_decode`)
         self.prefixes = PrefixCache(prefix_cache_mb)
+        self.inflight: dict[Request, list[int]] = {}  # prefills in progress, leader -> context (`plan`)
         self.slots: Slots | None = None  # row i holds the scheduler's running[i] (made at the first prefill)
 
     def decode(self, rows: list[Request]) -> torch.Tensor:
@@ -96,13 +113,23 @@ class ModelRunner:
             r.route(len(r.prompt) + len(r.tokens) - 1, None if routes is None else routes[i])
         return logits
 
-    def plan(self, new: list[Request]) -> list[Prefill]:
-        """New requests as prefills: each takes the longest prefix the session's cache holds, copies of one
-        context share a row (`copies_of`), groups hold at most the token budget (`prefill_groups`)."""
-        reused = {
-            r: self.prefixes.lookup(None if r.images else r.session_id, r.prompt + r.tokens) for r in new
-        }
-        copies = copies_of(new, reused)
+    def plan(self, new: list[Request]) -> tuple[list[Prefill], list[Request]]:
+        """New requests as prefills, and those that wait for a prefill in flight computing most of their context
+        (they take its blocks once it ends, `DEFER_TOKENS`): each takes the longest prefix the cache holds, copies
+        of one context share a row (`copies_of`), groups hold at most the token budget (`prefill_groups`)."""
+        copies, reused, deferred = copies_of(new), {}, []
+        for r in list(copies):
+            context = r.prompt + r.tokens
+            keys, n = ([], 0) if r.images else self.prefixes.lookup(context)
+            cached = n * BLOCK
+            shared = max((common_prefix(context, c) for c in self.inflight.values()), default=0) - cached
+            if shared >= max(DEFER_TOKENS, (len(context) - cached) / 2):
+                deferred += copies.pop(r)
+                continue
+            if keys:  # a cache, no images: what it computes now, later arrivals may wait for
+                self.inflight[r] = context
+            prefix = self.prefixes.take(keys[:n])
+            reused.update((c, (prefix, cached)) for c in copies[r])
         work = {r: len(r.prompt) + len(r.tokens) - reused[r][1] for r in copies}
         jobs = []
         for group in prefill_groups(list(copies), work, self.max_prefill_tokens):
@@ -133,7 +160,7 @@ class ModelRunner:
             )
             requests = [c for r in group for c in copies[r]]
             jobs.append(Prefill(requests, len(group), ids.shape[1], bool(images), 0, state))
-        return jobs
+        return jobs, deferred
 
     def prefill(self, job: Prefill, start: int, end: int) -> None:
         """Columns start..end of a prefill, their keys/values appended to its cache: attention meets a mask of
@@ -161,7 +188,7 @@ class ModelRunner:
                 layer.keys, layer.values = layer.keys[index], layer.values[index]
         for i, r in enumerate(job.requests):
             entry, n = s.reused[r]
-            r.route(0, entry.routes[:n] if n and entry.routes is not None else None)
+            r.route(0, entry.routes if n else None)
             first = s.ids.shape[1] - len(r.prompt) - len(r.tokens) + n  # the row's first column not reused
             r.route(n, None if routes is None else routes[i, first:])
         if self.slots is None:
@@ -180,25 +207,31 @@ class ModelRunner:
                     self.model, self.slots, self.spec.cache_kw, self.device.type == "cuda"
                 )
         self.slots.merge([(layer.keys, layer.values) for layer in cache.layers], mask)
+        first = self.slots.rows - len(job.requests)
+        for i, r in enumerate(job.requests):
+            # a leader's blocks, stored now: the requests that waited for them take them at the next step
+            if self.inflight.pop(r, None) is not None:
+                self._keep(first + i, r, r.prompt + r.tokens)
         return logits
 
     def reset(self, refit: bool = False) -> None:
-        """Empty the running batch (storage kept); after new weights the prefix cache forgets its entries too."""
+        """Empty the running batch (storage kept) and forget the prefills in flight; after new weights the prefix
+        cache forgets its blocks too."""
+        self.inflight.clear()
         if self.slots is not None:
             self.slots.reset()
         if refit:
             self.prefixes.refit()
 
     def store(self, rows: list[Request]) -> None:
-        """Finished rows leave at the next boundary: keep their keys/values for the session's next turn."""
+        """Finished rows leave at the next boundary: keep their keys/values (a session's next turn, ...)."""
         for i, r in enumerate(rows):
-            if (
-                self.prefixes.budget
-                and r.finish not in (None, FinishReason.ABORT)
-                and r.session_id is not None
-                and not r.images
-            ):
-                self.prefixes.store(r.session_id, (r.prompt + r.tokens)[:-1], self.slots.row(i), r.routes)
+            if self.prefixes.budget and r.finish not in (None, FinishReason.ABORT) and not r.images:
+                self._keep(i, r, (r.prompt + r.tokens)[:-1])
+
+    def _keep(self, i: int, r: Request, tokens: list[int]) -> None:
+        """Row i's keys/values, covering `tokens`, into the prefix cache (the blocks it lacks)."""
+        self.prefixes.store(tokens, self.slots.row(i), torch.cat(r.routes) if r.routes else None)
 
     def _graph_decode(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The decode step's logits from a CUDA graph; None without graphs, or (and eager decode from then on)

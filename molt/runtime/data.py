@@ -57,6 +57,18 @@ def load_source(entry: str, split: str, what: str, clean: tuple[str, ...] = ()) 
     return [{k: _drop_nulls(v) if k in clean else v for k, v in row.items()} for row in data]
 
 
+def weights(probs: str, n: int, name: str, what: str) -> list[float] | None:
+    """The mixing probabilities `probs` (comma-separated) of n entries, normalised (None: equal)."""
+    if not probs:
+        return None
+    given = [float(p) for p in probs.split(",")]
+    if len(given) != n or min(given) < 0 or sum(given) <= 0:
+        raise ValueError(
+            f"{name}: {n} non-negative probabilities needed for the entries of {what} (got {probs!r})"
+        )
+    return [w / sum(given) for w in given]
+
+
 def mix(sources: list[list[dict[str, Any]]], probs: list[float] | None, seed: int) -> list[dict[str, Any]]:
     """Interleave row lists with `datasets.interleave_datasets` (on row indices, so rows stay plain dicts)."""
     if len(sources) == 1:
@@ -89,12 +101,6 @@ def load_prompts(
 ) -> list[dict[str, Any]]:
     """Runner rows {"messages" | "prompt", "label", "tools", "images"?} of `spec` (comma-separated entries)."""
     entries = [e.strip() for e in spec.split(",") if e.strip()]
-    weights = [float(p) for p in probs.split(",")] if probs else None
-    if weights is not None and (len(weights) != len(entries) or min(weights) < 0 or sum(weights) <= 0):
-        raise ValueError(
-            f"data.prompt_probs: {len(weights)} non-negative probabilities needed for the "
-            f"{len(entries)} entries of {what} (got {probs!r})"
-        )
     sources = [load_source(e, split, what, clean=(input_key, tools_key)) for e in entries]
     for entry, rows in zip(entries, sources):
         if not rows:
@@ -103,7 +109,7 @@ def load_prompts(
             raise ValueError(
                 f"{what}: {entry} has no {input_key!r} key (data.input_key); keys: {sorted(rows[0])}"
             )
-    raw_rows = mix(sources, [w / sum(weights) for w in weights] if weights else None, seed)[:max_samples]
+    raw_rows = mix(sources, weights(probs, len(entries), "data.prompt_probs", what), seed)[:max_samples]
     out = []
     for n, raw in enumerate(raw_rows):
         prompt = raw.get(input_key)
@@ -128,8 +134,9 @@ def load_prompts(
 
 
 def run_prompts(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """A run's rows: `data.prompt_dataset`'s and `eval.dataset`'s (none without one), read with the `data` keys."""
-    d = cfg.data
+    """A run's rows: `data.prompt_dataset`'s and `eval.dataset`'s (none without one), read with the `data` keys;
+    with `env.id`, the tasks of its environments (molt.envs), mixed by `env.probs`."""
+    d, e = cfg.data, cfg.env
     keys = {
         "input_key": d.input_key,
         "label_key": d.label_key,
@@ -138,9 +145,16 @@ def run_prompts(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         "image_key": d.image_key,
         "max_images": d.max_images_per_prompt,
     }
-    rows = load_prompts(
-        d.prompt_dataset, split=d.prompt_split, probs=d.prompt_probs, max_samples=d.max_samples, **keys
-    )
-    if not cfg.eval.dataset:
-        return rows, []
-    return rows, load_prompts(cfg.eval.dataset, split=cfg.eval.split, what="eval.dataset", **keys)
+    rows = evals = []
+    if d.prompt_dataset:
+        rows = load_prompts(d.prompt_dataset, split=d.prompt_split, probs=d.prompt_probs, **keys)
+    if cfg.eval.dataset:
+        evals = load_prompts(cfg.eval.dataset, split=cfg.eval.split, what="eval.dataset", **keys)
+    if e.id:
+        from molt.envs import env_rows, env_specs
+
+        specs, seed = env_specs(e.id, e.args), cfg.train.seed
+        sources = env_rows(specs, e.train_size, seed, False, rows)
+        rows = mix(sources, weights(e.probs, len(specs), "env.probs", "env.id"), seed)
+        evals = [row for source in env_rows(specs, e.eval_size, seed, True, evals) for row in source]
+    return rows[: d.max_samples], evals

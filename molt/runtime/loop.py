@@ -23,7 +23,14 @@ from molt.runtime.experience import assign_to_ranks
 from molt.runtime.metrics import MetricsLogger, rollout_metrics
 from molt.runtime.pool import Group, PromptStream, RolloutPool, RolloutTask, RunStopped
 from molt.runtime.refit import WeightSync
-from molt.runtime.trainer_group import TrainerGroup, rollout_advantages, spread, terminal_rewards
+from molt.runtime.trainer_group import (
+    TrainerGroup,
+    credit_rows,
+    rollout_advantages,
+    running_baselines,
+    spread,
+    terminal_rewards,
+)
 from molt.runtime.worker import RolloutWorker, Workers
 from molt.types import SamplingParams
 
@@ -49,6 +56,9 @@ class Run:
         self.generated_tokens = 0
         self.stream: dict[str, Any] | None = None  # the prompt stream's checkpoint state (PromptStream.state)
         self.counters: dict[str, int] = {}  # the pool's, restored on resume
+        self.baselines: dict[
+            str, float
+        ] = {}  # role_baseline: the running baseline of each (environment, role)
         self.evals: list[dict[str, float]] = []
         self._created = time.perf_counter()
         self._stop = asyncio.Event()
@@ -87,6 +97,7 @@ class Run:
         engine_options: dict[str, Any] = {
             "process": cfg.rollout.engine_process,
             "prefix_cache_mb": cfg.rollout.prefix_cache_mb,
+            "dtype": cfg.rollout.dtype,
             "cuda_graphs": cfg.rollout.cuda_graphs,
         }
         # the engine holds the policy's adapters: a refit sends them alone (docs/lora.md)
@@ -99,7 +110,13 @@ class Run:
             gpus = v.tensor_parallel_size if ray.cluster_resources().get("GPU") else 0
             n_workers = v.num_engines
         worker_cls = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=10_000)(RolloutWorker)
-        agent = cfg.train.agent_path and str(Path(cfg.train.agent_path).resolve())  # "": the built-in agent
+        agent: Any = cfg.train.agent_path and str(
+            Path(cfg.train.agent_path).resolve()
+        )  # "": the built-in one
+        if cfg.env.id:
+            from molt.envs import env_specs
+
+            agent = env_specs(cfg.env.id, cfg.env.args)
         spawn = lambda i, n: worker_cls.options(**spread(i, n, gpus)).remote(
             self.model_path,
             agent,
@@ -109,6 +126,7 @@ class Run:
             engine_options=engine_options,
             max_restarts=cfg.rollout.engine_max_restarts,
             tool_parser=cfg.rollout.tool_parser,
+            roles=cfg.multiagent.roles,
         )
         self.workers = Workers(spawn, n_workers, cfg.rollout.worker_max_restarts, self._stop)
         self.trainer = TrainerGroup(
@@ -130,6 +148,7 @@ class Run:
         self.step, self.stream = state["step"], state["stream"]
         self.generated_tokens, self.counters = state["generated_tokens"], state.get("counters", {})
         self.workers.restarts.update(state.get("restarts", {}))
+        self.baselines = state.get("baselines", {})
         if state.get("kl_coef") is not None and self.cfg.algo.kl.target is not None:
             self.kl_coef = state["kl_coef"]
             await self.trainer.same("set_kl_coef", self.kl_coef)
@@ -149,6 +168,7 @@ class Run:
             "counters": dict(pool.counters),
             "restarts": self.workers.restarts,
             "kl_coef": self.kl_coef,
+            "baselines": self.baselines,
             "metrics": metrics,
         }
         self.control.checkpointed(self.step, state)
@@ -193,8 +213,9 @@ class Run:
         ]
         t0 = time.perf_counter()
         outcomes = await asyncio.gather(*[self._run_on_worker(t, train=False) for t in tasks])
-        name = Path(self.cfg.eval.dataset).stem
-        out = eval_metrics(outcomes, [t.key[1] for t in tasks], name, n)
+        name = Path(self.cfg.eval.dataset).stem or "env"
+        envs = [t.row["env"] for t in tasks] if self.cfg.env.id else None
+        out = eval_metrics(outcomes, [t.key[1] for t in tasks], name, n, envs)
         out["timing/eval"] = time.perf_counter() - t0
         agent = {k[5:]: v for k, v in out.items() if k.startswith("eval/agent/")}
         self.evals.append(
@@ -211,16 +232,24 @@ class Run:
     async def _train_step(self, groups: list[Group]) -> dict[str, float]:
         cfg, (low, high) = self.cfg, self.cfg.reward.clip_range
         estimator = cfg.algo.advantage.estimator
-        rows = [(o.rollout_id, g.group_id, min(max(o.reward, low), high)) for g in groups for o in g.outcomes]
+        rows = credit_rows(groups, low, high)
+        trained = set(filter(None, cfg.multiagent.train_roles.split(","))) or None
         # one advantage per rollout here, else the ranks' from terminal rewards
         group = self.spec.kind == "group"
-        advantages = rollout_advantages(estimator, rows) if group else None
+        params = running_baselines(groups, rows, self.baselines) if estimator == "role_baseline" else None
+        advantages = rollout_advantages(estimator, rows, params) if group else None
         rewards = None if group else terminal_rewards(self.spec.centred, rows)
         # optimizer windows of whole groups; each rank gets its balanced share of every window
         size = len(groups) // optimizer_windows(cfg)
         windows = [
             assign_to_ranks(
-                [e for g in groups[i : i + size] for o in g.outcomes for e in o.experiences],
+                [
+                    e
+                    for g in groups[i : i + size]
+                    for o in g.outcomes
+                    for e in o.experiences
+                    if trained is None or e.role in trained  # the other roles are recorded, not trained
+                ],
                 cfg.train.num_ranks,
             )
             for i in range(0, len(groups), size)

@@ -38,6 +38,17 @@ def rollout_metrics(groups: Iterable[Group], version: int) -> dict[str, float]:
         "rollout/count": float(len(outcomes)),
     }
     out.update({f"rollout/break/{reason}": float(n) for reason, n in breaks.items()})
+    for role in sorted({e.role for o in outcomes for e in o.experiences} - {""}):  # several agents
+        mine = [(o, [e for e in o.experiences if e.role == role]) for o in outcomes]
+        mine = [(o, exps) for o, exps in mine if exps]
+        out[f"rollout/role/{role}/reward_mean"] = statistics.fmean(
+            o.rewards.get(role, o.reward) for o, _ in mine
+        )
+        out[f"rollout/role/{role}/tokens"] = statistics.fmean(sum(e.num_actions for e in x) for _, x in mine)
+        out[f"rollout/role/{role}/segments"] = statistics.fmean(len(x) for _, x in mine)
+    for env in sorted({g.row["env"] for g in groups if "env" in g.row}):  # a run on hub environments
+        mine = [o.reward for g in groups if g.row.get("env") == env for o in g.outcomes]
+        out[f"rollout/env/{env}/reward_mean"] = statistics.fmean(mine)
     out.update(agent_metrics(outcomes, "agent/"))
     out.update(info_means(outcomes, "rollout/info/"))
     return out
@@ -80,14 +91,21 @@ def pass_at_n(correct: list[list[bool]]) -> tuple[float, float]:
     )
 
 
-def eval_metrics(outcomes: list[Any], prompts: list[int], name: str, n: int) -> dict[str, float]:
-    """An eval set's line: pass@n and avg@n (`prompts`: each rollout's prompt index; correct = ok with score or
-    reward > 0; avg = the mean of that), failures, the agents' metrics and info means."""
-    correct: list[list[bool]] = [[] for _ in range(max(prompts, default=-1) + 1)]
+def _pass_at_n(prompts: list[Any], outcomes: list[Any]) -> tuple[float, float]:
+    correct: dict[Any, list[bool]] = {}
     for p, o in zip(prompts, outcomes):
-        correct[p].append(o.ok and o.effective_score > 0)
-    pass_n, avg_n = pass_at_n(correct)
-    return {
+        correct.setdefault(p, []).append(o.ok and o.effective_score > 0)
+    return pass_at_n(list(correct.values()))
+
+
+def eval_metrics(
+    outcomes: list[Any], prompts: list[int], name: str, n: int, envs: list[str] | None = None
+) -> dict[str, float]:
+    """An eval set's line: pass@n and avg@n (`prompts`: each rollout's prompt index; correct = ok with score or
+    reward > 0; avg = the mean of that), failures, the agents' metrics and info means; with `envs` (each
+    rollout's environment), pass@n and avg@n of each environment too."""
+    pass_n, avg_n = _pass_at_n(prompts, outcomes)
+    out = {
         f"eval_{name}_pass{n}": pass_n,
         f"eval_{name}_avg{n}": avg_n,
         "eval/accuracy": avg_n,
@@ -95,6 +113,11 @@ def eval_metrics(outcomes: list[Any], prompts: list[int], name: str, n: int) -> 
         **agent_metrics(outcomes, "eval/agent/"),
         **info_means(outcomes, "eval/info/"),
     }
+    for env in sorted(set(envs or ())):
+        picked = [(p, o) for p, o, e in zip(prompts, outcomes, envs) if e == env]
+        pass_n, avg_n = _pass_at_n(*zip(*picked))
+        out.update({f"eval/env/{env}/pass{n}": pass_n, f"eval/env/{env}/accuracy": avg_n})
+    return out
 
 
 def _fmt(value: float) -> str:

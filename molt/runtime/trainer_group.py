@@ -16,10 +16,46 @@ import numpy as np
 from molt.types import Experience, expand_actions
 
 
+def credit_rows(groups: list[Any], low: float, high: float) -> list[tuple[tuple[str, str], str, float]]:
+    """(credit, group, reward) rows of complete groups: one per rollout and role, so that advantages are
+    normalised within a prompt's group and a role (docs/algo.md, "Several agents"); a role without a reward of
+    its own gets the rollout's (broadcast), clamped into [low, high]."""
+    return [
+        ((o.rollout_id, role), f"{g.group_id}/{role}", min(max(o.rewards.get(role, o.reward), low), high))
+        for g in groups
+        for o in g.outcomes
+        for role in sorted({e.role for e in o.experiences}) or [""]
+    ]
+
+
+def running_baselines(
+    groups: list[Any], rows: list[Any], baselines: dict[str, float], decay: float = 0.95
+) -> Any:
+    """`role_baseline`'s parameters for `credit_rows(groups)`: each row's baseline, the running mean of its
+    (environment, role)'s rewards before this step (0 at first); then each baseline moves to
+    decay * b + (1 - decay) * the step's mean reward of its (environment, role) (SPIRAL: decay 0.95)."""
+    import statistics
+
+    import torch
+
+    from molt.algo import AdvantageParams
+
+    envs = {g.group_id: g.row.get("env", "") for g in groups}
+    keys = [f"{envs[group.rsplit('/', 1)[0]]}/{credit[1]}" for credit, group, _ in rows]
+    params = AdvantageParams(
+        baselines=torch.tensor([baselines.get(k, 0.0) for k in keys], dtype=torch.float64)
+    )
+    for key in set(keys):
+        mean = statistics.fmean(r for k, (_, _, r) in zip(keys, rows) if k == key)
+        baselines[key] = decay * baselines.get(key, 0.0) + (1 - decay) * mean
+    return params
+
+
 def rollout_advantages(
-    estimator: str, rollouts: list[tuple[str, str, float]], params: Any = None
-) -> dict[str, float]:
-    """{rollout_id: advantage} for a group estimator, from (rollout_id, group_id, reward) rows."""
+    estimator: str, rollouts: list[tuple[Any, str, float]], params: Any = None
+) -> dict[Any, float]:
+    """{credit: advantage} for a group estimator, from (credit, group_id, reward) rows (a credit is a rollout
+    and a role: `Experience.credit`)."""
     import torch
 
     from molt.algo import AdvantageBatch, compute_advantages
@@ -35,8 +71,8 @@ def rollout_advantages(
     return {rid: float(a) for (rid, _, _), a in zip(rollouts, adv)}
 
 
-def terminal_rewards(centred: bool, rollouts: list[tuple[str, str, float]]) -> dict[str, float]:
-    """{rollout_id: reward a token estimator starts from}: minus its group's mean for the estimators that declare
+def terminal_rewards(centred: bool, rollouts: list[tuple[Any, str, float]]) -> dict[Any, float]:
+    """{credit: reward a token estimator starts from}: minus its group's mean for the estimators that declare
     `centred` (reinforce_baseline, on_policy_distill), subtracted here, where whole groups are known."""
     if centred:
         return rollout_advantages("dr_grpo", rollouts)  # r - group mean
@@ -92,8 +128,8 @@ class TrainerRank:
     def train_step(
         self,
         windows: list[list[Experience]],
-        advantages: dict[str, float] | None,
-        rewards: dict[str, float] | None = None,
+        advantages: dict[Any, float] | None,
+        rewards: dict[Any, float] | None = None,
         *,
         epochs: int = 1,
         critic_epochs: int = 1,
@@ -105,7 +141,7 @@ class TrainerRank:
         values = returns = []
         if advantages is not None:  # one number per rollout, laid out per token in collation
             for exp in exps:
-                exp.advantages = advantages[exp.rollout_id]
+                exp.advantages = advantages[exp.credit]
         else:
             values, returns = self._rank_advantages(exps, rewards or {})  # collective: every rank calls
         steps = [(self.actor, w) for w in windows] * (epochs if train_actor else 0)
@@ -134,7 +170,7 @@ class TrainerRank:
         else:
             self.kl_reward_coef = coef
 
-    def advantages(self, experiences: list[Experience], rewards: dict[str, float]) -> list:
+    def advantages(self, experiences: list[Experience], rewards: dict[Any, float]) -> list:
         """What `train_step` trains a rank-level estimator's experiences with (collective; for inspection)."""
         self._rank_advantages(_reload(experiences), rewards)
         return [exp.advantages for exp in experiences]
@@ -143,7 +179,7 @@ class TrainerRank:
         """The policy's per-token log-probs (collective; the trainer column of trajectory dumps)."""
         return self.actor.compute_logprobs(_reload(experiences))
 
-    def _rank_advantages(self, experiences: list[Experience], rewards: dict[str, float]) -> tuple[list, list]:
+    def _rank_advantages(self, experiences: list[Experience], rewards: dict[Any, float]) -> tuple[list, list]:
         """Token-level estimator on this rank's rollouts, unwhitened, then whitened over the whole window.
         Returns the critic's (values, returns) for gae."""
         import torch
@@ -183,7 +219,7 @@ class TrainerRank:
                 self.kl_metrics = {k: float(v) for k, v in kl_metrics.items()} | {
                     "kl_coef": self.kl_reward_coef
                 }
-            batch.rewards = torch.tensor([rewards.get(e.rollout_id, float(e.reward)) for e in experiences])
+            batch.rewards = torch.tensor([rewards.get(e.credit, float(e.reward)) for e in experiences])
             result = compute_advantages(a.estimator, batch, params)
             adv, mask = result.advantages.double(), batch.action_mask
             if result.returns is not None:

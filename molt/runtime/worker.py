@@ -122,7 +122,7 @@ class RolloutWorker:
     def __init__(
         self,
         model_path: str,
-        agent_path: str,
+        agent_path: str | list,  # an agent file, or hub environments (molt.envs.env_specs)
         *,
         engine_kind: str = "hf",
         torch_threads: int = 0,
@@ -130,9 +130,10 @@ class RolloutWorker:
         engine_options: dict[str, Any] | None = None,
         max_restarts: int = 3,
         tool_parser: str = "auto",
+        roles: str = "",
     ):
         self.model_path, self.agent_path, self.engine_kind = model_path, agent_path, engine_kind
-        self.torch_threads, self.tool_parser = torch_threads, tool_parser
+        self.torch_threads, self.tool_parser, self.roles = torch_threads, tool_parser, roles
         self.runner_options = runner_options or {}
         self.engine_options = engine_options or {}
         self.engine: Any = None
@@ -161,8 +162,13 @@ class RolloutWorker:
         from molt.capture.server import CaptureServer
 
         self.engine = RefitGate(engine)
-        self.server = CaptureServer(self.engine, renderer, tool_parser=self.tool_parser)
+        self.server = CaptureServer(self.engine, renderer, tool_parser=self.tool_parser, roles=self.roles)
         await self.server.start()
+        if isinstance(self.agent_path, list):  # hub environments: (env.id entry, its arguments) each
+            from molt.envs import EnvRunner
+
+            self.runner = EnvRunner(self.agent_path, **self.runner_options)
+            return self.server.url
         self.runner = load_agent(self.agent_path)
         for name, value in self.runner_options.items():
             if hasattr(self.runner, name) and value is not None:

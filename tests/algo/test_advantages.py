@@ -154,7 +154,8 @@ def test_gae_by_hand_skips_context_tokens():
         compute_advantages("gae", batch)
 
 
-@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+# role_baseline's baseline is the controller's running mean, not the batch's (tests/runtime/test_roles.py)
+@pytest.mark.parametrize("name", sorted(set(ESTIMATORS) - {"role_baseline"}))
 def test_degenerate_cases_are_zero_never_nan(name):
     values = torch.full((4, 3), 0.3)
     # group of one (rollout 0), all-equal group (rollouts 1, 2), a rollout with an empty mask (3)

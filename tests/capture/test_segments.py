@@ -103,7 +103,10 @@ async def test_interleaved_sub_agents_get_one_segment_each(tokenizer):
             b += [await ask(api, b), {"role": "user", "content": "more B"}]
         await asyncio.gather(ask(api, a), ask(api, b))  # concurrent requests in one session are serialized
         segments = await session.close()
-    assert [s.break_reason for s in segments] == ["start", "compaction"]
+    assert [s.break_reason for s in segments] == [
+        "start",
+        "subagent",
+    ]  # A went on after B began: B ran beside it
     assert [turns(s) for s in segments] == [3, 3]
     texts = [tokenizer.decode(s.token_ids) for s in segments]
     assert "task A" in texts[0] and "task B" not in texts[0] and "task B" in texts[1]

@@ -21,7 +21,7 @@ async def test_serve_process(tiny_llama_dir, tokenizer):
     """The CLI entry point in its own process with the real engine; SIGTERM stops it with status 0."""
     code = (
         "import sys; from types import SimpleNamespace as N; from molt.capture.serve import serve_main; "
-        "sys.exit(serve_main(N(model=sys.argv[1], host='127.0.0.1', port=0)))"
+        "sys.exit(serve_main(N(model=sys.argv[1], host='127.0.0.1', port=0, dtype='bfloat16')))"
     )
     proc = await asyncio.create_subprocess_exec(
         sys.executable,

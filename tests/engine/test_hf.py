@@ -316,3 +316,18 @@ def test_min_tokens_masks_each_row_its_own_stops_in_one_batch():
     ]  # row 0: 1 and 2 masked; row 1: past min_tokens; row 2: 2 and 4 masked, 1 is best
     expected = torch.log_softmax(logits[0], -1)
     assert logprobs == pytest.approx([float(expected[4]), float(expected[1]), float(expected[1])], abs=1e-6)
+
+
+@pytest.mark.parametrize("native", [True, False])
+async def test_auto_dtype_is_bf16_on_a_cpu_that_computes_it(tiny_llama_dir, monkeypatch, native):
+    """dtype auto: bf16 where the CPU computes it natively (avx512_bf16), else fp32; a bf16 engine's log-probs
+    stay within bf16 rounding of an fp32 forward over the sequence (the gap importance correction absorbs)."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    eng = HFEngine(str(tiny_llama_dir), dtype="auto")
+    assert eng.model.dtype == (torch.bfloat16 if native else torch.float32)
+    out = await eng.generate(
+        PROMPTS[9], SamplingParams(max_tokens=16, min_tokens=16, temperature=1.0, seed=4)
+    )
+    await eng.close()
+    _, expected = recompute(load(tiny_llama_dir), PROMPTS[9], out, 1.0)
+    assert torch.tensor(out.logprobs).sub(expected).abs().max() <= (0.05 if native else 1e-4)

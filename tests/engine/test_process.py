@@ -112,21 +112,19 @@ def test_on_tokens_streams_every_token_in_order(proc_engine, hf_engine, which):
     assert [t for batch in seen for t in batch] == completion.token_ids and len(seen) == 12
 
 
-def test_sessions_reach_the_prefix_cache_in_the_child(proc_engine):
-    prompt = [5, 17, 42, 9, 33, 21]
+def test_the_prefix_cache_serves_in_the_child(proc_engine):
+    """Another session's request reuses the first one's blocks (their exactness: tests/engine/test_prefix_cache.py;
+    this engine's weights were refit above, so no cold reference here)."""
+    prompt = list(range(5, 45))
     params = SamplingParams(max_tokens=8, min_tokens=8, temperature=1.0, seed=5)
 
     async def main():
         first = await proc_engine.generate(prompt, params, "session-1")
         before = (await proc_engine.prefix_stats())["reused_tokens"]
-        second = prompt + first.token_ids + [11, 12]
-        cached = await proc_engine.generate(second, params, "session-1")
-        after = (await proc_engine.prefix_stats())["reused_tokens"]
-        return after - before, len(second) - 3, cached, await proc_engine.generate(second, params)  # cold
+        await proc_engine.generate(prompt + first.token_ids + [11, 12], params, "session-2")
+        return (await proc_engine.prefix_stats())["reused_tokens"] - before
 
-    reused, expected, cached, cold = asyncio.run(main())
-    assert reused == expected and cached.token_ids == cold.token_ids
-    assert cached.logprobs == pytest.approx(cold.logprobs, abs=1e-5)
+    assert asyncio.run(main()) == 32  # the whole blocks of the first request's row (47 tokens)
 
 
 def test_one_client_interface_in_process_or_not():

@@ -61,12 +61,12 @@ def policy(tokenizer, calls):
 
 
 class Harness:
-    def __init__(self, tokenizer, calls):
+    def __init__(self, tokenizer, calls, roles=""):
         reply = (
             calls if callable(calls) else policy(tokenizer, calls)
         )  # a harness without tools brings its own
         self.engine = RecordingEngine(ScriptedEngine(tokenizer, reply, max_model_len=1 << 20))
-        self.server = CaptureServer(self.engine, ChatRenderer(tokenizer))
+        self.server = CaptureServer(self.engine, ChatRenderer(tokenizer), roles=roles)
         self.statuses: list[int] = []
 
         @self.server.app.middleware("http")
@@ -180,6 +180,42 @@ async def test_claude_code_cli(tokenizer, tmp_path):
     assert result["result"] == FINAL and not result["is_error"] and result["num_turns"] == 3
     assert (tmp_path / "out.txt").read_text() == "molt-ok\n"
     h.check("Claude Code CLI", f"@anthropic-ai/claude-code {version}", segments, session, ["molt-ok"])
+
+
+async def test_claude_code_subagent_is_its_own_role(tokenizer, tmp_path):
+    """Claude Code's Task tool runs a subagent (another system prompt and tools) in the same session while the
+    main conversation waits and then goes on: its calls are a segment of their own, role "subagent"."""
+    claude = npm_bin("claude")
+
+    def reply(prompt_ids, params):
+        text = tokenizer.decode(prompt_ids)
+        if "cc_is_subagent=true" in text:
+            return "sub-done"
+        if "<|im_start|>tool\n" not in text:
+            task = {"description": "helper", "prompt": "Say sub-done", "subagent_type": "general-purpose"}
+            return "<tool_call>\n" + json.dumps({"name": "Task", "arguments": task}) + "\n</tool_call>"
+        return FINAL
+
+    harness = Harness(tokenizer, reply, roles="subagent")
+    await harness.server.start()
+    try:
+        session = await harness.server.open_session()
+        env = {
+            "HOME": str(tmp_path),
+            "ANTHROPIC_BASE_URL": session.session_url,
+            "ANTHROPIC_API_KEY": session.api_key,
+        }
+        argv = [claude, "-p", "Delegate to a helper.", "--output-format", "json", "--allowedTools", "Task"]
+        out = await run_cli(argv, env, tmp_path)
+        segments = await session.close()
+    finally:
+        await harness.server.stop()
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["result"] == FINAL and result["subagent_stats"]["completed"] == 1
+    roles = [(s.role, s.break_reason) for s in segments]
+    assert roles.count(("subagent", "subagent")) == 1 and roles[0] == ("", "start"), roles
+    (sub,) = [s for s in segments if s.role == "subagent"]
+    assert "cc_is_subagent=true" in tokenizer.decode(sub.token_ids) and sub.num_actions > 0
 
 
 def codex_env(session, tmp_path):

@@ -49,7 +49,7 @@ def test_two_ranks_equal_one_window(tiny_llama_dir, ray_local, estimator):
     params = {"gamma": 0.9, "lam": 1.0}
     batch = AdvantageBatch.from_experiences(exps)
     expected = compute_advantages(estimator, batch, AdvantageParams(**params)).advantages
-    rows = list({e.rollout_id: (e.rollout_id, e.group_id, e.reward) for e in exps}.values())
+    rows = list({e.credit: (e.credit, e.group_id, e.reward) for e in exps}.values())
     rewards = terminal_rewards(estimator_spec(estimator).centred, rows)
     _assert_two_ranks_give(
         expected,
@@ -241,7 +241,7 @@ def test_a_token_estimator_registered_by_the_user_runs_on_the_ranks(tiny_llama_d
     expected = compute_advantages(
         "test_double_reinforce", batch, AdvantageParams(gamma=0.9, whiten=False)
     ).advantages
-    rows = list({e.rollout_id: (e.rollout_id, e.group_id, e.reward) for e in exps}.values())
+    rows = list({e.credit: (e.credit, e.group_id, e.reward) for e in exps}.values())
     cfg = _cfg(
         tiny_llama_dir,
         "test_double_reinforce",

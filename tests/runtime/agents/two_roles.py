@@ -1,0 +1,23 @@
+"""Two agents on the stock OpenAI SDK: a planner (named by the model field) and a coder (named by the
+x-molt-role header, as a harness that fixes the model name would), each with its own reward."""
+
+from openai import AsyncOpenAI
+
+from molt.agents import ChatAgent, ChatAgentRunner, Result
+
+
+class TwoRoles(ChatAgent):
+    async def run(self, ctx):
+        api = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+        plan = await api.chat.completions.create(model="planner", messages=ctx.messages, max_tokens=6)
+        step = [{"role": "system", "content": "You carry out plans."}, {"role": "user", "content": "Go."}]
+        work = await api.chat.completions.create(
+            model=ctx.model_name, messages=step, max_tokens=6, extra_headers={"x-molt-role": "coder"}
+        )
+        planned, done = plan.choices[0].message.content or "", work.choices[0].message.content or ""
+        return Result(reward={"planner": float(len(planned) % 2), "coder": float(len(done) % 3 == 0)})
+
+
+class AgentRunner(ChatAgentRunner):
+    def __init__(self):
+        super().__init__(TwoRoles)
