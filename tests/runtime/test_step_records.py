@@ -116,13 +116,14 @@ def test_dump_groups_writes_one_line_per_segment(tiny_llama_dir, tokenizer, tmp_
         ],
     )
     path = tmp_path / "dumps" / "step_3.jsonl"
-    dump_groups(path, [group], str(tiny_llama_dir), {"r1": -0.5})
+    dump_groups(path, [group], str(tiny_llama_dir), {("r1", ""): -0.5})  # advantages by (rollout, role)
     first, last = (json.loads(line) for line in path.read_text().splitlines())
     assert first == {
         "group_id": "e0-p4",
         "rollout_id": "r1",
         "segment": 0,
         "break_reason": "start",
+        "role": "",
         "reward": 0.75,
         "advantage": -0.5,
         "text": "Hi there",
