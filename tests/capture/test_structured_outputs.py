@@ -15,8 +15,10 @@ from openai import AsyncOpenAI
 from pydantic import BaseModel, Field
 
 from molt.testing.scripted import RecordingEngine, live_capture_server
+from molt.types import SamplingParams
 
 SEEDS = range(3)
+RESPONSES_SEED = 0
 
 
 class Verdict(BaseModel):
@@ -135,7 +137,10 @@ async def test_anthropic_messages(hf_engine, tokenizer):
 
 async def test_openai_responses(hf_engine, tokenizer):
     async with live_capture_server(hf_engine, tokenizer) as server:
-        api = openai_client(await server.open_session())
+        # this wire has no request seed: the session's own seeds each call (else the test would hang on chance)
+        api = openai_client(
+            await server.open_session("r", SamplingParams(seed=RESPONSES_SEED, max_tokens=None))
+        )
         for _ in SEEDS:
             reply = await api.responses.parse(
                 model="m", input="Judge it, as JSON.", text_format=Verdict, max_output_tokens=120
