@@ -64,14 +64,14 @@ class EnvRunner(Runner):
 
 
 def env_rows(
-    specs: list[tuple[str, dict[str, Any]]], size: int, seed: int, eval: bool, dataset: list[dict[str, Any]]
+    hubs: list[Hub], size: int, seed: int, eval: bool, dataset: list[dict[str, Any]]
 ) -> list[list[dict[str, Any]]]:
     """Each environment's rows: the tasks it generates, or `dataset` (data.prompt_dataset's or eval.dataset's
     rows) where it brings none; each row names its environment."""
     out = []
-    for spec, args in specs:
-        rows = load_hub(spec, args).rows(size, seed, eval) if size else None
+    for hub in hubs:
+        rows = hub.rows(size, seed, eval) if size else None
         if rows is None and not dataset and not eval:
-            raise ValueError(f"env.id {spec} plays dataset rows: give data.prompt_dataset")
-        out.append([{**row, "env": spec} for row in (dataset if rows is None else rows)])
+            raise ValueError(f"env.id {hub.spec} plays dataset rows: give data.prompt_dataset")
+        out.append([{**row, "env": hub.spec} for row in (dataset if rows is None else rows)])
     return out

@@ -151,10 +151,10 @@ def run_prompts(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     if cfg.eval.dataset:
         evals = load_prompts(cfg.eval.dataset, split=cfg.eval.split, what="eval.dataset", **keys)
     if e.id:
-        from molt.envs import env_rows, env_specs
+        from molt.envs import env_rows, env_specs, load_hub
 
-        specs, seed = env_specs(e.id, e.args), cfg.train.seed
-        sources = env_rows(specs, e.train_size, seed, False, rows)
-        rows = mix(sources, weights(e.probs, len(specs), "env.probs", "env.id"), seed)
-        evals = [row for source in env_rows(specs, e.eval_size, seed, True, evals) for row in source]
+        hubs, seed = [load_hub(*spec) for spec in env_specs(e.id, e.args)], cfg.train.seed  # each loaded once
+        sources = env_rows(hubs, e.train_size, seed, False, rows)
+        rows = mix(sources, weights(e.probs, len(hubs), "env.probs", "env.id"), seed)
+        evals = [row for source in env_rows(hubs, e.eval_size, seed, True, evals) for row in source]
     return rows[: d.max_samples], evals

@@ -219,4 +219,4 @@ def test_errors_name_the_package_the_ids_and_the_field(monkeypatch):
     with pytest.raises(ValueError, match="env.args: not JSON"):
         env_specs("a:b", "{x")
     with pytest.raises(ValueError, match="plays dataset rows: give data.prompt_dataset"):
-        env_rows(env_specs("skyrl_gym:gsm8k", ""), 10, 0, False, [])
+        env_rows([load_hub("skyrl_gym:gsm8k", {})], 10, 0, False, [])
