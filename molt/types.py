@@ -254,6 +254,10 @@ class Trajectory:
     def effective_score(self) -> float:
         return self.reward if self.score is None else self.score
 
+    def reward_of(self, role: str) -> float:
+        """The reward of `role`'s segments: its own, else the rollout's (broadcast)."""
+        return self.rewards.get(role, self.reward)
+
 
 def join_inputs(*parts: dict[str, Any] | None) -> dict[str, Any] | None:
     """Processor inputs of several chunks of images as one (tensors with one entry per image along dim 0)."""
@@ -443,7 +447,7 @@ class Experience:
             rollout_id=traj.rollout_id,
             group_id=traj.group_id,
             segment_index=index,
-            reward=traj.rewards.get(seg.role, traj.reward),
+            reward=traj.reward_of(seg.role),
             num_tokens=len(seg.token_ids),
             num_actions=seg.num_actions,
             min_version=int(seg.versions.min()) if seg.num_actions else -1,

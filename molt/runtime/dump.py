@@ -72,7 +72,7 @@ def dump_groups(
                         "segment": e.segment_index,
                         "break_reason": o.break_reasons[e.segment_index] if o.break_reasons else "start",
                         "role": e.role,
-                        "reward": o.rewards.get(e.role, o.reward),
+                        "reward": o.reward_of(e.role),
                         "advantage": (advantages or {}).get(e.credit),
                         "text": tok.decode(ids),
                         "pieces": _pieces(tok, ids),

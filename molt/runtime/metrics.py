@@ -41,9 +41,7 @@ def rollout_metrics(groups: Iterable[Group], version: int) -> dict[str, float]:
     for role in sorted({e.role for o in outcomes for e in o.experiences} - {""}):  # several agents
         mine = [(o, [e for e in o.experiences if e.role == role]) for o in outcomes]
         mine = [(o, exps) for o, exps in mine if exps]
-        out[f"rollout/role/{role}/reward_mean"] = statistics.fmean(
-            o.rewards.get(role, o.reward) for o, _ in mine
-        )
+        out[f"rollout/role/{role}/reward_mean"] = statistics.fmean(o.reward_of(role) for o, _ in mine)
         out[f"rollout/role/{role}/tokens"] = statistics.fmean(sum(e.num_actions for e in x) for _, x in mine)
         out[f"rollout/role/{role}/segments"] = statistics.fmean(len(x) for _, x in mine)
     for env in sorted({g.row["env"] for g in groups if "env" in g.row}):  # a run on hub environments

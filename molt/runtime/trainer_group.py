@@ -21,7 +21,7 @@ def credit_rows(groups: list[Any], low: float, high: float) -> list[tuple[tuple[
     normalised within a prompt's group and a role (docs/algo.md, "Several agents"); a role without a reward of
     its own gets the rollout's (broadcast), clamped into [low, high]."""
     return [
-        ((o.rollout_id, role), f"{g.group_id}/{role}", min(max(o.rewards.get(role, o.reward), low), high))
+        ((o.rollout_id, role), f"{g.group_id}/{role}", min(max(o.reward_of(role), low), high))
         for g in groups
         for o in g.outcomes
         for role in sorted({e.role for e in o.experiences}) or [""]
