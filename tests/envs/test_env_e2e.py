@@ -3,7 +3,6 @@ no dataset), metrics and evaluation are per environment, and a resumed run goes 
 
 import asyncio
 import json
-from pathlib import Path
 
 import pytest
 
@@ -11,6 +10,7 @@ from molt.cli import load_config
 from molt.config_resolve import override
 from molt.runtime.data import run_prompts
 from molt.runtime.loop import run_training
+from molt.testing.runs import jsonl
 
 pytest.importorskip("reasoning_gym", reason="the envs extra (`make envs`) is not installed")
 pytest.importorskip("gem", reason="the envs extra (`make envs`) is not installed")
@@ -37,10 +37,6 @@ def _argv(model, out, *more):
     ]
 
 
-def _read(out, name):
-    return [json.loads(line) for line in (Path(out) / name).read_text().splitlines()]
-
-
 def test_a_mixture_of_two_hubs_trains_evaluates_and_resumes(tiny_llama_dir, tmp_path, ray_local):
     out = tmp_path / "run"
     cfg = load_config(_argv(tiny_llama_dir, out, "--ckpt.save_steps", "1"))
@@ -49,11 +45,11 @@ def test_a_mixture_of_two_hubs_trains_evaluates_and_resumes(tiny_llama_dir, tmp_
     assert {r["env"] for r in rows} == set(MIX.split(",")) and len(evals) == 4
     summary = asyncio.run(run_training(cfg))
     assert summary["steps"] == 2
-    metrics = _read(out, "metrics.jsonl")
+    metrics = jsonl(out / "metrics.jsonl")
     assert all(f"eval/env/{env}/accuracy" in metrics[-1] for env in MIX.split(","))
     trained = {key for m in metrics for key in m if key.startswith("rollout/env/")}
     assert trained and trained <= {f"rollout/env/{env}/reward_mean" for env in MIX.split(",")}
-    ledger = _read(out, "ledger.jsonl")
+    ledger = jsonl(out / "ledger.jsonl")
     for group in {r["group_id"] for r in ledger}:  # a group is one task of one environment
         assert (
             len({json.dumps(rows[tuple(r["key"])[1]]["label"]) for r in ledger if r["group_id"] == group})
@@ -61,6 +57,6 @@ def test_a_mixture_of_two_hubs_trains_evaluates_and_resumes(tiny_llama_dir, tmp_
         )
 
     asyncio.run(run_training(override(cfg, {"train.max_steps": 3})))
-    again = _read(out, "ledger.jsonl")
+    again = jsonl(out / "ledger.jsonl")
     keys = [tuple(r["key"]) for r in again]
     assert len(keys) == len(set(keys)) and max(r["step"] for r in again) == 3  # each task trained once

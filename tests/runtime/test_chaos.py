@@ -17,7 +17,9 @@ import sys
 import time
 
 import pytest
-from test_faults import args, check_exactly_once, engine_pids, gone, ledger
+from fault_runs import args, ledger
+
+from molt.testing.runs import check_exactly_once, descendants, gone
 
 # On a quiet machine a step takes about 0.7 s and each kill waits up to 2 s after its step: with 12 steps the run
 # is still going when the last kill lands (with 8, a seed's run once ended before its worker's death was found)
@@ -66,24 +68,24 @@ def test_chaos_engine_then_run_killed_resumes_exactly_once(tiny_llama_dir, tmp_p
     proc = subprocess.Popen(
         cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-    wait_for(lambda: len(ledger(out)) >= 2 * engine_at and engine_pids(proc.pid), proc, "the engine kill")
+    wait_for(lambda: len(ledger(out)) >= 2 * engine_at and descendants(proc.pid), proc, "the engine kill")
     time.sleep(rng.uniform(0, 2))  # anywhere in the next step: generation, training or the refit
-    engine = engine_pids(proc.pid)[0]
+    engine = descendants(proc.pid)[0]
     os.kill(engine, signal.SIGKILL)
     wait_for(lambda: len(ledger(out)) >= 2 * refit_at, proc, "the refit's engine kill", poll=0.005)
     time.sleep(refit_delay)
     live = [
-        pid for pid in engine_pids(proc.pid) if not gone(pid)
+        pid for pid in descendants(proc.pid) if not gone(pid)
     ]  # none if the first death is not found yet:
     for pid in live:  # then the refit finds it
         os.kill(pid, signal.SIGKILL)
     wait_for(
-        lambda: len(ledger(out)) >= 2 * worker_at and engine_pids(proc.pid, "ray::RolloutWorker"),
+        lambda: len(ledger(out)) >= 2 * worker_at and descendants(proc.pid, "ray::RolloutWorker"),
         proc,
         "the worker kill",
     )
     time.sleep(rng.uniform(0, 2))
-    os.kill(engine_pids(proc.pid, "ray::RolloutWorker")[0], signal.SIGKILL)
+    os.kill(descendants(proc.pid, "ray::RolloutWorker")[0], signal.SIGKILL)
     wait_for(lambda: len(ledger(out)) >= 2 * run_at, proc, "the run kill")
     time.sleep(rng.uniform(0, 2))
     if how == "SIGKILL":  # the driver, Ray, workers, engines and trainer ranks at once

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_faults import AGENT, ROOT, check_exactly_once, ledger
+from fault_runs import AGENT, ROOT, ledger
+
+from molt.testing.runs import check_exactly_once
 
 STEPS = 10
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
