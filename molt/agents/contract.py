@@ -10,7 +10,7 @@ in-process, so Env and SDK agents share one chat-rendering and token-capture pat
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 from molt.types import SamplingParams, Segment, Trajectory
@@ -47,6 +47,18 @@ class ChatContext:
     session_id: str
     sampling_params: SamplingParams  # a copy: temperature, top_p, top_k, max_tokens (may be None), min_tokens
     max_length: int  # context window in tokens (prompt + completion)
+
+    def session(self, role: str) -> ChatContext:
+        """This context as agent `role` (one of multiagent.roles) sees the rollout: the same capture session under
+        URLs that name the role, so whatever a client or a harness sends through them is that role's, with no
+        header or model name to set. An undeclared role is refused (400) at its first request."""
+        named = f"/s/{self.session_id}+{role}"
+        return replace(
+            self,
+            base_url=self.base_url.replace(f"/s/{self.session_id}", named),
+            session_url=self.session_url.replace(f"/s/{self.session_id}", named),
+            model_name=role,
+        )
 
 
 class ChatAgent:

@@ -180,8 +180,9 @@ class CaptureServer:
         return session
 
     def session_for(self, session_id: str, request: Request) -> Session:
-        """The session named in the path, if the request carries its key (404 / 401 otherwise)."""
-        session = self.sessions.get(session_id)
+        """The session named in the path, if the request carries its key (404 / 401 otherwise). A path's
+        "ID+ROLE" is session ID as agent ROLE sees it (`ChatContext.session`)."""
+        session = self.sessions.get(session_id.partition("+")[0])
         if session is None:
             raise WireError(404, f"unknown or closed session {session_id!r}", code="session_not_found")
         key = request.headers.get("x-api-key") or ""
@@ -241,7 +242,7 @@ class CaptureServer:
 
         @app.api_route("/s/{session_id}", methods=["GET", "HEAD"])
         async def base(session_id: str) -> JSONResponse:
-            if session_id not in self.sessions:
+            if session_id.partition("+")[0] not in self.sessions:
                 raise WireError(404, f"unknown or closed session {session_id!r}", code="session_not_found")
             return JSONResponse({"status": "ok", "model": self.engine.model_name})
 
@@ -261,7 +262,8 @@ class CaptureServer:
         try:
             chat = wire.to_chat(req, data, session)  # ValueError: e.g. an image that cannot be decoded
             chat.body_bytes = len(raw)
-            chat.role = self.role_of(req.model, request.headers.get("x-molt-role"))
+            named = request.headers.get("x-molt-role") or request.path_params["session_id"].partition("+")[2]
+            chat.role = self.role_of(req.model, named)
             if req.stream:  # tokens go out as they are sampled (streaming.py); errors before the first byte
                 live = LiveReply(session, chat, key, lookup)
                 await live.begin()
@@ -276,13 +278,16 @@ class CaptureServer:
             raise error_reply(e) from None
         return JSONResponse(wire.response_body(gen, req, session))
 
-    def role_of(self, model: str | None, header: str | None) -> str:
-        """A request's role: its header's (a declared role), else its model name if that is one, else none."""
-        if header and header not in self.roles:
+    def role_of(self, model: str | None, named: str) -> str:
+        """A request's role: the one its header or session URL names (a declared role), else its model name if
+        that is one, else none."""
+        if named and named not in self.roles:
             raise WireError(
-                400, f"x-molt-role {header!r} is not one of multiagent.roles {sorted(self.roles)}"
+                400,
+                f"role {named!r} (x-molt-role or the session URL) is not one of multiagent.roles "
+                f"{sorted(self.roles)}",
             )
-        return header or (model if model in self.roles else "")
+        return named or (model if model in self.roles else "")
 
     async def _body(self, request: Request) -> bytes:
         """The request's body, refused (413) over max_request_mb: by its declared length before it is read."""

@@ -116,13 +116,22 @@ async def test_a_request_names_its_role_by_model_or_header_and_an_unknown_header
         await api.chat.completions.create(model="planner", messages=ask)
         await api.chat.completions.create(model="other", messages=ask, extra_headers={"x-molt-role": "coder"})
         await api.chat.completions.create(model="other", messages=ask)  # no declared role: as before
-        with pytest.raises(openai.BadRequestError, match="x-molt-role 'judge' is not one of"):
+        as_planner = session.base_url.replace(session.session_id, f"{session.session_id}+planner")
+        url = openai.AsyncOpenAI(base_url=as_planner, api_key=session.api_key, max_retries=0)
+        await url.chat.completions.create(model="other", messages=ask)  # the URL names the role
+        with pytest.raises(
+            openai.BadRequestError, match="role 'judge' .x-molt-role or the session URL. is not one"
+        ):
             await api.chat.completions.create(model="m", messages=ask, extra_headers={"x-molt-role": "judge"})
+        judge = openai.AsyncOpenAI(base_url=as_planner.replace("+planner", "+judge"), api_key=session.api_key)
+        with pytest.raises(openai.BadRequestError, match="role 'judge'"):
+            await judge.with_options(max_retries=0).chat.completions.create(model="m", messages=ask)
         segments = await session.close()
     assert [(s.role, s.break_reason) for s in segments] == [
         ("planner", "start"),
         ("coder", "role"),
         ("", "role"),
+        ("planner", "role"),
     ]
 
 
