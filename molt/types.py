@@ -201,6 +201,8 @@ class Segment:
     # processor inputs of its images in order ({"pixel_values": [n_images, ...], ...}) or None
     images: Any = None
     role: str = ""  # the agent that generated it (multiagent.roles; "" for a single agent)
+    # (the rollout's model call 0, 1, ..., its action tokens here) for each turn recorded, in token order
+    turns: list[tuple[int, int]] = field(default_factory=list)
 
     __post_init__ = per_token
 
@@ -239,6 +241,7 @@ class Trajectory:
     segments: list[Segment] = field(default_factory=list)
     reward: float = 0.0  # with rewards per role: their mean (what rollout-level metrics count)
     rewards: dict[str, float] = field(default_factory=dict)  # per role; a role not here gets `reward`
+    turn_rewards: dict[int, float] = field(default_factory=dict)  # per model call (`Result.turn_rewards`)
     score: float | None = None  # for filtering and dashboards; falls back to reward
     info: dict[str, float] = field(default_factory=dict)
     status: RolloutStatus = RolloutStatus.OK
@@ -432,6 +435,7 @@ class Experience:
     images: Any = None
     payload_ref: Any = None  # ray.ObjectRef of the payload dict while offloaded
     role: str = ""
+    turns: list[tuple[int, int]] = field(default_factory=list)  # as in `Segment`
 
     __post_init__ = per_token
 
@@ -439,6 +443,18 @@ class Experience:
     def credit(self) -> tuple[str, str]:
         """What its advantage belongs to: its rollout and role (groups are per prompt and role)."""
         return self.rollout_id, self.role
+
+    def credited(self, advantages: dict[Any, float]) -> Any:
+        """Its advantage from a group estimator's {credit: advantage}: its rollout's and role's, or, where the
+        rollout's turns have their own (`credit_rows` with turn rewards), one per token, each action token its
+        turn's and 0 on context tokens (the payload is needed)."""
+        import numpy as np
+
+        if self.credit in advantages:
+            return advantages[self.credit]
+        per_turn = [advantages[(*self.credit, turn)] for turn, _ in self.turns]
+        actions = np.repeat(np.asarray(per_turn, np.float32), [n for _, n in self.turns])
+        return expand_actions(actions, self.action_mask, 0.0)
 
     @classmethod
     def from_segment(cls, traj: Trajectory, index: int) -> Experience:
@@ -459,6 +475,7 @@ class Experience:
             routed_experts=seg.routed_experts,
             images=seg.images,
             role=seg.role,
+            turns=seg.turns,
         )
 
     @property

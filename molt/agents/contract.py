@@ -29,6 +29,9 @@ class Result:
     score: Any = None  # for dynamic filtering and dashboards; falls back to reward
     images: Any = None  # next-turn images (Env): paths, URLs, bytes or PIL images (`runners.image_part`)
     sampling_params: SamplingParams | Mapping[str, Any] | None = None  # override for the following turns
+    # rewards of single turns, credited to their own tokens (docs/algo.md, "Per-turn rewards"): a ChatAgent's,
+    # one per model call in the order they were answered; an Env step's, the first for the turn it just read
+    turn_rewards: list[Any] | None = None
 
 
 @dataclass

@@ -112,9 +112,12 @@ class Episode:
     def __init__(self, traj: Trajectory):
         self.traj = traj  # its reward: the sum of the episode's rewards
 
-    def add(self, result: Any, what: str) -> Result:
+    def add(self, result: Any, what: str, turn: int = 0) -> Result:
+        """`turn`: the model call that `result.turn_rewards` begins at."""
         if not isinstance(result, Result):
             raise InvalidReward(f"{what} must return molt.agents.Result, got {type(result).__name__}")
+        for i, value in enumerate(result.turn_rewards or []):
+            self.traj.turn_rewards[turn + i] = to_float(value, f"{what}: Result.turn_rewards[{i}]")
         if isinstance(result.reward, Mapping):  # one reward per role; the rollout's is their mean
             parts = {k: to_float(v, f"{what}: Result.reward[{k!r}]") for k, v in result.reward.items()}
             for role, value in parts.items():
@@ -239,7 +242,7 @@ class StepEnvRunner(SessionRunner):
             messages.append({"role": "user", "content": str(state["observation"])})
         name = f"{getattr(self.env_cls, '__name__', 'env')}.step"
         used, turn, observation, images = 0, None, "", None
-        for _ in range(self.max_turns):
+        for step in range(self.max_turns):
             turn_params = self._turn_params(params, used)
             if turn_params is None:  # token budget spent
                 episode.traj.truncated = True
@@ -262,6 +265,7 @@ class StepEnvRunner(SessionRunner):
                     }
                 ),
                 name,
+                step,
             )
             if result.terminated or result.truncated:
                 return

@@ -65,6 +65,7 @@ class SegmentTracker:
         # branches by their first message: a request can only extend branches that start like it does, and a
         # session of many conversations must not scan them all per request
         self._by_start: dict[tuple[str, str], list[_Branch]] = {}
+        self.calls = 0  # requests committed: a turn's index (`Segment.turns`, `Result.turn_rewards`)
 
     def segments(self) -> list[Segment]:
         return [b.segment for b in self.branches]
@@ -129,6 +130,7 @@ class SegmentTracker:
 
     def commit(self, plan: Plan, actions: list[Action], replies: list[dict[str, Any]] | None) -> None:
         """Record the sampled choices of a planned request (choice 0 continues or starts; others branch)."""
+        turn, self.calls = self.calls, self.calls + 1
         for i, action in enumerate(actions):
             ended = bool(action.token_ids) and action.token_ids[-1] in self.eos_ids
             messages = None if plan.messages is None or replies is None else plan.messages + [replies[i]]
@@ -138,7 +140,7 @@ class SegmentTracker:
                 for later in self.branches[self.branches.index(branch) + 1 :]:
                     if later.segment.break_reason in ("compaction", "tools_changed"):
                         later.segment.break_reason = "subagent"
-                _extend(branch.segment, plan.context_ids, action)
+                _extend(branch.segment, plan.context_ids, action, turn)
                 branch.segment.images = plan.images
                 branch.messages, branch.prompt_text, branch.ended_turn = messages, plan.prompt_text, ended
             else:
@@ -152,7 +154,7 @@ class SegmentTracker:
                     images=plan.images,
                     role=plan.role,
                 )
-                _extend(segment, plan.prompt_ids, action)
+                _extend(segment, plan.prompt_ids, action, turn)
                 branch = _Branch(segment, messages, plan.tools, plan.prompt_text, ended)
                 self.branches.append(branch)
                 if messages:
@@ -204,8 +206,9 @@ def joined_ids(*parts: Any) -> Any:
     return np.concatenate([np.asarray(p, np.int32) for p in parts])
 
 
-def _extend(segment: Segment, context: Any, action: Action) -> None:
+def _extend(segment: Segment, context: Any, action: Action, turn: int) -> None:
     n, k = len(context), len(action.token_ids)
+    segment.turns.append((turn, k))
     segment.token_ids = joined_ids(segment.token_ids, context, action.token_ids)
     segment.action_mask = np.concatenate([segment.action_mask, np.arange(n + k) >= n])
     segment.behavior_logprobs = np.concatenate(

@@ -40,6 +40,12 @@ def _pieces(tok, ids: list[int]) -> list[str]:
     return out
 
 
+def _advantage(e: Any, advantages: dict) -> Any:
+    if e.credit in advantages or not e.turns:
+        return advantages.get(e.credit)
+    return [advantages.get((*e.credit, turn)) for turn, _ in e.turns]
+
+
 def dump_groups(
     path: Path,
     groups: list[Group],
@@ -48,7 +54,8 @@ def dump_groups(
     trainer_logprobs: dict[tuple[str, int], Any] | None = None,
     gate: tuple = ("off",),
 ) -> None:
-    """`advantages`: the per-rollout advantage of a group estimator (token-level estimators: omitted);
+    """`advantages`: a group estimator's per rollout and role, or per turn (a list in the turns' order; token-level
+    estimators: omitted);
     `trainer_logprobs` by (rollout id, segment index); `gate`: (level, mode, low, high) of the importance gate."""
     import ray
     import torch
@@ -73,7 +80,7 @@ def dump_groups(
                         "break_reason": o.break_reasons[e.segment_index] if o.break_reasons else "start",
                         "role": e.role,
                         "reward": o.reward_of(e.role),
-                        "advantage": (advantages or {}).get(e.credit),
+                        "advantage": _advantage(e, advantages or {}),
                         "text": tok.decode(ids),
                         "pieces": _pieces(tok, ids),
                         "action_text": tok.decode([t for t, m in zip(ids, mask) if m]),

@@ -233,6 +233,11 @@ class Run:
         cfg, (low, high) = self.cfg, self.cfg.reward.clip_range
         estimator = cfg.algo.advantage.estimator
         rows = credit_rows(groups, low, high)
+        if self.spec.kind != "group" and any(len(credit) > 2 for credit, _, _ in rows):
+            raise ValueError(
+                f"algo.advantage.estimator {estimator!r} credits a rollout's terminal reward: an agent's "
+                "Result.turn_rewards need a group estimator (grpo, dr_grpo, rloo, ...)"
+            )
         trained = set(filter(None, cfg.multiagent.train_roles.split(","))) or None
         # one advantage per rollout here, else the ranks' from terminal rewards
         group = self.spec.kind == "group"

@@ -16,16 +16,27 @@ import numpy as np
 from molt.types import Experience, expand_actions
 
 
-def credit_rows(groups: list[Any], low: float, high: float) -> list[tuple[tuple[str, str], str, float]]:
-    """(credit, group, reward) rows of complete groups: one per rollout and role, so that advantages are
-    normalised within a prompt's group and a role (docs/algo.md, "Several agents"); a role without a reward of
-    its own gets the rollout's (broadcast), clamped into [low, high]."""
-    return [
-        ((o.rollout_id, role), f"{g.group_id}/{role}", min(max(o.reward_of(role), low), high))
-        for g in groups
-        for o in g.outcomes
-        for role in sorted({e.role for e in o.experiences}) or [""]
-    ]
+def credit_rows(groups: list[Any], low: float, high: float) -> list[tuple[tuple, str, float]]:
+    """(credit, group, reward) rows of complete groups, each reward clamped into [low, high]: one per rollout and
+    role, so that advantages are normalised within a prompt's group and a role (docs/algo.md, "Several
+    agents"); a role without a reward of its own gets the rollout's (broadcast). In a group where a rollout
+    gave turn rewards, one per rollout, role and turn instead: the role's return from that turn on (the sum of
+    its turn rewards there and after; a rollout without any has its reward on every turn), grouped by the
+    role's turn number (docs/algo.md, "Per-turn rewards")."""
+    rows = []
+    for g in groups:
+        by_turn = any(o.turn_rewards for o in g.outcomes)
+        for o in g.outcomes:
+            for role in sorted({e.role for e in o.experiences}) or [""]:
+                if not by_turn:
+                    rows.append(((o.rollout_id, role), f"{g.group_id}/{role}", o.reward_of(role)))
+                    continue
+                turns = sorted({t for e in o.experiences if e.role == role for t, _ in e.turns})
+                for j, turn in enumerate(turns):
+                    rest = [o.turn_rewards.get(t, 0.0) for t in turns[j:]]
+                    ret = sum(rest) if o.turn_rewards else o.reward_of(role)
+                    rows.append(((o.rollout_id, role, turn), f"{g.group_id}/{role}/{j}", ret))
+    return [(credit, group, min(max(r, low), high)) for credit, group, r in rows]
 
 
 def running_baselines(
@@ -40,8 +51,8 @@ def running_baselines(
 
     from molt.algo import AdvantageParams
 
-    envs = {g.group_id: g.row.get("env", "") for g in groups}
-    keys = [f"{envs[group.rsplit('/', 1)[0]]}/{credit[1]}" for credit, group, _ in rows]
+    envs = {o.rollout_id: g.row.get("env", "") for g in groups for o in g.outcomes}
+    keys = [f"{envs[credit[0]]}/{credit[1]}" for credit, _, _ in rows]
     params = AdvantageParams(
         baselines=torch.tensor([baselines.get(k, 0.0) for k in keys], dtype=torch.float64)
     )
@@ -141,7 +152,7 @@ class TrainerRank:
         values = returns = []
         if advantages is not None:  # one number per rollout, laid out per token in collation
             for exp in exps:
-                exp.advantages = advantages[exp.credit]
+                exp.advantages = exp.credited(advantages)
         else:
             values, returns = self._rank_advantages(exps, rewards or {})  # collective: every rank calls
         steps = [(self.actor, w) for w in windows] * (epochs if train_actor else 0)

@@ -48,6 +48,7 @@ def test_contract_fields():
         "score": None,
         "images": None,
         "sampling_params": None,
+        "turn_rewards": None,  # Molt's own (docs/algo.md, "Per-turn rewards"); the reference's fields keep theirs
     }
     assert Result().info == {}
     assert [f.name for f in dataclasses.fields(ChatContext)] == [

@@ -97,6 +97,12 @@ def test_two_roles_end_to_end_train_only_the_planner(tiny_llama_dir, tmp_path, r
     dumped = [json.loads(line) for line in (out / "dumps" / "step_1.jsonl").read_text().splitlines()]
     assert {d["role"] for d in dumped} == {"planner", "coder"}
     assert {d["break_reason"] for d in dumped if d["role"] == "coder"} == {"role"}
+    # advantages per turn: the planner's one turn, the coder's two, each against the same turn of its group
+    assert {len(d["advantage"]) for d in dumped if d["role"] == "coder"} == {2}
+    assert {len(d["advantage"]) for d in dumped if d["role"] == "planner"} == {1}
+    for group in {d["group_id"] for d in dumped}:
+        turns = [d["advantage"] for d in dumped if d["group_id"] == group and d["role"] == "coder"]
+        assert [sum(t) for t in zip(*turns)] == pytest.approx([0.0, 0.0], abs=1e-5)  # GRPO: zero mean a turn
     planner = sum(sum(d["action_mask"]) for d in dumped if d["role"] == "planner")
     assert metrics[0]["actor_window_tokens"] == planner  # the coder's tokens were recorded, not trained
     for role in ("planner", "coder"):
@@ -162,3 +168,81 @@ def test_role_baseline_is_a_running_mean_per_environment_and_role():
     assert baselines["ta/seat0"] == pytest.approx(
         0.9 * 0.1 - 0.1
     )  # a group of one still learns: no group mean
+
+
+# ------------------------------------------------------------------------------------------- per-turn rewards
+def test_turn_rewards_credit_each_turn_with_its_return_against_the_same_turn_of_the_group():
+    import numpy as np
+
+    def turned(rid, segments, reward=0.0, turn_rewards=None):
+        exps = [
+            Experience(rid, "g", i, 0.0, len(mask), sum(mask), 0, action_mask=mask, turns=turns)
+            for i, (mask, turns) in enumerate(segments)
+        ]
+        return RolloutOutcome(rid, "g", reward=reward, turn_rewards=turn_rewards or {}, experiences=exps)
+
+    a_segments = [([0, 1, 1, 0, 1, 1, 1], [(0, 2), (1, 3)]), ([0, 0, 1], [(2, 1)])]
+    outcomes = [
+        turned("a", a_segments, turn_rewards={0: 1.0, 2: 0.5}),  # returns by turn: 1.5, 0.5, 0.5
+        turned("b", [([0, 1, 0, 1], [(0, 1), (1, 1)])], turn_rewards={1: 2.0}),  # 2.0, 2.0
+        turned("c", [([0, 1], [(0, 1)])], reward=2.5),  # no turn rewards: its reward on its one turn
+    ]
+    rows = credit_rows([Group((0, 0), "g", {}, outcomes)], -10.0, 10.0)
+    assert sorted(rows) == sorted(
+        [
+            (("a", "", 0), "g//0", 1.5),
+            (("a", "", 1), "g//1", 0.5),
+            (("a", "", 2), "g//2", 0.5),
+            (("b", "", 0), "g//0", 2.0),
+            (("b", "", 1), "g//1", 2.0),
+            (("c", "", 0), "g//0", 2.5),
+        ]
+    )
+    adv = rollout_advantages("dr_grpo", rows)  # r - the mean of the same turn's returns in the group
+    # turn 0: mean of 1.5, 2.0, 2.5 is 2.0; turn 1: mean of 0.5, 2.0 is 1.25; turn 2: a's alone
+    assert adv == pytest.approx(
+        {("a", "", 0): -0.5, ("b", "", 0): 0.0, ("c", "", 0): 0.5, ("a", "", 1): -0.75, ("b", "", 1): 0.75}
+        | {("a", "", 2): 0.0}
+    )
+    first, second = outcomes[0].experiences
+    assert np.array_equal(first.credited(adv), np.float32([0, -0.5, -0.5, 0, -0.75, -0.75, -0.75]))
+    assert np.array_equal(second.credited(adv), np.zeros(3, np.float32))
+
+
+def test_turn_rewards_are_recorded_by_model_call_from_an_agent_and_from_env_steps():
+    episode = Episode(Trajectory("r", "g"))
+    episode.add(Result(reward=1.0, turn_rewards=[0.0, 0.25, 1]), "agent")
+    assert episode.traj.turn_rewards == {0: 0.0, 1: 0.25, 2: 1.0} and episode.traj.reward == 1.0
+    steps = Episode(Trajectory("r", "g"))
+    steps.add(Result(reward=0.5, turn_rewards=[0.5]), "env.step", 0)
+    steps.add(Result(reward=0.0), "env.step", 1)
+    steps.add(Result(reward=2.0, turn_rewards=[2.0]), "env.step", 2)
+    assert steps.traj.turn_rewards == {0: 0.5, 2: 2.0} and steps.traj.reward == 2.5
+    with pytest.raises(ValueError, match=r"Result.turn_rewards\[0\]"):
+        Episode(Trajectory("r", "g")).add(Result(turn_rewards=["much"]), "agent")
+
+
+async def test_capture_records_each_turns_model_call_and_tokens_across_roles(tokenizer):
+    import openai
+
+    from molt.testing.scripted import ScriptedEngine, live_capture_server
+
+    engine = ScriptedEngine(tokenizer, ["plan it", "work", "more work", "done"])
+    async with live_capture_server(engine, tokenizer, roles="planner,coder") as server:
+        session = await server.open_session()
+        api = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        plan = [{"role": "user", "content": "go"}]
+        work = [{"role": "system", "content": "You work."}, {"role": "user", "content": "go"}]
+        replies = []
+        for model, messages in (("planner", plan), ("coder", work), ("coder", work), ("planner", plan)):
+            reply = await api.chat.completions.create(model=model, messages=messages)
+            replies.append(reply)
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            messages.append({"role": "user", "content": "again"})
+        segments = await session.close()
+    # each role's conversation goes on in its own segment: the planner's holds the first and the last call
+    assert [s.role for s in segments] == ["planner", "coder"]
+    tokens = [r.usage.completion_tokens for r in replies]
+    assert segments[0].turns == [(0, tokens[0]), (3, tokens[3])]
+    assert segments[1].turns == [(1, tokens[1]), (2, tokens[2])]
+    assert all(s.num_actions == sum(n for _, n in s.turns) for s in segments)
