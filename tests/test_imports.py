@@ -25,6 +25,7 @@ ROOT = Path(os.environ.get("MOLT_IMPORTS_ROOT", Path(__file__).resolve().parents
 LAYERS = {
     "types": 0,  # and the leaf utilities, which import nothing of molt
     "models": 0,
+    "modeling": 0,  # what engines and the trainer share about a model
     "flags": 0,
     "algo": 1,
     "engine": 1,

@@ -10,7 +10,7 @@ from typing import Any
 
 from molt.capture.render import ChatRenderer, canonical_messages, canonical_tools
 from molt.capture.segments import Action, SegmentTracker
-from molt.types import ModelSpec
+from molt.modeling import ModelSpec
 
 TOOLS = [
     {

@@ -17,7 +17,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from molt.capture.tools import tool_call
-from molt.types import ModelSpec
+from molt.modeling import ModelSpec
 
 
 class RenderError(ValueError):

@@ -30,7 +30,8 @@ from molt.engine.slots import (
     prefill_bias,
     use_grouped_attention,
 )
-from molt.types import FinishReason, ModelSpec, join_inputs, rope_positions
+from molt.modeling import ModelSpec, rope_positions
+from molt.types import FinishReason, join_inputs
 
 # A new request waits for a prefill in flight that computes at least this many of its tokens, and half of them: a
 # shorter prefill of its own costs less than the steps it would wait.

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from molt.types import mm_f32
+from molt.modeling import mm_f32
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -260,7 +260,7 @@ def use_grouped_attention(model: Any) -> bool:
 
 
 def fp32_logits(model: Any) -> None:
-    """A bf16 model's output head returns its fp32 accumulator (`molt.types.mm_f32`), as the trainer's log-prob
+    """A bf16 model's output head returns its fp32 accumulator (`molt.modeling.mm_f32`), as the trainer's log-prob
     head does: logits of 20 rounded to bf16 move by up to 0.04, and the behavior log-probs with them, a gap
     the trainer's own log-probs would not share. A captured graph's output [rows, vocab] is then fp32 too
     (about 155 MB at 256 rows of Qwen's vocabulary, per graph of that row count)."""

@@ -17,7 +17,8 @@ from typing import Any
 from molt.engine import vllm_worker
 from molt.engine.base import EngineError, EngineGone, RequestError, token_list
 from molt.engine.request import RequestRecord
-from molt.types import Completion, FinishReason, ModelSpec, SamplingParams
+from molt.modeling import ModelSpec
+from molt.types import Completion, FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
 # pause_generation(mode="keep") (vllm-project/vllm#32351) and layerwise reload (model_loader.reload)

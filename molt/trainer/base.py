@@ -18,9 +18,10 @@ from torch import nn
 from molt.config import MoltConfig, OptimConfig
 from molt.config_resolve import override, resolve
 from molt.config_validate import validate
+from molt.modeling import ModelSpec
 from molt.trainer import parallel
 from molt.trainer.batching import MicroBatch, blank_image, collate, ghost_batch, plan_micro_batches
-from molt.types import Experience, ModelSpec
+from molt.types import Experience
 
 
 class ShardedModelTrainer:

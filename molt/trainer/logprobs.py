@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from molt.types import ModelSpec, mm_f32, rope_positions
+from molt.modeling import ModelSpec, mm_f32, rope_positions
 
 
 def check_supported(config) -> None:

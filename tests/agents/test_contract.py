@@ -38,18 +38,19 @@ def test_import_is_light():
 
 def test_contract_fields():
     assert Trajectory is SharedTrajectory
-    assert {
-        f.name: f.default for f in dataclasses.fields(Result) if f.default is not dataclasses.MISSING
-    } == {
-        "reward": 0.0,
-        "observation": "",
-        "terminated": True,
-        "truncated": False,
-        "score": None,
-        "images": None,
-        "sampling_params": None,
-        "turn_rewards": None,  # Molt's own (docs/algo.md, "Per-turn rewards"); the reference's fields keep theirs
-    }
+    assert (
+        {f.name: f.default for f in dataclasses.fields(Result) if f.default is not dataclasses.MISSING}
+        == {
+            "reward": 0.0,
+            "observation": "",
+            "terminated": True,
+            "truncated": False,
+            "score": None,
+            "images": None,
+            "sampling_params": None,
+            "turn_rewards": None,  # Molt's own (docs/algo.md, "Per-turn rewards"); the reference's fields keep theirs
+        }
+    )
     assert Result().info == {}
     assert [f.name for f in dataclasses.fields(ChatContext)] == [
         "messages",

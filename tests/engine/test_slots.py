@@ -307,7 +307,7 @@ def test_dynamic_rope_models_decode_without_graphs(tiny_llama_dir):
     """Dynamic RoPE syncs the host inside the forward (a Python `if` on the largest position): not capturable."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from molt.types import ModelSpec
+    from molt.modeling import ModelSpec
 
     config = {
         "hidden_size": 32,

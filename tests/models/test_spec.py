@@ -1,4 +1,4 @@
-"""The one model description (`molt.types.ModelSpec`): read once from a checkpoint's config files, and what the
+"""The one model description (`molt.modeling.ModelSpec`): read once from a checkpoint's config files, and what the
 embedded engine, the capture renderer and the trainer act on, instead of each probing the config its own way."""
 
 import asyncio
@@ -6,7 +6,7 @@ import json
 
 from transformers import AutoTokenizer, LlamaConfig
 
-from molt.types import ModelSpec
+from molt.modeling import ModelSpec
 
 
 def test_a_text_checkpoint(tiny_llama_dir):

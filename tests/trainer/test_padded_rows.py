@@ -13,9 +13,10 @@ import transformers as tf
 from test_shared_prefix import grouped_window
 from trainer_helpers import make_window
 
+from molt.modeling import ModelSpec
 from molt.trainer.batching import collate
 from molt.trainer.logprobs import CausalLMLogProbs
-from molt.types import Experience, ModelSpec
+from molt.types import Experience
 
 CPU = torch.device("cpu")
 

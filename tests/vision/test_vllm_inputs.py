@@ -10,7 +10,8 @@ from vision_helpers import png, user
 from molt.capture.render import canonical_messages, message_images
 from molt.engine import vllm as mv
 from molt.engine.base import RequestError
-from molt.types import ModelSpec, SamplingParams
+from molt.modeling import ModelSpec
+from molt.types import SamplingParams
 
 
 def collapse_case(renderer, *images, text="What is this?"):
