@@ -339,6 +339,13 @@ class MultiAgentConfig:
     each role gets its own reward and advantages (docs/algo.md, "Several agents")."""
     train_roles: str = ""
     """The roles that learn, comma-separated (empty: all); the others are recorded and served, not trained."""
+    adapters: bool = False
+    """One LoRA adapter per role that learns, on one base model (needs actor.lora_rank): a role's requests
+    generate with its adapter and its tokens train it alone; the other roles generate with the base."""
+
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters of the policy: one per role that learns, or none (the one adapter of PEFT)."""
+        return [r for r in (self.train_roles or self.roles).split(",") if r] if self.adapters else []
 
 
 @dataclass

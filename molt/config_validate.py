@@ -158,6 +158,14 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
         )
     for o in ("actor", "critic"):
         _check_lora(cfg, o)
+    if cfg.multiagent.adapters and not (cfg.actor.lora_rank and cfg.multiagent.adapter_names()):
+        raise ValueError(
+            "multiagent.adapters: one adapter per role needs actor.lora_rank > 0 and multiagent.roles"
+        )
+    if cfg.multiagent.adapters and cfg.rollout.engine != "hf":
+        raise ValueError(
+            "multiagent.adapters: an adapter per role runs on the embedded engine (rollout.engine hf)"
+        )
     if check_files:
         if cfg.env.id and cfg.train.agent_path:
             raise ValueError(

@@ -53,6 +53,7 @@ class SamplingParams:
     seed: int | None = None
     top_logprobs: int = 0  # also return this many most likely alternatives per position
     grammar: str | None = None  # the reply follows it (constrained decoding): llguidance's Lark, json_grammar
+    adapter: str = ""  # the LoRA adapter to sample with: the role's (multiagent.adapters; capture sets it)
 
     def validate(self) -> SamplingParams:
         """Raise ValueError naming the field on a bad value; return self."""

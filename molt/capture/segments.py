@@ -102,6 +102,7 @@ class SegmentTracker:
                     temperature,
                     pieces[2],
                     images=join_inputs(branch.segment.images, images),
+                    role=role,
                 )
             rewrite = True
             break

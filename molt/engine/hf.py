@@ -97,6 +97,8 @@ class HFEngine(InProcessWeightReceiver):
         if images and not self.spec.vision:
             raise RequestError(f"{self.model_name} takes no images")
         req.on_tokens, req.session_id, req.images = on_tokens, session_id, images
+        if self.runner.adapters:  # a role without an adapter of its own samples from the base
+            req.adapter = params.adapter if params.adapter in self.runner.adapters else "__base__"
         if params.grammar is not None:  # off the event loop: the first one builds llguidance's tokenizer too
             req.matcher = await asyncio.to_thread(self._matcher, params.grammar)
         with self._cv:

@@ -34,10 +34,10 @@ class Block:
     nbytes: int
 
 
-def block_keys(tokens: list[int]) -> list[int]:
+def block_keys(tokens: list[int], adapter: str = "") -> list[int]:
     """The key of each whole block of `tokens`: a hash of its parent's key and its own tokens, hence of the whole
-    prefix it ends (a partial last block has none)."""
-    keys, key = [], 0
+    prefix it ends (a partial last block has none), and of the LoRA adapter that computed it."""
+    keys, key = [], hash(adapter)
     for i in range(BLOCK, len(tokens) + 1, BLOCK):
         key = hash((key, *tokens[i - BLOCK : i]))
         keys.append(key)
@@ -53,10 +53,10 @@ class PrefixCache:
         self.nbytes = 0
         self.reused_tokens = 0  # over the engine's life: how many prompt tokens were not prefilled again
 
-    def lookup(self, context: list[int]) -> tuple[list[int], int]:
+    def lookup(self, context: list[int], adapter: str = "") -> tuple[list[int], int]:
         """The keys of `context`'s whole blocks, never its last token (whose logits are needed), and how many of
         them lead the context in the cache; changes nothing (`take` does)."""
-        keys = block_keys(context[:-1]) if self.budget else []
+        keys = block_keys(context[:-1], adapter) if self.budget else []
         return keys, next((i for i, key in enumerate(keys) if key not in self.blocks), len(keys))
 
     def take(self, keys: list[int]) -> Prefix | None:
@@ -75,11 +75,12 @@ class PrefixCache:
         tokens: list[int],
         layers: list[tuple[torch.Tensor, torch.Tensor]],
         routes: torch.Tensor | None = None,
+        adapter: str = "",
     ) -> None:
         """Keep the whole blocks of `tokens` that the cache lacks, from their keys/values (per layer [1, kv_heads,
         len(tokens), head_dim]) and MoE routes [len(tokens), layers, k]; the least recently used blocks go."""
         assert all(k.shape[-2] == len(tokens) for k, _ in layers), "keys/values must cover exactly `tokens`"
-        keys = block_keys(tokens)
+        keys = block_keys(tokens, adapter)
         new = [i for i, key in enumerate(keys) if key not in self.blocks]
         # one copy of the columns from the first new block on, then a clone of each new block (its own memory)
         if new:
@@ -118,12 +119,12 @@ def common_prefix(a: list[int], b: list[int], block: int = 512) -> int:
 
 def copies_of(new: list[Any]) -> dict[Any, list[Any]]:
     """Leader -> the new requests (itself first) that share its prefill: the same context (`prompt + tokens`) and
-    no images. A GRPO group's samples arrive together with one prompt; they prefill it once, and
+    LoRA adapter, no images. A GRPO group's samples arrive together with one prompt; they prefill it once, and
     `molt.engine.hf` copies the leader's keys/values and logits to the others."""
     copies: dict[Any, list[Any]] = {}
     leaders: dict[tuple[int, ...], Any] = {}
     for r in new:
-        leader = r if r.images else leaders.setdefault(tuple(r.prompt + r.tokens), r)
+        leader = r if r.images else leaders.setdefault((r.adapter, *r.prompt, *r.tokens), r)
         copies.setdefault(leader, []).append(r)
     return copies
 

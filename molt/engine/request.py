@@ -78,6 +78,7 @@ class Request(RequestRecord):
     future: asyncio.Future
     images: Any = None  # processor inputs of the prompt's images (vision-language models)
     session_id: str | None = None  # key of the prefix cache
+    adapter: str = ""  # the LoRA adapter it samples with, of several (`ModelRunner.adapters`)
     rope_offset: int = 0  # M-RoPE: next position = tokens so far + rope_offset (`rope_positions`)
     routes: list[Any] = field(default_factory=list)  # MoE: [n, layers, k] tensors of positions 0..routed
     routed: int = 0

@@ -53,6 +53,7 @@ class ModelRunner:
         prefix_cache_mb: float = 1024,
         cuda_graphs: bool = True,
         lora: dict[str, Any] | None = None,
+        adapters: list[str] | None = None,
     ):
         import transformers as tf
 
@@ -67,10 +68,19 @@ class ModelRunner:
         self.spec = spec = ModelSpec.from_pretrained(model_path)
         self.banned = list(spec.banned)  # never sampled (docs/internals.md)
         self.model = spec.auto_class.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device)
-        if lora:  # the trainer's adapters (PEFT LoraConfig arguments), zero until a refit loads them by name
+        # the trainer's adapters (PEFT LoraConfig arguments), PEFT's one or one per role, zero until a refit loads
+        # them by name; with several, each row of a forward runs its own (PEFT's mixed batches, `adapter_rows`)
+        self.adapters, self.adapter_rows = adapters or [], []
+        for adapter in self.adapters or (["default"] if lora else []):
             from peft import LoraConfig, inject_adapter_in_model
 
-            inject_adapter_in_model(LoraConfig(**lora), self.model)
+            inject_adapter_in_model(LoraConfig(**lora), self.model, adapter_name=adapter)
+        if self.adapters:
+            from peft.tuners.lora import LoraLayer
+
+            for m in self.model.modules():
+                if isinstance(m, LoraLayer):
+                    m.register_forward_pre_hook(self._name_rows, with_kwargs=True)
         self.model.eval()
         if not spec.vision:
             use_grouped_attention(self.model)
@@ -88,16 +98,19 @@ class ModelRunner:
         self._route_dtype = torch.uint8 if all(r.weight.shape[0] <= 256 for r in routers) else torch.int16
         # CUDA graphs for the decode step (molt.engine.slots), not where a step needs Python (route hooks, images);
         # the decoder itself once the slots exist
-        python_steps = routers or spec.vision or spec.dynamic_rope
+        python_steps = routers or spec.vision or spec.dynamic_rope or self.adapters
         self.graphs: GraphDecoder | bool = cuda_graphs and self.device.type == "cuda" and not python_steps
         self.graph_error: str | None = None  # why graphs were given up, if they were (`_graph_decode`)
         self.prefixes = PrefixCache(prefix_cache_mb)
         self.inflight: dict[Request, list[int]] = {}  # prefills in progress, leader -> context (`plan`)
         self.slots: Slots | None = None  # row i holds the scheduler's running[i] (made at the first prefill)
 
+    def _name_rows(self, _layer: Any, args: Any, kwargs: dict) -> tuple[Any, dict]:
+        return args, {**kwargs, "adapter_names": self.adapter_rows}
+
     def decode(self, rows: list[Request]) -> torch.Tensor:
         """Logits [rows, vocab] of the running batch's next tokens; each row's last token enters its slot."""
-        slots = self.slots
+        slots, self.adapter_rows = self.slots, [r.adapter for r in rows]
         positions = slots.advance()
         if any(r.rope_offset for r in rows):
             positions = positions + torch.tensor([[r.rope_offset] for r in rows], device=self.device)
@@ -121,9 +134,10 @@ class ModelRunner:
         copies, reused, deferred = copies_of(new), {}, []
         for r in list(copies):
             context = r.prompt + r.tokens
-            keys, n = ([], 0) if r.images else self.prefixes.lookup(context)
+            keys, n = ([], 0) if r.images else self.prefixes.lookup(context, r.adapter)
             cached = n * BLOCK
-            shared = max((common_prefix(context, c) for c in self.inflight.values()), default=0) - cached
+            ahead = [c for q, c in self.inflight.items() if q.adapter == r.adapter]
+            shared = max((common_prefix(context, c) for c in ahead), default=0) - cached
             if shared >= max(DEFER_TOKENS, (len(context) - cached) / 2):
                 deferred += copies.pop(r)
                 continue
@@ -169,6 +183,7 @@ class ModelRunner:
         s = job.state
         past = s.mask.shape[1] - s.ids.shape[1]
         dtype = None if self.spec.vision else self.model.dtype
+        self.adapter_rows = [r.adapter for r in s.group]
         attend = prefill_bias(s.mask[:, : past + end], end - start, dtype)
         s.logits, routes = self._forward(
             s.ids[:, start:end], attend, s.positions[..., start:end], s.cache, **s.images
@@ -232,7 +247,7 @@ class ModelRunner:
 
     def _keep(self, i: int, r: Request, tokens: list[int]) -> None:
         """Row i's keys/values, covering `tokens`, into the prefix cache (the blocks it lacks)."""
-        self.prefixes.store(tokens, self.slots.row(i), torch.cat(r.routes) if r.routes else None)
+        self.prefixes.store(tokens, self.slots.row(i), torch.cat(r.routes) if r.routes else None, r.adapter)
 
     def _graph_decode(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The decode step's logits from a CUDA graph; None without graphs, or (and eager decode from then on)

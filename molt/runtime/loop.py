@@ -103,6 +103,7 @@ class Run:
         # the engine holds the policy's adapters: a refit sends them alone (docs/lora.md)
         if cfg.actor.lora_rank:
             engine_options["lora"] = cfg.actor.lora_options()
+            engine_options["adapters"] = cfg.multiagent.adapter_names()
         n_workers, gpus = cfg.rollout.num_workers, 0
         if cfg.rollout.engine == "vllm":  # one worker per vLLM engine, holding its tensor-parallel GPUs
             engine_options, v = cfg.vllm_options(), cfg.vllm

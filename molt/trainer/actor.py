@@ -192,14 +192,15 @@ class Actor(ShardedModelTrainer):
 
     def export_hf(self, path: str, dtype: torch.dtype | None = None, bucket_bytes: int = 1 << 30) -> None:
         """Write a Hugging Face checkpoint (safetensors shards + config + tokenizer) that `from_pretrained` and
-        vLLM load; with LoRA the merged model, and the adapter in PEFT's format in `path/adapter`. Collective;
-        rank 0 writes."""
-        from molt.trainer.lora import export_adapter, lora_layers
+        vLLM load; with LoRA the merged model, and the adapter in PEFT's format in `path/adapter`; with an
+        adapter per role, both for each role in `path/<role>`. Collective; rank 0 writes."""
+        from molt.trainer.lora import ADAPTER, export_adapter, lora_layers
         from molt.trainer.weights import export_hf
 
-        base = self.cfg.actor.model_name_or_path
-        export_hf(
-            self.lm, path, tokenizer_from=base, dtype=dtype, bucket_bytes=bucket_bytes, write=self.rank == 0
-        )
-        if lora_layers(self.lm):
-            export_adapter(self.lm, os.path.join(path, "adapter"), base, write=self.rank == 0)
+        base, write = self.cfg.actor.model_name_or_path, self.rank == 0
+        for adapter in self.adapters or [ADAPTER]:
+            out = os.path.join(path, adapter) if self.adapters else path
+            kw = {"dtype": dtype, "bucket_bytes": bucket_bytes, "write": write, "adapter": adapter}
+            export_hf(self.lm, out, tokenizer_from=base, **kw)
+            if lora_layers(self.lm):
+                export_adapter(self.lm, os.path.join(out, "adapter"), base, write=write, adapter=adapter)

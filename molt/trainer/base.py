@@ -31,6 +31,8 @@ class ShardedModelTrainer:
 
     def __init__(self, cfg: MoltConfig, optim: OptimConfig):
         self.cfg, self.optim_cfg, fsdp = cfg, optim, cfg.fsdp
+        # the policy's LoRA adapters by role (multiagent.adapters): a micro-batch holds one role's experiences
+        self.adapters = cfg.multiagent.adapter_names() if optim is cfg.actor and optim.lora_rank else []
         self.device = parallel.resolve_device(fsdp.device)
         if fsdp.offload and self.device.type != "cuda":
             raise ValueError(
@@ -101,7 +103,7 @@ class ShardedModelTrainer:
         if trainable and self.optim_cfg.lora_rank:
             from molt.trainer.lora import apply_lora
 
-            apply_lora(lm, self.optim_cfg)
+            apply_lora(lm, self.optim_cfg, self.adapters)
         if not trainable:
             module.requires_grad_(False).eval()
         elif self.cfg.actor.gradient_checkpoint:
@@ -137,12 +139,20 @@ class ShardedModelTrainer:
                 raise ValueError(
                     f"experience {e.rollout_id}/{e.segment_index} is offloaded: reload() it first"
                 )
-        plan = plan_micro_batches(
-            [len(e.token_ids) for e in experiences],
-            self.cfg.train.micro_batch_size or None,
-            self.cfg.train.max_tokens_per_gpu or None,
-            packed=self.cfg.fsdp.packing_samples,
-        )
+        parts = [list(range(len(experiences)))]
+        if self.adapters:  # one role a micro-batch: it runs through that role's adapter (`micro_batches`)
+            roles = sorted({e.role for e in experiences})
+            parts = [[i for i, e in enumerate(experiences) if e.role == role] for role in roles]
+        plan = [
+            [part[j] for j in mb]
+            for part in parts
+            for mb in plan_micro_batches(
+                [len(experiences[i].token_ids) for i in part],
+                self.cfg.train.micro_batch_size or None,
+                self.cfg.train.max_tokens_per_gpu or None,
+                packed=self.cfg.fsdp.packing_samples,
+            )
+        ]
         count = sum(int(np.count_nonzero(e.action_mask)) for e in experiences)
         if self.world == 1:  # nothing to agree on: count on the host, one copy to the device
             if not plan:
@@ -194,6 +204,11 @@ class ShardedModelTrainer:
                 else ghost_batch(self.pad_id, self.device, extra, pack=pack)
             )
             mb.blank = None if mb.images else self.blank
+            if self.adapters:  # a role without an adapter (not trained: a dump's) runs the base
+                from molt.trainer.lora import use_adapter
+
+                role = experiences[idx[0]].role if idx else ""
+                use_adapter(self.lm, role if role in self.adapters else None)  # only the actor has adapters
             yield idx, mb
 
     @torch.no_grad()

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from molt.trainer.lora import gathered, lora_layers, merged
+from molt.trainer.lora import ADAPTER, gathered, lora_layers, merged
 
 
 def _unique_weights(
-    lm: nn.Module, refit: str = ""
+    lm: nn.Module, refit: str = "", adapter: str = ADAPTER
 ) -> Iterator[tuple[str, torch.Tensor, Callable[[], torch.Tensor]]]:
     """(HF name, stored tensor, its full value) in state-dict order, a tied parameter once (under its first name).
     With LoRA adapters (`molt.trainer.lora`) a targeted layer appears as its merged weight under the base name and
@@ -32,7 +32,7 @@ def _unique_weights(
         seen.add(id(t))
         hf = name.replace(".base_layer.", ".")
         if name in layers:
-            yield hf, t, partial(merged, layers[name])
+            yield hf, t, partial(merged, layers[name], adapter)
         elif not (refit == "merged" and layers):
             yield hf, t, partial(gathered, t)
 
@@ -64,12 +64,13 @@ def iter_weight_buckets(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     refit: str = "",
+    adapter: str = ADAPTER,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of (HF name, full tensor) whose sizes sum to at most `bucket_bytes` (a larger tensor gets a
     bucket of its own), bucketed as `plan_weight_buckets` says. dtype: cast floating-point tensors (None keeps
-    the stored dtype)."""
+    the stored dtype); `adapter`: the LoRA adapter merged (one of several)."""
     plan = plan_weight_buckets(lm, bucket_bytes, dtype=dtype, refit=refit)
-    gather = {name: value for name, _, value in _unique_weights(lm, refit)}
+    gather = {name: value for name, _, value in _unique_weights(lm, refit, adapter)}
     with torch.no_grad():
         for entries in plan:
             bucket = []
@@ -88,9 +89,10 @@ def export_hf(
     dtype: torch.dtype | None = None,
     bucket_bytes: int = 1 << 30,
     write: bool = True,
+    adapter: str = ADAPTER,
 ) -> Path:
-    """Save `lm` as a Hugging Face checkpoint directory (LoRA adapters merged). Collective over ranks; only
-    `write=True` writes."""
+    """Save `lm` as a Hugging Face checkpoint directory (LoRA adapter `adapter` merged). Collective over ranks;
+    only `write=True` writes."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -98,7 +100,7 @@ def export_hf(
     total = 0
     if write:
         path.mkdir(parents=True, exist_ok=True)
-    for i, bucket in enumerate(iter_weight_buckets(lm, bucket_bytes, dtype=dtype)):
+    for i, bucket in enumerate(iter_weight_buckets(lm, bucket_bytes, dtype=dtype, adapter=adapter)):
         if not write:
             continue
         fname = f"model-{i + 1:05d}.safetensors"

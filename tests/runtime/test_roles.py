@@ -246,3 +246,40 @@ async def test_capture_records_each_turns_model_call_and_tokens_across_roles(tok
     assert segments[0].turns == [(0, tokens[0]), (3, tokens[3])]
     assert segments[1].turns == [(1, tokens[1]), (2, tokens[2])]
     assert all(s.num_actions == sum(n for _, n in s.turns) for s in segments)
+    # each call asks the engine for its role's adapter (multiagent.adapters), a conversation's later turns too
+    assert [c["params"].adapter for c in engine.calls] == ["planner", "coder", "coder", "planner"]
+
+
+def test_an_adapter_per_role_end_to_end_samples_trains_and_exports_each(tiny_llama_dir, tmp_path, ray_local):
+    import asyncio
+    from pathlib import Path
+
+    import numpy as np
+
+    from molt.cli import load_config
+    from molt.runtime.loop import run_training
+    from molt.testing.runs import jsonl
+
+    out = tmp_path / "run"
+    cfg = load_config(
+        [
+            *("--actor.model_name_or_path", str(tiny_llama_dir), "--ckpt.output_dir", str(out)),
+            *("--train.agent_path", str(Path(__file__).parent / "agents" / "two_roles.py")),
+            *(
+                "--data.prompt_dataset",
+                str(Path(__file__).parents[2] / "recipes/math/data/single_train.jsonl"),
+            ),
+            *("--multiagent.roles", "planner,coder", "--multiagent.adapters", "--actor.lora_rank", "4"),
+            *("--actor.adam.lr", "3e-2", "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2"),
+            *("--train.max_steps", "2", "--train.max_staleness", "0", "--train.dump_trajectories_steps", "1"),
+        ]
+    )
+    asyncio.run(run_training(cfg))
+    for step in (1, 2):  # the engine (its own process) sampled each role with its adapter: the trainer agrees
+        for d in jsonl(out / "dumps" / f"step_{step}.jsonl"):
+            mask = np.asarray(d["action_mask"], bool)
+            gap = np.abs(np.asarray(d["trainer_logprobs"]) - np.asarray(d["behavior_logprobs"]))[mask]
+            assert gap.max() < 1e-4, (step, d["role"])
+    for role in ("planner", "coder"):
+        assert (out / "policy" / role / "adapter" / "adapter_model.safetensors").is_file()
+        assert (out / "policy" / role / "config.json").is_file()

@@ -32,10 +32,11 @@ def gap(a: list, b: list, exps: list[Experience]) -> float:
     return max(np.abs(np.asarray(ra)[e.action_mask] - rb).max() for e, ra, rb in zip(exps, a, b))
 
 
-async def sample(engine, prompts, temperature=1.0) -> list[Experience]:
+async def sample(engine, prompts, temperature=1.0, adapter="") -> list[Experience]:
     exps = []
     for i, p in enumerate(prompts):
-        c = await engine.generate(p, SamplingParams(max_tokens=16, temperature=temperature, seed=i))
+        params = SamplingParams(max_tokens=16, temperature=temperature, seed=i, adapter=adapter)
+        c = await engine.generate(p, params)
         ids, mask = p + c.token_ids, [0] * len(p) + [1] * len(c.token_ids)
         exps.append(
             Experience(
@@ -272,6 +273,13 @@ def test_critic_adapters_and_value_head_train(tiny_llama_dir):
         ("actor.lora_target_modules", [], {"actor.lora_rank": 4}),
         ("fsdp.tp_size", 2, {"actor.lora_rank": 4}),
         ("actor.lora_target_modules", ["q_proj"], {"actor.lora_rank": 4, "rollout.engine": "vllm"}),
+        ("multiagent.adapters", True, {"multiagent.roles": "a,b"}),  # no LoRA
+        ("multiagent.adapters", True, {"actor.lora_rank": 4}),  # no roles
+        (
+            "multiagent.adapters",
+            True,
+            {"actor.lora_rank": 4, "multiagent.roles": "a", "rollout.engine": "vllm"},
+        ),
     ],
 )
 def test_config_errors_name_the_field(field, value, extra):
