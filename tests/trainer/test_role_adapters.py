@@ -92,3 +92,12 @@ def test_export_writes_a_merged_checkpoint_and_an_adapter_per_role(actor, tiny_l
             assert torch.allclose(merged, live, atol=1e-5) and torch.allclose(peft, live, atol=1e-5)
             logits[role] = live
     assert not torch.allclose(logits["a"], logits["b"], atol=1e-3)
+
+
+def test_a_checkpoint_holds_every_adapter_and_resumes_them(actor, tiny_llama_dir, tmp_path):
+    actor.save(str(tmp_path / "ckpt"))
+    resumed = Actor.from_pretrained(tiny_llama_dir, **LORA, **ROLES)
+    resumed.load(str(tmp_path / "ckpt"))
+    saved, loaded = lora_params(actor), lora_params(resumed)
+    assert saved.keys() == loaded.keys() and {n.split(".")[-2] for n in saved} == {"a", "b"}
+    assert all(torch.equal(saved[n], loaded[n]) for n in saved)
