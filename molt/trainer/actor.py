@@ -180,7 +180,7 @@ class Actor(ShardedModelTrainer):
 
     @property
     def _refit(self) -> str:
-        return "adapters" if self.cfg.rollout.engine == "hf" else "merged"
+        return "adapters" if self.cfg.rollout.engine == "hf" or self.adapters else "merged"
 
     def weight_plan(
         self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None

@@ -14,6 +14,7 @@ from molt.trainer import Actor, Critic
 from molt.types import Experience, SamplingParams
 
 LORA = {"actor.lora_rank": 4, "actor.lora_alpha": 8, "actor.adam.lr": 3e-2}
+ADAPTERS = {"multiagent.adapters": True}
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -275,11 +276,7 @@ def test_critic_adapters_and_value_head_train(tiny_llama_dir):
         ("actor.lora_target_modules", ["q_proj"], {"actor.lora_rank": 4, "rollout.engine": "vllm"}),
         ("multiagent.adapters", True, {"multiagent.roles": "a,b"}),  # no LoRA
         ("multiagent.adapters", True, {"actor.lora_rank": 4}),  # no roles
-        (
-            "multiagent.adapters",
-            True,
-            {"actor.lora_rank": 4, "multiagent.roles": "a", "rollout.engine": "vllm"},
-        ),
+        ("train.weight_sync", "collective", {"actor.lora_rank": 4, **{"multiagent.roles": "a"}} | ADAPTERS),
     ],
 )
 def test_config_errors_name_the_field(field, value, extra):
