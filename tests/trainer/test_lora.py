@@ -276,7 +276,7 @@ def test_critic_adapters_and_value_head_train(tiny_llama_dir):
         ("actor.lora_target_modules", ["q_proj"], {"actor.lora_rank": 4, "rollout.engine": "vllm"}),
         ("multiagent.adapters", True, {"multiagent.roles": "a,b"}),  # no LoRA
         ("multiagent.adapters", True, {"actor.lora_rank": 4}),  # no roles
-        ("train.weight_sync", "collective", {"actor.lora_rank": 4, **{"multiagent.roles": "a"}} | ADAPTERS),
+        ("train.weight_sync", "collective", {"actor.lora_rank": 4, "multiagent.roles": "a"} | ADAPTERS),
     ],
 )
 def test_config_errors_name_the_field(field, value, extra):
