@@ -14,7 +14,8 @@ The workload, identical for every system:
 - 2 prompts x 8 samples per optimizer step (group size 8), 48 new tokens, temperature 1, top-p 1, no top-k;
 - AdamW, learning rate 5e-6 constant, no warm-up, weight decay 0, gradient clipping 1.0, no KL (no reference
   model), group-normalized advantages (r - mean) / std, token-mean loss over the step, PPO clip (0.2, 0.28) (the
-  ratio is 1 on the on-policy step; it only acts on Molt's stale samples), one optimizer step per batch;
+  ratio is 1 in both: one optimizer step per batch; Molt's stale samples get the behavior importance weight,
+  `algo.advantage.is_correction_*`, instead), one optimizer step per batch;
 - reward: `grade` from recipes/math/agent.py (1 when the last number of the reply equals the sum);
 - the same number of optimizer steps.
 
@@ -117,8 +118,9 @@ def shared_eval(model, tokenizer, rows: list[dict], grade, seed: int, n: int = E
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     was_training = model.training
     model.eval()
-    torch.manual_seed(seed)
-    with torch.no_grad():
+    # its own random stream: a TRL run evaluated every N steps trains on the stream it would have without evals
+    with torch.random.fork_rng(), torch.no_grad():
+        torch.manual_seed(seed)
         out = model.generate(
             **enc,
             do_sample=True,
