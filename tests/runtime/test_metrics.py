@@ -61,6 +61,11 @@ def test_the_step_line_warns_of_skipped_steps_and_a_closed_gate(tmp_path, capsys
 
 
 def test_wandb_offline_run_gets_the_config_and_the_steps(tmp_path, monkeypatch):
+    import wandb
+
+    # W&B's process-wide setup keeps the settings of an earlier init in this process (the reference quick-start
+    # run's, online and without a key, where the suite runs it first): start from none
+    wandb.teardown()
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     logger = MetricsLogger(
@@ -71,8 +76,6 @@ def test_wandb_offline_run_gets_the_config_and_the_steps(tmp_path, monkeypatch):
     logger.log(2, {"rollout/reward_mean": 0.75})
     assert run.config["actor"] == {"lr": 1e-5} and run.name == "r1"
     logger.close()  # W&B keeps the latest step open until the next one or the end
-    import wandb
-
     wandb.teardown()  # the service writes the records after finish() returns; teardown waits for it
     (record,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")  # what `wandb sync` uploads later
     data = record.read_bytes()
