@@ -52,7 +52,8 @@ class FakeAsyncLLM:
         for _, t in weights:
             self.weight = float(t)
 
-    async def generate(self, prompt, params, request_id):
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        assert lora_request is None  # a LoRA per role runs on real vLLM only (tests/engine/test_vllm_lora.py)
         ids = list(prompt["prompt_token_ids"])
         self.requests.append((request_id, ids, params))
         delta, tokens, logprobs, sent, done = params.get("output_kind") == "delta", [], [], 0, None

@@ -431,14 +431,18 @@ async def test_what_vllm_rejects_or_fails_is_an_error(fake, monkeypatch):
         await fake.generate([10], SamplingParams())
     monkeypatch.setattr(fake._vllm, "SamplingParams", lambda **kwargs: kwargs)
 
-    async def failed(prompt, params, request_id):  # vLLM's FinishReason.ERROR (e.g. a KV transfer failed)
+    async def failed(
+        prompt, params, request_id, lora_request=None
+    ):  # vLLM's FinishReason.ERROR (e.g. a KV transfer failed)
         yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[], logprobs=None, finish_reason="error")])
 
     monkeypatch.setattr(fake._llm, "generate", failed)
     with pytest.raises(EngineError, match="vLLM ended the request with finish reason 'error'"):
         await fake.generate([10], SamplingParams())
 
-    async def dead(prompt, params, request_id):  # vLLM's engine core died: a server error, not the request's
+    async def dead(
+        prompt, params, request_id, lora_request=None
+    ):  # vLLM's engine core died: a server error, not the request's
         raise RuntimeError("EngineCore encountered an issue")
         yield
 
