@@ -318,6 +318,11 @@ class Experience:
         """What its advantage belongs to: its rollout and role (groups are per prompt and role)."""
         return self.rollout_id, self.role
 
+    @property
+    def turn_credits(self) -> list[tuple[str, str, int]]:
+        """What the advantages of its turns belong to, in token order, where turns have their own."""
+        return [(*self.credit, turn) for turn, _ in self.turns]
+
     def credited(self, advantages: dict[Any, float]) -> Any:
         """Its advantage from a group estimator's {credit: advantage}: its rollout's and role's, or, where the
         rollout's turns have their own (`credit_rows` with turn rewards), one per token, each action token its
@@ -326,7 +331,7 @@ class Experience:
 
         if self.credit in advantages:
             return advantages[self.credit]
-        per_turn = [advantages[(*self.credit, turn)] for turn, _ in self.turns]
+        per_turn = [advantages[key] for key in self.turn_credits]
         actions = np.repeat(np.asarray(per_turn, np.float32), [n for _, n in self.turns])
         return expand_actions(actions, self.action_mask, 0.0)
 

@@ -247,9 +247,8 @@ class Session:
             seed = sub_seed(self.defaults.seed, self._count)
         self._count += 1
         ids = [f"{self.session_id}-{self._count}-{i}" for i in range(request.n)]
-        base = (
-            base.copy(adapter=plan.role) if plan.role else base
-        )  # the role's LoRA adapter, where it has one
+        # the role's LoRA adapter, where it has one (multiagent.adapters)
+        base = base.copy(adapter=plan.role) if plan.role else base
         params = [base if seed is None else base.copy(seed=seed + i) for i in range(request.n)]
         self._inflight.update(ids)
         stream: dict[str, Any] = {}

@@ -240,6 +240,9 @@ class VLLMEngine:
         self._loras: dict[str, Any] = {}  # role -> the LoRARequest of its latest factors (none: the base's)
         self._factors: dict[str, dict[str, Any]] = {}  # a refit's adapter factors until resume()
         if self.adapters:  # room for each role's latest adapter and the one its kept requests still use
+            import tempfile
+
+            self._lora_dir = tempfile.TemporaryDirectory(prefix="molt-lora-")  # the adapters' files
             rank = next(r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= self.lora["r"])
             engine_args.update(enable_lora=True, max_loras=2 * len(self.adapters), max_lora_rank=rank)
         args = vllm.AsyncEngineArgs(
@@ -319,9 +322,8 @@ class VLLMEngine:
             if "structured_outputs" in kw:
                 kw["structured_outputs"] = vllm_params.StructuredOutputsParams(**kw["structured_outputs"])
             params = self._vllm.SamplingParams(**kw, output_kind=vllm_params.RequestOutputKind.DELTA)
-            lora = self._loras.get(
-                req.params.adapter
-            )  # it keeps these factors, and their version, to its end
+            # the role's latest adapter: the request keeps these factors, and their version, to its end
+            lora = self._loras.get(req.params.adapter)
             version = self._serving
             async for output in self._llm.generate(prompt, params, request_id=req.id, lora_request=lora):
                 tokens = req.receive(output.outputs[0], version if lora else self._serving)
@@ -358,9 +360,8 @@ class VLLMEngine:
         """Load (HF parameter name, tensor) pairs into every worker; may be called several times (buckets)."""
         if not self._paused:
             raise EngineError("update_weights must be called while the engine is paused (await pause())")
-        if (
-            self.adapters
-        ):  # adapter factors alone (PEFT's names): each role's become a LoRARequest at resume()
+        # adapter factors alone (PEFT's names): each role's become a LoRARequest at resume()
+        if self.adapters:
             for name, t in named_tensors:
                 role = name.split(".")[-2]
                 self._factors.setdefault(role, {})[name.replace(f".{role}.", ".")] = t
@@ -423,13 +424,10 @@ class VLLMEngine:
         adapter by id and keys its prefix blocks by it: a new id is new weights, never old blocks). The
         directories of the last few versions stay, for kept requests whose adapter vLLM loads again."""
         import json
-        import tempfile
 
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
-        if not self._loras:
-            self._lora_dir = tempfile.TemporaryDirectory(prefix="molt-lora-")
         config = {**self.lora, "peft_type": "LORA", "base_model_name_or_path": self.model_path}
         for role, factors in self._factors.items():
             path = Path(self._lora_dir.name) / f"{role}-{self._version}"

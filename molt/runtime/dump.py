@@ -43,7 +43,7 @@ def _pieces(tok, ids: list[int]) -> list[str]:
 def _advantage(e: Any, advantages: dict) -> Any:
     if e.credit in advantages or not e.turns:
         return advantages.get(e.credit)
-    return [advantages.get((*e.credit, turn)) for turn, _ in e.turns]
+    return [advantages.get(key) for key in e.turn_credits]
 
 
 def dump_groups(

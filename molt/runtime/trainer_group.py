@@ -33,8 +33,10 @@ def credit_rows(groups: list[Any], low: float, high: float) -> list[tuple[tuple,
                     continue
                 turns = sorted({t for e in o.experiences if e.role == role for t, _ in e.turns})
                 for j, turn in enumerate(turns):
-                    rest = [o.turn_rewards.get(t, 0.0) for t in turns[j:]]
-                    ret = sum(rest) if o.turn_rewards else o.reward_of(role)
+                    rest = sum(o.turn_rewards.get(t, 0.0) for t in turns[j:])
+                    ret = (
+                        rest if o.turn_rewards else o.reward_of(role)
+                    )  # none given: its reward on every turn
                     rows.append(((o.rollout_id, role, turn), f"{g.group_id}/{role}/{j}", ret))
     return [(credit, group, min(max(r, low), high)) for credit, group, r in rows]
 
