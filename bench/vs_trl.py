@@ -9,7 +9,8 @@ directly `pip install trl datasets`, keeping torch and transformers where they a
 The Molt systems run without it; `--systems trl` refuses with that hint when it is missing.
 
 The workload, identical for every system:
-- model `smollm2-135m-instruct` (resolved by `molt.models.resolve_model`), fp32, on CPU;
+- model `smollm2-135m-instruct` (resolved by `molt.models.resolve_model`), fp32 weights (the bf16 systems compute
+  in bf16), on CPU;
 - prompts: recipes/math single-digit sums, 80 training pairs, 20 held out (chat messages, the model's template);
 - 2 prompts x 8 samples per optimizer step (group size 8), 48 new tokens, temperature 1, top-p 1, no top-k;
 - AdamW, learning rate 5e-6 constant, no warm-up, weight decay 0, gradient clipping 1.0, no KL (no reference
@@ -26,9 +27,11 @@ Systems (run one after the other, in this order, in one process):
   `molt-async-partial`: the same with `--train.partial_rollout_enable` (a refit pauses the engine for the new
   weights instead of waiting for the completions in flight); `molt-vllm`: molt-async-packed with
   `--rollout.engine vllm` (vLLM's CPU build; run it from `.venv-vllm`, `make vllm`, where TRL need not be
-  installed: its TRL row then comes from a separate `.venv` invocation);
+  installed: its TRL row then comes from a separate `.venv` invocation); `molt-bf16`: molt-async-packed with
+  `--actor.dtype bfloat16` (the trainer's forward and backward in bf16, fp32 master weights; the engine stays fp32);
 - `trl`: `trl.GRPOTrainer` with `GRPOConfig(per_device_train_batch_size=16, num_generations=8,
-  gradient_accumulation_steps=1, ...)`, `use_cpu=True`, no vLLM, `num_iterations=1`, `beta=0`.
+  gradient_accumulation_steps=1, ...)`, `use_cpu=True`, no vLLM, `num_iterations=1`, `beta=0`; `trl-bf16`: the
+  same with `bf16=True` (the Trainer's CPU autocast, fp32 master weights). "vs TRL" is against `trl`.
 
 Measures:
 - train s: wall time of the optimizer steps only (sum of Molt's `timing/step_total`; for TRL the time from each
@@ -79,16 +82,18 @@ TEMPERATURE = 1.0
 LR = 5e-6
 EVAL_SAMPLES = 4
 
-# name -> (train.max_staleness, fsdp.packing_samples, train.partial_rollout_enable, rollout.engine); None is TRL
+# name -> (train.max_staleness, fsdp.packing_samples, train.partial_rollout_enable, rollout.engine, actor.dtype)
 SYSTEMS = {
-    "molt-sync": (0, False, False, "hf"),
-    "molt-async": (1, False, False, "hf"),
-    "molt-async2": (2, False, False, "hf"),
-    "molt-async-packed": (1, True, False, "hf"),
-    "molt-async-partial": (1, True, True, "hf"),
-    "molt-vllm": (1, True, False, "vllm"),
-    "trl": None,
+    "molt-sync": (0, False, False, "hf", "float32"),
+    "molt-async": (1, False, False, "hf", "float32"),
+    "molt-async2": (2, False, False, "hf", "float32"),
+    "molt-async-packed": (1, True, False, "hf", "float32"),
+    "molt-async-partial": (1, True, True, "hf", "float32"),
+    "molt-vllm": (1, True, False, "vllm", "float32"),
+    "molt-bf16": (1, True, False, "hf", "bfloat16"),
 }
+# TRL's systems: name -> GRPOConfig.bf16 (autocast of its forward and backward, fp32 master weights)
+TRL_SYSTEMS = {"trl": False, "trl-bf16": True}
 
 
 def load_grade():
@@ -160,6 +165,7 @@ def molt_config(
     eval_every: int = 0,
     partial: bool = False,
     engine: str = "hf",
+    dtype: str = "float32",
 ):
     """The math recipe with the shared workload pinned explicitly (so a recipe edit cannot drift the bench)."""
     from molt.cli import load_config
@@ -171,7 +177,7 @@ def molt_config(
     cfg.actor.adam.weight_decay = 0.0
     cfg.actor.lr_scheduler, cfg.actor.lr_warmup_steps = "constant", 0
     cfg.actor.max_norm = 1.0
-    cfg.actor.dtype = "float32"
+    cfg.actor.dtype = dtype  # the compute dtype; the master weights stay fp32
     cfg.actor.eps_clip_low_high = (0.2, 0.28)
     cfg.actor.policy_loss = "ppo"
     cfg.actor.entropy_coef = 0.0
@@ -210,6 +216,7 @@ def run_molt(
     packed: bool,
     partial: bool,
     engine: str,
+    dtype: str,
     steps: int,
     seed: int,
     work: Path,
@@ -223,10 +230,10 @@ def run_molt(
     export_dir = out_dir / "policy"  # the run exports its final policy there (ckpt.export_hf)
     for d in (out_dir, export_dir):
         shutil.rmtree(d, ignore_errors=True)
-    cfg = molt_config(staleness, steps, seed, out_dir, packed, eval_every, partial, engine)
+    cfg = molt_config(staleness, steps, seed, out_dir, packed, eval_every, partial, engine, dtype)
     print(
         f"\n=== {name}: Molt, train.max_staleness {staleness}, packing {packed}, partial rollout {partial}, "
-        f"engine {engine}, run dir {out_dir}",
+        f"engine {engine}, trainer {dtype}, run dir {out_dir}",
         flush=True,
     )
     t0 = time.perf_counter()
@@ -269,7 +276,7 @@ def _is_number(value) -> bool:
         return False
 
 
-def trl_config(steps: int, seed: int, out_dir: Path):
+def trl_config(steps: int, seed: int, out_dir: Path, bf16: bool = False):
     from trl import GRPOConfig
 
     return GRPOConfig(
@@ -297,7 +304,7 @@ def trl_config(steps: int, seed: int, out_dir: Path):
         mask_truncated_completions=False,
         use_vllm=False,
         use_cpu=True,
-        bf16=False,
+        bf16=bf16,
         fp16=False,
         activation_checkpointing=False,
         max_steps=steps,
@@ -313,7 +320,15 @@ def trl_config(steps: int, seed: int, out_dir: Path):
 
 
 def run_trl(
-    steps: int, seed: int, work: Path, model_path: str, train_rows, test_rows, grade, eval_every: int
+    name: str,
+    steps: int,
+    seed: int,
+    work: Path,
+    model_path: str,
+    train_rows,
+    test_rows,
+    grade,
+    eval_every: int,
 ) -> dict:
     import torch
     from datasets import Dataset
@@ -355,9 +370,9 @@ def run_trl(
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [grade(t, y) for t, y in zip(texts, label)]
 
-    out_dir = work / "trl"
+    out_dir = work / name
     shutil.rmtree(out_dir, ignore_errors=True)
-    print(f"\n=== trl: GRPOTrainer on CPU, output dir {out_dir}", flush=True)
+    print(f"\n=== {name}: GRPOTrainer on CPU, bf16 {TRL_SYSTEMS[name]}, output dir {out_dir}", flush=True)
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -367,7 +382,7 @@ def run_trl(
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=math_reward,
-        args=trl_config(steps, seed, out_dir),
+        args=trl_config(steps, seed, out_dir, TRL_SYSTEMS[name]),
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[clock],
@@ -375,14 +390,14 @@ def run_trl(
     trainer.train()
     if len(clock.step_s) != steps or len(clock.logs) != steps:
         raise RuntimeError(
-            f"trl: {len(clock.step_s)} steps timed and {len(clock.logs)} logged, expected {steps}"
+            f"{name}: {len(clock.step_s)} steps timed and {len(clock.logs)} logged, expected {steps}"
         )
     train_s = sum(clock.step_s)
     tokens = sum(log["completions/mean_length"] * PROMPTS_PER_STEP * GROUP for log in clock.logs)
-    print(f"trl: trained {steps} steps in {train_s:.1f} s; evaluating the final policy", flush=True)
+    print(f"{name}: trained {steps} steps in {train_s:.1f} s; evaluating the final policy", flush=True)
     final = shared_eval(trainer.model, tokenizer, test_rows, grade, seed)
     return {
-        "system": "trl",
+        "system": name,
         "curve": curve,
         "steps": trainer.state.global_step,
         "train_s": train_s,
@@ -474,7 +489,7 @@ def main() -> None:
     p.add_argument(
         "--systems",
         default="molt-sync,molt-async,trl",
-        help=f"comma-separated, run in this order; known: {', '.join(SYSTEMS)}",
+        help=f"comma-separated, run in this order; known: {', '.join([*SYSTEMS, *TRL_SYSTEMS])}",
     )
     p.add_argument(
         "--seed", type=int, default=42, help="training seed of every system and the shared eval seed"
@@ -486,12 +501,12 @@ def main() -> None:
     p.add_argument("--write", action="store_true", help="append the table to docs/benchmarks.md")
     args = p.parse_args()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
+    unknown = [s for s in systems if s not in SYSTEMS and s not in TRL_SYSTEMS]
     if unknown or not systems:
-        p.error(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
+        p.error(f"unknown systems {unknown}; known: {', '.join([*SYSTEMS, *TRL_SYSTEMS])}")
     if args.steps < 1:
         p.error("--steps must be >= 1")
-    if "trl" in systems:
+    if set(systems) & set(TRL_SYSTEMS):
         try:
             import datasets  # noqa: F401
             import trl  # noqa: F401
@@ -518,7 +533,7 @@ def main() -> None:
     results = []
     ray_started = False
     for name in systems:
-        if SYSTEMS[name] is not None:
+        if name in SYSTEMS:
             results.append(
                 run_molt(name, *SYSTEMS[name], args.steps, args.seed, work, test_rows, grade, args.eval_every)
             )
@@ -531,7 +546,15 @@ def main() -> None:
                 ray_started = False
             results.append(
                 run_trl(
-                    args.steps, args.seed, work, model_path, train_rows, test_rows, grade, args.eval_every
+                    name,
+                    args.steps,
+                    args.seed,
+                    work,
+                    model_path,
+                    train_rows,
+                    test_rows,
+                    grade,
+                    args.eval_every,
                 )
             )
     if ray_started:
@@ -558,7 +581,7 @@ def main() -> None:
         section = (
             f"\n## Molt against TRL GRPOTrainer (`bench/vs_trl.py`)\n\n"
             f"Command: `{'.venv-vllm' if 'molt-vllm' in systems else '.venv'}/bin/{command}` on {started:%Y-%m-%d %H:%M} UTC\n\n"
-            f"smollm2-135m-instruct fp32 on CPU, recipes/math single-digit sums (80 train, 20 held out), "
+            f"smollm2-135m-instruct fp32 weights on CPU (the -bf16 systems compute in bf16), recipes/math single-digit sums (80 train, 20 held out), "
             f"{PROMPTS_PER_STEP} prompts x {GROUP} samples per step, {MAX_NEW_TOKENS} new tokens, temperature 1, "
             f"lr {LR:g} constant, no KL, seed {args.seed}. Held-out accuracy: one shared evaluation for every "
             f"model ({EVAL_SAMPLES} samples per problem at temperature 1, seeded `model.generate`, graded by the "
