@@ -83,9 +83,20 @@ def _per_experience(x, spans):
 
 
 @pytest.mark.parametrize(
-    "model_dir,share", [("tiny_llama_dir", False), ("tiny_llama_dir", True), ("tiny_moe_dir", True)]
+    "model_dir,share,scores",
+    [
+        ("tiny_llama_dir", False, None),
+        ("tiny_llama_dir", True, None),
+        ("tiny_moe_dir", True, None),
+        ("tiny_llama_dir", True, 1),  # every piece alone, by scaled_dot_product_attention
+        ("tiny_llama_dir", True, 3000),  # batches of a few pieces
+    ],
 )
-def test_packed_logprobs_entropy_and_gradients_equal_the_padded_pass(request, model_dir, share):
+def test_packed_logprobs_entropy_and_gradients_equal_the_padded_pass(
+    request, monkeypatch, model_dir, share, scores
+):
+    if scores is not None:
+        monkeypatch.setattr(packing, "BATCH_SCORES", scores)
     path = request.getfixturevalue(model_dir)
     window = grouped_window(path, seed=3)  # prompt groups: the packed rows share their prefixes when `share`
     results = []
