@@ -36,6 +36,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -106,17 +107,12 @@ def varlen_attention(
         )
         return out.unsqueeze(0), None
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    outs, batch = [], []
-    for piece in zip(itertools.pairwise(kwargs["molt_bounds"]), prefixes):
-        if _scores(query, [*batch, piece]) > BATCH_SCORES and batch:
-            outs.append(_batched(query, key, value, batch, scale))
-            batch = []
-        batch.append(piece)
-        if _scores(query, batch) > BATCH_SCORES:  # a long piece alone
-            outs.append(_flash_piece(query, key, value, *piece, scale, gqa))
-            batch = []
-    if batch:
-        outs.append(_batched(query, key, value, batch, scale))
+    outs = [
+        _batched(query, key, value, batch, scale)
+        if fits
+        else _flash_piece(query, key, value, *batch[0], scale, gqa)
+        for batch, fits in _batches(zip(itertools.pairwise(kwargs["molt_bounds"]), prefixes), query.shape[1])
+    ]
     return torch.cat(outs, dim=0).unsqueeze(0), None
 
 
@@ -129,11 +125,24 @@ def _keys(piece) -> list[int]:
     return [*(range(*head) if head else ()), *range(a, b)]
 
 
-def _scores(query: Tensor, pieces: list) -> int:
-    """Elements of the padded [P, H, queries, keys] scores of `pieces`."""
-    return (
-        len(pieces) * query.shape[1] * max(b - a for (a, b), _ in pieces) * max(map(len, map(_keys, pieces)))
-    )
+def _batches(pieces, heads: int) -> Iterator[tuple[list, bool]]:
+    """Consecutive pieces in batches whose padded [P, H, queries, keys] scores fit in `BATCH_SCORES`, each with
+    whether it fits (False: one piece too long alone). Host arithmetic only: it runs for every layer."""
+    batch, nq, nk = [], 0, 0
+    for piece in pieces:
+        (a, b), head = piece
+        own = (b - a, b - a + (head[1] - head[0] if head else 0))  # its queries, its keys
+        q, k = max(nq, own[0]), max(nk, own[1])
+        if batch and (len(batch) + 1) * heads * q * k > BATCH_SCORES:
+            yield batch, True
+            batch, (q, k) = [], own
+        batch.append(piece)
+        nq, nk = q, k
+        if heads * nq * nk > BATCH_SCORES:  # alone, as the batch was just flushed
+            yield batch, False
+            batch, nq, nk = [], 0, 0
+    if batch:
+        yield batch, True
 
 
 def _flash_piece(query, key, value, bounds, head, scale, gqa) -> Tensor:
