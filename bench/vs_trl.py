@@ -29,6 +29,8 @@ Systems (run one after the other, in this order, in one process):
   `--rollout.engine vllm` (vLLM's CPU build; run it from `.venv-vllm`, `make vllm`, where TRL need not be
   installed: its TRL row then comes from a separate `.venv` invocation); `molt-bf16`: molt-async-packed with
   `--actor.dtype bfloat16` (the trainer's forward and backward in bf16, fp32 master weights; the engine stays fp32);
+  `molt-bf16-all`: molt-bf16 with `--rollout.dtype bfloat16` as well (the embedded engine samples in bf16);
+  `molt-bf16-sync`: molt-bf16-all with `--train.max_staleness 0`;
 - `trl`: `trl.GRPOTrainer` with `GRPOConfig(per_device_train_batch_size=16, num_generations=8,
   gradient_accumulation_steps=1, ...)`, `use_cpu=True`, no vLLM, `num_iterations=1`, `beta=0`; `trl-bf16`: the
   same with `bf16=True` (the Trainer's CPU autocast, fp32 master weights). "vs TRL" is against `trl`.
@@ -82,15 +84,18 @@ TEMPERATURE = 1.0
 LR = 5e-6
 EVAL_SAMPLES = 4
 
-# name -> (train.max_staleness, fsdp.packing_samples, train.partial_rollout_enable, rollout.engine, actor.dtype)
+# name -> (train.max_staleness, fsdp.packing_samples, train.partial_rollout_enable, rollout.engine, actor.dtype,
+# rollout.dtype)
 SYSTEMS = {
-    "molt-sync": (0, False, False, "hf", "float32"),
-    "molt-async": (1, False, False, "hf", "float32"),
-    "molt-async2": (2, False, False, "hf", "float32"),
-    "molt-async-packed": (1, True, False, "hf", "float32"),
-    "molt-async-partial": (1, True, True, "hf", "float32"),
-    "molt-vllm": (1, True, False, "vllm", "float32"),
-    "molt-bf16": (1, True, False, "hf", "bfloat16"),
+    "molt-sync": (0, False, False, "hf", "float32", "float32"),
+    "molt-async": (1, False, False, "hf", "float32", "float32"),
+    "molt-async2": (2, False, False, "hf", "float32", "float32"),
+    "molt-async-packed": (1, True, False, "hf", "float32", "float32"),
+    "molt-async-partial": (1, True, True, "hf", "float32", "float32"),
+    "molt-vllm": (1, True, False, "vllm", "float32", "float32"),
+    "molt-bf16": (1, True, False, "hf", "bfloat16", "float32"),
+    "molt-bf16-all": (1, True, False, "hf", "bfloat16", "bfloat16"),
+    "molt-bf16-sync": (0, True, False, "hf", "bfloat16", "bfloat16"),
 }
 # TRL's systems: name -> GRPOConfig.bf16 (autocast of its forward and backward, fp32 master weights)
 TRL_SYSTEMS = {"trl": False, "trl-bf16": True}
@@ -166,6 +171,7 @@ def molt_config(
     partial: bool = False,
     engine: str = "hf",
     dtype: str = "float32",
+    engine_dtype: str = "float32",
 ):
     """The math recipe with the shared workload pinned explicitly (so a recipe edit cannot drift the bench)."""
     from molt.cli import load_config
@@ -195,6 +201,7 @@ def molt_config(
     cfg.rollout.max_new_tokens = MAX_NEW_TOKENS
     cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k = TEMPERATURE, 1.0, -1
     cfg.rollout.engine = engine
+    cfg.rollout.dtype = engine_dtype
     cfg.data.prompt_dataset = str(TRAIN)
     cfg.data.input_key, cfg.data.label_key = "prompt", "label"
     cfg.eval.dataset = str(TEST)
@@ -217,6 +224,7 @@ def run_molt(
     partial: bool,
     engine: str,
     dtype: str,
+    engine_dtype: str,
     steps: int,
     seed: int,
     work: Path,
@@ -230,10 +238,12 @@ def run_molt(
     export_dir = out_dir / "policy"  # the run exports its final policy there (ckpt.export_hf)
     for d in (out_dir, export_dir):
         shutil.rmtree(d, ignore_errors=True)
-    cfg = molt_config(staleness, steps, seed, out_dir, packed, eval_every, partial, engine, dtype)
+    cfg = molt_config(
+        staleness, steps, seed, out_dir, packed, eval_every, partial, engine, dtype, engine_dtype
+    )
     print(
         f"\n=== {name}: Molt, train.max_staleness {staleness}, packing {packed}, partial rollout {partial}, "
-        f"engine {engine}, trainer {dtype}, run dir {out_dir}",
+        f"engine {engine} in {engine_dtype}, trainer {dtype}, run dir {out_dir}",
         flush=True,
     )
     t0 = time.perf_counter()
