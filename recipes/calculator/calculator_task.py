@@ -7,6 +7,12 @@ result?". The true running values are 943, 6601; each step is right when the las
 reply equals its running value, and the reward is the fraction of steps right. Without the calculator the base
 model gets almost none right, so the reward is a measure of tool use.
 
+Credit per step: each step's share of the reward is also the turn reward (`Result.turn_rewards`) of the model
+call that answered it, so a step's tokens are credited with the return from that step on, not with the steps
+before it (docs/algo.md, "Per-turn rewards"). With the rollout's reward on every token instead, a step answered
+right in a rollout whose other steps went wrong is pushed down with them; the demo learned less in 14 steps
+(docs/benchmarks.md, "The agentic demo and the seed of each model call").
+
 How a small model finds the tool (the recipe's choice): the conversation opens with the system prompt and one
 worked example, a question answered by a calculator call, its result and the answer, exactly as the model's own
 turns will look. SmolLM2's chat template does not render `tools` or structured tool calls, so the example's call
@@ -247,6 +253,8 @@ class Outcome:
     valid_call_steps: int = 0  # steps in which at least one call ran without error
     compactions: int = 0
     model_calls: int = 0
+    # per model call: a step's share of the reward on the call that answered it, 0 on calls that asked the tool
+    turn_rewards: list[float] = field(default_factory=list)
 
     @property
     def reward(self) -> float:
@@ -304,6 +312,9 @@ async def play(
             history = history + tool_results(results)
         out.valid_call_steps += ran
         out.correct.append(grade(reply.text, value))
+        # the step's calls that asked the tool get 0, the one that answered it the step's share
+        out.turn_rewards += [0.0] * (out.model_calls - len(out.turn_rewards) - 1)
+        out.turn_rewards.append(out.correct[-1] / len(values))
     return out
 
 
@@ -323,6 +334,8 @@ class CalculatorChatAgent(ChatAgent):
     max_history_messages = 4  # compact before a step when the history (preamble excluded) would pass this
     max_tool_rounds = 2  # calculator results the model may get per step before it has to answer
     worked_example = True  # open the conversation with EXAMPLE (see the module docstring)
+    # each step's share of the reward as the turn reward of the call that answered it (module docstring)
+    step_credit = True
 
     def asker(self, ctx) -> Ask:
         raise NotImplementedError
@@ -359,4 +372,5 @@ class CalculatorChatAgent(ChatAgent):
             max_history_messages=self.max_history_messages,
             max_tool_rounds=self.max_tool_rounds,
         )
-        return Result(reward=out.reward, info=out.info())
+        turn_rewards = out.turn_rewards if self.step_credit else None
+        return Result(reward=out.reward, info=out.info(), turn_rewards=turn_rewards)

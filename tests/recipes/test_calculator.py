@@ -181,6 +181,8 @@ async def test_play_runs_tools_grades_each_step_and_compacts():
     out = await ct.play(ask, tool_results, start, TERMS, max_history_messages=4, max_tool_rounds=2)
     assert out.correct == [1.0, 0.0, 1.0] and out.reward == pytest.approx(2 / 3)
     assert (out.tool_calls, out.tool_errors, out.compactions, out.model_calls) == (1, 0, 1, 4)
+    # a step's third of the reward on the call that answered it: calls 1 (right), 2 (wrong), 3 (right)
+    assert out.turn_rewards == pytest.approx([0.0, 1 / 3, 0.0, 1 / 3])
     assert out.info()["valid_call_rate"] == pytest.approx(1 / 3)  # one step of three made a call that ran
     assert seen[1][-1] == {
         "role": "tool",
@@ -207,7 +209,9 @@ async def test_play_bounds_tool_rounds():
     out = await ct.play(
         ask, tool_results, [{"role": "user", "content": "What is 3 + 4?"}], TERMS, keep=0, max_tool_rounds=1
     )
-    assert out.model_calls == 6 and out.tool_calls == 6 and out.reward == 0.0
+    assert (
+        out.model_calls == 6 and out.tool_calls == 6 and out.reward == 0.0 and out.turn_rewards == [0.0] * 6
+    )
     assert out.info()["valid_call_rate"] == 1.0 and out.info()["tool_errors"] == 0
 
 
@@ -241,6 +245,9 @@ async def test_scripted_tool_calls_round_trip(tokenizer, file):
     # each step (question or summary, call, result, answer) fills the history to its limit of 4 messages, so
     # steps 2 and 3 start compacted
     assert [s.break_reason for s in traj.segments] == ["start", "compaction", "compaction"]
+    # each step's answer (calls 1, 3, 5) carries its third of the reward, in the segment of its step
+    assert traj.turn_rewards == pytest.approx({0: 0.0, 1: 1 / 3, 2: 0.0, 3: 1 / 3, 4: 0.0, 5: 1 / 3})
+    assert [[call for call, _ in s.turns] for s in traj.segments] == [[0, 1], [2, 3], [4, 5]]
     texts = [tokenizer.decode(s.token_ids) for s in traj.segments]
     example = (
         f"<|im_start|>user\n{ct.EXAMPLE[0]}<|im_end|>\n<|im_start|>assistant\n{ct.example_call(ct.EXAMPLE[1])}"
