@@ -84,18 +84,21 @@ TEMPERATURE = 1.0
 LR = 5e-6
 EVAL_SAMPLES = 4
 
-# name -> (train.max_staleness, fsdp.packing_samples, train.partial_rollout_enable, rollout.engine, actor.dtype,
-# rollout.dtype)
+# name -> its fields over the shared workload (the workload's own: staleness 1, padded rows, no partial rollout,
+# the embedded engine, fp32 engine and trainer), as the command line names them
+PACKED = {"fsdp.packing_samples": True}
+BF16 = {**PACKED, "actor.dtype": "bfloat16"}
+BF16_ALL = {**BF16, "rollout.dtype": "bfloat16"}
 SYSTEMS = {
-    "molt-sync": (0, False, False, "hf", "float32", "float32"),
-    "molt-async": (1, False, False, "hf", "float32", "float32"),
-    "molt-async2": (2, False, False, "hf", "float32", "float32"),
-    "molt-async-packed": (1, True, False, "hf", "float32", "float32"),
-    "molt-async-partial": (1, True, True, "hf", "float32", "float32"),
-    "molt-vllm": (1, True, False, "vllm", "float32", "float32"),
-    "molt-bf16": (1, True, False, "hf", "bfloat16", "float32"),
-    "molt-bf16-all": (1, True, False, "hf", "bfloat16", "bfloat16"),
-    "molt-bf16-sync": (0, True, False, "hf", "bfloat16", "bfloat16"),
+    "molt-sync": {"train.max_staleness": 0},
+    "molt-async": {},
+    "molt-async2": {"train.max_staleness": 2},
+    "molt-async-packed": PACKED,
+    "molt-async-partial": {**PACKED, "train.partial_rollout_enable": True},
+    "molt-vllm": {**PACKED, "rollout.engine": "vllm"},
+    "molt-bf16": BF16,
+    "molt-bf16-all": BF16_ALL,
+    "molt-bf16-sync": {**BF16_ALL, "train.max_staleness": 0},
 }
 # TRL's systems: name -> GRPOConfig.bf16 (autocast of its forward and backward, fp32 master weights)
 TRL_SYSTEMS = {"trl": False, "trl-bf16": True}
@@ -161,20 +164,11 @@ def eval_checkpoint(path: str, rows: list[dict], grade, seed: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ Molt
-def molt_config(
-    staleness: int,
-    steps: int,
-    seed: int,
-    out_dir: Path,
-    packed: bool = False,
-    eval_every: int = 0,
-    partial: bool = False,
-    engine: str = "hf",
-    dtype: str = "float32",
-    engine_dtype: str = "float32",
-):
-    """The math recipe with the shared workload pinned explicitly (so a recipe edit cannot drift the bench)."""
+def molt_config(system: dict, steps: int, seed: int, out_dir: Path, eval_every: int = 0):
+    """The math recipe with the shared workload pinned explicitly (so a recipe edit cannot drift the bench), then
+    the system's fields (`SYSTEMS`)."""
     from molt.cli import load_config
+    from molt.config_resolve import override
     from molt.config_validate import validate
 
     cfg = load_config(["--config", str(RECIPE)], check_files=False)
@@ -183,7 +177,7 @@ def molt_config(
     cfg.actor.adam.weight_decay = 0.0
     cfg.actor.lr_scheduler, cfg.actor.lr_warmup_steps = "constant", 0
     cfg.actor.max_norm = 1.0
-    cfg.actor.dtype = dtype  # the compute dtype; the master weights stay fp32
+    cfg.actor.dtype = "float32"  # the compute dtype; the master weights stay fp32 in every system
     cfg.actor.eps_clip_low_high = (0.2, 0.28)
     cfg.actor.policy_loss = "ppo"
     cfg.actor.entropy_coef = 0.0
@@ -192,60 +186,39 @@ def molt_config(
     cfg.algo.dynamic_filtering_enable = False
     cfg.train.agent_path = str(AGENT)
     cfg.train.max_steps = steps
-    cfg.train.max_staleness = staleness
-    cfg.train.partial_rollout_enable = partial
+    cfg.train.max_staleness = 1
+    cfg.train.partial_rollout_enable = False
     cfg.train.seed = seed
     cfg.train.batch_size = 0  # every rollout of a step in one optimizer step
     cfg.rollout.batch_size = PROMPTS_PER_STEP
     cfg.rollout.n_samples_per_prompt = GROUP
     cfg.rollout.max_new_tokens = MAX_NEW_TOKENS
     cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k = TEMPERATURE, 1.0, -1
-    cfg.rollout.engine = engine
-    cfg.rollout.dtype = engine_dtype
+    cfg.rollout.engine, cfg.rollout.dtype = "hf", "float32"
     cfg.data.prompt_dataset = str(TRAIN)
     cfg.data.input_key, cfg.data.label_key = "prompt", "label"
     cfg.eval.dataset = str(TEST)
     cfg.eval.n_samples_per_prompt = EVAL_SAMPLES
     cfg.eval.temperature = TEMPERATURE
     cfg.eval.steps = eval_every  # 0: before and after only
-    cfg.fsdp.packing_samples = packed
+    cfg.fsdp.packing_samples = False
     cfg.ckpt.output_dir = str(out_dir)
     cfg.ckpt.save_steps = 0
     cfg.ckpt.resume = False
     cfg.ckpt.export_hf = True
     cfg.train.dump_trajectories_steps = 0
-    return validate(cfg)
+    return validate(override(cfg, system))
 
 
-def run_molt(
-    name: str,
-    staleness: int,
-    packed: bool,
-    partial: bool,
-    engine: str,
-    dtype: str,
-    engine_dtype: str,
-    steps: int,
-    seed: int,
-    work: Path,
-    test_rows,
-    grade,
-    eval_every: int,
-) -> dict:
+def run_molt(name: str, steps: int, seed: int, work: Path, test_rows, grade, eval_every: int) -> dict:
     from molt.runtime.metrics import read_metrics
 
     out_dir = work / name
     export_dir = out_dir / "policy"  # the run exports its final policy there (ckpt.export_hf)
     for d in (out_dir, export_dir):
         shutil.rmtree(d, ignore_errors=True)
-    cfg = molt_config(
-        staleness, steps, seed, out_dir, packed, eval_every, partial, engine, dtype, engine_dtype
-    )
-    print(
-        f"\n=== {name}: Molt, train.max_staleness {staleness}, packing {packed}, partial rollout {partial}, "
-        f"engine {engine} in {engine_dtype}, trainer {dtype}, run dir {out_dir}",
-        flush=True,
-    )
+    cfg = molt_config(SYSTEMS[name], steps, seed, out_dir, eval_every)
+    print(f"\n=== {name}: Molt, {SYSTEMS[name] or 'the shared workload'}, run dir {out_dir}", flush=True)
     t0 = time.perf_counter()
     from molt.runtime.loop import run_training
 
@@ -544,9 +517,7 @@ def main() -> None:
     ray_started = False
     for name in systems:
         if name in SYSTEMS:
-            results.append(
-                run_molt(name, *SYSTEMS[name], args.steps, args.seed, work, test_rows, grade, args.eval_every)
-            )
+            results.append(run_molt(name, args.steps, args.seed, work, test_rows, grade, args.eval_every))
             ray_started = True
         else:
             if ray_started:  # give the cores and memory back before TRL trains in this process
