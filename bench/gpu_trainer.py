@@ -64,7 +64,7 @@ def build_model(path: Path, shape: dict) -> int:
 
 
 def make_window(args, vocab: int) -> list:
-    from molt.types import Experience
+    from windows import experience  # beside this file
 
     rng = random.Random(0)
     out = []
@@ -72,23 +72,8 @@ def make_window(args, vocab: int) -> list:
         prompt = [rng.randrange(vocab) for _ in range(args.prompt)]
         for i in range(args.group):
             reply = [rng.randrange(vocab) for _ in range(args.seq_len - args.prompt)]
-            mask = [0] * args.prompt + [1] * len(reply)
-            out.append(
-                Experience(
-                    rollout_id=f"r{g}-{i}",
-                    group_id=f"g{g}",
-                    segment_index=0,
-                    reward=0.0,
-                    num_tokens=args.seq_len,
-                    num_actions=len(reply),
-                    min_version=0,
-                    token_ids=prompt + reply,
-                    action_mask=mask,
-                    behavior_logprobs=[0.0] * args.seq_len,
-                    versions=[0] * args.seq_len,
-                    advantages=[rng.gauss(0, 1) if m else 0.0 for m in mask],
-                )
-            )
+            advantages = [0.0] * args.prompt + [rng.gauss(0, 1) for _ in reply]
+            out.append(experience(f"r{g}-{i}", f"g{g}", prompt, reply, advantages, behavior=0.0))
     return out
 
 

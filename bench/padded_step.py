@@ -47,28 +47,13 @@ def build(path: Path) -> None:
 
 
 def window(rows: int, vocab: int) -> list:
-    from molt.types import Experience
+    from windows import experience  # beside this file
 
     rng, out = random.Random(0), []
     for i in range(rows):
         n = rng.randint(128, 1024)
-        mask = [0] * (n // 4) + [1] * (n - n // 4)
-        out.append(
-            Experience(
-                rollout_id=f"r{i}",
-                group_id=f"g{i}",
-                segment_index=0,
-                reward=0.0,
-                num_tokens=n,
-                num_actions=sum(mask),
-                min_version=0,
-                token_ids=[rng.randrange(10, vocab) for _ in range(n)],
-                action_mask=mask,
-                behavior_logprobs=[-8.0] * sum(mask),
-                versions=[0] * sum(mask),
-                advantages=rng.gauss(0.0, 1.0),
-            )
-        )
+        ids = [rng.randrange(10, vocab) for _ in range(n)]
+        out.append(experience(f"r{i}", f"g{i}", ids[: n // 4], ids[n // 4 :], rng.gauss(0.0, 1.0)))
     return out
 
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def window(args, vocab: int):
-    from molt.types import Experience
+    from windows import experience  # beside this file
 
     rng = random.Random(0)
     out = []
@@ -34,23 +34,9 @@ def window(args, vocab: int):
         prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
         for i in range(args.samples):
             reply = [rng.randrange(vocab) for _ in range(rng.randint(*args.reply))]
-            ids, mask = prompt + reply, [0] * len(prompt) + [1] * len(reply)
-            out.append(
-                Experience(
-                    rollout_id=f"{g}-{i}",
-                    group_id=str(g),
-                    segment_index=0,
-                    reward=0.0,
-                    num_tokens=len(ids),
-                    num_actions=len(reply),
-                    min_version=0,
-                    token_ids=ids,
-                    action_mask=mask,
-                    behavior_logprobs=[-1.0 * m for m in mask],
-                    versions=[0] * len(ids),
-                    advantages=[rng.gauss(0, 1) * m for m in mask],
-                )
-            )
+            mask = [0] * len(prompt) + [1] * len(reply)
+            advantages = [rng.gauss(0, 1) * m for m in mask]
+            out.append(experience(f"{g}-{i}", str(g), prompt, reply, advantages, behavior=-1.0))
     return out
 
 

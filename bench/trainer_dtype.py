@@ -35,29 +35,14 @@ PROMPT, GROUPS, GROUP = 45, 2, 8  # the vs-TRL window
 
 
 def vs_trl_window(vocab: int) -> list:
-    from molt.types import Experience
+    from windows import experience  # beside this file
 
     rng, out = random.Random(0), []
     for g in range(GROUPS):
         prompt = [rng.randrange(10, vocab) for _ in range(PROMPT)]
         for i in range(GROUP):
-            n = rng.randint(10, 30)
-            out.append(
-                Experience(
-                    rollout_id=f"r{g}.{i}",
-                    group_id=f"g{g}",
-                    segment_index=0,
-                    reward=0.0,
-                    num_tokens=PROMPT + n,
-                    num_actions=n,
-                    min_version=0,
-                    token_ids=prompt + [rng.randrange(10, vocab) for _ in range(n)],
-                    action_mask=[0] * PROMPT + [1] * n,
-                    behavior_logprobs=[-8.0] * n,
-                    versions=[0] * n,
-                    advantages=rng.gauss(0.0, 1.0),
-                )
-            )
+            reply = [rng.randrange(10, vocab) for _ in range(rng.randint(10, 30))]
+            out.append(experience(f"r{g}.{i}", f"g{g}", prompt, reply, rng.gauss(0.0, 1.0)))
     return out
 
 

@@ -73,8 +73,9 @@ def trl_step(path: str, seed: int, work: Path) -> tuple[dict, float, dict, dict]
 
 def molt_step(path: str, inputs: dict, packed: bool) -> tuple[dict, dict, dict]:
     """Molt's actor on TRL's batch: its window metrics, its gradients before clipping, its weights after."""
+    from windows import experience
+
     from molt.trainer import Actor, parallel
-    from molt.types import Experience
 
     actor = Actor.from_pretrained(
         path,
@@ -94,22 +95,7 @@ def molt_step(path: str, inputs: dict, packed: bool) -> tuple[dict, dict, dict]:
     for i, advantage in enumerate(inputs["advantages"].tolist()):
         prompt = inputs["prompt_ids"][i][inputs["prompt_mask"][i].bool()].tolist()
         reply = inputs["completion_ids"][i][inputs["completion_mask"][i].bool()].tolist()
-        exps.append(
-            Experience(
-                rollout_id=f"r{i}",
-                group_id="g",
-                segment_index=0,
-                reward=0.0,
-                num_tokens=len(prompt) + len(reply),
-                num_actions=len(reply),
-                min_version=0,
-                token_ids=prompt + reply,
-                action_mask=[0] * len(prompt) + [1] * len(reply),
-                behavior_logprobs=[0.0] * len(reply),
-                versions=[0] * len(reply),
-                advantages=advantage,
-            )
-        )
+        exps.append(experience(f"r{i}", "g", prompt, reply, advantage))
     for e, lp in zip(exps, actor.compute_logprobs(exps)):  # per token of the sequence; the actions' are kept
         e.behavior_logprobs = np.asarray(lp, dtype=np.float32)[np.asarray(e.action_mask, dtype=bool)]
     grads, clip = {}, parallel.clip_grad_norm
