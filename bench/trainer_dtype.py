@@ -87,18 +87,10 @@ def main() -> None:
     times = {d: {"cpu": [], "wall": []} for d in ("float32", "bfloat16")}
     tree = os.environ.get("PYTHONPATH", str(ROOT))
     env = {**os.environ, "PYTHONPATH": tree}
+    worker = [sys.executable, __file__, "--steps", str(args.steps), "--window", args.window]
     for r in range(args.rounds):
         for d in times if r % 2 == 0 else reversed(times):
-            cmd = [
-                sys.executable,
-                __file__,
-                "--worker",
-                d,
-                "--steps",
-                str(args.steps),
-                "--window",
-                args.window,
-            ]
+            cmd = [*worker, "--worker", d]
             run = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
             for k, v in json.loads(run.stdout.strip().splitlines()[-1]).items():
                 times[d][k] += v

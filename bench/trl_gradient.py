@@ -40,24 +40,9 @@ import vs_trl
 
 def trl_step(path: str, seed: int, work: Path) -> tuple[dict, float, dict, dict]:
     """TRL's batch (its inputs), its loss, its gradients and its weights after one clipped AdamW step."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOTrainer
-
-    grade = vs_trl.load_grade()
-    rows = vs_trl.read_jsonl(vs_trl.TRAIN)
-
-    def reward(completions, label, **kwargs):
-        return [grade(c[-1]["content"], y) for c, y in zip(completions, label)]
-
     torch.manual_seed(seed)
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-        reward_funcs=reward,
-        args=vs_trl.trl_config(1, seed, work),
-        train_dataset=Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in rows]),
-        processing_class=AutoTokenizer.from_pretrained(path),
-    )
+    args = vs_trl.trl_config(1, seed, work)
+    trainer = vs_trl.trl_trainer(path, vs_trl.read_jsonl(vs_trl.TRAIN), vs_trl.load_grade(), args)
     model = trainer.model
     model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by `Trainer.train`, which this step goes around

@@ -302,6 +302,29 @@ def trl_config(steps: int, seed: int, out_dir: Path, bf16: bool = False):
     )
 
 
+def trl_trainer(model_path: str, train_rows, grade, args, callbacks=()):
+    """TRL's `GRPOTrainer` on the workload: the fp32 model, the recipe's `grade` as its reward, the training rows,
+    `args` (`trl_config`)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
+
+    def math_reward(completions, label, **kwargs):
+        """The recipe's `grade` over TRL completions (conversational: a list holding the assistant message)."""
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [grade(t, y) for t, y in zip(texts, label)]
+
+    return GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
+        reward_funcs=math_reward,
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in train_rows]),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+        callbacks=list(callbacks),
+    )
+
+
 def run_trl(
     name: str,
     steps: int,
@@ -313,10 +336,7 @@ def run_trl(
     grade,
     eval_every: int,
 ) -> dict:
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOTrainer
+    from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -348,28 +368,14 @@ def run_trl(
                     }
                 )
 
-    def math_reward(completions, label, **kwargs):
-        """The recipe's `grade` over TRL completions (conversational: a list holding the assistant message)."""
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [grade(t, y) for t, y in zip(texts, label)]
-
     out_dir = work / name
     shutil.rmtree(out_dir, ignore_errors=True)
     print(f"\n=== {name}: GRPOTrainer on CPU, bf16 {TRL_SYSTEMS[name]}, output dir {out_dir}", flush=True)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in train_rows])
     clock = Clock()
     curve = [(0, None, 0.0)]  # the base model's figure is the shared one, filled in by the caller
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=math_reward,
-        args=trl_config(steps, seed, out_dir, TRL_SYSTEMS[name]),
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[clock],
-    )
+    args = trl_config(steps, seed, out_dir, TRL_SYSTEMS[name])
+    trainer = trl_trainer(model_path, train_rows, grade, args, [clock])
     trainer.train()
     if len(clock.step_s) != steps or len(clock.logs) != steps:
         raise RuntimeError(
@@ -378,7 +384,7 @@ def run_trl(
     train_s = sum(clock.step_s)
     tokens = sum(log["completions/mean_length"] * PROMPTS_PER_STEP * GROUP for log in clock.logs)
     print(f"{name}: trained {steps} steps in {train_s:.1f} s; evaluating the final policy", flush=True)
-    final = shared_eval(trainer.model, tokenizer, test_rows, grade, seed)
+    final = shared_eval(trainer.model, trainer.processing_class, test_rows, grade, seed)
     return {
         "system": name,
         "curve": curve,
