@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from molt.engine.base import Engine, EngineError, EngineGone, RequestError
+from molt.engine.base import Engine, EngineError, EngineGone, RequestError, copy_weights
 from molt.engine.hf import HFEngine
 from molt.types import FinishReason, SamplingParams
 
@@ -331,3 +331,18 @@ async def test_auto_dtype_is_bf16_on_a_cpu_that_computes_it(tiny_llama_dir, monk
     await eng.close()
     _, expected = recompute(load(tiny_llama_dir), PROMPTS[9], out, 1.0)
     assert torch.tensor(out.logprobs).sub(expected).abs().max() <= (0.05 if native else 1e-4)
+
+
+def test_fp32_weights_refit_into_bf16_round_stochastically():
+    """bf16's step at 1.0 is 2**-7: 1 + 2**-9 lies a quarter of the way up, so a quarter of the copies round up and
+    the mean stays at the fp32 value (to nearest: all round down to 1.0); a bf16 value copies exactly."""
+    n, v = 40_000, 1 + 2**-9
+    params = {"w": torch.zeros(2 * n + 1, dtype=torch.bfloat16)}
+    copy_weights(params, [("w", torch.tensor([v] * n + [-v] * n + [3.0]))], "m")
+    w = params["w"].float()
+    for signed in (w[:n], -w[n:-1]):
+        up = signed == 1 + 2**-7
+        assert bool((up | (signed == 1.0)).all())
+        assert float(up.float().mean()) == pytest.approx(0.25, abs=0.015)  # binomial sd 0.0022
+        assert float(signed.double().mean()) == pytest.approx(v, abs=1e-4)
+    assert float(w[-1]) == 3.0
