@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from molt.engine.base import pack_weights, unpack_weights
+from molt.engine.base import pack_weights, rounded_stochastically, unpack_weights
 
 
 def pack(named_tensors: Iterable[tuple[str, Any]]) -> list[tuple[str, bytes, str, tuple[int, ...]]]:
@@ -41,6 +41,10 @@ class WorkerExtension:
         import torch
 
         model = self._molt_model()
+        if getattr(getattr(self, "model_config", None), "dtype", None) == torch.bfloat16:
+            # unbiased, as the embedded engine's refit (`copy_weights`); a parameter vLLM keeps in fp32 in a bf16
+            # model (a router's bias) gets bf16 resolution, as its own loader would give it after a bf16 export
+            weights = ((n, rounded_stochastically(t) if t.dtype == torch.float32 else t) for n, t in weights)
         with torch.device(self.device):  # type: ignore[attr-defined]  # as vLLM's gpu_worker does
             if not self._molt_reloading:
                 layerwise_reload()[0](model)

@@ -146,6 +146,30 @@ def test_pack_unpack_and_worker_extension_roundtrip(monkeypatch):
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_worker_rounds_fp32_weights_into_a_bf16_model_stochastically(dtype, monkeypatch):
+    """In a bf16 vLLM model an fp32 weight of 1 + 2**-9 (a quarter of bf16's step above 1.0) loads as 1 + 2**-7 a
+    quarter of the time and as 1.0 otherwise, the mean kept (to nearest: always 1.0); a bf16 tensor, and any
+    tensor into an fp32 model, passes as sent."""
+    n, v = 40_000, 1 + 2**-9
+    sent = [("w", torch.full((n,), v)), ("b", torch.full((3,), v).to(torch.bfloat16))]
+    loaded = {}
+    model = SimpleNamespace(load_weights=lambda weights: loaded.update(weights), loads=[])
+    worker = type("Worker", (vw.WorkerExtension,), {})()
+    worker.model_runner, worker.device = SimpleNamespace(get_model=lambda: model), "cpu"
+    worker.model_config = SimpleNamespace(dtype=dtype)
+    fake_reload(monkeypatch)
+    worker.molt_load_weights(vw.pack(sent))
+    w, up = loaded["w"], loaded["w"] == 1 + 2**-7
+    assert torch.equal(loaded["b"], sent[1][1]) and w.dtype == torch.float32
+    if dtype == torch.float32:
+        assert torch.equal(w, sent[0][1])
+    else:
+        assert bool((up | (w == 1.0)).all())
+        assert float(up.float().mean()) == pytest.approx(0.25, abs=0.015)  # binomial sd 0.0022
+        assert float(w.double().mean()) == pytest.approx(v, abs=1e-4)
+
+
 # ------------------------------------------------------------------------------ engine logic, stand-in AsyncLLM
 
 

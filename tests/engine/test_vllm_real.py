@@ -328,6 +328,30 @@ async def test_refit_keeps_requests_and_changes_outputs(engine, models):
     assert after.token_ids != before.token_ids and after.token_ids == hf[0, len(PROMPTS[4]) :].tolist()
 
 
+async def test_a_bf16_engine_keeps_a_refit_below_its_rounding_step(models):
+    """A bf16 engine refit with fp32 weights that bf16 holds exactly, but the final norm's at 1 + 2**-9 (a quarter
+    of bf16's step above 1.0): its log-probs move from those of the same refit at 1.0, which a later refit at 1.0
+    gives again. Rounded to nearest the norm would load as 1.0 and the refit would change nothing
+    (`rounded_stochastically`; the exact rounding is `test_vllm.py`'s)."""
+    from molt.cli import load_config
+    from molt.engine.vllm import VLLMEngine
+
+    knobs = [k if k != "float32" else "bfloat16" for k in KNOBS]
+    cfg = load_config(["--rollout.engine", "vllm", "--data.max_len", "512", *knobs], check_files=False)
+    eng = VLLMEngine(str(models[0][0]), **cfg.vllm_options())
+    state = {k: t.to(torch.bfloat16).float() for k, t in models[1][0].state_dict().items()}
+    outs = []
+    try:
+        for version, v in enumerate((1.0, 1 + 2**-9, 1.0), 1):
+            await eng.pause()
+            await eng.update_weights({**state, "model.norm.weight": torch.full((256,), v)}.items(), version)
+            await eng.resume()
+            outs.append(await eng.generate(PROMPTS[3], SamplingParams(max_tokens=8, seed=0)))
+    finally:
+        await eng.close()
+    assert outs[0].logprobs == outs[2].logprobs and outs[1].logprobs != outs[0].logprobs
+
+
 async def test_seeded_requests_over_the_batch_token_budget(engine):
     """Seeded prompts that together exceed vLLM's per-step token budget (2048 here; 4096 by default): chunked, the last
     prefill would be split and vLLM 0.32's CPU build kills its engine core (`CPU Generator does not use offset`;
