@@ -30,7 +30,8 @@ Systems (run one after the other, in this order, in one process):
   installed: its TRL row then comes from a separate `.venv` invocation); `molt-bf16`: molt-async-packed with
   `--actor.dtype bfloat16` (the trainer's forward and backward in bf16, fp32 master weights; the engine stays fp32);
   `molt-bf16-all`: molt-bf16 with `--rollout.dtype bfloat16` as well (the embedded engine samples in bf16);
-  `molt-bf16-sync`: molt-bf16-all with `--train.max_staleness 0`;
+  `molt-bf16-sync`: molt-bf16-all with `--train.max_staleness 0`; `molt-bf16-engine`: molt-async-packed with
+  `--rollout.dtype bfloat16` alone (the engine in bf16, the trainer in fp32);
 - `trl`: `trl.GRPOTrainer` with `GRPOConfig(per_device_train_batch_size=16, num_generations=8,
   gradient_accumulation_steps=1, ...)`, `use_cpu=True`, no vLLM, `num_iterations=1`, `beta=0`; `trl-bf16`: the
   same with `bf16=True` (the Trainer's CPU autocast, fp32 master weights). "vs TRL" is against `trl`.
@@ -98,6 +99,7 @@ SYSTEMS = {
     "molt-vllm": {**PACKED, "rollout.engine": "vllm"},
     "molt-bf16": BF16,
     "molt-bf16-all": BF16_ALL,
+    "molt-bf16-engine": {**PACKED, "rollout.dtype": "bfloat16"},
     "molt-bf16-sync": {**BF16_ALL, "train.max_staleness": 0},
 }
 # TRL's systems: name -> GRPOConfig.bf16 (autocast of its forward and backward, fp32 master weights)
